@@ -1,0 +1,198 @@
+"""Prefix-cache block hashes, byte-identical to vLLM 0.33.
+
+A block's hash covers ``(parent_hash, token_ids, extra_keys)``: chaining the parent in
+makes one lookup per block enough to prove the whole prefix matches. The chain starts
+from ``NONE_HASH = hash_fn(seed)``. Extra keys keep blocks with equal tokens apart when
+their meaning differs: the LoRA adapter name, multimodal items (identifier and offset
+relative to the block start) and the cache salt (first block only, so it poisons every
+later hash through the chain).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import cbor2
+import xxhash
+
+from kvservice.core.errors import InvalidArgumentError
+from kvservice.core.kv_cache_block import BlockHash
+
+if TYPE_CHECKING:
+    from kvservice.core.request import Request
+
+HashFn = Callable[[Any], bytes]
+ExtraKeys = tuple[Any, ...] | None
+
+DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+
+
+def sha256(obj: Any) -> bytes:
+    """SHA-256 of the pickled object (vLLM's default ``prefix_caching_hash_algo``)."""
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def sha256_cbor(obj: Any) -> bytes:
+    """SHA-256 of canonical CBOR: reproducible across languages and Python versions."""
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+def xxhash_pickle(obj: Any) -> bytes:
+    """128-bit xxh3 of the pickled object (fast, not collision resistant)."""
+    return bytes(xxhash.xxh3_128_digest(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)))
+
+
+def xxhash_cbor(obj: Any) -> bytes:
+    """128-bit xxh3 of canonical CBOR."""
+    return bytes(xxhash.xxh3_128_digest(cbor2.dumps(obj, canonical=True)))
+
+
+HASH_FUNCTIONS: dict[str, HashFn] = {
+    "sha256": sha256,
+    "sha256_cbor": sha256_cbor,
+    "xxhash": xxhash_pickle,
+    "xxhash_cbor": xxhash_cbor,
+}
+CRYPTOGRAPHIC_HASHES = frozenset({"sha256", "sha256_cbor"})
+
+
+def get_hash_fn_by_name(name: str) -> HashFn:
+    try:
+        return HASH_FUNCTIONS[name]
+    except KeyError:
+        raise InvalidArgumentError(
+            f"Unsupported hash function: {name!r}; use one of {sorted(HASH_FUNCTIONS)}"
+        ) from None
+
+
+def default_none_hash_seed(hash_algo: str) -> str:
+    """The chain seed when none is configured.
+
+    SHA variants use vLLM's fixed seed, so independent processes agree on every hash
+    (``cache_salt`` is the isolation mechanism). A known seed would let anyone craft
+    xxhash collisions offline, so the non-cryptographic ones get a random seed, as in
+    vLLM; configure one explicitly to share an xxhash cache across processes.
+    ``PYTHONHASHSEED`` is deliberately not consulted.
+    """
+    if hash_algo in CRYPTOGRAPHIC_HASHES:
+        return DEFAULT_NONE_HASH_SEED
+    return os.urandom(32).hex()
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalFeature:
+    """One multimodal item of a prompt: ``length`` placeholder tokens from ``offset``."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+def hash_block_tokens(
+    hash_fn: HashFn,
+    parent_block_hash: BlockHash | None,
+    curr_block_token_ids: Sequence[int],
+    extra_keys: ExtraKeys,
+    none_hash: BlockHash,
+) -> BlockHash:
+    """Hash one full block, chained on its parent (``none_hash`` for the first block)."""
+    if not parent_block_hash:
+        parent_block_hash = none_hash
+    return hash_fn((parent_block_hash, tuple(curr_block_token_ids), extra_keys))
+
+
+def _gen_mm_extra_hash_keys(
+    features: Sequence[MultiModalFeature], start: int, end: int, start_mm_idx: int
+) -> tuple[list[Any], int]:
+    """Keys of the multimodal items overlapping ``[start, end)``, and the index of the
+    item the next block should start from. Items are sorted by offset."""
+    keys: list[Any] = []
+    if not features:
+        return keys, start_mm_idx
+    last = features[-1]
+    if last.offset + last.length < start:
+        return keys, start_mm_idx
+    if start_mm_idx < 0:
+        start_mm_idx += len(features)
+    idx = start_mm_idx
+    while idx < len(features):
+        item = features[idx]
+        if end <= item.offset:
+            break  # the block has not reached this item
+        if start > item.offset + item.length:
+            idx += 1  # the block has passed this item
+            continue
+        keys.append((item.identifier, item.offset - start))
+        if end < item.offset + item.length:
+            break  # the item goes on past this block
+        idx += 1  # the block holds the item's end and may hold the next item
+    return keys, idx
+
+
+def generate_block_hash_extra_keys(
+    request: Request, start_token_idx: int, end_token_idx: int, start_mm_idx: int
+) -> tuple[ExtraKeys, int]:
+    """Extra keys of the block ``[start_token_idx, end_token_idx)`` in vLLM's order:
+    LoRA name, multimodal items, cache salt (first block only)."""
+    lora_keys: list[Any] = [request.lora_name] if request.lora_name else []
+    mm_keys, next_mm_idx = _gen_mm_extra_hash_keys(
+        request.mm_features, start_token_idx, end_token_idx, start_mm_idx
+    )
+    salt_keys: list[Any] = (
+        [request.cache_salt] if start_token_idx == 0 and request.cache_salt else []
+    )
+    keys = lora_keys + mm_keys + salt_keys
+    return (tuple(keys) if keys else None), next_mm_idx
+
+
+class BlockHasher:
+    """Computes a request's new full-block hashes as its tokens arrive.
+
+    One per pool: ``hash_block_size`` tokens per hashed block, one hash function, one
+    chain seed. ``none_hash_seed_fingerprint`` lets a client check that it hashes the
+    same way without the seed itself leaving the process.
+    """
+
+    def __init__(
+        self, hash_block_size: int, hash_algo: str = "sha256", none_hash_seed: str | None = None
+    ) -> None:
+        if hash_block_size <= 0:
+            raise InvalidArgumentError(f"hash_block_size must be positive, got {hash_block_size}")
+        self.hash_block_size = hash_block_size
+        self.hash_algo = hash_algo
+        self.hash_fn = get_hash_fn_by_name(hash_algo)
+        seed = none_hash_seed if none_hash_seed is not None else default_none_hash_seed(hash_algo)
+        self.none_hash: BlockHash = self.hash_fn(seed)
+        self.none_hash_seed_fingerprint = hashlib.sha256(seed.encode()).hexdigest()[:16]
+
+    def __call__(self, request: Request) -> tuple[list[BlockHash], list[ExtraKeys]]:
+        """Hashes (and their extra keys) of the full blocks not yet in
+        ``request.block_hashes``."""
+        bs = self.hash_block_size
+        hashes = request.block_hashes
+        start = len(hashes) * bs
+        num_tokens = request.num_tokens
+        new_hashes: list[BlockHash] = []
+        new_keys: list[ExtraKeys] = []
+        if start + bs > num_tokens:
+            return new_hashes, new_keys
+        # Blocks of generated tokens can only overlap the last multimodal item.
+        mm_idx = 0 if start == 0 else -1
+        parent = hashes[-1] if hashes else None
+        tokens = request.all_token_ids
+        plain = not (request.lora_name or request.mm_features or request.cache_salt)
+        hash_fn, none_hash = self.hash_fn, self.none_hash
+        while start + bs <= num_tokens:
+            keys: ExtraKeys = None
+            if not plain:
+                keys, mm_idx = generate_block_hash_extra_keys(request, start, start + bs, mm_idx)
+            parent = hash_block_tokens(hash_fn, parent, tokens[start : start + bs], keys, none_hash)
+            new_hashes.append(parent)
+            new_keys.append(keys)
+            start += bs
+        return new_hashes, new_keys

@@ -1,0 +1,378 @@
+"""Layer 4, ``BlockPool``: every physical block, its ref count, the free queue (which is
+also the eviction order) and the prefix cache map from block hash to block.
+
+Allocation never consults the cache: ``get_new_blocks`` pops the front of the free
+queue, and a popped block that was still a cache entry is evicted right then. So
+eviction under pressure is a side effect of allocation, and cached-but-free blocks
+count as free (``get_usage`` counts only blocks that requests hold).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from kvservice.core.errors import InvalidArgumentError
+from kvservice.core.kv_cache_block import (
+    BlockHash,
+    BlockHashWithGroupId,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    get_block_hash,
+    get_group_id,
+    make_block_hash_with_group_id,
+)
+from kvservice.core.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
+
+if TYPE_CHECKING:
+    from kvservice.core.request import Request
+
+
+class BlockHashToBlockMap:
+    """Prefix cache map: key -> the first cached block with that key.
+
+    Several blocks may carry one key: a block that fills up is cached even when an
+    identical block exists, because block tables are append-only (a request never swaps
+    a block id for an equal one). Lookups return the first inserted; later ones wait in
+    ``_duplicates`` in insertion order and are promoted when the first is evicted.
+    """
+
+    def __init__(self) -> None:
+        self._first: dict[BlockHashWithGroupId, KVCacheBlock] = {}
+        self._duplicates: dict[BlockHashWithGroupId, dict[int, KVCacheBlock]] = {}
+
+    def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
+        return self._first.get(key)
+
+    def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
+        if key not in self._first:
+            self._first[key] = block
+        else:
+            self._duplicates.setdefault(key, {})[block.block_id] = block
+
+    def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
+        """Remove and return the block ``block_id`` under ``key``; None if it is not there."""
+        first = self._first.get(key)
+        if first is None:
+            return None
+        if first.block_id == block_id:
+            rest = self._duplicates.get(key)
+            if rest:
+                promoted_id = next(iter(rest))
+                self._first[key] = rest.pop(promoted_id)
+                if not rest:
+                    del self._duplicates[key]
+            else:
+                del self._first[key]
+            return first
+        rest = self._duplicates.get(key)
+        if rest is None or block_id not in rest:
+            return None
+        block = rest.pop(block_id)
+        if not rest:
+            del self._duplicates[key]
+        return block
+
+    def blocks_of(self, key: BlockHashWithGroupId) -> list[KVCacheBlock]:
+        """All blocks under ``key``, first inserted first."""
+        first = self._first.get(key)
+        if first is None:
+            return []
+        return [first, *self._duplicates.get(key, {}).values()]
+
+    def __iter__(self) -> Iterator[BlockHashWithGroupId]:
+        return iter(self._first)
+
+    def num_blocks(self) -> int:
+        return len(self._first) + sum(len(d) for d in self._duplicates.values())
+
+    def __len__(self) -> int:
+        return len(self._first)
+
+
+class BlockHashListWithBlockSize(Sequence[BlockHash]):
+    """Hashes computed every ``hash_block_size`` tokens, viewed at ``block_size``.
+
+    Element i is the fine hash at the last boundary of coarse block i: each fine hash
+    already chains over its whole prefix, so it fingerprints the coarse block too.
+    """
+
+    def __init__(self, block_hashes: Sequence[BlockHash], hash_block_size: int, block_size: int):
+        assert block_size % hash_block_size == 0, (
+            f"block size {block_size} is not a multiple of hash block size {hash_block_size}"
+        )
+        self._hashes = block_hashes
+        self._scale = block_size // hash_block_size
+
+    def __len__(self) -> int:
+        return len(self._hashes) // self._scale
+
+    def __getitem__(self, i: int) -> BlockHash:  # type: ignore[override]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self._hashes[(i + 1) * self._scale - 1]
+
+
+def resolve_block_hashes(
+    block_hashes: Sequence[BlockHash], hash_block_size: int, block_size: int
+) -> Sequence[BlockHash]:
+    """The request's hashes at ``block_size`` granularity."""
+    if block_size == hash_block_size:
+        return block_hashes
+    return BlockHashListWithBlockSize(block_hashes, hash_block_size, block_size)
+
+
+class BlockPool:
+    """All ``num_gpu_blocks`` blocks; block 0 is the null block.
+
+    The null block stands in for positions a request no longer needs (outside a sliding
+    window, before a local-attention chunk) so block tables stay index-aligned. It is
+    never freed, hashed, evicted or counted as free: usable capacity is N - 1.
+    """
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        enable_caching: bool,
+        hash_block_size: int,
+        enable_kv_cache_events: bool = False,
+    ) -> None:
+        if not isinstance(num_gpu_blocks, int) or num_gpu_blocks <= 0:
+            raise InvalidArgumentError(
+                f"num_gpu_blocks must be a positive int, got {num_gpu_blocks!r}"
+            )
+        self.num_gpu_blocks = num_gpu_blocks
+        self.enable_caching = enable_caching
+        self.hash_block_size = hash_block_size
+        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.kv_event_queue: list[KVCacheEvent] = []
+        # Hashed blocks evicted because their block was reused for a new allocation,
+        # and because a caller invalidated them (evict_blocks); for metrics.
+        self.num_evicted_on_reuse = 0
+        self.num_evicted_on_request = 0
+
+    # -- prefix cache -----------------------------------------------------------------
+
+    def get_cached_block(
+        self, block_hash: BlockHash, kv_cache_group_ids: Sequence[int]
+    ) -> list[KVCacheBlock] | None:
+        """The cached block of ``block_hash`` in every listed group, or None if any misses."""
+        cached: list[KVCacheBlock] = []
+        lookup = self.cached_block_hash_to_block.get_one_block
+        for group_id in kv_cache_group_ids:
+            block = lookup(make_block_hash_with_group_id(block_hash, group_id))
+            if block is None:
+                return None
+            cached.append(block)
+        return cached
+
+    def cache_full_blocks(
+        self,
+        request: Request,
+        blocks: Sequence[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+        block_mask: Sequence[bool] | None = None,
+    ) -> None:
+        """Enter ``blocks[num_cached_blocks:num_full_blocks]`` into the prefix cache.
+
+        Null blocks and blocks the mask leaves out stay unhashed. One ``BlockStored``
+        event describes the whole call.
+        """
+        if num_cached_blocks >= num_full_blocks:
+            return
+        hashes = resolve_block_hashes(request.block_hashes, self.hash_block_size, block_size)
+        assert len(hashes) >= num_full_blocks, (
+            f"request {request.request_id!r} has {len(hashes)} block hashes, "
+            f"{num_full_blocks} needed: hashes are computed when tokens are appended"
+        )
+        gid_suffix = kv_cache_group_id.to_bytes(4, "big")
+        insert = self.cached_block_hash_to_block.insert
+        stored: list[bytes] = []
+        stored_indices: list[int] = []
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
+                continue
+            key = hashes[i] + gid_suffix
+            block.set_block_hash(key)
+            insert(key, block)
+            if self.enable_kv_cache_events:
+                stored.append(hashes[i])
+                stored_indices.append(i)
+        if stored:
+            self._emit_block_stored(
+                request,
+                hashes,
+                stored,
+                stored_indices,
+                num_cached_blocks,
+                num_full_blocks,
+                block_size,
+                kv_cache_group_id,
+            )
+
+    def _emit_block_stored(
+        self,
+        request: Request,
+        hashes: Sequence[BlockHash],
+        stored: list[bytes],
+        stored_indices: list[int],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        kv_cache_group_id: int,
+    ) -> None:
+        # The parent is the logical previous block, even when its physical block is null.
+        parent = hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
+        # Extra keys are per hash block; they describe a coarser block only when equal.
+        extra_keys = (
+            [request.block_extra_keys[i] for i in stored_indices]
+            if block_size == self.hash_block_size
+            else None
+        )
+        self.kv_event_queue.append(
+            BlockStored(
+                block_hashes=stored,
+                parent_block_hash=parent,
+                token_ids=request.all_token_ids[
+                    num_cached_blocks * block_size : num_full_blocks * block_size
+                ],
+                block_size=block_size,
+                lora_id=None,
+                medium=MEDIUM_GPU,
+                lora_name=request.lora_name,
+                extra_keys=extra_keys,
+                group_idx=kv_cache_group_id,
+            )
+        )
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """Drop ``block``'s cache entry, if it has one; True if it had."""
+        key = block.block_hash
+        if key is None:
+            return False
+        if self.cached_block_hash_to_block.pop(key, block.block_id) is None:
+            return False
+        block.reset_hash()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(
+                BlockRemoved(
+                    block_hashes=[get_block_hash(key)],
+                    medium=MEDIUM_GPU,
+                    group_idx=get_group_id(key),
+                )
+            )
+        return True
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Invalidate the cache entries of ``block_ids`` (e.g. KV a connector failed to
+        load). Ref counts and the free queue are untouched."""
+        ids = set(block_ids)
+        bad = sorted(i for i in ids if not 0 <= i < self.num_gpu_blocks)
+        if bad:
+            raise InvalidArgumentError(
+                f"block ids {bad} are out of range; "
+                f"the pool has blocks 0..{self.num_gpu_blocks - 1}"
+            )
+        for block_id in sorted(ids):
+            if self._maybe_evict_cached_block(self.blocks[block_id]):
+                self.num_evicted_on_request += 1
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cache entry; refused (False) while any request holds a block."""
+        num_used_blocks = self.num_gpu_blocks - self.get_num_free_blocks()
+        if num_used_blocks != 1:  # the null block is always "used"
+            return False
+        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        for block in self.blocks:
+            block.reset_hash()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
+        return True
+
+    # -- allocation -------------------------------------------------------------------
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop ``num_blocks`` from the front of the free queue, evicting their cache
+        entries. Callers check capacity first (``allocate_slots``); running dry here is
+        a bug, hence ValueError rather than None."""
+        if num_blocks > self.get_num_free_blocks():
+            raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
+        ret = self.free_block_queue.popleft_n(num_blocks)
+        if self.enable_caching:
+            for block in ret:
+                if block.block_hash is not None and self._maybe_evict_cached_block(block):
+                    self.num_evicted_on_reuse += 1
+                block.ref_cnt = 1
+        else:
+            for block in ret:
+                block.ref_cnt = 1
+        return ret
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-hit blocks; a free one leaves the free queue."""
+        remove = self.free_block_queue.remove
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference on each block, given in eviction priority order.
+
+        Blocks reaching 0 rejoin the free queue: unhashed ones at the front (scratch is
+        reused first, while it is still warm), hashed ones at the back (cached prefixes
+        age in LRU order).
+        """
+        evict_first: list[KVCacheBlock] = []
+        evict_last: list[KVCacheBlock] = []
+        caching = self.enable_caching
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                if caching and block.block_hash is not None:
+                    evict_last.append(block)
+                else:
+                    evict_first.append(block)
+        if evict_first:
+            self.free_block_queue.prepend_n(evict_first)
+        if evict_last:
+            self.free_block_queue.append_n(evict_last)
+
+    # -- accounting -------------------------------------------------------------------
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks held by requests (cached-but-free blocks are free)."""
+        total = self.num_gpu_blocks - 1
+        if total == 0:
+            return 0.0
+        return 1.0 - self.get_num_free_blocks() / total
+
+    def take_events(self) -> list[KVCacheEvent]:
+        if not self.enable_kv_cache_events:
+            return []
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events

@@ -1,0 +1,108 @@
+"""An audit of the pool's invariants, for tests, benchmarks and the service's self-check.
+
+``check_invariants(manager)`` walks every block, the free queue, the hash map and every
+block table, and raises ``InvariantViolationError`` naming the first broken rule. It is O(N)
+in the pool size: an audit, not something for the hot path.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from kvservice.core.kv_cache_block import KVCacheBlock
+
+if TYPE_CHECKING:
+    from kvservice.core.kv_cache_manager import KVCacheManager
+
+
+class InvariantViolationError(AssertionError):
+    """The allocator's state is inconsistent: a bug, never a caller mistake."""
+
+
+def _fail(message: str) -> None:
+    raise InvariantViolationError(message)
+
+
+def _queued_blocks(manager: KVCacheManager) -> list[KVCacheBlock]:
+    queue = manager.block_pool.free_block_queue
+    seen: set[int] = set()
+    blocks: list[KVCacheBlock] = []
+    prev = queue.fake_free_list_head
+    curr = prev.next_free_block
+    while curr is not queue.fake_free_list_tail:
+        if curr is None:
+            _fail(f"free queue broken after block {prev.block_id}: next is None")
+        assert curr is not None
+        if curr.prev_free_block is not prev:
+            _fail(f"free queue: block {curr.block_id}'s prev link does not point back")
+        if curr.block_id in seen:
+            _fail(f"free queue: block {curr.block_id} is queued twice")
+        seen.add(curr.block_id)
+        blocks.append(curr)
+        prev, curr = curr, curr.next_free_block
+    if queue.fake_free_list_tail.prev_free_block is not prev:
+        _fail("free queue: the tail sentinel does not point back at the last block")
+    if len(blocks) != queue.num_free_blocks:
+        _fail(f"free queue holds {len(blocks)} blocks but counts {queue.num_free_blocks}")
+    return blocks
+
+
+def check_invariants(manager: KVCacheManager) -> None:
+    """Raise ``InvariantViolationError`` unless every block is either free (ref 0, queued
+    exactly once) or owned (ref = number of block-table entries holding it), and the
+    hash map and the blocks' hashes agree."""
+    pool = manager.block_pool
+    null = pool.null_block
+    if not null.is_null or null.block_id != 0 or null.block_hash is not None:
+        _fail("block 0 must be the unhashed null block")
+    queued = _queued_blocks(manager)
+    queued_ids = {b.block_id for b in queued}
+    if null.block_id in queued_ids:
+        _fail("the null block is in the free queue")
+
+    holders: Counter[int] = Counter()
+    for group_id, single in enumerate(manager.coordinator.single_type_managers):
+        for request_id, blocks in single.req_to_blocks.items():
+            ids = [b.block_id for b in blocks if not b.is_null]
+            if len(ids) != len(set(ids)):
+                _fail(f"group {group_id}: request {request_id!r} holds a block twice: {ids}")
+            holders.update(ids)
+            if single.num_cached_block.get(request_id, 0) > len(blocks):
+                _fail(f"group {group_id}: request {request_id!r} caches more blocks than it holds")
+
+    for block in pool.blocks[1:]:
+        if block.is_null:
+            _fail(f"block {block.block_id} is marked null")
+        if block.ref_cnt != holders[block.block_id]:
+            _fail(
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} but "
+                f"{holders[block.block_id]} block-table entries hold it"
+            )
+        if (block.ref_cnt == 0) != (block.block_id in queued_ids):
+            _fail(
+                f"block {block.block_id}: ref_cnt {block.ref_cnt} disagrees with queue membership"
+            )
+
+    _check_hash_map(manager)
+
+
+def _check_hash_map(manager: KVCacheManager) -> None:
+    pool = manager.block_pool
+    cache = pool.cached_block_hash_to_block
+    mapped: set[int] = set()
+    for key in cache:
+        for block in cache.blocks_of(key):
+            if block.block_hash != key:
+                _fail(f"hash map: block {block.block_id} is filed under a key it does not carry")
+            if block.block_id in mapped:
+                _fail(f"hash map: block {block.block_id} is filed twice")
+            mapped.add(block.block_id)
+    hashed = {b.block_id for b in pool.blocks if b.block_hash is not None}
+    if hashed != mapped:
+        _fail(
+            f"blocks with a hash {sorted(hashed - mapped)[:5]} are missing from the map, "
+            f"mapped blocks {sorted(mapped - hashed)[:5]} carry no hash"
+        )
+    if not pool.enable_caching and hashed:
+        _fail("caching is off but blocks carry hashes")

@@ -1,0 +1,361 @@
+"""Layer 2: ``KVCacheCoordinator`` fans each call out over the KV cache groups.
+
+Three kinds, chosen by ``get_kv_cache_coordinator``: no prefix caching (any number of
+groups), one group (``UnitaryKVCacheCoordinator``), or several groups that must agree on
+one prefix hit (``HybridKVCacheCoordinator``). All groups draw from one ``BlockPool``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvservice.core.block_pool import BlockPool
+from kvservice.core.errors import InvalidArgumentError
+from kvservice.core.kv_cache_block import BlockHash, KVCacheBlock
+from kvservice.core.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+)
+from kvservice.core.single_type_kv_cache_manager import (
+    HitBlocks,
+    SingleTypeKVCacheManager,
+    get_manager_for_kv_cache_spec,
+    manager_class_for_spec,
+)
+
+if TYPE_CHECKING:
+    from kvservice.core.request import Request
+
+# (hit blocks per group, hit length in tokens, tokens of a longer prefix that some group
+# matched but the joint hit could not use)
+CacheHit = tuple[HitBlocks, int, int]
+
+
+def _validate_block_sizes(
+    kv_cache_config: KVCacheConfig,
+    enable_caching: bool,
+    scheduler_block_size: int,
+    hash_block_size: int,
+) -> None:
+    if scheduler_block_size <= 0 or hash_block_size <= 0:
+        raise InvalidArgumentError(
+            f"scheduler_block_size and hash_block_size must be positive, got "
+            f"{scheduler_block_size} and {hash_block_size}"
+        )
+    if scheduler_block_size % hash_block_size != 0:
+        raise InvalidArgumentError(
+            f"scheduler_block_size ({scheduler_block_size}) must be a multiple of "
+            f"hash_block_size ({hash_block_size})"
+        )
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if scheduler_block_size % spec.block_size != 0:
+            raise InvalidArgumentError(
+                f"scheduler_block_size ({scheduler_block_size}) must be a multiple of KV cache "
+                f"group {i}'s block_size ({spec.block_size}); use their least common multiple"
+            )
+        if enable_caching and isinstance(spec, CrossAttentionSpec):
+            raise InvalidArgumentError(
+                f"KV cache group {i} is cross attention, which cannot be prefix cached; "
+                f"set enable_caching=False for encoder-decoder models"
+            )
+        if enable_caching and spec.block_size % hash_block_size != 0:
+            raise InvalidArgumentError(
+                f"KV cache group {i}'s block_size ({spec.block_size}) must be a multiple of "
+                f"hash_block_size ({hash_block_size})"
+            )
+
+
+class KVCacheCoordinator(ABC):
+    """Owns the pool and one ``SingleTypeKVCacheManager`` per group."""
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        enable_caching: bool,
+        enable_kv_cache_events: bool,
+        scheduler_block_size: int,
+        hash_block_size: int,
+        max_in_flight_tokens: int,
+    ) -> None:
+        _validate_block_sizes(
+            kv_cache_config, enable_caching, scheduler_block_size, hash_block_size
+        )
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.scheduler_block_size = scheduler_block_size
+        self.block_pool = BlockPool(
+            kv_cache_config.num_blocks, enable_caching, hash_block_size, enable_kv_cache_events
+        )
+        self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
+            get_manager_for_kv_cache_spec(
+                kv_cache_spec=group.kv_cache_spec,
+                block_pool=self.block_pool,
+                enable_caching=enable_caching,
+                kv_cache_group_id=i,
+                max_model_len=max_model_len,
+                max_in_flight_tokens=max_in_flight_tokens,
+                record_new_block_ids=kv_cache_config.needs_kv_cache_zeroing,
+            )
+            for i, group in enumerate(kv_cache_config.kv_cache_groups)
+        )
+        # Cross attention is sized by the encoder input, not by the decoder's tokens.
+        self._is_cross_attention = tuple(
+            isinstance(g.kv_cache_spec, CrossAttentionSpec) for g in kv_cache_config.kv_cache_groups
+        )
+        self._setup()
+
+    def _setup(self) -> None:
+        """Subclass hook, run at the end of construction."""
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        """Blocks the allocation will take from the free queue, summed over groups."""
+        total = 0
+        for i, manager in enumerate(self.single_type_managers):
+            if self._is_cross_attention[i]:
+                total += manager.get_num_blocks_to_allocate(
+                    request_id, num_encoder_tokens, (), 0, apply_admission_cap
+                )
+            else:
+                hits = new_computed_blocks[i] if new_computed_blocks else ()
+                total += manager.get_num_blocks_to_allocate(
+                    request_id, num_tokens, hits, total_computed_tokens, apply_admission_cap
+                )
+        return total
+
+    def allocate_new_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """Attach the prefix hits of every group, then allocate the external blocks.
+
+        Two phases: if one group allocated its external blocks before another group had
+        touched its hits, the allocation could evict those untouched hit blocks and hand
+        the same physical block out twice.
+        """
+        for i, manager in enumerate(self.single_type_managers):
+            hits = new_computed_blocks[i] if new_computed_blocks else ()
+            manager.add_local_computed_blocks(
+                request_id, hits, num_local_computed_tokens, num_external_computed_tokens
+            )
+        for i, manager in enumerate(self.single_type_managers):
+            if not self._is_cross_attention[i]:
+                manager.allocate_external_computed_blocks(
+                    request_id, num_local_computed_tokens, num_external_computed_tokens
+                )
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_encoder_tokens: int = 0
+    ) -> tuple[list[KVCacheBlock], ...]:
+        return tuple(
+            manager.allocate_new_blocks(
+                request_id, num_encoder_tokens if self._is_cross_attention[i] else num_tokens
+            )
+            for i, manager in enumerate(self.single_type_managers)
+        )
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        for manager in self.single_type_managers:
+            manager.cache_blocks(request, num_computed_tokens)
+
+    def free(self, request_id: str) -> None:
+        for manager in self.single_type_managers:
+            manager.free(request_id)
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        for manager in self.single_type_managers:
+            manager.remove_skipped_blocks(request_id, total_computed_tokens)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        return [
+            m.get_num_common_prefix_blocks(running_request_id) for m in self.single_type_managers
+        ]
+
+    def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
+        return tuple(m.req_to_blocks.get(request_id, []) for m in self.single_type_managers)
+
+    def take_new_block_ids(self) -> list[int]:
+        ids: list[int] = []
+        for manager in self.single_type_managers:
+            ids.extend(manager.take_new_block_ids())
+        return ids
+
+    @abstractmethod
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> CacheHit:
+        """The longest prefix of at most ``max_cache_hit_length`` tokens that every group
+        can reuse. Takes no references."""
+
+
+class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
+    """Prefix caching off: no lookups, any number of groups (including none)."""
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> CacheHit:
+        return tuple([] for _ in self.single_type_managers), 0, 0
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        return [0] * len(self.single_type_managers)
+
+
+class UnitaryKVCacheCoordinator(KVCacheCoordinator):
+    """One group, prefix caching on: the manager's own search, aligned to its block."""
+
+    def _setup(self) -> None:
+        assert len(self.single_type_managers) == 1
+        self._manager = self.single_type_managers[0]
+        self.block_size = self._manager.block_size
+        if self.block_pool.hash_block_size != self.block_size:
+            raise InvalidArgumentError(
+                f"with one KV cache group, hash_block_size ({self.block_pool.hash_block_size}) "
+                f"must equal the group's block_size ({self.block_size})"
+            )
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> CacheHit:
+        manager = self._manager
+        blocks, hit_length = type(manager).find_longest_cache_hit(
+            block_hashes,
+            max_cache_hit_length,
+            (0,),
+            self.block_pool,
+            manager.kv_cache_spec,
+            self.block_size,
+        )
+        # One group cannot lag behind another: no uncached shared prefix.
+        return blocks, hit_length, 0
+
+
+class HybridKVCacheCoordinator(KVCacheCoordinator):
+    """Several groups (full attention, sliding window, chunked local) that must agree on
+    one hit length, a multiple of every group's block size (the scheduler block size).
+
+    Groups with equal specs are searched together. Full attention goes first: its
+    left-to-right hit is the tightest first bound, and since its hits are downward
+    closed a shorter candidate only trims it. The other types are searched again with
+    each shorter candidate until no group shortens it (a fixed point).
+    """
+
+    def _setup(self) -> None:
+        self.alignment_tokens = self.scheduler_block_size
+        for manager in self.single_type_managers:
+            manager.cache_hit_alignment_tokens = self.alignment_tokens
+        self.attention_groups = self._split_attention_groups()
+
+    def _split_attention_groups(
+        self,
+    ) -> list[tuple[KVCacheSpec, list[int], type[SingleTypeKVCacheManager]]]:
+        groups: list[tuple[KVCacheSpec, list[int], type[SingleTypeKVCacheManager]]] = []
+        for i, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            spec = group.kv_cache_spec
+            if (
+                isinstance(spec, ChunkedLocalAttentionSpec)
+                and spec.block_size != self.alignment_tokens
+            ):
+                raise InvalidArgumentError(
+                    f"KV cache group {i} (chunked local attention, block_size {spec.block_size}) "
+                    f"needs every group to share its block size for prefix caching; the "
+                    f"scheduler block size is {self.alignment_tokens}"
+                )
+            for known_spec, ids, _ in groups:
+                if known_spec == spec:
+                    ids.append(i)
+                    break
+            else:
+                groups.append((spec, [i], manager_class_for_spec(spec)))
+        groups.sort(key=lambda g: not isinstance(g[0], FullAttentionSpec))
+        return groups
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
+    ) -> CacheHit:
+        num_groups = len(self.single_type_managers)
+        hits_by_group: list[list[KVCacheBlock] | None] = [None] * num_groups
+        full_hit_length: dict[int, int] = {}
+        longest = 0
+        # With two types, full attention first, one pass is exact: the second search ran
+        # with the full-attention bound and only the full-attention list needs trimming.
+        one_pass = len(self.attention_groups) == 2 and isinstance(
+            self.attention_groups[0][0], FullAttentionSpec
+        )
+        hit_length = max_cache_hit_length
+        while True:
+            candidate = hit_length
+            for spec, group_ids, manager_cls in self.attention_groups:
+                is_full = isinstance(spec, FullAttentionSpec)
+                if is_full and group_ids[0] in full_hit_length:
+                    candidate = min(candidate, full_hit_length[group_ids[0]])
+                    candidate -= candidate % spec.block_size
+                    continue
+                lists, length = manager_cls.find_longest_cache_hit(
+                    block_hashes, candidate, group_ids, self.block_pool, spec, self.alignment_tokens
+                )
+                for gid, blocks in zip(group_ids, lists, strict=True):
+                    hits_by_group[gid] = blocks
+                if is_full:
+                    full_hit_length[group_ids[0]] = length
+                longest = max(longest, length)
+                candidate = length
+            if candidate >= hit_length:
+                break
+            hit_length = candidate
+            if one_pass:
+                break
+        for spec, group_ids, _ in self.attention_groups:
+            if isinstance(spec, FullAttentionSpec):
+                for gid in group_ids:
+                    full_hits = hits_by_group[gid]
+                    assert full_hits is not None
+                    del full_hits[hit_length // spec.block_size :]
+        result = tuple(hits if hits is not None else [] for hits in hits_by_group)
+        return result, hit_length, longest - hit_length
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        # Hits end on scheduler-block boundaries, so a block past the last one is useless.
+        aligned = num_computed_tokens - num_computed_tokens % self.scheduler_block_size
+        super().cache_blocks(request, aligned)
+
+
+def get_kv_cache_coordinator(
+    kv_cache_config: KVCacheConfig,
+    max_model_len: int,
+    enable_caching: bool,
+    enable_kv_cache_events: bool,
+    scheduler_block_size: int,
+    hash_block_size: int,
+    max_in_flight_tokens: int,
+) -> KVCacheCoordinator:
+    args = (
+        max_model_len,
+        enable_caching,
+        enable_kv_cache_events,
+        scheduler_block_size,
+        hash_block_size,
+        max_in_flight_tokens,
+    )
+    if not enable_caching or not kv_cache_config.kv_cache_groups:
+        return KVCacheCoordinatorNoPrefixCache(kv_cache_config, *args)
+    if len(kv_cache_config.kv_cache_groups) == 1:
+        return UnitaryKVCacheCoordinator(kv_cache_config, *args)
+    return HybridKVCacheCoordinator(kv_cache_config, *args)

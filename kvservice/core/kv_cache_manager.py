@@ -1,0 +1,434 @@
+"""Layer 1: ``KVCacheManager``, the scheduler's whole interface to KV memory.
+
+The policy lives here: admission (``full_sequence_must_fit``), the watermark kept free
+for admissions, ``reserved_blocks``, and the ``None`` that means "no room". Every check
+runs before anything is committed, so a refused call leaves no trace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvservice.core.block_hashing import BlockHasher
+from kvservice.core.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    OutOfRangeError,
+    RequestNotFoundError,
+)
+from kvservice.core.kv_cache_block import KVCacheBlock
+from kvservice.core.kv_cache_coordinator import get_kv_cache_coordinator
+from kvservice.core.kv_cache_interface import (
+    CrossAttentionSpec,
+    KVCacheConfig,
+    SlidingWindowSpec,
+    hash_block_size_of,
+    scheduler_block_size_of,
+)
+from kvservice.core.kv_events import BlockStored, KVCacheEvent
+from kvservice.core.request import Request, RequestStatus
+from kvservice.core.stats import PrefixCacheStats
+
+
+@dataclass(slots=True)
+class KVCacheBlocks:
+    """Blocks per KV cache group (``blocks[group][i]``): what the scheduler sees."""
+
+    blocks: tuple[Sequence[KVCacheBlock], ...]
+
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
+        return KVCacheBlocks(
+            tuple(list(a) + list(b) for a, b in zip(self.blocks, other.blocks, strict=True))
+        )
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in group] for group in self.blocks)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        assert len(self.blocks) == 1, "only one group is supported"
+        return [b.block_id for b in self.blocks[0] if b.block_hash is None]
+
+    def new_empty(self) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple(() for _ in self.blocks))
+
+
+_WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+class KVCacheManager:
+    """vLLM 0.33's ``KVCacheManager``: prefix lookup, slot allocation and freeing.
+
+    Args:
+        kv_cache_config: the pool and its KV cache groups.
+        max_model_len: the longest sequence, in tokens.
+        scheduler_block_size: the boundary every group agrees on; defaults to the LCM
+            of the groups' block sizes.
+        hash_block_size: tokens per prefix-cache hash; defaults to the GCD of the
+            groups' block sizes.
+        enable_caching: prefix caching on or off.
+        log_stats: keep ``PrefixCacheStats`` for ``make_prefix_cache_stats``.
+        enable_kv_cache_events: collect events for ``take_events``.
+        watermark: fraction of ``num_blocks`` kept free when admitting waiting or
+            preempted requests while others are scheduled.
+        max_in_flight_tokens: tokens one request can have in flight in a step (the
+            window-bounded admission cap); defaults to ``max_model_len``.
+        hash_algo / none_hash_seed: the block hash function and its chain seed.
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        scheduler_block_size: int | None = None,
+        hash_block_size: int | None = None,
+        enable_caching: bool = True,
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        watermark: float = 0.0,
+        max_in_flight_tokens: int | None = None,
+        hash_algo: str = "sha256",
+        none_hash_seed: str | None = None,
+    ) -> None:
+        if max_model_len <= 0:
+            raise InvalidArgumentError(f"max_model_len must be positive, got {max_model_len}")
+        if not 0.0 <= watermark < 1.0:
+            raise InvalidArgumentError(f"watermark must be in [0, 1), got {watermark}")
+        groups = kv_cache_config.kv_cache_groups
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.scheduler_block_size = scheduler_block_size or scheduler_block_size_of(groups)
+        self.hash_block_size = hash_block_size or hash_block_size_of(groups)
+        self.enable_caching = enable_caching
+        self.log_stats = log_stats
+        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        self.block_hasher = BlockHasher(self.hash_block_size, hash_algo, none_hash_seed)
+        self.coordinator = get_kv_cache_coordinator(
+            kv_cache_config,
+            max_model_len=max_model_len,
+            enable_caching=enable_caching,
+            enable_kv_cache_events=enable_kv_cache_events,
+            scheduler_block_size=self.scheduler_block_size,
+            hash_block_size=self.hash_block_size,
+            max_in_flight_tokens=max_in_flight_tokens or max_model_len,
+        )
+        self.num_kv_cache_groups = len(groups)
+        # Layer 1 reads the free count directly for its capacity checks.
+        self.block_pool = self.coordinator.block_pool
+        self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if log_stats else None
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in groups))
+        self._group_event_metadata = [
+            (
+                g.kv_cache_spec.kind.value,
+                g.kv_cache_spec.sliding_window
+                if isinstance(g.kv_cache_spec, SlidingWindowSpec)
+                else None,
+            )
+            for g in groups
+        ]
+        self._block_sizes = [
+            g.kv_cache_spec.block_size
+            for g in groups
+            if not isinstance(g.kv_cache_spec, CrossAttentionSpec)
+        ]
+        # Requests this manager has allocated for and not yet seen finish: the
+        # num_computed_tokens seen at their last allocation (0 after a preemption).
+        self._num_computed_at_last_allocation: dict[str, int] = {}
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks that requests hold (``vllm:kv_cache_usage_perc``)."""
+        return self.block_pool.get_usage()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The stats since the last call; starts a fresh window."""
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = PrefixCacheStats()
+        return stats
+
+    def new_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], **kwargs: object
+    ) -> Request:
+        """A ``Request`` hashed with this manager's hash function and block size."""
+        return Request(request_id, prompt_token_ids, self.block_hasher, **kwargs)  # type: ignore[arg-type]
+
+    # -- lookup -----------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
+        """The cached prefix of a waiting request: ``(blocks, num_new_computed_tokens,
+        shared_prefix_boundary)``.
+
+        The hit is capped at ``num_tokens - 1``: the last token must be computed to
+        produce logits, and with block-aligned hits a fully cached prompt recomputes its
+        last block. Takes no references (two requests may see the same hit before either
+        allocates). Side effect: records prefix cache stats when ``log_stats``.
+        """
+        self._check_not_finished(request)
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return self.empty_kv_cache_blocks, 0, 0
+        blocks, num_hit_tokens, num_uncached = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1
+        )
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.record(
+                num_tokens=request.num_tokens,
+                num_hits=num_hit_tokens,
+                preempted=request.num_preemptions > 0,
+            )
+        boundary = num_hit_tokens + num_uncached if num_uncached else 0
+        return self.create_kv_cache_blocks(blocks), num_hit_tokens, boundary
+
+    # -- allocation -------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+    ) -> KVCacheBlocks | None:
+        """Allocate slots for ``num_new_tokens`` more tokens of ``request``.
+
+        Token layout::
+
+            | < comp > | < new_comp > | < ext_comp >  | < new >  | < lookahead > |
+                                                      |   < to be computed >     |
+                                     |            < to be allocated >           |
+
+        comp = ``request.num_computed_tokens``; new_comp = local prefix hits not yet
+        attached (``num_new_computed_tokens``, ``new_computed_blocks``); ext_comp =
+        tokens a KV connector will load; new = tokens to compute; lookahead = speculative
+        slots (allocated, never hashed).
+
+        Returns the newly allocated blocks per group (never the hit blocks), or None when
+        the pool cannot take the request now; None changes no state. Blocks that fill up
+        are hashed into the prefix cache now, up to ``request.num_tokens`` (draft tokens
+        that may be rejected are never cached), unless ``delay_cache_blocks``.
+
+        Raises ``InvalidArgumentError`` for negative counts or zero tokens,
+        ``OutOfRangeError`` past ``max_model_len`` and ``FailedPreconditionError`` for
+        a finished request or ``num_computed_tokens`` going backwards.
+        """
+        hits = new_computed_blocks.blocks if new_computed_blocks is not None else ()
+        self._validate_allocation(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            hits,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            num_encoder_tokens,
+            reserved_blocks,
+        )
+        request_id = request.request_id
+        num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        total_computed_tokens = num_local_computed_tokens + num_external_computed_tokens
+        coordinator = self.coordinator
+        num_free = self.block_pool.get_num_free_blocks()
+
+        # The watermark only guards admissions, and only when something else runs.
+        watermark_blocks = (
+            self.watermark_blocks if has_scheduled_reqs and request.status in _WAITING_STATES else 0
+        )
+        if full_sequence_must_fit:
+            full_num_tokens = min(request.num_tokens, self.max_model_len)
+            num_required = coordinator.get_num_blocks_to_allocate(
+                request_id,
+                full_num_tokens,
+                hits,
+                num_encoder_tokens,
+                total_computed_tokens,
+                apply_admission_cap=True,
+            )
+            if num_required + watermark_blocks > num_free:
+                return None
+
+        num_tokens_main_model = total_computed_tokens + num_new_tokens
+        num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
+
+        # Free what has slid out of view before counting, so the request may cover its
+        # need with memory it just released. Safe even if the request is refused below.
+        coordinator.remove_skipped_blocks(request_id, total_computed_tokens)
+        num_required = coordinator.get_num_blocks_to_allocate(
+            request_id, num_tokens_need_slot, hits, num_encoder_tokens, total_computed_tokens
+        )
+        available = self.block_pool.get_num_free_blocks() - reserved_blocks
+        if num_required + watermark_blocks > available:
+            return None
+
+        if any(hits) or num_external_computed_tokens > 0:
+            coordinator.allocate_new_computed_blocks(
+                request_id, hits, num_local_computed_tokens, num_external_computed_tokens
+            )
+        new_blocks = coordinator.allocate_new_blocks(
+            request_id, num_tokens_need_slot, num_encoder_tokens
+        )
+        self._num_computed_at_last_allocation[request_id] = request.num_computed_tokens
+
+        if self.enable_caching and not delay_cache_blocks:
+            coordinator.cache_blocks(request, min(num_tokens_main_model, request.num_tokens))
+        return self.create_kv_cache_blocks(new_blocks)
+
+    def _validate_allocation(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        hits: tuple[Sequence[KVCacheBlock], ...],
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+        num_encoder_tokens: int,
+        reserved_blocks: int,
+    ) -> None:
+        rid = request.request_id
+        counts = {
+            "num_new_tokens": num_new_tokens,
+            "num_new_computed_tokens": num_new_computed_tokens,
+            "num_lookahead_tokens": num_lookahead_tokens,
+            "num_external_computed_tokens": num_external_computed_tokens,
+            "num_encoder_tokens": num_encoder_tokens,
+            "reserved_blocks": reserved_blocks,
+        }
+        negative = {k: v for k, v in counts.items() if v < 0}
+        if negative:
+            raise InvalidArgumentError(f"request {rid!r}: counts must be >= 0, got {negative}")
+        if num_new_tokens == 0 and num_external_computed_tokens == 0:
+            raise InvalidArgumentError(
+                f"request {rid!r}: num_new_tokens must be greater than 0 when there are no "
+                f"external computed tokens"
+            )
+        self._check_not_finished(request)
+        previous = self._num_computed_at_last_allocation.get(rid)
+        if previous is not None and request.num_computed_tokens < previous:
+            raise FailedPreconditionError(
+                f"request {rid!r}: num_computed_tokens went backwards from {previous} to "
+                f"{request.num_computed_tokens} without a preemption (free the request first)"
+            )
+        end = request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
+        if end + num_new_tokens > self.max_model_len:
+            raise OutOfRangeError(
+                f"request {rid!r}: {request.num_computed_tokens} computed + "
+                f"{num_new_computed_tokens} cached + {num_external_computed_tokens} external + "
+                f"{num_new_tokens} new tokens = {end + num_new_tokens} exceeds max_model_len "
+                f"{self.max_model_len}"
+            )
+        self._validate_hits(request, num_new_computed_tokens, hits)
+
+    def _validate_hits(
+        self,
+        request: Request,
+        num_new_computed_tokens: int,
+        hits: tuple[Sequence[KVCacheBlock], ...],
+    ) -> None:
+        rid = request.request_id
+        if not any(hits):
+            if num_new_computed_tokens > 0:
+                raise InvalidArgumentError(
+                    f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} "
+                    f"but no new_computed_blocks were given"
+                )
+            return
+        if len(hits) != self.num_kv_cache_groups:
+            raise InvalidArgumentError(
+                f"request {rid!r}: new_computed_blocks has {len(hits)} groups, the KV cache "
+                f"has {self.num_kv_cache_groups}"
+            )
+        if any(self.coordinator.get_blocks(rid)):
+            raise FailedPreconditionError(
+                f"request {rid!r} already holds blocks; prefix hits attach only at admission"
+            )
+        covered = min(
+            (len(group) * bs for group, bs in zip(hits, self._block_sizes, strict=False)),
+            default=0,
+        )
+        if num_new_computed_tokens > covered:
+            raise InvalidArgumentError(
+                f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} exceeds "
+                f"the {covered} tokens the given new_computed_blocks cover"
+            )
+
+    def _check_not_finished(self, request: Request) -> None:
+        if request.is_finished:
+            raise FailedPreconditionError(f"request {request.request_id!r} is finished")
+
+    # -- freeing and bookkeeping --------------------------------------------------------
+
+    def free(self, request: Request) -> None:
+        """Release every block of ``request``, last block first (per group).
+
+        A request that was never allocated for (aborted while waiting) is a no-op. A
+        finished request is forgotten; any other (preempted) stays known and restarts
+        its ``num_computed_tokens`` check from 0.
+        """
+        self.coordinator.free(request.request_id)
+        if request.is_finished:
+            self._num_computed_at_last_allocation.pop(request.request_id, None)
+        elif request.request_id in self._num_computed_at_last_allocation:
+            self._num_computed_at_last_allocation[request.request_id] = 0
+
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        self._check_known(request_id)
+        return self.create_kv_cache_blocks(self.coordinator.get_blocks(request_id))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The block table of each group (null blocks included, as id 0)."""
+        return self.get_blocks(request_id).get_block_ids()
+
+    def _check_known(self, request_id: str) -> None:
+        if request_id not in self._num_computed_at_last_allocation:
+            raise RequestNotFoundError(
+                f"request {request_id!r} is not known to the KV cache manager (never "
+                f"allocated, or already finished and freed)"
+            )
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Per group, the leading blocks of this request that every request holding
+        blocks shares (for cascade attention)."""
+        self._check_known(running_request_id)
+        return self.coordinator.get_num_common_prefix_blocks(running_request_id)
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self.block_pool.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False (nothing changed) while blocks are in use."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """Events since the last call; ``BlockStored`` gains its group's spec kind."""
+        events = self.block_pool.take_events()
+        metadata = self._group_event_metadata
+        for i, event in enumerate(events):
+            if (
+                isinstance(event, BlockStored)
+                and event.group_idx is not None
+                and 0 <= event.group_idx < len(metadata)
+            ):
+                kind, window = metadata[event.group_idx]
+                events[i] = dataclasses.replace(
+                    event, kv_cache_spec_kind=kind, kv_cache_spec_sliding_window=window
+                )
+        return events
+
+    def take_new_block_ids(self) -> list[int]:
+        """Blocks allocated since the last call, for the runtime to zero (recorded only
+        when ``kv_cache_config.needs_kv_cache_zeroing``)."""
+        return self.coordinator.take_new_block_ids()
+
+    def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:
+        # One shared empty object: most decode steps allocate nothing.
+        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks

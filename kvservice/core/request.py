@@ -1,0 +1,146 @@
+"""``Request``: the allocator's view of one sequence."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+
+from kvservice.core.block_hashing import BlockHasher, ExtraKeys, MultiModalFeature
+from kvservice.core.errors import FailedPreconditionError, InvalidArgumentError
+from kvservice.core.kv_cache_block import BlockHash
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Request:
+    """One sequence: its tokens, how many the scheduler has computed, and the hashes of
+    its full blocks (computed as blocks fill, prompt and output alike, so a preempted
+    request re-hits its own generated blocks).
+
+    ``num_computed_tokens`` is set by the caller, as vLLM's scheduler does after each
+    successful ``allocate_slots``.
+    """
+
+    __slots__ = (
+        "_block_hasher",
+        "_num_computed_tokens",
+        "all_token_ids",
+        "block_extra_keys",
+        "block_hashes",
+        "cache_salt",
+        "lora_name",
+        "mm_features",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "request_id",
+        "skip_reading_prefix_cache",
+        "status",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        block_hasher: BlockHasher | None = None,
+        *,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        mm_features: Iterable[MultiModalFeature] = (),
+        skip_reading_prefix_cache: bool = False,
+    ) -> None:
+        if not request_id:
+            raise InvalidArgumentError("request_id must be a non-empty string")
+        self.request_id = request_id
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.all_token_ids)
+        self.cache_salt = cache_salt or None
+        self.lora_name = lora_name or None
+        self.mm_features: list[MultiModalFeature] = sorted(mm_features, key=lambda f: f.offset)
+        for f in self.mm_features:
+            if f.offset < 0 or f.length <= 0 or f.offset + f.length > self.num_prompt_tokens:
+                raise InvalidArgumentError(
+                    f"request {request_id!r}: multimodal item {f.identifier!r} at offset "
+                    f"{f.offset} with length {f.length} does not lie inside the "
+                    f"{self.num_prompt_tokens}-token prompt"
+                )
+        # Prompt-logprob and pooling requests must recompute every token: they write
+        # the prefix cache but never read it.
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        self._num_computed_tokens = 0
+        self.block_hashes: list[BlockHash] = []
+        self.block_extra_keys: list[ExtraKeys] = []
+        self._block_hasher = block_hasher
+        self._update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self._num_computed_tokens
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        if value < 0:
+            raise InvalidArgumentError(
+                f"request {self.request_id!r}: num_computed_tokens must be >= 0, got {value}"
+            )
+        self._num_computed_tokens = value
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
+        """Append sampled tokens and hash any block they complete."""
+        if self.is_finished:
+            raise FailedPreconditionError(
+                f"request {self.request_id!r} is finished; it takes no more tokens"
+            )
+        if isinstance(token_ids, int):
+            self.all_token_ids.append(token_ids)
+        else:
+            self.all_token_ids.extend(token_ids)
+        self._update_block_hashes()
+
+    def preempt(self) -> None:
+        """Mark the request preempted, as vLLM's scheduler does after freeing it: its KV
+        cache is gone, so it is recomputed from token 0 (usually hitting its own
+        freed, still-cached blocks)."""
+        self.status = RequestStatus.PREEMPTED
+        self.num_preemptions += 1
+        self._num_computed_tokens = 0
+
+    def _update_block_hashes(self) -> None:
+        if self._block_hasher is None:
+            return
+        hashes, keys = self._block_hasher(self)
+        if hashes:
+            self.block_hashes.extend(hashes)
+            self.block_extra_keys.extend(keys)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request(request_id={self.request_id!r}, num_tokens={self.num_tokens}, "
+            f"num_computed_tokens={self._num_computed_tokens}, status={self.status.name})"
+        )

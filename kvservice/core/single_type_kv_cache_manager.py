@@ -1,0 +1,499 @@
+"""Layer 3: one ``SingleTypeKVCacheManager`` per KV cache group.
+
+Each manager turns token counts into block counts with its own group's block size,
+keeps the group's block table per request, and knows its attention type's rules: which
+blocks a request no longer needs (``get_num_skipped_tokens``) and which cached blocks
+make a usable prefix hit (``find_longest_cache_hit``).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+from kvservice.core.block_pool import BlockPool, resolve_block_hashes
+from kvservice.core.kv_cache_block import BlockHash, KVCacheBlock
+from kvservice.core.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    cdiv,
+)
+
+if TYPE_CHECKING:
+    from kvservice.core.request import Request
+
+HitBlocks = tuple[list[KVCacheBlock], ...]
+
+
+class SingleTypeKVCacheManager(ABC):
+    """Block tables of one KV cache group, drawing from the shared ``BlockPool``.
+
+    ``num_cached_block[request_id]`` counts the leading blocks of a request already in
+    the prefix cache; a request in it is running (it gets no new prefix hits).
+    """
+
+    spec_type: ClassVar[type[KVCacheSpec]]
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        block_pool: BlockPool,
+        enable_caching: bool,
+        kv_cache_group_id: int,
+        record_new_block_ids: bool = False,
+        max_admission_blocks_per_request: int | None = None,
+    ) -> None:
+        self.kv_cache_spec = kv_cache_spec
+        self.block_size = kv_cache_spec.block_size
+        self.block_pool = block_pool
+        self.enable_caching = enable_caching
+        self.kv_cache_group_id = kv_cache_group_id
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_block: dict[str, int] = {}
+        # The boundary a prefix hit may end on; the hybrid coordinator raises it to the
+        # LCM of all groups' block sizes.
+        self.cache_hit_alignment_tokens = self.block_size
+        self._null_block = block_pool.null_block
+        self._record_new_block_ids = record_new_block_ids
+        self.new_block_ids: list[int] = []
+        self._max_admission_blocks_per_request = max_admission_blocks_per_request
+
+    # -- prediction (no side effects) -------------------------------------------------
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        """Blocks the allocation of ``num_tokens`` slots will take from the free queue.
+
+        Counts the new blocks plus the prefix-hit blocks that are free now: touching
+        them takes them out of the free queue, so they consume capacity although no new
+        memory is used. Must equal what ``add_local_computed_blocks``,
+        ``allocate_external_computed_blocks`` and ``allocate_new_blocks`` then take
+        (``apply_admission_cap`` is the exception: the admission gate's upper bound).
+        """
+        num_required_blocks = cdiv(num_tokens, self.block_size)
+        cap = self._max_admission_blocks_per_request
+        if apply_admission_cap and cap is not None:
+            num_required_blocks = min(num_required_blocks, cap)
+        req_blocks = self.req_to_blocks.get(request_id)
+        num_held = len(req_blocks) if req_blocks is not None else 0
+        if request_id in self.num_cached_block:
+            # Running: no new hits. Speculative decoding may have over-allocated earlier.
+            return max(num_required_blocks - num_held, 0)
+        num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
+        num_local_blocks = len(new_computed_blocks) + num_held
+        num_new_blocks = max(num_required_blocks - max(num_skipped_blocks, num_local_blocks), 0)
+        num_skipped_hits = max(0, num_skipped_blocks - num_held)
+        num_evictable = sum(
+            1
+            for block in new_computed_blocks[num_skipped_hits:]
+            if block.ref_cnt == 0 and not block.is_null
+        )
+        return num_new_blocks + num_evictable
+
+    # -- allocation -------------------------------------------------------------------
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """Attach prefix-hit blocks to a new request's table (taking a reference).
+
+        Hits that are already out of this group's window are replaced by null blocks.
+        """
+        if request_id in self.num_cached_block:
+            assert not new_computed_blocks, "a running request cannot get new prefix hits"
+            return
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        assert not req_blocks, f"request {request_id!r} already holds blocks in this group"
+        total = num_local_computed_tokens + num_external_computed_tokens
+        num_skipped_blocks = self.get_num_skipped_tokens(total) // self.block_size
+        hits = new_computed_blocks[num_skipped_blocks:]
+        if self.enable_caching:
+            self.block_pool.touch(hits)
+        else:
+            assert not hits, "prefix hits with caching disabled"
+        req_blocks.extend([self._null_block] * min(num_skipped_blocks, len(new_computed_blocks)))
+        req_blocks.extend(hits)
+        self.num_cached_block[request_id] = len(req_blocks)
+
+    def allocate_external_computed_blocks(
+        self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int
+    ) -> None:
+        """Allocate the blocks a KV connector will load ``num_external_computed_tokens``
+        into, after the local hits (skipped positions become null blocks)."""
+        if num_external_computed_tokens == 0:
+            return
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        total = num_local_computed_tokens + num_external_computed_tokens
+        num_skipped_blocks = self.get_num_skipped_tokens(total) // self.block_size
+        if num_skipped_blocks > len(req_blocks):
+            req_blocks.extend([self._null_block] * (num_skipped_blocks - len(req_blocks)))
+        num_new = max(0, cdiv(total, self.block_size) - len(req_blocks))
+        self._append_new_blocks(req_blocks, num_new)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """Grow the request's table to hold ``num_tokens`` slots; return the new blocks."""
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
+        if num_new <= 0:
+            return []
+        return self._append_new_blocks(req_blocks, num_new)
+
+    def _append_new_blocks(
+        self, req_blocks: list[KVCacheBlock], num_new: int
+    ) -> list[KVCacheBlock]:
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        req_blocks.extend(new_blocks)
+        if self._record_new_block_ids:
+            self.new_block_ids.extend(b.block_id for b in new_blocks)
+        return new_blocks
+
+    def take_new_block_ids(self) -> list[int]:
+        """Blocks allocated since the last call (the runtime zeroes them before use)."""
+        ids, self.new_block_ids = self.new_block_ids, []
+        return ids
+
+    # -- caching ----------------------------------------------------------------------
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Enter the request's blocks that ``num_tokens`` fills into the prefix cache."""
+        request_id = request.request_id
+        num_cached_blocks = self.num_cached_block.get(request_id, 0)
+        num_full_blocks = num_tokens // self.block_size
+        if num_cached_blocks >= num_full_blocks:
+            return
+        self.block_pool.cache_full_blocks(
+            request=request,
+            blocks=self.req_to_blocks[request_id],
+            num_cached_blocks=num_cached_blocks,
+            num_full_blocks=num_full_blocks,
+            block_size=self.block_size,
+            kv_cache_group_id=self.kv_cache_group_id,
+            block_mask=self.reachable_block_mask(num_cached_blocks, num_full_blocks),
+        )
+        self.num_cached_block[request_id] = num_full_blocks
+
+    def reachable_block_mask(
+        self, num_cached_blocks: int, num_full_blocks: int
+    ) -> list[bool] | None:
+        """Which of the blocks being cached a later prefix hit can use; None = all."""
+        return None
+
+    # -- freeing ----------------------------------------------------------------------
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks, last block first, so that a chain's tail is
+        evicted before its root."""
+        blocks = self.req_to_blocks.pop(request_id, [])
+        self.block_pool.free_blocks(reversed(blocks))
+        self.num_cached_block.pop(request_id, None)
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Leading tokens that no future token attends to (their blocks can go)."""
+        return 0
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        """Free the blocks no future token attends to, replacing them with the null block.
+
+        Walks from the last skipped block backwards and stops at the first null one
+        (everything before it was removed earlier), so the later block is freed first.
+        """
+        num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
+        if num_skipped_tokens <= 0:
+            return
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        null_block = self._null_block
+        removed: list[KVCacheBlock] = []
+        for i in range(min(num_skipped_tokens // self.block_size, len(blocks)) - 1, -1, -1):
+            if blocks[i] is null_block:
+                break
+            removed.append(blocks[i])
+            blocks[i] = null_block
+        self.block_pool.free_blocks(removed)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        """Leading blocks shared by every request holding blocks (cascade attention)."""
+        return 0
+
+    # -- prefix hits ------------------------------------------------------------------
+
+    @classmethod
+    @abstractmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        alignment_tokens: int,
+    ) -> tuple[HitBlocks, int]:
+        """The longest usable cached prefix of at most ``max_length`` tokens: one block
+        list per group id (null blocks where the group needs nothing) and its length in
+        tokens, a multiple of ``alignment_tokens``. Takes no references."""
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    spec_type = FullAttentionSpec
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        alignment_tokens: int,
+    ) -> tuple[HitBlocks, int]:
+        """Left to right; the first miss ends the prefix (hashes are chained)."""
+        block_size = kv_cache_spec.block_size
+        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
+        num_blocks = min(max_length // block_size, len(hashes))
+        computed: HitBlocks = tuple([] for _ in kv_cache_group_ids)
+        if len(kv_cache_group_ids) == 1:
+            # The common case, without a list per probe.
+            lookup = block_pool.cached_block_hash_to_block.get_one_block
+            suffix = kv_cache_group_ids[0].to_bytes(4, "big")
+            out = computed[0]
+            for i in range(num_blocks):
+                block = lookup(hashes[i] + suffix)
+                if block is None:
+                    break
+                out.append(block)
+        else:
+            for i in range(num_blocks):
+                hit = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
+                if hit is None:
+                    break
+                for blocks, block in zip(computed, hit, strict=True):
+                    blocks.append(block)
+        hit_length = len(computed[0]) * block_size
+        hit_length -= hit_length % alignment_tokens
+        num_hit_blocks = hit_length // block_size
+        for blocks in computed:
+            del blocks[num_hit_blocks:]
+        return computed, hit_length
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
+        num_holders = len(self.req_to_blocks)
+        count = 0
+        for block in self.req_to_blocks.get(running_request_id, []):
+            if block.ref_cnt != num_holders:
+                break
+            count += 1
+        return count
+
+
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """Each token attends to the ``sliding_window`` tokens ending at itself."""
+
+    spec_type = SlidingWindowSpec
+
+    @property
+    def sliding_window(self) -> int:
+        spec = self.kv_cache_spec
+        assert isinstance(spec, SlidingWindowSpec)
+        return spec.sliding_window
+
+    @staticmethod
+    def num_contiguous_blocks_needed(sliding_window: int, block_size: int) -> int:
+        # -1: the current token is inside its own window.
+        return cdiv(sliding_window - 1, block_size)
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        alignment_tokens: int,
+    ) -> tuple[HitBlocks, int]:
+        """Right to left: the hit ends at the latest run of cached blocks long enough to
+        cover one window; blocks before the run are null. A run that reaches block 0
+        counts even when shorter.
+
+        Example, block size 4, window 8 (2 blocks needed), blocks 2 and 3 cached:
+        ``[NULL, NULL, B2, B3]``, 16 tokens.
+        """
+        assert isinstance(kv_cache_spec, SlidingWindowSpec)
+        block_size = kv_cache_spec.block_size
+        need = cls.num_contiguous_blocks_needed(kv_cache_spec.sliding_window, block_size)
+        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
+        num_blocks = min(max_length // block_size, len(hashes))
+        null = block_pool.null_block
+        computed: HitBlocks = tuple([null] * num_blocks for _ in kv_cache_group_ids)
+        run = 0
+        found = False
+        for i in range(num_blocks - 1, -1, -1):
+            hit = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
+            if hit is None:
+                run = 0
+                continue
+            if run == 0 and ((i + 1) * block_size) % alignment_tokens != 0:
+                continue  # a hit must end on an aligned boundary
+            for blocks, block in zip(computed, hit, strict=True):
+                blocks[i] = block
+            run += 1
+            if run >= need:
+                for blocks in computed:
+                    del blocks[i + run :]
+                found = True
+                break
+        if not found:
+            for blocks in computed:
+                del blocks[run:]
+            while (len(computed[0]) * block_size) % alignment_tokens != 0:
+                for blocks in computed:
+                    blocks.pop()
+        return computed, len(computed[0]) * block_size
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens before the window of the next token.
+
+        Window 4, 7 computed tokens: the next token (index 7) attends to tokens 4..7,
+        so tokens 0..3 are skipped: 7 - 4 + 1 = 4.
+        """
+        return max(0, num_computed_tokens - self.sliding_window + 1)
+
+    def reachable_block_mask(
+        self, num_cached_blocks: int, num_full_blocks: int
+    ) -> list[bool] | None:
+        """Hits end on ``cache_hit_alignment_tokens`` boundaries and need one window of
+        blocks before that boundary: in a segment of several blocks only the last
+        window's worth can ever be used, so only those are cached."""
+        need = self.num_contiguous_blocks_needed(self.sliding_window, self.block_size)
+        per_segment = self.cache_hit_alignment_tokens // self.block_size
+        if need >= per_segment:
+            return None
+        return [
+            i % per_segment >= per_segment - need for i in range(num_cached_blocks, num_full_blocks)
+        ]
+
+
+class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
+    """Tokens attend only within their chunk of ``attention_chunk_size`` tokens."""
+
+    spec_type = ChunkedLocalAttentionSpec
+
+    @property
+    def attention_chunk_size(self) -> int:
+        spec = self.kv_cache_spec
+        assert isinstance(spec, ChunkedLocalAttentionSpec)
+        return spec.attention_chunk_size
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        alignment_tokens: int,
+    ) -> tuple[HitBlocks, int]:
+        """Blocks before the chunk holding token ``max_length`` are null (nothing will
+        attend to them); from that chunk's start, left to right until the first miss.
+
+        Chunk 8, block size 4, max_length 15: blocks 0-1 are null and only block 2
+        (tokens 8-11) is probed: ``[NULL, NULL, B2]`` or ``[NULL, NULL]``.
+        """
+        assert isinstance(kv_cache_spec, ChunkedLocalAttentionSpec)
+        block_size = kv_cache_spec.block_size
+        assert block_size == alignment_tokens, (
+            "chunked local attention needs hits aligned to its own block size"
+        )
+        chunk = kv_cache_spec.attention_chunk_size
+        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
+        num_blocks = min(max_length // block_size, len(hashes))
+        start_block = ((max_length // chunk) * chunk) // block_size
+        null = block_pool.null_block
+        computed: HitBlocks = tuple([null] * start_block for _ in kv_cache_group_ids)
+        for i in range(start_block, num_blocks):
+            hit = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
+            if hit is None:
+                break
+            for blocks, block in zip(computed, hit, strict=True):
+                blocks.append(block)
+        return computed, len(computed[0]) * block_size
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Tokens of the chunks before the next token's chunk (chunk 8: 13 -> 8, 7 -> 0)."""
+        return (num_computed_tokens // self.attention_chunk_size) * self.attention_chunk_size
+
+
+class CrossAttentionManager(SingleTypeKVCacheManager):
+    """Encoder output for cross attention: allocated once for ``num_encoder_tokens``
+    (the coordinator passes that count), never prefix cached."""
+
+    spec_type = CrossAttentionSpec
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        alignment_tokens: int,
+    ) -> tuple[HitBlocks, int]:
+        raise NotImplementedError("cross attention does not support prefix caching")
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        raise ValueError("Should not be called as prefix caching is disabled.")
+
+
+SPEC_MANAGER_MAP: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
+    CrossAttentionSpec: CrossAttentionManager,
+}
+
+
+def manager_class_for_spec(kv_cache_spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
+    for spec_type in type(kv_cache_spec).__mro__:
+        if spec_type in SPEC_MANAGER_MAP:
+            return SPEC_MANAGER_MAP[spec_type]
+    raise TypeError(f"no KV cache manager for spec type {type(kv_cache_spec).__name__}")
+
+
+def get_manager_for_kv_cache_spec(
+    kv_cache_spec: KVCacheSpec,
+    block_pool: BlockPool,
+    enable_caching: bool,
+    kv_cache_group_id: int,
+    max_model_len: int,
+    max_in_flight_tokens: int,
+    record_new_block_ids: bool = False,
+) -> SingleTypeKVCacheManager:
+    """Build the manager of one group; window-bounded types get their admission cap."""
+    cap: int | None = None
+    if isinstance(kv_cache_spec, SlidingWindowSpec | ChunkedLocalAttentionSpec):
+        cap = kv_cache_spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len)
+    return manager_class_for_spec(kv_cache_spec)(
+        kv_cache_spec,
+        block_pool,
+        enable_caching,
+        kv_cache_group_id,
+        record_new_block_ids=record_new_block_ids,
+        max_admission_blocks_per_request=cap,
+    )
