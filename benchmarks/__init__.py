@@ -1,0 +1,1 @@
+"""Benchmarks: run with `make bench`; they print ratios measured side by side."""
