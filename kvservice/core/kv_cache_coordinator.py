@@ -231,6 +231,37 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
                 f"must equal the group's block_size ({self.block_size})"
             )
 
+    # The fan-outs below are the base class's loops for one group, without the loop:
+    # they run on every decode step.
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        return self._manager.get_num_blocks_to_allocate(
+            request_id,
+            num_tokens,
+            new_computed_blocks[0] if new_computed_blocks else (),
+            total_computed_tokens,
+            apply_admission_cap,
+        )
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_encoder_tokens: int = 0
+    ) -> tuple[list[KVCacheBlock], ...]:
+        return (self._manager.allocate_new_blocks(request_id, num_tokens),)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        self._manager.cache_blocks(request, num_computed_tokens)
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        self._manager.remove_skipped_blocks(request_id, total_computed_tokens)
+
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
     ) -> CacheHit:

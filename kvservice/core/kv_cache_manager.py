@@ -8,10 +8,10 @@ runs before anything is committed, so a refused call leaves no trace.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvservice.core.block_hashing import BlockHasher
+from kvservice.core.block_hashing import BlockHasher, MultiModalFeature
 from kvservice.core.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -150,10 +150,25 @@ class KVCacheManager:
         return stats
 
     def new_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], **kwargs: object
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        mm_features: Iterable[MultiModalFeature] = (),
+        skip_reading_prefix_cache: bool = False,
     ) -> Request:
         """A ``Request`` hashed with this manager's hash function and block size."""
-        return Request(request_id, prompt_token_ids, self.block_hasher, **kwargs)  # type: ignore[arg-type]
+        return Request(
+            request_id,
+            prompt_token_ids,
+            self.block_hasher,
+            cache_salt=cache_salt,
+            lora_name=lora_name,
+            mm_features=mm_features,
+            skip_reading_prefix_cache=skip_reading_prefix_cache,
+        )
 
     # -- lookup -----------------------------------------------------------------------
 
@@ -220,8 +235,10 @@ class KVCacheManager:
         a finished request or ``num_computed_tokens`` going backwards.
         """
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else ()
+        num_computed_tokens = request.num_computed_tokens
         self._validate_allocation(
             request,
+            num_computed_tokens,
             num_new_tokens,
             num_new_computed_tokens,
             hits,
@@ -231,10 +248,10 @@ class KVCacheManager:
             reserved_blocks,
         )
         request_id = request.request_id
-        num_local_computed_tokens = request.num_computed_tokens + num_new_computed_tokens
+        num_local_computed_tokens = num_computed_tokens + num_new_computed_tokens
         total_computed_tokens = num_local_computed_tokens + num_external_computed_tokens
         coordinator = self.coordinator
-        num_free = self.block_pool.get_num_free_blocks()
+        block_pool = self.block_pool
 
         # The watermark only guards admissions, and only when something else runs.
         watermark_blocks = (
@@ -250,7 +267,7 @@ class KVCacheManager:
                 total_computed_tokens,
                 apply_admission_cap=True,
             )
-            if num_required + watermark_blocks > num_free:
+            if num_required + watermark_blocks > block_pool.get_num_free_blocks():
                 return None
 
         num_tokens_main_model = total_computed_tokens + num_new_tokens
@@ -262,18 +279,17 @@ class KVCacheManager:
         num_required = coordinator.get_num_blocks_to_allocate(
             request_id, num_tokens_need_slot, hits, num_encoder_tokens, total_computed_tokens
         )
-        available = self.block_pool.get_num_free_blocks() - reserved_blocks
-        if num_required + watermark_blocks > available:
+        if num_required + watermark_blocks > block_pool.get_num_free_blocks() - reserved_blocks:
             return None
 
-        if any(hits) or num_external_computed_tokens > 0:
+        if num_external_computed_tokens > 0 or any(hits):
             coordinator.allocate_new_computed_blocks(
                 request_id, hits, num_local_computed_tokens, num_external_computed_tokens
             )
         new_blocks = coordinator.allocate_new_blocks(
             request_id, num_tokens_need_slot, num_encoder_tokens
         )
-        self._num_computed_at_last_allocation[request_id] = request.num_computed_tokens
+        self._num_computed_at_last_allocation[request_id] = num_computed_tokens
 
         if self.enable_caching and not delay_cache_blocks:
             coordinator.cache_blocks(request, min(num_tokens_main_model, request.num_tokens))
@@ -282,6 +298,7 @@ class KVCacheManager:
     def _validate_allocation(
         self,
         request: Request,
+        num_computed_tokens: int,
         num_new_tokens: int,
         num_new_computed_tokens: int,
         hits: tuple[Sequence[KVCacheBlock], ...],
@@ -291,38 +308,50 @@ class KVCacheManager:
         reserved_blocks: int,
     ) -> None:
         rid = request.request_id
-        counts = {
-            "num_new_tokens": num_new_tokens,
-            "num_new_computed_tokens": num_new_computed_tokens,
-            "num_lookahead_tokens": num_lookahead_tokens,
-            "num_external_computed_tokens": num_external_computed_tokens,
-            "num_encoder_tokens": num_encoder_tokens,
-            "reserved_blocks": reserved_blocks,
-        }
-        negative = {k: v for k, v in counts.items() if v < 0}
-        if negative:
+        if (
+            min(
+                num_new_tokens,
+                num_new_computed_tokens,
+                num_lookahead_tokens,
+                num_external_computed_tokens,
+                num_encoder_tokens,
+                reserved_blocks,
+            )
+            < 0
+        ):
+            counts = {
+                "num_new_tokens": num_new_tokens,
+                "num_new_computed_tokens": num_new_computed_tokens,
+                "num_lookahead_tokens": num_lookahead_tokens,
+                "num_external_computed_tokens": num_external_computed_tokens,
+                "num_encoder_tokens": num_encoder_tokens,
+                "reserved_blocks": reserved_blocks,
+            }
+            negative = {k: v for k, v in counts.items() if v < 0}
             raise InvalidArgumentError(f"request {rid!r}: counts must be >= 0, got {negative}")
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
             raise InvalidArgumentError(
                 f"request {rid!r}: num_new_tokens must be greater than 0 when there are no "
                 f"external computed tokens"
             )
-        self._check_not_finished(request)
+        if request.status is RequestStatus.FINISHED:
+            self._check_not_finished(request)
         previous = self._num_computed_at_last_allocation.get(rid)
-        if previous is not None and request.num_computed_tokens < previous:
+        if previous is not None and num_computed_tokens < previous:
             raise FailedPreconditionError(
                 f"request {rid!r}: num_computed_tokens went backwards from {previous} to "
-                f"{request.num_computed_tokens} without a preemption (free the request first)"
+                f"{num_computed_tokens} without a preemption (free the request first)"
             )
-        end = request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
+        end = num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
         if end + num_new_tokens > self.max_model_len:
             raise OutOfRangeError(
-                f"request {rid!r}: {request.num_computed_tokens} computed + "
+                f"request {rid!r}: {num_computed_tokens} computed + "
                 f"{num_new_computed_tokens} cached + {num_external_computed_tokens} external + "
                 f"{num_new_tokens} new tokens = {end + num_new_tokens} exceeds max_model_len "
                 f"{self.max_model_len}"
             )
-        self._validate_hits(request, num_new_computed_tokens, hits)
+        if hits or num_new_computed_tokens:
+            self._validate_hits(request, num_new_computed_tokens, hits)
 
     def _validate_hits(
         self,

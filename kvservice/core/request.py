@@ -113,7 +113,7 @@ class Request:
 
     def append_output_token_ids(self, token_ids: int | Iterable[int]) -> None:
         """Append sampled tokens and hash any block they complete."""
-        if self.is_finished:
+        if self.status is RequestStatus.FINISHED:
             raise FailedPreconditionError(
                 f"request {self.request_id!r} is finished; it takes no more tokens"
             )
@@ -132,9 +132,12 @@ class Request:
         self._num_computed_tokens = 0
 
     def _update_block_hashes(self) -> None:
-        if self._block_hasher is None:
+        hasher = self._block_hasher
+        if hasher is None:
             return
-        hashes, keys = self._block_hasher(self)
+        if len(self.all_token_ids) < (len(self.block_hashes) + 1) * hasher.hash_block_size:
+            return  # no block completed: the common decode step
+        hashes, keys = hasher(self)
         if hashes:
             self.block_hashes.extend(hashes)
             self.block_extra_keys.extend(keys)

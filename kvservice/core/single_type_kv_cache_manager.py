@@ -80,7 +80,7 @@ class SingleTypeKVCacheManager(ABC):
         ``allocate_external_computed_blocks`` and ``allocate_new_blocks`` then take
         (``apply_admission_cap`` is the exception: the admission gate's upper bound).
         """
-        num_required_blocks = cdiv(num_tokens, self.block_size)
+        num_required_blocks = -(-num_tokens // self.block_size)
         cap = self._max_admission_blocks_per_request
         if apply_admission_cap and cap is not None:
             num_required_blocks = min(num_required_blocks, cap)
@@ -146,8 +146,10 @@ class SingleTypeKVCacheManager(ABC):
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
         """Grow the request's table to hold ``num_tokens`` slots; return the new blocks."""
-        req_blocks = self.req_to_blocks.setdefault(request_id, [])
-        num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
+        req_blocks = self.req_to_blocks.get(request_id)
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[request_id] = []
+        num_new = -(-num_tokens // self.block_size) - len(req_blocks)
         if num_new <= 0:
             return []
         return self._append_new_blocks(req_blocks, num_new)
@@ -289,6 +291,9 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         for blocks in computed:
             del blocks[num_hit_blocks:]
         return computed, hit_length
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        """Nothing to remove: every past token stays in view."""
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         num_holders = len(self.req_to_blocks)
