@@ -57,6 +57,8 @@ class Request:
             raise InvalidArgumentError("request_id must be a non-empty string")
         self.request_id = request_id
         self.all_token_ids: list[int] = list(prompt_token_ids)
+        if not self.all_token_ids:
+            raise InvalidArgumentError(f"request {request_id!r}: the prompt is empty")
         self.num_prompt_tokens = len(self.all_token_ids)
         self.cache_salt = cache_salt or None
         self.lora_name = lora_name or None

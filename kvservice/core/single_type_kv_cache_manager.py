@@ -428,7 +428,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         chunk = kv_cache_spec.attention_chunk_size
         hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
         num_blocks = min(max_length // block_size, len(hashes))
-        start_block = ((max_length // chunk) * chunk) // block_size
+        start_block = ((max_length // chunk) * chunk) // block_size if max_length > 0 else 0
         null = block_pool.null_block
         computed: HitBlocks = tuple([null] * start_block for _ in kv_cache_group_ids)
         for i in range(start_block, num_blocks):

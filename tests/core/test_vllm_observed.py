@@ -65,7 +65,7 @@ def test_observed_scenario() -> None:
     assert len(hashed_ids(m)) == 10
 
     # 7. E with a full pool: the prefix was evicted, and there is no room
-    e = m.new_request("E", PREFIX + [7])
+    e = m.new_request("E", [*PREFIX, 7])
     hit, num_hit, new = prefill(m, e)
     assert (num_hit, new) == (0, None)
     assert m.coordinator.get_blocks("E") == ([],)
