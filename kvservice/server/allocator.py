@@ -1,0 +1,404 @@
+"""The service's state: one ``KVCacheManager`` and the requests allocated from it.
+
+``Allocator`` does what vLLM's scheduler does around its manager (the request table,
+``num_computed_tokens``, request status, the prefix hit carried from lookup to
+allocation) and checks every argument before anything changes, so a refused call
+leaves no trace. It knows nothing of gRPC.
+
+It is not thread safe on purpose: one asyncio loop owns it, and no method awaits, so
+each call runs to completion before the next starts.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvservice.core.block_hashing import MultiModalFeature
+from kvservice.core.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    KVCacheError,
+    OutOfRangeError,
+    RequestNotFoundError,
+)
+from kvservice.core.kv_cache_block import BlockHashWithGroupId
+from kvservice.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from kvservice.core.request import Request, RequestStatus
+from kvservice.core.stats import PrefixCacheStats
+from kvservice.server.errors import AlreadyExistsError, StaleHitError
+
+BlockIdsPerGroup = tuple[list[int], ...]
+
+
+class FreeMode(enum.Enum):
+    """What happens to a request once its blocks are released."""
+
+    PREEMPT = enum.auto()
+    FINISH = enum.auto()
+
+
+class AllocationResult(enum.StrEnum):
+    """How an AllocateSlots call ended (the ``result`` label of the metrics)."""
+
+    OK = "ok"
+    NO_SPACE = "no_space"
+    INVALID = "invalid"
+
+
+@dataclass(frozen=True, slots=True)
+class NewRequest:
+    """A request as a client describes it to AddRequest."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    mm_features: tuple[MultiModalFeature, ...] = ()
+    skip_reading_prefix_cache: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class AllocateArgs:
+    """The arguments of ``allocate_slots``, with the hit named by its block ids (the
+    blocks themselves stay on the server) and an optional ``num_computed_tokens`` to
+    set first."""
+
+    num_new_tokens: int
+    num_new_computed_tokens: int = 0
+    new_computed_block_ids: tuple[tuple[int, ...], ...] = ()
+    num_lookahead_tokens: int = 0
+    num_external_computed_tokens: int = 0
+    delay_cache_blocks: bool = False
+    num_encoder_tokens: int = 0
+    full_sequence_must_fit: bool = False
+    reserved_blocks: int = 0
+    has_scheduled_reqs: bool = True
+    num_computed_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ComputedBlocks:
+    """A prefix lookup: the hit's block ids per group and what vLLM reports with it."""
+
+    block_ids: BlockIdsPerGroup
+    num_computed_tokens: int
+    shared_prefix_boundary: int
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """An AllocateSlots answer; ``new_block_ids`` is None when there was no room."""
+
+    request: Request
+    new_block_ids: BlockIdsPerGroup | None
+    block_ids_to_zero: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolUsage:
+    """The pool and the prefix cache totals at one moment."""
+
+    usage: float
+    num_free_blocks: int
+    num_used_blocks: int
+    num_blocks: int
+    num_requests: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class AllocatorObserver(Protocol):
+    """Receives what the metrics need, on the loop that owns the allocator."""
+
+    def record_allocation(self, result: AllocationResult) -> None: ...
+
+    def record_pool(self, usage: PoolUsage, stats: PrefixCacheStats | None) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class _PrefixHit:
+    """A lookup's hit, kept until AllocateSlots attaches it. The lookup took no
+    references, so a free hit block may be evicted meanwhile; the cache keys seen at
+    lookup time tell whether each block still holds that content."""
+
+    blocks: KVCacheBlocks
+    block_ids: tuple[tuple[int, ...], ...]
+    keys: tuple[tuple[BlockHashWithGroupId | None, ...], ...]
+
+    @classmethod
+    def of(cls, blocks: KVCacheBlocks) -> _PrefixHit:
+        return cls(
+            blocks,
+            tuple(tuple(b.block_id for b in group) for group in blocks.blocks),
+            tuple(tuple(b.block_hash for b in group) for group in blocks.blocks),
+        )
+
+    def first_evicted_block(self) -> int | None:
+        for group, keys in zip(self.blocks.blocks, self.keys, strict=True):
+            for block, key in zip(group, keys, strict=True):
+                if block.block_hash != key:
+                    return block.block_id
+        return None
+
+
+class Allocator:
+    """The request table around one ``KVCacheManager``; one method per RPC."""
+
+    def __init__(self, manager: KVCacheManager, observer: AllocatorObserver | None = None) -> None:
+        self.manager = manager
+        self._observer = observer
+        self._requests: dict[str, Request] = {}
+        self._hits: dict[str, _PrefixHit] = {}
+        self._prefix_cache_queries = 0
+        self._prefix_cache_hits = 0
+        self._after_change()
+
+    # -- requests -------------------------------------------------------------------
+
+    def add_request(self, new: NewRequest) -> Request:
+        """Register a WAITING request; ALREADY_EXISTS for a known id."""
+        rid = new.request_id
+        if rid in self._requests:
+            raise AlreadyExistsError(
+                f"request {rid!r} already exists; finish it (FreeRequest FINISH) before "
+                f"reusing its id"
+            )
+        self._check_new_tokens(rid, new.prompt_token_ids, 0, "prompt_token_ids")
+        for f in new.mm_features:
+            if not f.identifier:
+                raise InvalidArgumentError(
+                    f"request {rid!r}: multimodal item at offset {f.offset} has no identifier"
+                )
+        request = Request(
+            rid,
+            new.prompt_token_ids,
+            self.manager.block_hasher,
+            cache_salt=new.cache_salt,
+            lora_name=new.lora_name,
+            mm_features=new.mm_features,
+            skip_reading_prefix_cache=new.skip_reading_prefix_cache,
+        )
+        self._requests[rid] = request
+        return request
+
+    def append_tokens(self, request_id: str, token_ids: list[int]) -> Request:
+        """Append sampled tokens (hashing the blocks they complete)."""
+        request = self._get(request_id)
+        self._check_new_tokens(request_id, token_ids, request.num_tokens, "token_ids")
+        request.append_output_token_ids(token_ids)
+        return request
+
+    def _check_new_tokens(
+        self, rid: str, token_ids: Sequence[int], num_existing: int, name: str
+    ) -> None:
+        if not token_ids:
+            raise InvalidArgumentError(f"request {rid!r}: {name} must hold at least one token")
+        negative = next((i for i, t in enumerate(token_ids) if t < 0), None)
+        if negative is not None:
+            raise InvalidArgumentError(
+                f"request {rid!r}: {name}[{negative}] = {token_ids[negative]}; token ids "
+                f"must be >= 0"
+            )
+        total = num_existing + len(token_ids)
+        max_len = self.manager.max_model_len
+        if total > max_len:
+            raise OutOfRangeError(
+                f"request {rid!r}: {num_existing} + {len(token_ids)} tokens = {total} exceeds "
+                f"max_model_len {max_len}"
+            )
+
+    def _get(self, request_id: str) -> Request:
+        request = self._requests.get(request_id)
+        if request is None:
+            raise RequestNotFoundError(
+                f"request {request_id!r} is not known (never added, or finished); "
+                f"call AddRequest first"
+            )
+        return request
+
+    # -- lookup and allocation ------------------------------------------------------
+
+    def get_computed_blocks(self, request_id: str) -> ComputedBlocks:
+        """The cached prefix of a waiting or preempted request, remembered for the
+        next ``allocate_slots``. Side effect: records prefix cache stats."""
+        request = self._get(request_id)
+        if request.status == RequestStatus.RUNNING:
+            raise FailedPreconditionError(
+                f"request {request_id!r} is running; prefix lookups are for waiting or "
+                f"preempted requests (free it with PREEMPT to re-admit it)"
+            )
+        blocks, num_hit, boundary = self.manager.get_computed_blocks(request)
+        self._hits[request_id] = _PrefixHit.of(blocks)
+        self._after_change()
+        return ComputedBlocks(blocks.get_block_ids(), num_hit, boundary)
+
+    def allocate_slots(self, request_id: str, args: AllocateArgs) -> Allocation:
+        """``allocate_slots`` for a known request; counts the outcome either way."""
+        try:
+            allocation = self._allocate(request_id, args)
+        except KVCacheError:
+            self._record(AllocationResult.INVALID)
+            raise
+        ok = allocation.new_block_ids is not None
+        self._record(AllocationResult.OK if ok else AllocationResult.NO_SPACE)
+        # Even NO_SPACE may have released blocks that slid out of a sliding window.
+        self._after_change()
+        return allocation
+
+    def _allocate(self, request_id: str, args: AllocateArgs) -> Allocation:
+        request = self._get(request_id)
+        self._check_num_computed_tokens(request_id, args.num_computed_tokens)
+        hit = self._hit_to_attach(request_id, args.new_computed_block_ids)
+        previous = request.num_computed_tokens
+        if args.num_computed_tokens is not None:
+            request.num_computed_tokens = args.num_computed_tokens
+        new_blocks = self._call_allocate_slots(request, args, hit, previous)
+        if new_blocks is None:
+            # No room changes nothing, the value set for this call included.
+            request.num_computed_tokens = previous
+            return Allocation(request, None)
+        self._hits.pop(request_id, None)
+        # vLLM's scheduler advances the count right after scheduling; the next call
+        # sends num_computed_tokens only to correct it (rejected draft tokens).
+        request.num_computed_tokens += (
+            args.num_new_computed_tokens + args.num_external_computed_tokens + args.num_new_tokens
+        )
+        request.status = RequestStatus.RUNNING
+        return Allocation(request, new_blocks.get_block_ids(), self.manager.take_new_block_ids())
+
+    def _call_allocate_slots(
+        self, request: Request, args: AllocateArgs, hit: KVCacheBlocks | None, previous: int
+    ) -> KVCacheBlocks | None:
+        """The core call; a refusal restores ``num_computed_tokens`` to ``previous``."""
+        try:
+            return self.manager.allocate_slots(
+                request,
+                args.num_new_tokens,
+                args.num_new_computed_tokens,
+                hit,
+                num_lookahead_tokens=args.num_lookahead_tokens,
+                num_external_computed_tokens=args.num_external_computed_tokens,
+                delay_cache_blocks=args.delay_cache_blocks,
+                num_encoder_tokens=args.num_encoder_tokens,
+                full_sequence_must_fit=args.full_sequence_must_fit,
+                reserved_blocks=args.reserved_blocks,
+                has_scheduled_reqs=args.has_scheduled_reqs,
+            )
+        except Exception:
+            request.num_computed_tokens = previous
+            raise
+
+    def _check_num_computed_tokens(self, rid: str, value: int | None) -> None:
+        if value is None:
+            return
+        if value < 0:
+            raise InvalidArgumentError(
+                f"request {rid!r}: num_computed_tokens must be >= 0, got {value}"
+            )
+        if value > self.manager.max_model_len:
+            raise OutOfRangeError(
+                f"request {rid!r}: num_computed_tokens {value} exceeds max_model_len "
+                f"{self.manager.max_model_len}"
+            )
+
+    def _hit_to_attach(
+        self, rid: str, block_ids: tuple[tuple[int, ...], ...]
+    ) -> KVCacheBlocks | None:
+        """The remembered hit the client named, checked against what it was told and
+        against eviction since; None when the client attaches nothing."""
+        if not any(block_ids):
+            return None
+        hit = self._hits.get(rid)
+        if hit is None:
+            raise FailedPreconditionError(
+                f"request {rid!r}: new_computed_block_ids given but no prefix hit is "
+                f"pending; call GetComputedBlocks first"
+            )
+        if block_ids != hit.block_ids:
+            raise FailedPreconditionError(
+                f"request {rid!r}: new_computed_block_ids {[list(g) for g in block_ids]} do "
+                f"not match the last GetComputedBlocks answer {[list(g) for g in hit.block_ids]}"
+            )
+        evicted = hit.first_evicted_block()
+        if evicted is not None:
+            raise StaleHitError(
+                f"request {rid!r}: block {evicted} of the prefix hit was evicted or reset "
+                f"since GetComputedBlocks; look the prefix up again"
+            )
+        return hit.blocks
+
+    # -- freeing and queries --------------------------------------------------------
+
+    def free(self, request_id: str, mode: FreeMode) -> Request:
+        """Release the request's blocks; PREEMPT keeps it for re-prefill, FINISH
+        forgets it."""
+        request = self._get(request_id)
+        if mode is FreeMode.PREEMPT and request.status != RequestStatus.RUNNING:
+            raise FailedPreconditionError(
+                f"request {request_id!r} is {request.status.name}; only a running request "
+                f"can be preempted (use FINISH to drop it)"
+            )
+        self._hits.pop(request_id, None)
+        if mode is FreeMode.FINISH:
+            request.status = RequestStatus.FINISHED
+            del self._requests[request_id]
+        self.manager.free(request)
+        if mode is FreeMode.PREEMPT:
+            request.preempt()
+        self._after_change()
+        return request
+
+    def get_request(self, request_id: str) -> Request:
+        """A known request; NOT_FOUND otherwise."""
+        return self._get(request_id)
+
+    def get_block_ids(self, request_id: str) -> BlockIdsPerGroup:
+        """The request's block table per group; empty lists before its first
+        allocation."""
+        self._get(request_id)
+        try:
+            return self.manager.get_block_ids(request_id)
+        except RequestNotFoundError:
+            # The manager learns of a request at its first allocation; to the service
+            # it already exists and simply holds nothing.
+            return tuple([] for _ in range(self.manager.num_kv_cache_groups))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False while blocks are in use."""
+        # Remembered hits are kept: their blocks lost their keys, so attaching one now
+        # answers ABORTED, which tells the client to look up again.
+        reset = self.manager.reset_prefix_cache()
+        self._after_change()
+        return reset
+
+    def usage(self) -> PoolUsage:
+        manager = self.manager
+        num_blocks = manager.kv_cache_config.num_blocks
+        num_free = manager.block_pool.get_num_free_blocks()
+        return PoolUsage(
+            usage=manager.usage,
+            num_free_blocks=num_free,
+            # Block 0 (the null block) is never free and never counted as used.
+            num_used_blocks=num_blocks - 1 - num_free,
+            num_blocks=num_blocks,
+            num_requests=len(self._requests),
+            prefix_cache_queries=self._prefix_cache_queries,
+            prefix_cache_hits=self._prefix_cache_hits,
+        )
+
+    # -- observation ----------------------------------------------------------------
+
+    def _after_change(self) -> None:
+        stats = self.manager.make_prefix_cache_stats()
+        if stats is not None:
+            self._prefix_cache_queries += stats.queries
+            self._prefix_cache_hits += stats.hits
+        if self._observer is not None:
+            self._observer.record_pool(self.usage(), stats)
+
+    def _record(self, result: AllocationResult) -> None:
+        if self._observer is not None:
+            self._observer.record_allocation(result)

@@ -1,0 +1,171 @@
+"""Assembling and running the server: gRPC service, health, reflection, metrics.
+
+Public API: ``KVCacheServer`` (``start`` / ``stop``), ``serve_in_background`` (an
+async context manager for tests and embedding) and ``serve`` (runs until SIGTERM or
+SIGINT; what ``kvservice serve`` calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvservice.server.allocator import Allocator
+from kvservice.server.config import ServerConfig, build_manager
+from kvservice.server.gen import kv_cache_service_pb2 as pb
+from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.server.interceptors import RpcInterceptor
+from kvservice.server.metrics import KVCacheMetrics, MetricsEndpoint
+from kvservice.server.servicer import KVCacheServicer
+
+log = structlog.get_logger("kvservice.server")
+
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["KVCacheService"].full_name
+
+
+def _channel_options(config: ServerConfig) -> list[tuple[str, int]]:
+    return [
+        # The default (1) would let a second server bind the same port silently.
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        # Schedulers hold one long-lived channel; let them keep it alive when idle.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerHandle:
+    """Where a started server listens."""
+
+    host: str
+    port: int
+    metrics_port: int | None
+
+    @property
+    def target(self) -> str:
+        """The address to give ``grpc.aio.insecure_channel``."""
+        return f"{self.host}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str | None:
+        if self.metrics_port is None:
+            return None
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+
+class KVCacheServer:
+    """One pool served over gRPC, with health, reflection and a metrics endpoint."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        manager = build_manager(config)
+        self.metrics = KVCacheMetrics(manager, config.model_name, config.engine)
+        self.allocator = Allocator(manager, self.metrics)
+        self._health = health.aio.HealthServicer()
+        self._server: Any = None
+        self._metrics_endpoint: MetricsEndpoint | None = None
+        self._handle: ServerHandle | None = None
+
+    @property
+    def handle(self) -> ServerHandle:
+        if self._handle is None:
+            raise RuntimeError("the server is not started")
+        return self._handle
+
+    async def start(self) -> ServerHandle:
+        """Bind, start serving and report SERVING; returns where it listens."""
+        config = self.config
+        server = grpc.aio.server(interceptors=[RpcInterceptor()], options=_channel_options(config))
+        pb_grpc.add_KVCacheServiceServicer_to_server(
+            KVCacheServicer(self.allocator, config.model_name), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        await server.start()
+        self._server = server
+        metrics_port = self._start_metrics()
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._handle = ServerHandle(config.host, port, metrics_port)
+        return self._handle
+
+    def _start_metrics(self) -> int | None:
+        config = self.config
+        if config.metrics_port is None:
+            return None
+        self._metrics_endpoint = MetricsEndpoint.start(
+            self.metrics.registry, config.metrics_host, config.metrics_port
+        )
+        return self._metrics_endpoint.port
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Report NOT_SERVING, let in-flight RPCs finish for ``grace`` seconds (the
+        config's by default), then close the metrics endpoint. Idempotent."""
+        grace = self.config.shutdown_grace_s if grace is None else grace
+        await self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace)
+            self._server = None
+        if self._metrics_endpoint is not None:
+            await self._metrics_endpoint.stop()
+            self._metrics_endpoint = None
+
+
+@asynccontextmanager
+async def serve_in_background(config: ServerConfig) -> AsyncIterator[ServerHandle]:
+    """Run a server for the duration of the block; ``port=0`` binds a free port::
+
+    async with serve_in_background(ServerConfig(port=0, metrics_port=None)) as h:
+        async with grpc.aio.insecure_channel(h.target) as channel:
+            ...
+    """
+    server = KVCacheServer(config)
+    handle = await server.start()
+    try:
+        yield handle
+    finally:
+        await server.stop(grace=0)
+
+
+async def serve(config: ServerConfig) -> None:
+    """Serve until SIGTERM or SIGINT, then shut down gracefully."""
+    server = KVCacheServer(config)
+    handle = await server.start()
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, stopping.set)
+    log.info(
+        "serving",
+        address=handle.target,
+        port=handle.port,
+        metrics_url=handle.metrics_url,
+        num_blocks=config.num_blocks,
+        block_size=config.block_size,
+        max_model_len=config.max_model_len,
+    )
+    try:
+        await stopping.wait()
+        log.info("shutting down", grace_s=config.shutdown_grace_s)
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        await server.stop()
+    log.info("stopped")

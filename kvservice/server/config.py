@@ -1,0 +1,81 @@
+"""Server settings and the embedded default pool (no GPU, no config file needed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvservice.core.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from kvservice.core.kv_cache_manager import KVCacheManager
+from kvservice.core.kv_cache_sizing import check_enough_kv_cache_memory, kv_cache_config_from_memory
+
+DEFAULT_PORT = 50051
+DEFAULT_METRICS_PORT = 9400
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything needed to start one server owning one pool.
+
+    The pool defaults to a single full-attention group shaped like an 8-KV-head,
+    128-dim, bfloat16 model with 32 layers; only ``num_blocks``, ``block_size`` and
+    ``max_model_len`` change what the allocator does, the rest is reported.
+
+    ``port=0`` binds a free port. ``metrics_port=None`` disables the Prometheus
+    endpoint and ``0`` binds a free port (the CLI maps its ``0`` to ``None``).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = DEFAULT_METRICS_PORT
+    num_blocks: int = 4096
+    block_size: int = 16
+    max_model_len: int = 8192
+    num_layers: int = 32
+    num_kv_heads: int = 8
+    head_size: int = 128
+    dtype: str = "bfloat16"
+    hash_algo: str = "sha256"
+    none_hash_seed: str | None = None
+    enable_caching: bool = True
+    needs_kv_cache_zeroing: bool = False
+    model_name: str = "default"
+    engine: str = "0"
+    # Seconds in-flight RPCs get to finish on shutdown.
+    shutdown_grace_s: float = 5.0
+    max_message_bytes: int = 4 * 1024 * 1024
+
+
+def build_kv_cache_config(config: ServerConfig) -> KVCacheConfig:
+    """The pool: one full-attention group of ``num_layers`` layers.
+
+    Raises ``InvalidArgumentError`` for a shape the core rejects, or a pool too small
+    for one request of ``max_model_len`` tokens.
+    """
+    spec = FullAttentionSpec(
+        block_size=config.block_size,
+        num_kv_heads=config.num_kv_heads,
+        head_size=config.head_size,
+        dtype=config.dtype,
+    )
+    layers = [f"model.layers.{i}.self_attn" for i in range(config.num_layers)]
+    kv_cache_config = kv_cache_config_from_memory(
+        [KVCacheGroupSpec(layers, spec)],
+        available_memory=0,
+        num_gpu_blocks_override=config.num_blocks,
+        needs_kv_cache_zeroing=config.needs_kv_cache_zeroing,
+    )
+    check_enough_kv_cache_memory(kv_cache_config, config.max_model_len, config.max_model_len)
+    return kv_cache_config
+
+
+def build_manager(config: ServerConfig) -> KVCacheManager:
+    """The manager the server owns; stats on, so the metrics can be fed."""
+    return KVCacheManager(
+        build_kv_cache_config(config),
+        config.max_model_len,
+        enable_caching=config.enable_caching,
+        log_stats=True,
+        hash_algo=config.hash_algo,
+        none_hash_seed=config.none_hash_seed,
+    )

@@ -1,0 +1,180 @@
+"""Protobuf messages to domain values and back; no validation beyond shape.
+
+Proto3 scalars have no "absent" state, so empty strings mean "none" (cache salt,
+LoRA name) and only the fields declared ``optional`` carry presence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvservice.core.block_hashing import MultiModalFeature
+from kvservice.core.errors import InvalidArgumentError
+from kvservice.core.kv_cache_interface import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    KVCacheGroupSpec,
+    KVCacheSpecKind,
+    SlidingWindowSpec,
+)
+from kvservice.core.kv_cache_manager import KVCacheManager
+from kvservice.core.request import Request, RequestStatus
+from kvservice.server.allocator import (
+    AllocateArgs,
+    Allocation,
+    ComputedBlocks,
+    FreeMode,
+    NewRequest,
+    PoolUsage,
+)
+from kvservice.server.gen import kv_cache_service_pb2 as pb
+
+_STATUS_TO_PB = {
+    RequestStatus.WAITING: pb.REQUEST_STATUS_WAITING,
+    RequestStatus.RUNNING: pb.REQUEST_STATUS_RUNNING,
+    RequestStatus.PREEMPTED: pb.REQUEST_STATUS_PREEMPTED,
+    RequestStatus.FINISHED: pb.REQUEST_STATUS_FINISHED,
+}
+_KIND_TO_PB = {
+    KVCacheSpecKind.FULL_ATTENTION: pb.KV_CACHE_SPEC_KIND_FULL_ATTENTION,
+    KVCacheSpecKind.SLIDING_WINDOW: pb.KV_CACHE_SPEC_KIND_SLIDING_WINDOW,
+    KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION: pb.KV_CACHE_SPEC_KIND_CHUNKED_LOCAL_ATTENTION,
+    KVCacheSpecKind.CROSS_ATTENTION: pb.KV_CACHE_SPEC_KIND_CROSS_ATTENTION,
+}
+_FREE_MODE_FROM_PB = {
+    pb.FREE_MODE_PREEMPT: FreeMode.PREEMPT,
+    pb.FREE_MODE_FINISH: FreeMode.FINISH,
+}
+
+# -- to domain ------------------------------------------------------------------------
+
+
+def new_request_from_pb(msg: pb.AddRequestRequest) -> NewRequest:
+    return NewRequest(
+        request_id=msg.request_id,
+        prompt_token_ids=list(msg.prompt_token_ids),
+        cache_salt=msg.cache_salt or None,
+        lora_name=msg.lora_name or None,
+        mm_features=tuple(
+            MultiModalFeature(f.identifier, f.offset, f.length) for f in msg.mm_features
+        ),
+        skip_reading_prefix_cache=msg.skip_reading_prefix_cache,
+    )
+
+
+def allocate_args_from_pb(msg: pb.AllocateSlotsRequest) -> AllocateArgs:
+    return AllocateArgs(
+        num_new_tokens=msg.num_new_tokens,
+        num_new_computed_tokens=msg.num_new_computed_tokens,
+        new_computed_block_ids=tuple(tuple(g.block_ids) for g in msg.new_computed_block_ids),
+        num_lookahead_tokens=msg.num_lookahead_tokens,
+        num_external_computed_tokens=msg.num_external_computed_tokens,
+        delay_cache_blocks=msg.delay_cache_blocks,
+        num_encoder_tokens=msg.num_encoder_tokens,
+        full_sequence_must_fit=msg.full_sequence_must_fit,
+        reserved_blocks=msg.reserved_blocks,
+        # Absent means vLLM's default (True); proto3's plain bool would mean False.
+        has_scheduled_reqs=(msg.has_scheduled_reqs if msg.HasField("has_scheduled_reqs") else True),
+        num_computed_tokens=(
+            msg.num_computed_tokens if msg.HasField("num_computed_tokens") else None
+        ),
+    )
+
+
+def free_mode_from_pb(mode: pb.FreeMode.ValueType) -> FreeMode:
+    try:
+        return _FREE_MODE_FROM_PB[mode]
+    except KeyError:
+        raise InvalidArgumentError(
+            f"mode must be FREE_MODE_PREEMPT or FREE_MODE_FINISH, got "
+            f"{pb.FreeMode.Name(mode) if mode in pb.FreeMode.values() else mode}"
+        ) from None
+
+
+# -- to protobuf ----------------------------------------------------------------------
+
+
+def block_ids_to_pb(groups: Iterable[Sequence[int]]) -> list[pb.BlockIds]:
+    return [pb.BlockIds(block_ids=ids) for ids in groups]
+
+
+def request_state_to_pb(request: Request) -> pb.RequestState:
+    return pb.RequestState(
+        request_id=request.request_id,
+        status=_STATUS_TO_PB[request.status],
+        num_tokens=request.num_tokens,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_computed_tokens=request.num_computed_tokens,
+        num_preemptions=request.num_preemptions,
+        num_block_hashes=len(request.block_hashes),
+    )
+
+
+def computed_blocks_to_pb(hit: ComputedBlocks) -> pb.GetComputedBlocksResponse:
+    return pb.GetComputedBlocksResponse(
+        block_ids=block_ids_to_pb(hit.block_ids),
+        num_computed_tokens=hit.num_computed_tokens,
+        shared_prefix_boundary=hit.shared_prefix_boundary,
+    )
+
+
+def allocation_to_pb(allocation: Allocation) -> pb.AllocateSlotsResponse:
+    if allocation.new_block_ids is None:
+        return pb.AllocateSlotsResponse(
+            outcome=pb.ALLOCATION_OUTCOME_NO_SPACE,
+            request=request_state_to_pb(allocation.request),
+        )
+    return pb.AllocateSlotsResponse(
+        outcome=pb.ALLOCATION_OUTCOME_OK,
+        new_block_ids=block_ids_to_pb(allocation.new_block_ids),
+        block_ids_to_zero=allocation.block_ids_to_zero,
+        request=request_state_to_pb(allocation.request),
+    )
+
+
+def usage_to_pb(usage: PoolUsage) -> pb.GetUsageResponse:
+    return pb.GetUsageResponse(
+        usage=usage.usage,
+        num_free_blocks=usage.num_free_blocks,
+        num_used_blocks=usage.num_used_blocks,
+        num_blocks=usage.num_blocks,
+        num_requests=usage.num_requests,
+        prefix_cache_queries=usage.prefix_cache_queries,
+        prefix_cache_hits=usage.prefix_cache_hits,
+    )
+
+
+def group_to_pb(group: KVCacheGroupSpec) -> pb.KVCacheGroup:
+    spec = group.kv_cache_spec
+    msg = pb.KVCacheGroup(
+        kind=_KIND_TO_PB[spec.kind],
+        block_size=spec.block_size,
+        layer_names=group.layer_names,
+        page_size_bytes=spec.page_size_bytes,
+    )
+    if isinstance(spec, AttentionSpec):
+        msg.num_kv_heads = spec.num_kv_heads
+        msg.head_size = spec.head_size
+        msg.dtype = spec.dtype
+    if isinstance(spec, SlidingWindowSpec):
+        msg.sliding_window = spec.sliding_window
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        msg.attention_chunk_size = spec.attention_chunk_size
+    return msg
+
+
+def cache_config_to_pb(manager: KVCacheManager, model_name: str) -> pb.GetCacheConfigResponse:
+    config = manager.kv_cache_config
+    hasher = manager.block_hasher
+    return pb.GetCacheConfigResponse(
+        groups=[group_to_pb(g) for g in config.kv_cache_groups],
+        num_blocks=config.num_blocks,
+        max_model_len=manager.max_model_len,
+        scheduler_block_size=manager.scheduler_block_size,
+        hash_block_size=manager.hash_block_size,
+        hash_algo=hasher.hash_algo,
+        none_hash_seed_fingerprint=hasher.none_hash_seed_fingerprint,
+        enable_caching=manager.enable_caching,
+        needs_kv_cache_zeroing=config.needs_kv_cache_zeroing,
+        model_name=model_name,
+    )

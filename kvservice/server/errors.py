@@ -1,0 +1,30 @@
+"""Service-level errors and the one place where an error becomes a gRPC status.
+
+The service's own refusals subclass the core's ``KVCacheError`` so that every caller
+mistake, from either layer, carries its status name the same way.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from kvservice.core.errors import KVCacheError
+
+
+class AlreadyExistsError(KVCacheError):
+    """AddRequest for a request id the server already knows."""
+
+    status = "ALREADY_EXISTS"
+
+
+class StaleHitError(KVCacheError):
+    """A remembered prefix hit lost a block to eviction before it was attached."""
+
+    status = "ABORTED"
+
+
+def status_code_of(error: KVCacheError) -> grpc.StatusCode:
+    """The gRPC code named by ``error.status``; INTERNAL for a name gRPC lacks (a bug
+    in the error class, not the caller's fault)."""
+    code: grpc.StatusCode = grpc.StatusCode.__members__.get(error.status, grpc.StatusCode.INTERNAL)
+    return code

@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC code: run ``make proto``, do not edit."""

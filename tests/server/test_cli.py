@@ -1,0 +1,92 @@
+"""``kvservice serve`` as a real process: it starts, reports SERVING and exits 0 on a
+signal."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvservice.server.app import SERVICE_NAME
+
+# Safety nets only: each wait ends as soon as its event happens.
+TIMEOUT_S = 120
+
+
+def kvservice_command() -> list[str]:
+    """The installed console script, or the module when it is not on this venv."""
+    script = Path(sys.executable).with_name("kvservice")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "kvservice.cli"]
+
+
+async def read_event(stream: asyncio.StreamReader, event: str) -> dict[str, Any]:
+    """The first JSON log line whose event is ``event`` (stdout is a pipe, so the
+    server logs JSON)."""
+    while True:
+        line = await stream.readline()
+        if not line:
+            raise AssertionError(f"the server exited before logging {event!r}")
+        record: dict[str, Any] = json.loads(line)
+        if record.get("event") == event:
+            return record
+
+
+async def health_status(port: int) -> int:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME), timeout=TIMEOUT_S
+        )
+        status: int = reply.status
+        return status
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_serve_until_signalled(sig: signal.Signals) -> None:
+    """The server binds a free port, answers health checks, and on SIGTERM or SIGINT
+    shuts down cleanly with exit code 0."""
+    process = await asyncio.create_subprocess_exec(
+        *kvservice_command(),
+        "serve",
+        "--port=0",
+        "--metrics-port=0",
+        "--num-blocks=64",
+        "--max-model-len=256",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    try:
+        serving = await asyncio.wait_for(read_event(process.stdout, "serving"), TIMEOUT_S)
+        assert serving["metrics_url"] is None
+        assert await health_status(serving["port"]) == health_pb2.HealthCheckResponse.SERVING
+        process.send_signal(sig)
+        await asyncio.wait_for(read_event(process.stdout, "stopped"), TIMEOUT_S)
+        _, stderr = await asyncio.wait_for(process.communicate(), TIMEOUT_S)
+        assert process.returncode == 0, stderr.decode()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_bad_pool_exits_with_a_message() -> None:
+    """A pool too small for max_model_len is refused with a readable message."""
+    process = await asyncio.create_subprocess_exec(
+        *kvservice_command(),
+        "serve",
+        "--port=0",
+        "--metrics-port=0",
+        "--num-blocks=4",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    _, stderr = await asyncio.wait_for(process.communicate(), TIMEOUT_S)
+    assert process.returncode == 2
+    assert "max_model_len" in stderr.decode() or "max seq len" in stderr.decode()
