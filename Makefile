@@ -4,11 +4,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve test lint typecheck unit proto bench clean
+.PHONY: setup serve test lint typecheck unit proto bench bench-runtime clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,runtime]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -37,6 +37,10 @@ proto: setup
 ## The core allocator benchmark (ops/s across pool sizes).
 bench: setup
 	$(BIN)/python -m benchmarks.bench_core
+
+## Paged decode attention vs dense attention (time, GB/s, ratio) on this machine.
+bench-runtime: setup
+	$(BIN)/python -m benchmarks.bench_paged_attention
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache

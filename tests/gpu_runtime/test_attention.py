@@ -1,0 +1,102 @@
+"""Paged attention against dense attention on the gathered keys and values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_runtime.attention import (
+    BACKEND_ENV,
+    AttentionBackend,
+    AttentionMetadata,
+    FlexAttentionBackend,
+    TorchAttentionBackend,
+    select_backend,
+)
+from kvservice.core.errors import InvalidArgumentError
+from tests.gpu_runtime.cases import TOLERANCES, random_case
+from tests.gpu_runtime.reference import ref_paged_attention
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def check_against_reference(
+    backend: AttentionBackend,
+    seed: int,
+    dtype: torch.dtype,
+    *,
+    decode: bool,
+    gqa_ratios: tuple[int, ...] = (1, 2, 4),
+) -> None:
+    case = random_case(seed, dtype, decode=decode, gqa_ratios=gqa_ratios)
+    out = backend.forward(case.query, case.kv_cache, case.metadata, case.scale)
+    expected = ref_paged_attention(
+        case.query, case.kv_cache, case.metadata, case.tables, case.scale
+    )
+    assert out.dtype == dtype and out.shape == case.query.shape
+    torch.testing.assert_close(
+        out.double(), expected, atol=TOLERANCES[dtype][0], rtol=TOLERANCES[dtype][1]
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+@pytest.mark.parametrize("seed", range(8))
+def test_torch_backend(seed: int, decode: bool, dtype: torch.dtype) -> None:
+    # GQA 3 is legal for the plain backend (only compiled flex needs a power of two).
+    check_against_reference(
+        TorchAttentionBackend(), seed, dtype, decode=decode, gqa_ratios=(1, 2, 3, 4)
+    )
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_torch_backend_decode_in_chunks(seed: int) -> None:
+    # A one-byte budget forces one sequence per chunk; 4 KiB mixes chunk widths.
+    for budget in (1, 4096):
+        check_against_reference(TorchAttentionBackend(budget), seed, torch.float32, decode=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("decode", [True, False], ids=["decode", "prefill"])
+@pytest.mark.parametrize("seed", range(4))
+def test_flex_backend_eager(seed: int, decode: bool, dtype: torch.dtype) -> None:
+    # Eager flex evaluates mask_mod at every pool position, which proves the mask exact;
+    # the compiled kernel then only skips blocks the BlockMask leaves out.
+    check_against_reference(FlexAttentionBackend(compile=False), seed, dtype, decode=decode)
+
+
+def test_bad_attention_input_is_refused() -> None:
+    case = random_case(0, torch.float32, decode=True)
+    backend = TorchAttentionBackend()
+    q, kv, meta = case.query, case.kv_cache, case.metadata
+    with pytest.raises(InvalidArgumentError, match=r"query has dtype torch.float16 but kv_cache"):
+        backend.forward(q.half(), kv, meta)
+    with pytest.raises(InvalidArgumentError, match=r"query has shape .* head_size"):
+        backend.forward(q[..., :-1], kv, meta)
+    with pytest.raises(InvalidArgumentError, match=r"query has .* tokens .* sum to"):
+        backend.forward(torch.cat([q, q]), kv, meta)
+    with pytest.raises(InvalidArgumentError, match=r"query must be 3-D"):
+        backend.forward(q[0], kv, meta)
+
+
+def test_bad_metadata_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match=r"sequence 1: block table has 1 blocks"):
+        AttentionMetadata.build([1, 1], [3, 5], [[1], [2]], 4, 8)
+    with pytest.raises(InvalidArgumentError, match=r"sequence 0: block table holds block 9"):
+        AttentionMetadata.build([1], [3], [[9]], 4, 8)
+    with pytest.raises(InvalidArgumentError, match=r"query_len 4 must be in \[1, seq_len=3\]"):
+        AttentionMetadata.build([4], [3], [[1]], 4, 8)
+    with pytest.raises(InvalidArgumentError, match=r"written into the null block"):
+        AttentionMetadata.build([1], [5], [[1, 0]], 4, 8)
+
+
+def test_backend_selection(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(BACKEND_ENV, raising=False)
+    assert isinstance(select_backend("cpu", 4, 2, torch.float32), TorchAttentionBackend)
+    flex = select_backend("cpu", 4, 2, torch.float32, name="flex-eager")
+    assert isinstance(flex, FlexAttentionBackend) and not flex.compile
+    monkeypatch.setenv(BACKEND_ENV, "flex")
+    assert isinstance(select_backend("cpu", 4, 2, torch.float32), FlexAttentionBackend)
+    with pytest.raises(InvalidArgumentError, match="unknown attention backend 'nope'"):
+        select_backend("cpu", 4, 2, torch.float32, name="nope")
+    assert not FlexAttentionBackend.supports(6, 2, torch.float32)
