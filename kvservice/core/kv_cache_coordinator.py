@@ -184,6 +184,12 @@ class KVCacheCoordinator(ABC):
         for manager in self.single_type_managers:
             manager.remove_skipped_blocks(request_id, total_computed_tokens)
 
+    def get_num_blocks_freed_by_skipping(self, request_id: str, total_computed_tokens: int) -> int:
+        return sum(
+            m.get_num_blocks_freed_by_skipping(request_id, total_computed_tokens)
+            for m in self.single_type_managers
+        )
+
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         return [
             m.get_num_common_prefix_blocks(running_request_id) for m in self.single_type_managers

@@ -57,6 +57,17 @@ class KVCacheBlocks:
 _WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
+@dataclass(frozen=True, slots=True)
+class AllocationProbe:
+    """The answer of ``KVCacheManager.probe``."""
+
+    num_hit_tokens: int  # tokens the prefix cache would supply (admissions only)
+    num_new_tokens: int  # tokens the probed allocation would compute
+    num_blocks_to_allocate: int  # blocks it would take from the free queue
+    num_free_blocks: int  # free blocks once out-of-window blocks are released
+    would_fit: bool  # whether allocate_slots would return blocks rather than None
+
+
 class KVCacheManager:
     """vLLM 0.33's ``KVCacheManager``: prefix lookup, slot allocation and freeing.
 
@@ -253,22 +264,11 @@ class KVCacheManager:
         coordinator = self.coordinator
         block_pool = self.block_pool
 
-        # The watermark only guards admissions, and only when something else runs.
-        watermark_blocks = (
-            self.watermark_blocks if has_scheduled_reqs and request.status in _WAITING_STATES else 0
-        )
-        if full_sequence_must_fit:
-            full_num_tokens = min(request.num_tokens, self.max_model_len)
-            num_required = coordinator.get_num_blocks_to_allocate(
-                request_id,
-                full_num_tokens,
-                hits,
-                num_encoder_tokens,
-                total_computed_tokens,
-                apply_admission_cap=True,
-            )
-            if num_required + watermark_blocks > block_pool.get_num_free_blocks():
-                return None
+        watermark_blocks = self._watermark_blocks_for(request, has_scheduled_reqs)
+        if full_sequence_must_fit and not self._full_sequence_fits(
+            request, hits, num_encoder_tokens, total_computed_tokens, watermark_blocks
+        ):
+            return None
 
         num_tokens_main_model = total_computed_tokens + num_new_tokens
         num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
@@ -294,6 +294,97 @@ class KVCacheManager:
         if self.enable_caching and not delay_cache_blocks:
             coordinator.cache_blocks(request, min(num_tokens_main_model, request.num_tokens))
         return self.create_kv_cache_blocks(new_blocks)
+
+    def _watermark_blocks_for(self, request: Request, has_scheduled_reqs: bool) -> int:
+        # The watermark only guards admissions, and only when something else runs.
+        if has_scheduled_reqs and request.status in _WAITING_STATES:
+            return self.watermark_blocks
+        return 0
+
+    def _full_sequence_fits(
+        self,
+        request: Request,
+        hits: tuple[Sequence[KVCacheBlock], ...],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        watermark_blocks: int,
+    ) -> bool:
+        """The admission gate: could the whole sequence be held now (window-bounded
+        groups counted at their admission cap)?"""
+        full_num_tokens = min(request.num_tokens, self.max_model_len)
+        num_required = self.coordinator.get_num_blocks_to_allocate(
+            request.request_id,
+            full_num_tokens,
+            hits,
+            num_encoder_tokens,
+            total_computed_tokens,
+            apply_admission_cap=True,
+        )
+        return num_required + watermark_blocks <= self.block_pool.get_num_free_blocks()
+
+    def probe(
+        self,
+        request: Request,
+        num_new_tokens: int | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+    ) -> AllocationProbe:
+        """What ``get_computed_blocks`` + ``allocate_slots`` would do now, without doing
+        it: no references taken, no block freed, LRU order and stats untouched.
+
+        A request holding no blocks is probed as an admission (its prefix hit is looked
+        up); one holding blocks as a running request. ``num_new_tokens`` defaults to the
+        request's tokens not yet computed nor hit. Raises what ``allocate_slots`` would.
+        """
+        self._check_not_finished(request)
+        request_id = request.request_id
+        hits: tuple[Sequence[KVCacheBlock], ...] = ()
+        num_hit_tokens = 0
+        admitting = not any(self.coordinator.get_blocks(request_id))
+        if admitting and self.enable_caching and not request.skip_reading_prefix_cache:
+            hits, num_hit_tokens, _ = self.coordinator.find_longest_cache_hit(
+                request.block_hashes, request.num_tokens - 1
+            )
+        num_computed_tokens = request.num_computed_tokens
+        if num_new_tokens is None:
+            num_new_tokens = max(
+                request.num_tokens
+                - num_computed_tokens
+                - num_hit_tokens
+                - num_external_computed_tokens,
+                0,
+            )
+        self._validate_allocation(
+            request,
+            num_computed_tokens,
+            num_new_tokens,
+            num_hit_tokens,
+            hits,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            num_encoder_tokens,
+            reserved_blocks,
+        )
+        total_computed_tokens = num_computed_tokens + num_hit_tokens + num_external_computed_tokens
+        num_tokens_need_slot = min(
+            total_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
+        )
+        watermark_blocks = self._watermark_blocks_for(request, has_scheduled_reqs)
+        fits = not full_sequence_must_fit or self._full_sequence_fits(
+            request, hits, num_encoder_tokens, total_computed_tokens, watermark_blocks
+        )
+        num_free = self.block_pool.get_num_free_blocks() + (
+            self.coordinator.get_num_blocks_freed_by_skipping(request_id, total_computed_tokens)
+        )
+        num_required = self.coordinator.get_num_blocks_to_allocate(
+            request_id, num_tokens_need_slot, hits, num_encoder_tokens, total_computed_tokens
+        )
+        fits = fits and num_required + watermark_blocks <= num_free - reserved_blocks
+        return AllocationProbe(num_hit_tokens, num_new_tokens, num_required, num_free, fits)
 
     def _validate_allocation(
         self,

@@ -207,25 +207,42 @@ class SingleTypeKVCacheManager(ABC):
         """Leading tokens that no future token attends to (their blocks can go)."""
         return 0
 
+    def _skipped_blocks(self, request_id: str, total_computed_tokens: int) -> list[int]:
+        """Table indices ``remove_skipped_blocks`` would release, last first."""
+        num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
+        blocks = self.req_to_blocks.get(request_id)
+        if num_skipped_tokens <= 0 or not blocks:
+            return []
+        indices: list[int] = []
+        for i in range(min(num_skipped_tokens // self.block_size, len(blocks)) - 1, -1, -1):
+            if blocks[i] is self._null_block:
+                break  # everything before it was removed earlier
+            indices.append(i)
+        return indices
+
+    def get_num_blocks_freed_by_skipping(self, request_id: str, total_computed_tokens: int) -> int:
+        """How many blocks ``remove_skipped_blocks`` would return to the free queue now
+        (shared blocks only lose a reference). No side effects."""
+        blocks = self.req_to_blocks.get(request_id, [])
+        return sum(
+            1
+            for i in self._skipped_blocks(request_id, total_computed_tokens)
+            if blocks[i].ref_cnt == 1
+        )
+
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         """Free the blocks no future token attends to, replacing them with the null block.
 
         Walks from the last skipped block backwards and stops at the first null one
         (everything before it was removed earlier), so the later block is freed first.
         """
-        num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
-        if num_skipped_tokens <= 0:
+        indices = self._skipped_blocks(request_id, total_computed_tokens)
+        if not indices:
             return
-        blocks = self.req_to_blocks.get(request_id)
-        if not blocks:
-            return
-        null_block = self._null_block
-        removed: list[KVCacheBlock] = []
-        for i in range(min(num_skipped_tokens // self.block_size, len(blocks)) - 1, -1, -1):
-            if blocks[i] is null_block:
-                break
-            removed.append(blocks[i])
-            blocks[i] = null_block
+        blocks = self.req_to_blocks[request_id]
+        removed = [blocks[i] for i in indices]
+        for i in indices:
+            blocks[i] = self._null_block
         self.block_pool.free_blocks(removed)
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
@@ -294,6 +311,9 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         """Nothing to remove: every past token stays in view."""
+
+    def get_num_blocks_freed_by_skipping(self, request_id: str, total_computed_tokens: int) -> int:
+        return 0
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         num_holders = len(self.req_to_blocks)
