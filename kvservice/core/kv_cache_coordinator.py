@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvservice.core.block_pool import BlockPool
@@ -71,6 +72,21 @@ def _validate_block_sizes(
             )
 
 
+def _eagle_group_ids(kv_cache_config: KVCacheConfig, use_eagle: bool) -> frozenset[int]:
+    if not use_eagle:
+        return frozenset()
+    groups = kv_cache_config.kv_cache_groups
+    marked = frozenset(i for i, g in enumerate(groups) if g.is_eagle_group)
+    ids = marked or frozenset(range(len(groups)))
+    for i in ids:
+        if isinstance(groups[i].kv_cache_spec, ChunkedLocalAttentionSpec | CrossAttentionSpec):
+            raise InvalidArgumentError(
+                f"KV cache group {i} ({groups[i].kv_cache_spec.kind.value}) cannot serve an "
+                f"EAGLE drafter; mark the drafter's groups with is_eagle_group"
+            )
+    return ids
+
+
 class KVCacheCoordinator(ABC):
     """Owns the pool and one ``SingleTypeKVCacheManager`` per group."""
 
@@ -83,6 +99,7 @@ class KVCacheCoordinator(ABC):
         scheduler_block_size: int,
         hash_block_size: int,
         max_in_flight_tokens: int,
+        use_eagle: bool = False,
     ) -> None:
         _validate_block_sizes(
             kv_cache_config, enable_caching, scheduler_block_size, hash_block_size
@@ -110,6 +127,9 @@ class KVCacheCoordinator(ABC):
         self._is_cross_attention = tuple(
             isinstance(g.kv_cache_spec, CrossAttentionSpec) for g in kv_cache_config.kv_cache_groups
         )
+        self.eagle_group_ids = _eagle_group_ids(kv_cache_config, use_eagle)
+        for gid in self.eagle_group_ids:
+            self.single_type_managers[gid].use_eagle = True
         self._setup()
 
     def _setup(self) -> None:
@@ -279,6 +299,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             self.block_pool,
             manager.kv_cache_spec,
             self.block_size,
+            use_eagle=manager.use_eagle,
         )
         # One group cannot lag behind another: no uncached shared prefix.
         return blocks, hit_length, 0
@@ -300,10 +321,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             manager.cache_hit_alignment_tokens = self.alignment_tokens
         self.attention_groups = self._split_attention_groups()
 
-    def _split_attention_groups(
-        self,
-    ) -> list[tuple[KVCacheSpec, list[int], type[SingleTypeKVCacheManager]]]:
-        groups: list[tuple[KVCacheSpec, list[int], type[SingleTypeKVCacheManager]]] = []
+    def _split_attention_groups(self) -> list[_SpecGroup]:
+        groups: list[_SpecGroup] = []
         for i, group in enumerate(self.kv_cache_config.kv_cache_groups):
             spec = group.kv_cache_spec
             if (
@@ -315,13 +334,19 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     f"needs every group to share its block size for prefix caching; the "
                     f"scheduler block size is {self.alignment_tokens}"
                 )
-            for known_spec, ids, _ in groups:
-                if known_spec == spec:
-                    ids.append(i)
+            for known in groups:
+                if known.spec == spec:
+                    known.group_ids.append(i)
                     break
             else:
-                groups.append((spec, [i], manager_class_for_spec(spec)))
-        groups.sort(key=lambda g: not isinstance(g[0], FullAttentionSpec))
+                groups.append(_SpecGroup(spec, [i], manager_class_for_spec(spec)))
+        for known in groups:
+            # Groups searched together must agree on EAGLE, or one list would be a block
+            # longer than the other; siblings of a drafter group are treated as drafters.
+            known.use_eagle = any(gid in self.eagle_group_ids for gid in known.group_ids)
+            for gid in known.group_ids:
+                self.single_type_managers[gid].use_eagle = known.use_eagle
+        groups.sort(key=lambda g: not isinstance(g.spec, FullAttentionSpec))
         return groups
 
     def find_longest_cache_hit(
@@ -334,24 +359,37 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         # With two types, full attention first, one pass is exact: the second search ran
         # with the full-attention bound and only the full-attention list needs trimming.
         one_pass = len(self.attention_groups) == 2 and isinstance(
-            self.attention_groups[0][0], FullAttentionSpec
+            self.attention_groups[0].spec, FullAttentionSpec
         )
         hit_length = max_cache_hit_length
         while True:
             candidate = hit_length
-            for spec, group_ids, manager_cls in self.attention_groups:
+            for group in self.attention_groups:
+                spec = group.spec
                 is_full = isinstance(spec, FullAttentionSpec)
-                if is_full and group_ids[0] in full_hit_length:
-                    candidate = min(candidate, full_hit_length[group_ids[0]])
+                if is_full and group.group_ids[0] in full_hit_length:
+                    candidate = min(candidate, full_hit_length[group.group_ids[0]])
                     candidate -= candidate % spec.block_size
                     continue
-                lists, length = manager_cls.find_longest_cache_hit(
-                    block_hashes, candidate, group_ids, self.block_pool, spec, self.alignment_tokens
+                max_length = candidate
+                if group.use_eagle and not is_full:
+                    # Match one block past the candidate, then give it back: the drop
+                    # lands on the candidate instead of one block below it.
+                    max_length = min(candidate + spec.block_size, max_cache_hit_length)
+                lists, length = group.manager_cls.find_longest_cache_hit(
+                    block_hashes,
+                    max_length,
+                    group.group_ids,
+                    self.block_pool,
+                    spec,
+                    self.alignment_tokens,
+                    use_eagle=group.use_eagle,
                 )
-                for gid, blocks in zip(group_ids, lists, strict=True):
+                assert length <= candidate, "a group's hit exceeded the joint candidate"
+                for gid, blocks in zip(group.group_ids, lists, strict=True):
                     hits_by_group[gid] = blocks
                 if is_full:
-                    full_hit_length[group_ids[0]] = length
+                    full_hit_length[group.group_ids[0]] = length
                 longest = max(longest, length)
                 candidate = length
             if candidate >= hit_length:
@@ -359,19 +397,36 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             hit_length = candidate
             if one_pass:
                 break
-        for spec, group_ids, _ in self.attention_groups:
-            if isinstance(spec, FullAttentionSpec):
-                for gid in group_ids:
+        for group in self.attention_groups:
+            if isinstance(group.spec, FullAttentionSpec):
+                for gid in group.group_ids:
                     full_hits = hits_by_group[gid]
                     assert full_hits is not None
-                    del full_hits[hit_length // spec.block_size :]
+                    del full_hits[hit_length // group.spec.block_size :]
         result = tuple(hits if hits is not None else [] for hits in hits_by_group)
         return result, hit_length, longest - hit_length
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        # Hits end on scheduler-block boundaries, so a block past the last one is useless.
+        # Hits end on scheduler-block boundaries, so a block past the last one is useless,
+        # except to an EAGLE group: it needs the block after the boundary for its drop.
         aligned = num_computed_tokens - num_computed_tokens % self.scheduler_block_size
-        super().cache_blocks(request, aligned)
+        for manager in self.single_type_managers:
+            if manager.use_eagle:
+                manager.cache_blocks(
+                    request, min(num_computed_tokens, aligned + manager.block_size)
+                )
+            else:
+                manager.cache_blocks(request, aligned)
+
+
+@dataclass(slots=True)
+class _SpecGroup:
+    """KV cache groups with equal specs, searched together by the hybrid coordinator."""
+
+    spec: KVCacheSpec
+    group_ids: list[int]
+    manager_cls: type[SingleTypeKVCacheManager]
+    use_eagle: bool = False
 
 
 def get_kv_cache_coordinator(
@@ -382,6 +437,7 @@ def get_kv_cache_coordinator(
     scheduler_block_size: int,
     hash_block_size: int,
     max_in_flight_tokens: int,
+    use_eagle: bool = False,
 ) -> KVCacheCoordinator:
     args = (
         max_model_len,
@@ -392,7 +448,7 @@ def get_kv_cache_coordinator(
         max_in_flight_tokens,
     )
     if not enable_caching or not kv_cache_config.kv_cache_groups:
-        return KVCacheCoordinatorNoPrefixCache(kv_cache_config, *args)
+        return KVCacheCoordinatorNoPrefixCache(kv_cache_config, *args, use_eagle=use_eagle)
     if len(kv_cache_config.kv_cache_groups) == 1:
-        return UnitaryKVCacheCoordinator(kv_cache_config, *args)
-    return HybridKVCacheCoordinator(kv_cache_config, *args)
+        return UnitaryKVCacheCoordinator(kv_cache_config, *args, use_eagle=use_eagle)
+    return HybridKVCacheCoordinator(kv_cache_config, *args, use_eagle=use_eagle)

@@ -175,10 +175,15 @@ class CrossAttentionSpec(AttentionSpec):
 
 @dataclass(frozen=True, slots=True)
 class KVCacheGroupSpec:
-    """Layers that share one block table because they share one spec."""
+    """Layers that share one block table because they share one spec.
+
+    ``is_eagle_group`` marks the groups an EAGLE drafter reads; when no group is marked
+    and EAGLE is on, every group is treated as one.
+    """
 
     layer_names: list[str]
     kv_cache_spec: KVCacheSpec
+    is_eagle_group: bool = False
 
 
 @dataclass(frozen=True, slots=True)

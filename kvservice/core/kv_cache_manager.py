@@ -86,6 +86,8 @@ class KVCacheManager:
         max_in_flight_tokens: tokens one request can have in flight in a step (the
             window-bounded admission cap); defaults to ``max_model_len``.
         hash_algo / none_hash_seed: the block hash function and its chain seed.
+        use_eagle: an EAGLE drafter reads the groups marked ``is_eagle_group`` (all
+            groups if none is marked): their hits give back one block.
     """
 
     def __init__(
@@ -101,6 +103,7 @@ class KVCacheManager:
         max_in_flight_tokens: int | None = None,
         hash_algo: str = "sha256",
         none_hash_seed: str | None = None,
+        use_eagle: bool = False,
     ) -> None:
         if max_model_len <= 0:
             raise InvalidArgumentError(f"max_model_len must be positive, got {max_model_len}")
@@ -123,6 +126,7 @@ class KVCacheManager:
             scheduler_block_size=self.scheduler_block_size,
             hash_block_size=self.hash_block_size,
             max_in_flight_tokens=max_in_flight_tokens or max_model_len,
+            use_eagle=use_eagle,
         )
         self.num_kv_cache_groups = len(groups)
         # Layer 1 reads the free count directly for its capacity checks.

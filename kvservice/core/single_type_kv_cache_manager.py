@@ -61,6 +61,8 @@ class SingleTypeKVCacheManager(ABC):
         self._record_new_block_ids = record_new_block_ids
         self.new_block_ids: list[int] = []
         self._max_admission_blocks_per_request = max_admission_blocks_per_request
+        # Set by the coordinator for the groups an EAGLE drafter reads.
+        self.use_eagle = False
 
     # -- prediction (no side effects) -------------------------------------------------
 
@@ -261,10 +263,14 @@ class SingleTypeKVCacheManager(ABC):
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
         alignment_tokens: int,
+        use_eagle: bool = False,
     ) -> tuple[HitBlocks, int]:
         """The longest usable cached prefix of at most ``max_length`` tokens: one block
         list per group id (null blocks where the group needs nothing) and its length in
-        tokens, a multiple of ``alignment_tokens``. Takes no references."""
+        tokens, a multiple of ``alignment_tokens``. Takes no references.
+
+        ``use_eagle``: an EAGLE drafter recomputes the hidden states of the last hit
+        block, so one block (one alignment unit at most) of the hit is given back."""
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
@@ -279,8 +285,13 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
         alignment_tokens: int,
+        use_eagle: bool = False,
     ) -> tuple[HitBlocks, int]:
-        """Left to right; the first miss ends the prefix (hashes are chained)."""
+        """Left to right; the first miss ends the prefix (hashes are chained).
+
+        With EAGLE, 48 cached tokens of block size 16 hit only 16 for a 48-token prompt:
+        the cap at 47 leaves 2 blocks, and EAGLE gives one back.
+        """
         block_size = kv_cache_spec.block_size
         hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
         num_blocks = min(max_length // block_size, len(hashes))
@@ -303,6 +314,8 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 for blocks, block in zip(computed, hit, strict=True):
                     blocks.append(block)
         hit_length = len(computed[0]) * block_size
+        if use_eagle and hit_length > 0:
+            hit_length -= min(alignment_tokens, block_size)
         hit_length -= hit_length % alignment_tokens
         num_hit_blocks = hit_length // block_size
         for blocks in computed:
@@ -337,9 +350,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return spec.sliding_window
 
     @staticmethod
-    def num_contiguous_blocks_needed(sliding_window: int, block_size: int) -> int:
-        # -1: the current token is inside its own window.
-        return cdiv(sliding_window - 1, block_size)
+    def num_contiguous_blocks_needed(sliding_window: int, block_size: int, use_eagle: bool) -> int:
+        # -1: the current token is inside its own window; +1 with EAGLE, whose last
+        # block is given back.
+        return cdiv(sliding_window - 1, block_size) + (1 if use_eagle else 0)
 
     @classmethod
     def find_longest_cache_hit(
@@ -350,6 +364,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
         alignment_tokens: int,
+        use_eagle: bool = False,
     ) -> tuple[HitBlocks, int]:
         """Right to left: the hit ends at the latest run of cached blocks long enough to
         cover one window; blocks before the run are null. A run that reaches block 0
@@ -360,7 +375,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         """
         assert isinstance(kv_cache_spec, SlidingWindowSpec)
         block_size = kv_cache_spec.block_size
-        need = cls.num_contiguous_blocks_needed(kv_cache_spec.sliding_window, block_size)
+        need = cls.num_contiguous_blocks_needed(kv_cache_spec.sliding_window, block_size, use_eagle)
+        # With EAGLE the run's last block is given back, so the block before it must end
+        # on an aligned boundary.
+        end_shift = 0 if use_eagle else 1
         hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
         num_blocks = min(max_length // block_size, len(hashes))
         null = block_pool.null_block
@@ -372,7 +390,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             if hit is None:
                 run = 0
                 continue
-            if run == 0 and ((i + 1) * block_size) % alignment_tokens != 0:
+            if run == 0 and ((i + end_shift) * block_size) % alignment_tokens != 0:
                 continue  # a hit must end on an aligned boundary
             for blocks, block in zip(computed, hit, strict=True):
                 blocks[i] = block
@@ -385,9 +403,12 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         if not found:
             for blocks in computed:
                 del blocks[run:]
-            while (len(computed[0]) * block_size) % alignment_tokens != 0:
-                for blocks in computed:
-                    blocks.pop()
+        if use_eagle and computed[0]:
+            for blocks in computed:
+                blocks.pop()
+        while (len(computed[0]) * block_size) % alignment_tokens != 0:
+            for blocks in computed:
+                blocks.pop()
         return computed, len(computed[0]) * block_size
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -404,12 +425,17 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         """Hits end on ``cache_hit_alignment_tokens`` boundaries and need one window of
         blocks before that boundary: in a segment of several blocks only the last
         window's worth can ever be used, so only those are cached."""
-        need = self.num_contiguous_blocks_needed(self.sliding_window, self.block_size)
+        need = self.num_contiguous_blocks_needed(
+            self.sliding_window, self.block_size, self.use_eagle
+        )
         per_segment = self.cache_hit_alignment_tokens // self.block_size
         if need >= per_segment:
             return None
+        # With EAGLE a hit ending on a boundary uses the window plus the block after it.
+        shift = 1 if self.use_eagle else 0
         return [
-            i % per_segment >= per_segment - need for i in range(num_cached_blocks, num_full_blocks)
+            (i - shift) % per_segment >= per_segment - need
+            for i in range(num_cached_blocks, num_full_blocks)
         ]
 
 
@@ -433,6 +459,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
         alignment_tokens: int,
+        use_eagle: bool = False,
     ) -> tuple[HitBlocks, int]:
         """Blocks before the chunk holding token ``max_length`` are null (nothing will
         attend to them); from that chunk's start, left to right until the first miss.
@@ -441,6 +468,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         (tokens 8-11) is probed: ``[NULL, NULL, B2]`` or ``[NULL, NULL]``.
         """
         assert isinstance(kv_cache_spec, ChunkedLocalAttentionSpec)
+        assert not use_eagle, "EAGLE is not supported with chunked local attention"
         block_size = kv_cache_spec.block_size
         assert block_size == alignment_tokens, (
             "chunked local attention needs hits aligned to its own block size"
@@ -479,6 +507,7 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         block_pool: BlockPool,
         kv_cache_spec: KVCacheSpec,
         alignment_tokens: int,
+        use_eagle: bool = False,
     ) -> tuple[HitBlocks, int]:
         raise NotImplementedError("cross attention does not support prefix caching")
 
