@@ -8,6 +8,7 @@ which is the null block.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from enum import StrEnum
@@ -240,3 +241,31 @@ def hash_block_size_of(groups: list[KVCacheGroupSpec]) -> int:
         if not isinstance(g.kv_cache_spec, CrossAttentionSpec)
     ]
     return math.gcd(*sizes) if sizes else scheduler_block_size_of(groups)
+
+
+def scale_for_context_parallelism(
+    kv_cache_config: KVCacheConfig, dcp_world_size: int = 1, pcp_world_size: int = 1
+) -> KVCacheConfig:
+    """The allocator's view of a config under context parallelism.
+
+    Decode context parallelism shards each full-attention block's tokens across the
+    ``dcp_world_size`` ranks, so one block id covers ``block_size * dcp_world_size``
+    tokens. Prefill context parallelism gathers K/V after prefill and does not change
+    the geometry. Window-bounded and cross attention are not sharded: refused.
+    """
+    for name, size in (("dcp_world_size", dcp_world_size), ("pcp_world_size", pcp_world_size)):
+        if size < 1:
+            raise InvalidArgumentError(f"{name} must be >= 1, got {size}")
+    if dcp_world_size == 1:
+        return kv_cache_config
+    groups: list[KVCacheGroupSpec] = []
+    for i, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        if not isinstance(spec, FullAttentionSpec):
+            raise InvalidArgumentError(
+                f"dcp_world_size={dcp_world_size}: decode context parallelism shards only "
+                f"full attention, but KV cache group {i} is {spec.kind.value}"
+            )
+        scaled = dataclasses.replace(spec, block_size=spec.block_size * dcp_world_size)
+        groups.append(dataclasses.replace(group, kv_cache_spec=scaled))
+    return dataclasses.replace(kv_cache_config, kv_cache_groups=groups)

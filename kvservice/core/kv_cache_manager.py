@@ -25,6 +25,7 @@ from kvservice.core.kv_cache_interface import (
     KVCacheConfig,
     SlidingWindowSpec,
     hash_block_size_of,
+    scale_for_context_parallelism,
     scheduler_block_size_of,
 )
 from kvservice.core.kv_events import BlockStored, KVCacheEvent
@@ -104,13 +105,24 @@ class KVCacheManager:
         hash_algo: str = "sha256",
         none_hash_seed: str | None = None,
         use_eagle: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
     ) -> None:
         if max_model_len <= 0:
             raise InvalidArgumentError(f"max_model_len must be positive, got {max_model_len}")
         if not 0.0 <= watermark < 1.0:
             raise InvalidArgumentError(f"watermark must be in [0, 1), got {watermark}")
-        groups = kv_cache_config.kv_cache_groups
         self.kv_cache_config = kv_cache_config
+        # Block sizes below are in the scheduler's tokens: DCP-scaled for full attention.
+        scheduler_view = scale_for_context_parallelism(
+            kv_cache_config, dcp_world_size, pcp_world_size
+        )
+        if pcp_world_size > 1 and len(scheduler_view.kv_cache_groups) > 1:
+            raise InvalidArgumentError(
+                f"pcp_world_size={pcp_world_size}: prefill context parallelism supports one "
+                f"KV cache group, the config has {len(scheduler_view.kv_cache_groups)}"
+            )
+        groups = scheduler_view.kv_cache_groups
         self.max_model_len = max_model_len
         self.scheduler_block_size = scheduler_block_size or scheduler_block_size_of(groups)
         self.hash_block_size = hash_block_size or hash_block_size_of(groups)
@@ -119,7 +131,7 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self.block_hasher = BlockHasher(self.hash_block_size, hash_algo, none_hash_seed)
         self.coordinator = get_kv_cache_coordinator(
-            kv_cache_config,
+            scheduler_view,
             max_model_len=max_model_len,
             enable_caching=enable_caching,
             enable_kv_cache_events=enable_kv_cache_events,
