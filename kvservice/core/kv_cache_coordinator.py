@@ -21,6 +21,7 @@ from kvservice.core.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
+    MambaSpec,
 )
 from kvservice.core.single_type_kv_cache_manager import (
     HitBlocks,
@@ -65,6 +66,8 @@ def _validate_block_sizes(
                 f"KV cache group {i} is cross attention, which cannot be prefix cached; "
                 f"set enable_caching=False for encoder-decoder models"
             )
+        if isinstance(spec, MambaSpec):
+            _validate_mamba(i, spec, enable_caching)
         if enable_caching and spec.block_size % hash_block_size != 0:
             raise InvalidArgumentError(
                 f"KV cache group {i}'s block_size ({spec.block_size}) must be a multiple of "
@@ -72,14 +75,34 @@ def _validate_block_sizes(
             )
 
 
+def _validate_mamba(group_id: int, spec: MambaSpec, enable_caching: bool) -> None:
+    if enable_caching and spec.mamba_cache_mode == "none":
+        raise InvalidArgumentError(
+            f"KV cache group {group_id} is Mamba with mamba_cache_mode 'none', which keeps no "
+            f"prefix-cache states; use mamba_cache_mode 'all' or set enable_caching=False"
+        )
+    if not enable_caching and spec.mamba_cache_mode != "none":
+        raise InvalidArgumentError(
+            f"KV cache group {group_id} has mamba_cache_mode {spec.mamba_cache_mode!r}, which "
+            f"needs prefix caching; set enable_caching=True or mamba_cache_mode 'none'"
+        )
+
+
 def _eagle_group_ids(kv_cache_config: KVCacheConfig, use_eagle: bool) -> frozenset[int]:
     if not use_eagle:
         return frozenset()
     groups = kv_cache_config.kv_cache_groups
     marked = frozenset(i for i, g in enumerate(groups) if g.is_eagle_group)
-    ids = marked or frozenset(range(len(groups)))
+    # Unmarked: every attention group (a drafter has no Mamba or cross-attention state).
+    ids = marked or frozenset(
+        i
+        for i, g in enumerate(groups)
+        if not isinstance(g.kv_cache_spec, MambaSpec | CrossAttentionSpec)
+    )
     for i in ids:
-        if isinstance(groups[i].kv_cache_spec, ChunkedLocalAttentionSpec | CrossAttentionSpec):
+        if isinstance(
+            groups[i].kv_cache_spec, ChunkedLocalAttentionSpec | CrossAttentionSpec | MambaSpec
+        ):
             raise InvalidArgumentError(
                 f"KV cache group {i} ({groups[i].kv_cache_spec.kind.value}) cannot serve an "
                 f"EAGLE drafter; mark the drafter's groups with is_eagle_group"

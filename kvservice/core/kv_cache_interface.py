@@ -33,6 +33,7 @@ class KVCacheSpecKind(StrEnum):
     SLIDING_WINDOW = "sliding_window"
     CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
     CROSS_ATTENTION = "cross_attention"
+    MAMBA = "mamba"
 
 
 def cdiv(a: int, b: int) -> int:
@@ -174,6 +175,64 @@ class CrossAttentionSpec(AttentionSpec):
         return cdiv(self.max_num_encoder_input_tokens, self.block_size) * self.page_size_bytes
 
 
+MAMBA_CACHE_MODES = ("none", "all")
+
+
+@dataclass(frozen=True, slots=True)
+class MambaSpec(KVCacheSpec):
+    """State-space layers: one recurrent state per request, not one entry per token.
+
+    A block holds the state after its last token. ``mamba_cache_mode``: "none" keeps
+    only the live state (no prefix caching; usually ``block_size = max_model_len``);
+    "all" keeps the state at every block boundary as a prefix-cache entry. Speculative
+    decoding adds ``num_speculative_blocks`` state blocks per request.
+    """
+
+    shapes: tuple[tuple[int, ...], ...] = ()
+    dtypes: tuple[str, ...] = ()
+    page_size_padded: int | None = None
+    mamba_type: str = "mamba2"
+    mamba_cache_mode: str = "none"
+    num_speculative_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        super(MambaSpec, self).__post_init__()
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise InvalidArgumentError(
+                f"mamba_cache_mode {self.mamba_cache_mode!r} is not supported; use one of "
+                f"{list(MAMBA_CACHE_MODES)} (vLLM's 'align' mode is not implemented yet)"
+            )
+        if self.num_speculative_blocks < 0:
+            raise InvalidArgumentError(
+                f"num_speculative_blocks must be >= 0, got {self.num_speculative_blocks}"
+            )
+        if len(self.shapes) != len(self.dtypes) or any(d not in DTYPE_SIZES for d in self.dtypes):
+            raise InvalidArgumentError(
+                f"MambaSpec needs one dtype from {sorted(DTYPE_SIZES)} per state shape, got "
+                f"shapes {self.shapes} and dtypes {self.dtypes}"
+            )
+
+    @property
+    def kind(self) -> KVCacheSpecKind:
+        return KVCacheSpecKind.MAMBA
+
+    @property
+    def page_size_bytes(self) -> int:
+        real = sum(
+            math.prod(shape) * DTYPE_SIZES[dtype]
+            for shape, dtype in zip(self.shapes, self.dtypes, strict=True)
+        )
+        if self.page_size_padded is not None:
+            assert self.page_size_padded >= real, "padded page smaller than the state"
+            return self.page_size_padded
+        return real
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        if self.mamba_cache_mode == "all":
+            return cdiv(max_model_len, self.block_size) * self.page_size_bytes
+        return (1 + self.num_speculative_blocks) * self.page_size_bytes
+
+
 @dataclass(frozen=True, slots=True)
 class KVCacheGroupSpec:
     """Layers that share one block table because they share one spec.
@@ -250,8 +309,9 @@ def scale_for_context_parallelism(
 
     Decode context parallelism shards each full-attention block's tokens across the
     ``dcp_world_size`` ranks, so one block id covers ``block_size * dcp_world_size``
-    tokens. Prefill context parallelism gathers K/V after prefill and does not change
-    the geometry. Window-bounded and cross attention are not sharded: refused.
+    tokens; Mamba states are replicated, so their blocks keep their size. Prefill
+    context parallelism gathers K/V after prefill and does not change the geometry.
+    Window-bounded and cross attention are not sharded: refused.
     """
     for name, size in (("dcp_world_size", dcp_world_size), ("pcp_world_size", pcp_world_size)):
         if size < 1:
@@ -261,6 +321,9 @@ def scale_for_context_parallelism(
     groups: list[KVCacheGroupSpec] = []
     for i, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            groups.append(group)  # a state is replicated on every rank, not sharded
+            continue
         if not isinstance(spec, FullAttentionSpec):
             raise InvalidArgumentError(
                 f"dcp_world_size={dcp_world_size}: decode context parallelism shards only "

@@ -19,6 +19,7 @@ from kvservice.core.kv_cache_interface import (
     CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
+    MambaSpec,
     SlidingWindowSpec,
     cdiv,
 )
@@ -492,6 +493,70 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         return (num_computed_tokens // self.attention_chunk_size) * self.attention_chunk_size
 
 
+class MambaManager(SingleTypeKVCacheManager):
+    """State-space layers: a block holds the state after its last token, and only the
+    latest state is read, so everything before the block of the last computed token
+    is released (and stays a prefix-cache entry until evicted, in mode "all")."""
+
+    spec_type = MambaSpec
+
+    @property
+    def _num_speculative_tokens(self) -> int:
+        spec = self.kv_cache_spec
+        assert isinstance(spec, MambaSpec)
+        return spec.num_speculative_blocks * self.block_size
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        return super().get_num_blocks_to_allocate(
+            request_id,
+            num_tokens + self._num_speculative_tokens,
+            new_computed_blocks,
+            total_computed_tokens,
+            apply_admission_cap,
+        )
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        # Draft tokens get state blocks of their own, beyond the main model's tokens.
+        return super().allocate_new_blocks(request_id, num_tokens + self._num_speculative_tokens)
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Only the state after the last computed token is read again."""
+        return max(num_computed_tokens - 1, 0)
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        kv_cache_group_ids: Sequence[int],
+        block_pool: BlockPool,
+        kv_cache_spec: KVCacheSpec,
+        alignment_tokens: int,
+        use_eagle: bool = False,
+    ) -> tuple[HitBlocks, int]:
+        """Right to left: the latest cached state ending on an aligned boundary is the
+        whole hit (``[NULL] * i + [state]``); earlier states are never read."""
+        assert isinstance(kv_cache_spec, MambaSpec)
+        assert not use_eagle, "EAGLE is not supported with Mamba groups"
+        block_size = kv_cache_spec.block_size
+        hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
+        null = block_pool.null_block
+        for i in range(min(max_length // block_size, len(hashes)) - 1, -1, -1):
+            if ((i + 1) * block_size) % alignment_tokens != 0:
+                continue
+            hit = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
+            if hit is not None:
+                return tuple([null] * i + [block] for block in hit), (i + 1) * block_size
+        return tuple([] for _ in kv_cache_group_ids), 0
+
+
 class CrossAttentionManager(SingleTypeKVCacheManager):
     """Encoder output for cross attention: allocated once for ``num_encoder_tokens``
     (the coordinator passes that count), never prefix cached."""
@@ -520,6 +585,7 @@ SPEC_MANAGER_MAP: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
     SlidingWindowSpec: SlidingWindowManager,
     ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
     CrossAttentionSpec: CrossAttentionManager,
+    MambaSpec: MambaManager,
 }
 
 
