@@ -1,8 +1,8 @@
 """Core allocator throughput: a seeded scheduler-like workload replayed in-process.
 
-Each operation is one call a scheduler makes into ``KVCacheManager``:
-``get_computed_blocks`` + ``allocate_slots`` for an admission (counted as two),
-``allocate_slots`` for a decode step, ``free`` for a finished or preempted request.
+Each operation is one call a scheduler makes into ``KVCacheManager``: a lookup
+(``get_computed_blocks``), an admission or refused admission (``allocate_slots``), a
+decode step (``allocate_slots(req, 1)``), a ``free`` (finish or preemption).
 The same seeded workload (same concurrency, same prompts) runs against pools of
 different sizes, so the ratios printed side by side show whether the cost of an
 operation grows with the pool. Run: ``make bench`` or
@@ -38,7 +38,7 @@ class Workload:
     prefix_blocks: tuple[int, int] = (1, 3)
     suffix_tokens: tuple[int, int] = (1, 40)
     decode_tokens: tuple[int, int] = (1, 48)
-    max_running: int = 4
+    max_running: int = 6
     rng: random.Random = field(init=False)
     prefixes: list[list[int]] = field(init=False)
 
@@ -58,54 +58,92 @@ class Workload:
         return prefix + suffix
 
 
-def run_workload(manager: KVCacheManager, num_ops: int, seed: int) -> tuple[int, float]:
-    """Replay ``num_ops`` manager calls; returns (ops done, seconds)."""
+@dataclass
+class OpMix:
+    """What a run did: manager calls by kind (each counts as one op)."""
+
+    lookups: int = 0
+    admissions: int = 0
+    refused: int = 0
+    decodes: int = 0
+    frees: int = 0
+    preemptions: int = 0
+
+    @property
+    def ops(self) -> int:
+        return self.lookups + self.admissions + self.refused + self.decodes + self.frees
+
+
+def _admit(manager: KVCacheManager, req: Request, mix: OpMix) -> bool:
+    hit, num_hit, _ = manager.get_computed_blocks(req)
+    new = manager.allocate_slots(req, req.num_tokens - num_hit, num_hit, hit)
+    mix.lookups += 1
+    if new is None:
+        mix.refused += 1
+        return False
+    mix.admissions += 1
+    req.num_computed_tokens = req.num_tokens
+    req.status = RequestStatus.RUNNING
+    return True
+
+
+def _decode_step(
+    manager: KVCacheManager,
+    running: list[list[Request | int]],
+    waiting: list[Request],
+    wl: Workload,
+    mix: OpMix,
+) -> None:
+    """One decode token for every running request, finishing and preempting as vLLM's
+    scheduler does (the newest running request is the victim)."""
+    i = 0
+    while i < len(running):
+        req, left = running[i]
+        assert isinstance(req, Request) and isinstance(left, int)
+        if left == 0:
+            req.status = RequestStatus.FINISHED
+            manager.free(req)
+            mix.frees += 1
+            running.pop(i)
+            continue
+        req.append_output_token_ids(wl.rng.getrandbits(15))
+        new = manager.allocate_slots(req, 1)
+        mix.decodes += 1
+        while new is None:
+            victim = running.pop()[0]
+            assert isinstance(victim, Request)
+            manager.free(victim)
+            victim.preempt()
+            mix.frees += 1
+            mix.preemptions += 1
+            waiting.insert(0, victim)
+            if victim is req:
+                break
+            new = manager.allocate_slots(req, 1)
+            mix.decodes += 1
+        if new is None:
+            continue
+        req.num_computed_tokens += 1
+        running[i][1] = left - 1
+        i += 1
+
+
+def run_workload(manager: KVCacheManager, num_ops: int, seed: int) -> tuple[OpMix, float]:
+    """Replay about ``num_ops`` manager calls; returns what was done and the seconds."""
     wl = Workload(seed)
-    rng = wl.rng
-    running: list[tuple[Request, int]] = []  # (request, tokens left to decode)
+    running: list[list[Request | int]] = []  # [request, tokens left to decode]
     waiting: list[Request] = []
     next_id = 0
-    ops = 0
+    mix = OpMix()
     start = time.perf_counter()
-    while ops < num_ops:
+    while mix.ops < num_ops:
         if len(running) + len(waiting) < wl.max_running:
             waiting.append(manager.new_request(f"r{next_id}", wl.new_prompt()))
             next_id += 1
-        if waiting:
-            req = waiting[0]
-            hit, num_hit, _ = manager.get_computed_blocks(req)
-            new = manager.allocate_slots(req, req.num_tokens - num_hit, num_hit, hit)
-            ops += 2
-            if new is not None:
-                waiting.pop(0)
-                req.num_computed_tokens = req.num_tokens
-                req.status = RequestStatus.RUNNING
-                running.append((req, rng.randint(*wl.decode_tokens)))
-        still_running: list[tuple[Request, int]] = []
-        for i, (req, left) in enumerate(running):
-            if left == 0:
-                req.status = RequestStatus.FINISHED
-                manager.free(req)
-                ops += 1
-                continue
-            req.append_output_token_ids(rng.getrandbits(15))
-            new = manager.allocate_slots(req, 1)
-            ops += 1
-            if new is None:
-                # No room: preempt the newest running request (vLLM's FCFS victim).
-                victim, _ = running[-1] if i < len(running) - 1 else (req, left)
-                manager.free(victim)
-                victim.preempt()
-                ops += 1
-                waiting.insert(0, victim)
-                if victim is not req:
-                    running.pop()
-                    still_running.append((req, left))
-                continue
-            req.num_computed_tokens += 1
-            still_running.append((req, left - 1))
-        running = still_running
-    return ops, time.perf_counter() - start
+        if waiting and _admit(manager, waiting[0], mix):
+            running.append([waiting.pop(0), wl.rng.randint(*wl.decode_tokens)])
+        _decode_step(manager, running, waiting, wl, mix)
+    return mix, time.perf_counter() - start
 
 
 def make_manager(num_blocks: int, hash_algo: str) -> KVCacheManager:
@@ -136,33 +174,39 @@ def main() -> None:
     parser.add_argument("--sizes", default="64,1024,65536,1000000")
     parser.add_argument("--hash", default="sha256")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=3, help="best of N runs per size")
+    parser.add_argument("--repeats", type=int, default=3, help="best of N rounds")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
 
     print(
         f"workload: seed {args.seed}, {args.ops} ops per run, hash {args.hash}, "
-        f"best of {args.repeats}"
+        f"best of {args.repeats} rounds (sizes interleaved in each round)"
     )
-    print(
-        f"{'blocks':>9} {'build s':>8} {'build MiB':>9} {'ops/s':>9} "
-        f"{'vs first':>8} {'vs vLLM*':>8}"
-    )
-    first: float | None = None
-    for num_blocks in sizes:
-        build_s, build_mib = measure_construction(num_blocks)
-        best = 0.0
-        for _ in range(args.repeats):
+    builds = {n: measure_construction(n) for n in sizes}
+    best: dict[int, float] = dict.fromkeys(sizes, 0.0)
+    mixes: dict[int, OpMix] = {}
+    for _ in range(args.repeats):
+        for num_blocks in sizes:
             manager = make_manager(num_blocks, args.hash)
             gc.collect()
-            ops, seconds = run_workload(manager, args.ops, args.seed)
+            mix, seconds = run_workload(manager, args.ops, args.seed)
             if num_blocks <= 65536:
                 check_invariants(manager)
-            best = max(best, ops / seconds)
-        first = first or best
+            best[num_blocks] = max(best[num_blocks], mix.ops / seconds)
+            mixes[num_blocks] = mix
+    print(
+        f"{'blocks':>9} {'build s':>8} {'build MiB':>9} {'ops/s':>9} "
+        f"{'vs first':>8} {'vs vLLM*':>8}  op mix"
+    )
+    first = best[sizes[0]]
+    for num_blocks in sizes:
+        build_s, build_mib = builds[num_blocks]
+        mix = mixes[num_blocks]
         print(
-            f"{num_blocks:>9} {build_s:>8.3f} {build_mib:>9.1f} {best:>9.0f} "
-            f"{best / first:>8.2f} {best / VLLM_REFERENCE_OPS_PER_S:>8.2f}"
+            f"{num_blocks:>9} {build_s:>8.3f} {build_mib:>9.1f} {best[num_blocks]:>9.0f} "
+            f"{best[num_blocks] / first:>8.2f} {best[num_blocks] / VLLM_REFERENCE_OPS_PER_S:>8.2f}"
+            f"  lookups {mix.lookups}, decodes {mix.decodes}, frees {mix.frees}, "
+            f"refused {mix.refused}, preemptions {mix.preemptions}"
         )
     print(
         f"* vs vLLM: ratio to the {VLLM_REFERENCE_OPS_PER_S} ops/s quoted for vLLM 0.33.0 "
