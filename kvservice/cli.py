@@ -9,80 +9,102 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
-from kvservice.core.block_hashing import HASH_FUNCTIONS
 from kvservice.core.errors import KVCacheError
 from kvservice.server.app import serve
-from kvservice.server.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, ServerConfig
-from kvservice.server.log import LOG_LEVELS, configure_logging
+from kvservice.server.log import configure_logging
+from kvservice.server.settings import (
+    CONFIG_ENV,
+    OPTIONS,
+    Option,
+    SettingsError,
+    default_of,
+    load_settings,
+    parse_text,
+)
 
-_DEFAULTS = ServerConfig()
+_SERVE_EPILOG = f"""\
+Every option can also be set by an environment variable (KVSERVICE_<NAME>, e.g.
+KVSERVICE_NUM_BLOCKS=8192) or a key of a TOML config file (num_blocks = 8192), read
+from --config or {CONFIG_ENV}. Precedence: flags > environment > config file >
+defaults. Booleans take true/false, 1/0, yes/no or on/off in the environment.
+"""
+
+
+def _text_type(option: Option) -> Callable[[str], object]:
+    def convert(raw: str) -> object:
+        try:
+            return parse_text(option, raw, option.flag)
+        except SettingsError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    convert.__name__ = option.kind.__name__  # argparse names the type in its errors
+    return convert
+
+
+def _add_option(parser: argparse.ArgumentParser, option: Option) -> None:
+    text = f"{option.help} (env {option.env}; default: {default_of(option)})"
+    if option.kind is bool:
+        parser.add_argument(
+            option.flag, action=argparse.BooleanOptionalAction, default=None, help=text
+        )
+        return
+    parser.add_argument(
+        option.flag,
+        type=_text_type(option),
+        default=None,
+        choices=option.choices,
+        metavar=option.name.upper(),
+        help=text,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvservice", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("serve", help="run the gRPC service until SIGTERM/SIGINT")
-    run.add_argument("--host", default=_DEFAULTS.host, help="gRPC bind address")
-    run.add_argument("--port", type=int, default=DEFAULT_PORT, help="gRPC port (0: any free)")
-    run.add_argument("--metrics-host", default=_DEFAULTS.metrics_host)
-    run.add_argument(
-        "--metrics-port",
-        type=int,
-        default=DEFAULT_METRICS_PORT,
-        help="Prometheus /metrics port (0 disables it)",
+    parser = argparse.ArgumentParser(
+        prog="kvservice",
+        description="vLLM's KV-cache block manager as a gRPC service.",
+        epilog="Run `kvservice serve --help` for the server's options.",
     )
-    run.add_argument("--num-blocks", type=int, default=_DEFAULTS.num_blocks)
-    run.add_argument("--block-size", type=int, default=_DEFAULTS.block_size)
-    run.add_argument("--max-model-len", type=int, default=_DEFAULTS.max_model_len)
-    run.add_argument("--hash-algo", choices=sorted(HASH_FUNCTIONS), default=_DEFAULTS.hash_algo)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    run = commands.add_parser(
+        "serve",
+        help="run the gRPC service until SIGTERM/SIGINT",
+        description=(
+            "Run the gRPC service (and its Prometheus endpoint) until SIGTERM or SIGINT.\n"
+            "With no options: gRPC on 127.0.0.1:50051, metrics on 127.0.0.1:9400, an\n"
+            "embedded 4096-block pool; no GPU and no config file needed."
+        ),
+        epilog=_SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run.add_argument(
-        "--none-hash-seed",
+        "--config",
+        type=Path,
         default=None,
-        help="prefix hash chain seed (set one to share an xxhash cache across processes)",
+        metavar="PATH",
+        help=f"TOML file of settings (env {CONFIG_ENV}; default: none)",
     )
-    run.add_argument(
-        "--zero-new-blocks",
-        action="store_true",
-        help="report freshly allocated blocks for the runtime to zero",
-    )
-    run.add_argument("--model-name", default=_DEFAULTS.model_name, help="metrics label")
-    run.add_argument("--log-level", choices=LOG_LEVELS, default="info")
-    run.add_argument(
-        "--shutdown-grace",
-        type=float,
-        default=_DEFAULTS.shutdown_grace_s,
-        help="seconds in-flight RPCs get on shutdown",
-    )
+    for option in OPTIONS:
+        _add_option(run, option)
     return parser
-
-
-def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(
-        host=args.host,
-        port=args.port,
-        metrics_host=args.metrics_host,
-        metrics_port=args.metrics_port or None,
-        num_blocks=args.num_blocks,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        hash_algo=args.hash_algo,
-        none_hash_seed=args.none_hash_seed,
-        needs_kv_cache_zeroing=args.zero_new_blocks,
-        model_name=args.model_name,
-        shutdown_grace_s=args.shutdown_grace,
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    configure_logging(args.log_level)
     try:
-        asyncio.run(serve(config_from_args(args)))
+        settings = load_settings(vars(args), os.environ, args.config)
+    except SettingsError as err:
+        print(f"kvservice: {err}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level)
+    try:
+        asyncio.run(serve(settings.server))
     except KVCacheError as err:
-        # A bad flag combination (pool too small, bad block size): say so, no traceback.
+        # A bad combination (pool too small, bad block size): say so, no traceback.
         print(f"kvservice: {err}", file=sys.stderr)
         return 2
     return 0

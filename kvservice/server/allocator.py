@@ -24,8 +24,9 @@ from kvservice.core.errors import (
     OutOfRangeError,
     RequestNotFoundError,
 )
+from kvservice.core.invariants import InvariantViolationError, check_invariants
 from kvservice.core.kv_cache_block import BlockHashWithGroupId
-from kvservice.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from kvservice.core.kv_cache_manager import AllocationProbe, KVCacheBlocks, KVCacheManager
 from kvservice.core.request import Request, RequestStatus
 from kvservice.core.stats import PrefixCacheStats
 from kvservice.server.errors import AlreadyExistsError, StaleHitError
@@ -80,6 +81,20 @@ class AllocateArgs:
 
 
 @dataclass(frozen=True, slots=True)
+class ProbeArgs:
+    """The arguments of ``KVCacheManager.probe``; ``num_new_tokens=None`` probes every
+    token not yet computed nor hit."""
+
+    num_new_tokens: int | None = None
+    num_lookahead_tokens: int = 0
+    num_external_computed_tokens: int = 0
+    num_encoder_tokens: int = 0
+    full_sequence_must_fit: bool = False
+    reserved_blocks: int = 0
+    has_scheduled_reqs: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class ComputedBlocks:
     """A prefix lookup: the hit's block ids per group and what vLLM reports with it."""
 
@@ -116,6 +131,8 @@ class AllocatorObserver(Protocol):
     def record_allocation(self, result: AllocationResult) -> None: ...
 
     def record_pool(self, usage: PoolUsage, stats: PrefixCacheStats | None) -> None: ...
+
+    def record_preemption(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,6 +286,20 @@ class Allocator:
         request.status = RequestStatus.RUNNING
         return Allocation(request, new_blocks.get_block_ids(), self.manager.take_new_block_ids())
 
+    def probe(self, request_id: str, args: ProbeArgs) -> AllocationProbe:
+        """What a lookup plus ``allocate_slots`` would do now; changes nothing (no
+        references, LRU order and prefix cache stats untouched)."""
+        return self.manager.probe(
+            self._get(request_id),
+            args.num_new_tokens,
+            num_lookahead_tokens=args.num_lookahead_tokens,
+            num_external_computed_tokens=args.num_external_computed_tokens,
+            num_encoder_tokens=args.num_encoder_tokens,
+            full_sequence_must_fit=args.full_sequence_must_fit,
+            reserved_blocks=args.reserved_blocks,
+            has_scheduled_reqs=args.has_scheduled_reqs,
+        )
+
     def _call_allocate_slots(
         self, request: Request, args: AllocateArgs, hit: KVCacheBlocks | None, previous: int
     ) -> KVCacheBlocks | None:
@@ -348,6 +379,8 @@ class Allocator:
         self.manager.free(request)
         if mode is FreeMode.PREEMPT:
             request.preempt()
+            if self._observer is not None:
+                self._observer.record_preemption()
         self._after_change()
         return request
 
@@ -373,6 +406,27 @@ class Allocator:
         reset = self.manager.reset_prefix_cache()
         self._after_change()
         return reset
+
+    @property
+    def num_requests(self) -> int:
+        """Requests the server knows (waiting, running and preempted)."""
+        return len(self._requests)
+
+    def audit(self) -> None:
+        """Raise ``InvariantViolationError`` unless the pool is consistent and every
+        block table belongs to a known request. O(pool size): for tests and
+        debugging, not the hot path."""
+        check_invariants(self.manager)
+        for single in self.manager.coordinator.single_type_managers:
+            orphans = sorted(
+                rid
+                for rid, blocks in single.req_to_blocks.items()
+                if blocks and rid not in self._requests
+            )
+            if orphans:
+                raise InvariantViolationError(
+                    f"requests {orphans[:5]} hold blocks but are not known to the service"
+                )
 
     def usage(self) -> PoolUsage:
         manager = self.manager

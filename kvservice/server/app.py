@@ -8,6 +8,7 @@ SIGINT; what ``kvservice serve`` calls).
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,7 +25,7 @@ from kvservice.server.config import ServerConfig, build_manager
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server.interceptors import RpcInterceptor
-from kvservice.server.metrics import KVCacheMetrics, MetricsEndpoint
+from kvservice.server.metrics import ClientTracker, KVCacheMetrics, MetricsEndpoint
 from kvservice.server.servicer import KVCacheServicer
 
 log = structlog.get_logger("kvservice.server")
@@ -67,13 +68,19 @@ class ServerHandle:
 
 
 class KVCacheServer:
-    """One pool served over gRPC, with health, reflection and a metrics endpoint."""
+    """One pool served over gRPC, with health, reflection and a metrics endpoint.
+
+    ``allocator`` is public for embedding and tests: touch it only from the loop the
+    server runs on (it is not thread safe), e.g. ``server.audit()`` after a test.
+    """
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         manager = build_manager(config)
         self.metrics = KVCacheMetrics(manager, config.model_name, config.engine)
         self.allocator = Allocator(manager, self.metrics)
+        self.clients = ClientTracker()
+        self.metrics.watch(manager, lambda: self.allocator.num_requests, self.clients)
         self._health = health.aio.HealthServicer()
         self._server: Any = None
         self._metrics_endpoint: MetricsEndpoint | None = None
@@ -88,9 +95,10 @@ class KVCacheServer:
     async def start(self) -> ServerHandle:
         """Bind, start serving and report SERVING; returns where it listens."""
         config = self.config
-        server = grpc.aio.server(interceptors=[RpcInterceptor()], options=_channel_options(config))
+        interceptor = RpcInterceptor(SERVICE_NAME, self.metrics, self.clients)
+        server = grpc.aio.server(interceptors=[interceptor], options=_channel_options(config))
         pb_grpc.add_KVCacheServiceServicer_to_server(
-            KVCacheServicer(self.allocator, config.model_name), server
+            KVCacheServicer(self.allocator, config.model_name, config.max_step_ops), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -113,6 +121,11 @@ class KVCacheServer:
             self.metrics.registry, config.metrics_host, config.metrics_port
         )
         return self._metrics_endpoint.port
+
+    def audit(self) -> None:
+        """Check the pool's invariants and that every block table belongs to a known
+        request; raises ``InvariantViolationError``. O(pool size)."""
+        self.allocator.audit()
 
     async def stop(self, grace: float | None = None) -> None:
         """Report NOT_SERVING, let in-flight RPCs finish for ``grace`` seconds (the
@@ -146,6 +159,10 @@ async def serve_in_background(config: ServerConfig) -> AsyncIterator[ServerHandl
 async def serve(config: ServerConfig) -> None:
     """Serve until SIGTERM or SIGINT, then shut down gracefully."""
     server = KVCacheServer(config)
+    # As vLLM does after startup: move the pool's blocks (one object each, millions for
+    # a large pool) out of the collector's reach, so no collection rescans them.
+    gc.collect()
+    gc.freeze()
     handle = await server.start()
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -44,6 +44,8 @@ class ServerConfig:
     # Seconds in-flight RPCs get to finish on shutdown.
     shutdown_grace_s: float = 5.0
     max_message_bytes: int = 4 * 1024 * 1024
+    # Operations one Step (or one StepStream message) may carry.
+    max_step_ops: int = 4096
 
 
 def build_kv_cache_config(config: ServerConfig) -> KVCacheConfig:

@@ -17,7 +17,7 @@ from kvservice.core.kv_cache_interface import (
     KVCacheSpecKind,
     SlidingWindowSpec,
 )
-from kvservice.core.kv_cache_manager import KVCacheManager
+from kvservice.core.kv_cache_manager import AllocationProbe, KVCacheManager
 from kvservice.core.request import Request, RequestStatus
 from kvservice.server.allocator import (
     AllocateArgs,
@@ -26,6 +26,7 @@ from kvservice.server.allocator import (
     FreeMode,
     NewRequest,
     PoolUsage,
+    ProbeArgs,
 )
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 
@@ -81,6 +82,18 @@ def allocate_args_from_pb(msg: pb.AllocateSlotsRequest) -> AllocateArgs:
     )
 
 
+def probe_args_from_pb(msg: pb.ProbeRequest) -> ProbeArgs:
+    return ProbeArgs(
+        num_new_tokens=msg.num_new_tokens if msg.HasField("num_new_tokens") else None,
+        num_lookahead_tokens=msg.num_lookahead_tokens,
+        num_external_computed_tokens=msg.num_external_computed_tokens,
+        num_encoder_tokens=msg.num_encoder_tokens,
+        full_sequence_must_fit=msg.full_sequence_must_fit,
+        reserved_blocks=msg.reserved_blocks,
+        has_scheduled_reqs=(msg.has_scheduled_reqs if msg.HasField("has_scheduled_reqs") else True),
+    )
+
+
 def free_mode_from_pb(mode: pb.FreeMode.ValueType) -> FreeMode:
     try:
         return _FREE_MODE_FROM_PB[mode]
@@ -129,6 +142,16 @@ def allocation_to_pb(allocation: Allocation) -> pb.AllocateSlotsResponse:
         new_block_ids=block_ids_to_pb(allocation.new_block_ids),
         block_ids_to_zero=allocation.block_ids_to_zero,
         request=request_state_to_pb(allocation.request),
+    )
+
+
+def probe_to_pb(probe: AllocationProbe) -> pb.ProbeResponse:
+    return pb.ProbeResponse(
+        num_hit_tokens=probe.num_hit_tokens,
+        num_new_tokens=probe.num_new_tokens,
+        num_blocks_to_allocate=probe.num_blocks_to_allocate,
+        num_free_blocks=probe.num_free_blocks,
+        would_fit=probe.would_fit,
     )
 
 

@@ -1,14 +1,23 @@
-"""The RPC boundary: one log line per call, and errors turned into gRPC statuses.
+"""The RPC boundary: logging, RPC metrics, client tracking, and errors as statuses.
 
-Every unary RPC goes through here, so no servicer method needs its own error
-handling: a ``KVCacheError`` (a caller mistake) becomes the status it names, and any
-other exception is a bug, logged with its traceback and answered INTERNAL.
+Every KVCacheService call goes through here, so no servicer method needs its own
+error handling: a ``KVCacheError`` (a caller mistake) becomes the status it names, and
+any other exception is a bug, logged with its traceback and answered INTERNAL. Health
+and reflection pass through untouched.
+
+Each call binds, for every line it logs: ``method`` (the short RPC name, also the
+metrics label), ``request_id`` (the KV request the message names, ``-`` for calls
+that name none, such as Step), ``client_id`` (the ``x-client-id`` metadata, ``-`` when
+absent) and ``call_id`` (the ``x-request-id`` metadata, else a generated one).
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -16,34 +25,92 @@ import structlog
 
 from kvservice.core.errors import KVCacheError
 from kvservice.server.errors import status_code_of
+from kvservice.server.metrics import ClientTracker, KVCacheMetrics, RpcInstruments
 
 log = structlog.get_logger("kvservice.rpc")
 
-Behavior = Callable[[Any, Any], Awaitable[Any]]
+UnaryBehavior = Callable[[Any, Any], Awaitable[Any]]
+StreamBehavior = Callable[[Any, Any], AsyncIterator[Any]]
+CLIENT_ID_KEY = "x-client-id"
+CALL_ID_KEY = "x-request-id"
+
+# Generated call ids: unique per process and cheap (no uuid per call on the hot path).
+_CALL_PREFIX = f"{os.getpid():x}-"
+_call_numbers = itertools.count(1)
 
 
 class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
-    """Wraps each unary-unary handler; streams (reflection, health Watch) pass through."""
+    """Wraps the unary and bidi-stream handlers of one service; the wrapped handler of
+    each method is built once and reused."""
+
+    def __init__(self, service_name: str, metrics: KVCacheMetrics, clients: ClientTracker) -> None:
+        self._prefix = f"/{service_name}/"
+        self._metrics = metrics
+        self._clients = clients
+        self._wrapped: dict[str, Any] = {}
 
     async def intercept_service(
         self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: Any
     ) -> Any:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None:
+        method_path: str = handler_call_details.method
+        if handler is None or not method_path.startswith(self._prefix):
             return handler
-        return grpc.unary_unary_rpc_method_handler(
-            _wrap(handler.unary_unary, handler_call_details.method),
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        wrapped = self._wrapped.get(method_path)
+        if wrapped is None:
+            wrapped = self._wrap_handler(handler, method_path.removeprefix(self._prefix))
+            self._wrapped[method_path] = wrapped
+        return wrapped
+
+    def _wrap_handler(self, handler: Any, method: str) -> Any:
+        instruments = self._metrics.rpc(method)
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _unary_call(handler.unary_unary, method, instruments, self._clients),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                _stream_call(handler.stream_stream, method, instruments, self._clients),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
 
 
-def _wrap(behavior: Behavior, method: str) -> Behavior:
+def _identity(context: Any) -> tuple[str | None, str]:
+    """(client id or None, call id) from the call's metadata."""
+    client_id = call_id = None
+    for key, value in context.invocation_metadata() or ():
+        if key == CLIENT_ID_KEY:
+            client_id = value
+        elif key == CALL_ID_KEY:
+            call_id = value
+    return client_id, call_id or f"{_CALL_PREFIX}{next(_call_numbers)}"
+
+
+def _bind(method: str, request_id: str, client_id: str | None, call_id: str) -> Any:
+    fields = {
+        "method": method,
+        "request_id": request_id or "-",
+        "client_id": client_id or "-",
+        "call_id": call_id,
+    }
+    # Bound for whatever the handler logs; each RPC runs in a fresh context.
+    structlog.contextvars.bind_contextvars(**fields)
+    return log.bind(**fields)
+
+
+def _unary_call(
+    behavior: UnaryBehavior, method: str, instruments: RpcInstruments, clients: ClientTracker
+) -> UnaryBehavior:
+    # A closure, not a callable object: grpc.aio tells coroutine handlers apart with
+    # inspect.iscoroutinefunction.
     async def call(request: Any, context: Any) -> Any:
-        request_id = getattr(request, "request_id", None)
-        # Bound for whatever the handler logs; each RPC runs in a fresh context.
-        structlog.contextvars.bind_contextvars(rpc=method, request_id=request_id)
-        line = log.bind(rpc=method, request_id=request_id)
+        client_id, call_id = _identity(context)
+        line = _bind(method, getattr(request, "request_id", ""), client_id, call_id)
+        instruments.in_flight.inc()
         start = time.perf_counter()
         try:
             response = await behavior(request, context)
@@ -51,16 +118,77 @@ def _wrap(behavior: Behavior, method: str) -> Behavior:
             code = status_code_of(err)
             line.info("rpc refused", status=code.name, error=str(err), ms=_ms(start))
             await context.abort(code, str(err))
-        except grpc.aio.AbortError:
-            raise  # the handler aborted on purpose; its status stands
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise  # an abort's status stands; a cancelled call has nobody to answer
         except Exception:
             line.exception("rpc failed", status="INTERNAL", ms=_ms(start))
             await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
+        finally:
+            instruments.duration.observe(time.perf_counter() - start)
+            instruments.in_flight.dec()
+            clients.seen(client_id)
         # OK calls are the hot path: logged at debug so info stays readable under load.
         line.debug("rpc", status="OK", ms=_ms(start))
         return response
 
     return call
+
+
+class _TimedRequests:
+    """The request stream of a bidi call, remembering when the last message arrived,
+    so each answer can be timed from its request."""
+
+    def __init__(self, requests: AsyncIterator[Any]) -> None:
+        self._requests = requests
+        self.last_arrival = time.perf_counter()
+        self.count = 0
+
+    def __aiter__(self) -> _TimedRequests:
+        return self
+
+    async def __anext__(self) -> Any:
+        message = await self._requests.__anext__()
+        self.last_arrival = time.perf_counter()
+        self.count += 1
+        return message
+
+
+def _stream_call(
+    behavior: StreamBehavior, method: str, instruments: RpcInstruments, clients: ClientTracker
+) -> StreamBehavior:
+    async def stream(requests: Any, context: Any) -> AsyncIterator[Any]:
+        client_id, call_id = _identity(context)
+        line = _bind(method, "", client_id, call_id)
+        timed = _TimedRequests(requests)
+        instruments.in_flight.inc()
+        clients.open_stream(client_id)
+        line.info("stream opened")
+        status = "OK"
+        try:
+            async for response in behavior(timed, context):
+                instruments.duration.observe(time.perf_counter() - timed.last_arrival)
+                yield response
+        except KVCacheError as err:
+            code = status_code_of(err)
+            status = code.name
+            line.info("stream refused", status=status, error=str(err))
+            await context.abort(code, str(err))
+        except asyncio.CancelledError:
+            status = "CANCELLED"
+            raise
+        except grpc.aio.AbortError:
+            status = "ABORTED_BY_HANDLER"
+            raise
+        except Exception:
+            status = "INTERNAL"
+            line.exception("stream failed", status=status)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
+        finally:
+            instruments.in_flight.dec()
+            clients.close_stream(client_id)
+            line.info("stream closed", status=status, num_messages=timed.count)
+
+    return stream
 
 
 def _ms(start: float) -> float:

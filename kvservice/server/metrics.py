@@ -1,26 +1,114 @@
 """Prometheus metrics: vLLM's KV cache series (same names, so existing dashboards
-work) plus the service's own pool and allocation series.
+work) plus the service's own pool, allocation and RPC series. Every series carries the
+``model_name`` and ``engine`` labels.
 
 Each server gets its own ``CollectorRegistry``, so several can live in one process
-(tests). Values are written on the event loop that owns the allocator and read by the
-exposition thread; prometheus_client's values are individually locked, and the
-allocator itself is never touched from that thread.
+(tests). Most values are written on the event loop that owns the allocator and read by
+the exposition thread (prometheus_client's values are individually locked). The few
+that would cost something per call (cached blocks, evictions, active requests and
+clients) are computed at scrape time by ``_ScrapeTimeCollector`` instead, in the
+exposition thread: it only reads plain attributes of the pool, never mutates it, and a
+scrape racing an allocation may see a count one step old, which a gauge tolerates.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.stats import PrefixCacheStats
 from kvservice.server.allocator import AllocationResult, PoolUsage
 
 _LABELS = ("model_name", "engine")
+# RPCs take tens of microseconds (a lookup) to a good fraction of a second (a large
+# Step); the default buckets start at 5 ms and would put every unary call in the first.
+RPC_DURATION_BUCKETS = (
+    50e-6,
+    100e-6,
+    250e-6,
+    500e-6,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    10e-3,
+    25e-3,
+    50e-3,
+    100e-3,
+    250e-3,
+    500e-3,
+    1.0,
+)
+ACTIVE_CLIENT_WINDOW_S = 60.0
+
+
+class ClientTracker:
+    """The ``x-client-id`` values that are active: with a stream open now, or seen on a
+    call that ended within the last ``window_s`` seconds. Calls without the header are
+    not counted (there is nothing to tell those clients apart by).
+
+    Written on the event loop, read by the exposition thread: a lock keeps the two
+    dicts consistent (uncontended, it costs well under a microsecond per call).
+    """
+
+    def __init__(
+        self,
+        window_s: float = ACTIVE_CLIENT_WINDOW_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._window_s = window_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last_seen: dict[str, float] = {}
+        self._open_streams: dict[str, int] = {}
+
+    def seen(self, client_id: str | None) -> None:
+        """A call from ``client_id`` just ended."""
+        if client_id is None:
+            return
+        with self._lock:
+            self._last_seen[client_id] = self._clock()
+
+    def open_stream(self, client_id: str | None) -> None:
+        if client_id is None:
+            return
+        with self._lock:
+            self._open_streams[client_id] = self._open_streams.get(client_id, 0) + 1
+
+    def close_stream(self, client_id: str | None) -> None:
+        if client_id is None:
+            return
+        with self._lock:
+            left = self._open_streams.pop(client_id, 1) - 1
+            if left:
+                self._open_streams[client_id] = left
+            self._last_seen[client_id] = self._clock()
+
+    def count(self) -> int:
+        """Active clients now; forgets the ones whose window has passed."""
+        horizon = self._clock() - self._window_s
+        with self._lock:
+            stale = [c for c, t in self._last_seen.items() if t < horizon]
+            for client_id in stale:
+                del self._last_seen[client_id]
+            return len(self._last_seen.keys() | self._open_streams.keys())
+
+
+@dataclass(frozen=True, slots=True)
+class RpcInstruments:
+    """The per-method children of the RPC metrics, resolved once per method."""
+
+    duration: Histogram
+    in_flight: Gauge
 
 
 class KVCacheMetrics:
@@ -28,48 +116,75 @@ class KVCacheMetrics:
 
     def __init__(self, manager: KVCacheManager, model_name: str, engine: str) -> None:
         self.registry = CollectorRegistry()
-        labels = {"model_name": model_name, "engine": engine}
-        reg = self.registry
-        self._usage = Gauge(
-            "vllm:kv_cache_usage_perc",
-            "KV-cache usage. 1 means 100 percent usage.",
-            _LABELS,
-            registry=reg,
-        ).labels(**labels)
-        self._queries = Counter(
+        self.labels = {"model_name": model_name, "engine": engine}
+        self._declare_vllm_series()
+        self._declare_pool_series()
+        self._declare_rpc_series()
+        self._export_cache_config(manager)
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, _LABELS, registry=self.registry).labels(**self.labels)
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, _LABELS, registry=self.registry).labels(**self.labels)
+
+    def _declare_vllm_series(self) -> None:
+        self._usage = self._gauge(
+            "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."
+        )
+        self._queries = self._counter(
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
-            _LABELS,
-            registry=reg,
-        ).labels(**labels)
-        self._hits = Counter(
-            "vllm:prefix_cache_hits",
-            "Prefix cache hits, in terms of number of cached tokens.",
-            _LABELS,
-            registry=reg,
-        ).labels(**labels)
-        self._free = Gauge(
-            "kvservice_free_blocks", "Free KV cache blocks.", _LABELS, registry=reg
-        ).labels(**labels)
-        self._used = Gauge(
-            "kvservice_used_blocks", "KV cache blocks held by requests.", _LABELS, registry=reg
-        ).labels(**labels)
+        )
+        self._hits = self._counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        self._preemptions = self._counter(
+            "vllm:num_preemptions", "Cumulative number of preemption from the engine."
+        )
+
+    def _declare_pool_series(self) -> None:
+        self._free = self._gauge("kvservice_free_blocks", "Free KV cache blocks.")
+        self._used = self._gauge("kvservice_used_blocks", "KV cache blocks held by requests.")
         allocations = Counter(
             "kvservice_allocations",
             "AllocateSlots calls by outcome (invalid: refused with an error).",
             (*_LABELS, "result"),
-            registry=reg,
+            registry=self.registry,
         )
         # Every outcome is exported from the start, so rate() sees the first one.
         self._allocations = {
-            r: allocations.labels(**labels, result=r.value) for r in AllocationResult
+            r: allocations.labels(**self.labels, result=r.value) for r in AllocationResult
         }
-        self._export_cache_config(manager, labels)
+        # KV events are published by a later component; declared now so dashboards and
+        # alerts can be written against them.
+        self.events_published = self._counter(
+            "kvservice_events_published", "KV cache events published to subscribers."
+        )
+        self.events_dropped = self._counter(
+            "kvservice_events_dropped", "KV cache events dropped (a subscriber too slow)."
+        )
 
-    def _export_cache_config(self, manager: KVCacheManager, labels: dict[str, str]) -> None:
+    def _declare_rpc_series(self) -> None:
+        self._rpc_duration = Histogram(
+            "kvservice_rpc_duration_seconds",
+            "Time the server spent on a KVCacheService call (per message for StepStream).",
+            (*_LABELS, "method"),
+            buckets=RPC_DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self._rpc_in_flight = Gauge(
+            "kvservice_rpc_in_flight",
+            "KVCacheService calls in progress (open streams for StepStream).",
+            (*_LABELS, "method"),
+            registry=self.registry,
+        )
+        self._rpc_instruments: dict[str, RpcInstruments] = {}
+
+    def _export_cache_config(self, manager: KVCacheManager) -> None:
         config = manager.kv_cache_config
         info = {
-            **labels,
+            **self.labels,
             "block_size": str(manager.scheduler_block_size),
             "num_gpu_blocks": str(config.num_blocks),
             "enable_prefix_caching": str(manager.enable_caching),
@@ -83,8 +198,30 @@ class KVCacheMetrics:
             registry=self.registry,
         ).labels(**info).set(1)
 
+    def watch(
+        self, manager: KVCacheManager, num_requests: Callable[[], int], clients: ClientTracker
+    ) -> None:
+        """Register the values computed at scrape time."""
+        self.registry.register(_ScrapeTimeCollector(manager, num_requests, clients, self.labels))
+
+    def rpc(self, method: str) -> RpcInstruments:
+        """The instruments of ``method`` (its short name, e.g. ``AllocateSlots``)."""
+        found = self._rpc_instruments.get(method)
+        if found is None:
+            found = RpcInstruments(
+                self._rpc_duration.labels(**self.labels, method=method),
+                self._rpc_in_flight.labels(**self.labels, method=method),
+            )
+            self._rpc_instruments[method] = found
+        return found
+
+    # -- AllocatorObserver ------------------------------------------------------------
+
     def record_allocation(self, result: AllocationResult) -> None:
         self._allocations[result].inc()
+
+    def record_preemption(self) -> None:
+        self._preemptions.inc()
 
     def record_pool(self, usage: PoolUsage, stats: PrefixCacheStats | None) -> None:
         self._usage.set(usage.usage)
@@ -93,6 +230,67 @@ class KVCacheMetrics:
         if stats is not None:
             self._queries.inc(stats.queries)
             self._hits.inc(stats.hits)
+
+
+class _ScrapeTimeCollector:
+    """Values read from the pool and the trackers when Prometheus scrapes."""
+
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        num_requests: Callable[[], int],
+        clients: ClientTracker,
+        labels: dict[str, str],
+    ) -> None:
+        self._pool = manager.block_pool
+        self._num_requests = num_requests
+        self._clients = clients
+        self._label_values = [labels[name] for name in _LABELS]
+
+    def describe(self) -> Iterator[Metric]:
+        """The families without samples, so the registry knows (and guards) the names."""
+        return self._families(with_samples=False)
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(with_samples=True)
+
+    def _families(self, with_samples: bool) -> Iterator[Metric]:
+        values = self._label_values
+        cached = GaugeMetricFamily(
+            "kvservice_cached_blocks",
+            "Free blocks that still hold a prefix cache entry (reusable on a hit).",
+            labels=_LABELS,
+        )
+        evictions = CounterMetricFamily(
+            "kvservice_evictions",
+            "Prefix cache entries evicted: reuse (the block was allocated again), "
+            "invalidated (dropped on request, e.g. KV that failed to load).",
+            labels=(*_LABELS, "reason"),
+        )
+        requests = GaugeMetricFamily(
+            "kvservice_active_requests",
+            "Requests the server knows (waiting, running and preempted).",
+            labels=_LABELS,
+        )
+        clients = GaugeMetricFamily(
+            "kvservice_active_clients",
+            "Distinct x-client-id values with an open stream or a call in the last minute.",
+            labels=_LABELS,
+        )
+        if with_samples:
+            pool = self._pool
+            cached.add_metric(values, self._num_cached_free_blocks())
+            evictions.add_metric([*values, "reuse"], pool.num_evicted_on_reuse)
+            evictions.add_metric([*values, "invalidated"], pool.num_evicted_on_request)
+            requests.add_metric(values, self._num_requests())
+            clients.add_metric(values, self._clients.count())
+        yield from (cached, evictions, requests, clients)
+
+    def _num_cached_free_blocks(self) -> int:
+        # O(pool size), once per scrape rather than per call: the core keeps no counter
+        # of hashed free blocks. ``blocks`` is never resized, so the walk is safe from
+        # this thread.
+        return sum(1 for b in self._pool.blocks if b.ref_cnt == 0 and b.block_hash is not None)
 
 
 @dataclass(slots=True)
@@ -108,7 +306,10 @@ class MetricsEndpoint:
 
     @classmethod
     def start(cls, registry: CollectorRegistry, host: str, port: int) -> MetricsEndpoint:
-        server, thread = start_http_server(port, addr=host, registry=registry)
+        app = _classic_text_only(make_wsgi_app(registry))
+        server = make_server(host, port, app, ThreadingWSGIServer, handler_class=_QuietHandler)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
         return cls(server, thread)
 
     async def stop(self) -> None:
@@ -116,3 +317,22 @@ class MetricsEndpoint:
         await asyncio.to_thread(self.server.shutdown)
         self.server.server_close()
         await asyncio.to_thread(self.thread.join, 5.0)
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access line on stderr per scrape."""
+
+    def log_message(self, format: str, *args: Any) -> None:  # stdlib name
+        pass
+
+
+def _classic_text_only(app: Any) -> Any:
+    """Always answer the classic text format. prometheus_client 0.26 escapes the colon
+    of ``vllm:`` sample names in its OpenMetrics output, which Prometheus negotiates
+    by default, so every vLLM dashboard would find nothing (client_python#1177)."""
+
+    def classic(environ: dict[str, Any], start_response: Any) -> Any:
+        environ.pop("HTTP_ACCEPT", None)
+        return app(environ, start_response)
+
+    return classic

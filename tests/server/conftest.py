@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from kvservice.server import ServerHandle, serve_in_background
+from kvservice.client import AsyncKVClient
+from kvservice.server import KVCacheServer, ServerHandle, serve_in_background
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 from tests.server.support import SMALL_POOL
 
@@ -27,3 +28,20 @@ async def channel(server: ServerHandle) -> AsyncIterator[grpc.aio.Channel]:
 @pytest.fixture
 def stub(channel: grpc.aio.Channel) -> pb_grpc.KVCacheServiceStub:
     return pb_grpc.KVCacheServiceStub(channel)
+
+
+@pytest.fixture
+async def kv_server() -> AsyncIterator[KVCacheServer]:
+    """A started server object (for ``audit()`` and its metrics registry)."""
+    server = KVCacheServer(SMALL_POOL)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop(grace=0)
+
+
+@pytest.fixture
+async def client(kv_server: KVCacheServer) -> AsyncIterator[AsyncKVClient]:
+    async with AsyncKVClient(kv_server.handle.target, client_id="test-scheduler") as client:
+        yield client

@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Sequence
-from typing import Any
+import asyncio
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import grpc
 import pytest
 
-from kvservice.server import ServerConfig
+from kvservice.server import KVCacheServer, ServerConfig
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 
 Stub = pb_grpc.KVCacheServiceStub
+T = TypeVar("T")
+# A safety net only: each wait ends as soon as its event happens.
+THREAD_TIMEOUT_S = 60
 
 # 10 usable blocks of 16 tokens (block 0 is the null block); one request of
 # max_model_len tokens takes 8 of them.
@@ -127,3 +134,41 @@ async def expect_error(call: Awaitable[Any], code: grpc.StatusCode) -> str:
     assert info.value.code() == code, info.value.details()
     details: str = info.value.details() or ""
     return details
+
+
+@dataclasses.dataclass(frozen=True)
+class ThreadedServer:
+    """A server running on its own loop in another thread."""
+
+    server: KVCacheServer
+    loop: asyncio.AbstractEventLoop
+
+    @property
+    def target(self) -> str:
+        return self.server.handle.target
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the server's loop (the allocator is not thread safe)."""
+
+        async def call() -> T:
+            return fn()
+
+        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(THREAD_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def server_in_thread(config: ServerConfig) -> Iterator[ThreadedServer]:
+    """A server on its own event loop in a thread, for blocking clients (a sync call
+    made on the test's loop would block the server it waits for)."""
+    loop = asyncio.new_event_loop()
+    server = KVCacheServer(config)
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(THREAD_TIMEOUT_S)
+    try:
+        yield ThreadedServer(server, loop)
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(grace=0), loop).result(THREAD_TIMEOUT_S)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(THREAD_TIMEOUT_S)
+        loop.close()

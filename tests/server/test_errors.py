@@ -188,9 +188,19 @@ class TestFailedPrecondition:
 
 
 async def test_refusals_are_logged_with_method_request_and_status(running: Stub) -> None:
-    """The interceptor logs the method, the request id and the status of a refusal."""
+    """The interceptor logs the method, the request id, the client id ("-" without
+    x-client-id), a call id and the status of a refusal."""
     with structlog.testing.capture_logs() as logs:
         await expect_error(add(running, "a", tokens(8)), Code.ALREADY_EXISTS)
+        await expect_error(
+            running.GetRequest(
+                pb.GetRequestRequest(request_id="zz"),
+                metadata=(("x-client-id", "sched-1"), ("x-request-id", "call-7")),
+            ),
+            Code.NOT_FOUND,
+        )
     [entry] = [e for e in logs if e.get("status") == "ALREADY_EXISTS"]
-    assert entry["rpc"] == "/kvservice.v1.KVCacheService/AddRequest"
-    assert entry["request_id"] == "a"
+    assert (entry["method"], entry["request_id"], entry["client_id"]) == ("AddRequest", "a", "-")
+    assert entry["call_id"]
+    [tagged] = [e for e in logs if e.get("status") == "NOT_FOUND"]
+    assert (tagged["client_id"], tagged["call_id"]) == ("sched-1", "call-7")

@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvservice.server import ServerHandle, serve_in_background
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.server.metrics import ClientTracker
 from tests.server.support import SMALL_POOL, Stub, add, admit, allocate, free, lookup, tokens
 
 LABELS = {"model_name": "test-model", "engine": "0"}
@@ -105,3 +106,84 @@ async def test_servers_do_not_share_metrics(metered: tuple[ServerHandle, Stub]) 
         assert other.metrics_port != handle.metrics_port
         assert value(await scrape(other), "vllm:kv_cache_usage_perc") == 0.0
     assert value(await scrape(handle), "vllm:kv_cache_usage_perc") > 0
+
+
+EXPECTED_FAMILIES = {
+    "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+    "vllm:cache_config_info",
+    "kvservice_free_blocks",
+    "kvservice_used_blocks",
+    "kvservice_cached_blocks",
+    "kvservice_evictions_total",
+    "kvservice_allocations_total",
+    "kvservice_rpc_duration_seconds_bucket",
+    "kvservice_rpc_in_flight",
+    "kvservice_active_requests",
+    "kvservice_active_clients",
+    "kvservice_events_published_total",
+    "kvservice_events_dropped_total",
+}
+
+
+async def test_every_series_is_exported_with_both_labels(
+    metered: tuple[ServerHandle, Stub],
+) -> None:
+    """Every series of the service is on /metrics, labelled model_name and engine."""
+    handle, stub = metered
+    await stub.GetUsage(pb.GetUsageRequest())
+    samples = await scrape(handle)
+    names = {name for name, _ in samples}
+    assert names >= EXPECTED_FAMILIES
+    for name, labels in samples:
+        if name in EXPECTED_FAMILIES:
+            assert {"model_name": "test-model", "engine": "0"}.items() <= dict(labels).items()
+
+
+async def test_service_series_move(metered: tuple[ServerHandle, Stub]) -> None:
+    """Preemptions, cached blocks, evictions on reuse, active requests and clients,
+    and the per-method RPC histogram follow what the calls did."""
+    handle, stub = metered
+    client = (("x-client-id", "sched-a"),)
+    await add(stub, "a", tokens(48))
+    await admit(stub, "a")
+    await free(stub, "a", pb.FREE_MODE_PREEMPT)
+    await stub.GetUsage(pb.GetUsageRequest(), metadata=client)
+    await stub.GetUsage(pb.GetUsageRequest(), metadata=(("x-client-id", "sched-b"),))
+    mid = await scrape(handle)
+    assert value(mid, "vllm:num_preemptions_total") == 1
+    assert value(mid, "kvservice_cached_blocks") == 3
+    assert value(mid, "kvservice_active_requests") == 1
+    assert value(mid, "kvservice_active_clients") == 2
+    assert value(mid, "kvservice_rpc_duration_seconds_count", method="AddRequest") == 1
+    assert value(mid, "kvservice_rpc_in_flight", method="AddRequest") == 0
+
+    # 8 new blocks: the 7 never-used ones, then the oldest cached one (evicted).
+    await add(stub, "big", tokens(128, start=900))
+    await allocate(stub, "big", 128)
+    end = await scrape(handle)
+    assert value(end, "kvservice_evictions_total", reason="reuse") == 1
+    assert value(end, "kvservice_evictions_total", reason="invalidated") == 0
+    assert value(end, "kvservice_cached_blocks") == 2
+    assert value(end, "kvservice_active_requests") == 2
+
+
+class TestClientTracker:
+    def test_window_and_open_streams(self) -> None:
+        """A client counts while a stream is open and for the window after its last
+        call; calls without a client id are not counted."""
+        now = [0.0]
+        tracker = ClientTracker(window_s=60, clock=lambda: now[0])
+        tracker.seen("a")
+        tracker.seen(None)
+        tracker.open_stream("b")
+        assert tracker.count() == 2
+        now[0] = 100.0
+        assert tracker.count() == 1  # "a" aged out; "b" still streams
+        tracker.close_stream("b")
+        now[0] = 159.0
+        assert tracker.count() == 1
+        now[0] = 161.0
+        assert tracker.count() == 0

@@ -12,6 +12,12 @@ its in-process KVCacheManager:
   AllocateSlots         at admission (passing the hit back) and every later step
   AppendTokens          after each step, with the sampled tokens
   FreeRequest           PREEMPT to recompute later, FINISH to forget the request
+  Probe                 any time: what an allocation would need, changing nothing
+
+A scheduler that makes many calls per step batches them: Step carries one step's
+operations in order and answers each with its own result; StepStream does the
+same over one long-lived bidirectional stream (one answer per message, in order).
+Every operation gives the same answer whichever way it is sent.
 
 Errors use gRPC status codes: NOT_FOUND (unknown request), ALREADY_EXISTS
 (duplicate AddRequest), INVALID_ARGUMENT (malformed numbers), OUT_OF_RANGE (past
@@ -875,3 +881,337 @@ class GetCacheConfigResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetCacheConfigResponse: _TypeAlias = GetCacheConfigResponse  # noqa: Y015
+
+@_typing.final
+class ProbeRequest(_message.Message):
+    """Probe an allocation for a known request. A request that holds no blocks is
+    probed as an admission (its prefix hit is looked up, as GetComputedBlocks would);
+    one that holds blocks as a running request. The fields mean what they mean in
+    AllocateSlotsRequest.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    NUM_NEW_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_EXTERNAL_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_ENCODER_TOKENS_FIELD_NUMBER: _builtins.int
+    FULL_SEQUENCE_MUST_FIT_FIELD_NUMBER: _builtins.int
+    RESERVED_BLOCKS_FIELD_NUMBER: _builtins.int
+    HAS_SCHEDULED_REQS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    num_new_tokens: _builtins.int
+    """Absent: every token of the request not yet computed nor hit."""
+    num_lookahead_tokens: _builtins.int
+    num_external_computed_tokens: _builtins.int
+    num_encoder_tokens: _builtins.int
+    full_sequence_must_fit: _builtins.bool
+    reserved_blocks: _builtins.int
+    has_scheduled_reqs: _builtins.bool
+    """Absent means true, vLLM's default."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        num_new_tokens: _builtins.int | None = ...,
+        num_lookahead_tokens: _builtins.int = ...,
+        num_external_computed_tokens: _builtins.int = ...,
+        num_encoder_tokens: _builtins.int = ...,
+        full_sequence_must_fit: _builtins.bool = ...,
+        reserved_blocks: _builtins.int = ...,
+        has_scheduled_reqs: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_has_scheduled_reqs", b"_has_scheduled_reqs", "_num_new_tokens", b"_num_new_tokens", "has_scheduled_reqs", b"has_scheduled_reqs", "num_new_tokens", b"num_new_tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_has_scheduled_reqs", b"_has_scheduled_reqs", "_num_new_tokens", b"_num_new_tokens", "full_sequence_must_fit", b"full_sequence_must_fit", "has_scheduled_reqs", b"has_scheduled_reqs", "num_encoder_tokens", b"num_encoder_tokens", "num_external_computed_tokens", b"num_external_computed_tokens", "num_lookahead_tokens", b"num_lookahead_tokens", "num_new_tokens", b"num_new_tokens", "request_id", b"request_id", "reserved_blocks", b"reserved_blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__has_scheduled_reqs: _TypeAlias = _typing.Literal["has_scheduled_reqs"]  # noqa: Y015
+    _WhichOneofArgType__has_scheduled_reqs: _TypeAlias = _typing.Literal["_has_scheduled_reqs", b"_has_scheduled_reqs"]  # noqa: Y015
+    _WhichOneofReturnType__num_new_tokens: _TypeAlias = _typing.Literal["num_new_tokens"]  # noqa: Y015
+    _WhichOneofArgType__num_new_tokens: _TypeAlias = _typing.Literal["_num_new_tokens", b"_num_new_tokens"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__has_scheduled_reqs) -> _WhichOneofReturnType__has_scheduled_reqs | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__num_new_tokens) -> _WhichOneofReturnType__num_new_tokens | None: ...
+
+Global___ProbeRequest: _TypeAlias = ProbeRequest  # noqa: Y015
+
+@_typing.final
+class ProbeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_HIT_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_NEW_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_TO_ALLOCATE_FIELD_NUMBER: _builtins.int
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _builtins.int
+    WOULD_FIT_FIELD_NUMBER: _builtins.int
+    num_hit_tokens: _builtins.int
+    """Tokens the prefix cache would supply (admissions only)."""
+    num_new_tokens: _builtins.int
+    """Tokens the probed allocation would compute."""
+    num_blocks_to_allocate: _builtins.int
+    """Blocks it would take from the free queue."""
+    num_free_blocks: _builtins.int
+    """Free blocks, counting those a sliding window would release first."""
+    would_fit: _builtins.bool
+    """Whether AllocateSlots would answer OK rather than NO_SPACE now."""
+    def __init__(
+        self,
+        *,
+        num_hit_tokens: _builtins.int = ...,
+        num_new_tokens: _builtins.int = ...,
+        num_blocks_to_allocate: _builtins.int = ...,
+        num_free_blocks: _builtins.int = ...,
+        would_fit: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks_to_allocate", b"num_blocks_to_allocate", "num_free_blocks", b"num_free_blocks", "num_hit_tokens", b"num_hit_tokens", "num_new_tokens", b"num_new_tokens", "would_fit", b"would_fit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProbeResponse: _TypeAlias = ProbeResponse  # noqa: Y015
+
+@_typing.final
+class StepOperation(_message.Message):
+    """One operation of a step: the request message of the matching unary RPC."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADD_REQUEST_FIELD_NUMBER: _builtins.int
+    APPEND_TOKENS_FIELD_NUMBER: _builtins.int
+    GET_COMPUTED_BLOCKS_FIELD_NUMBER: _builtins.int
+    ALLOCATE_SLOTS_FIELD_NUMBER: _builtins.int
+    FREE_REQUEST_FIELD_NUMBER: _builtins.int
+    PROBE_FIELD_NUMBER: _builtins.int
+    GET_REQUEST_FIELD_NUMBER: _builtins.int
+    GET_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    GET_USAGE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def add_request(self) -> Global___AddRequestRequest: ...
+    @_builtins.property
+    def append_tokens(self) -> Global___AppendTokensRequest: ...
+    @_builtins.property
+    def get_computed_blocks(self) -> Global___GetComputedBlocksRequest: ...
+    @_builtins.property
+    def allocate_slots(self) -> Global___AllocateSlotsRequest: ...
+    @_builtins.property
+    def free_request(self) -> Global___FreeRequestRequest: ...
+    @_builtins.property
+    def probe(self) -> Global___ProbeRequest: ...
+    @_builtins.property
+    def get_request(self) -> Global___GetRequestRequest: ...
+    @_builtins.property
+    def get_block_ids(self) -> Global___GetBlockIdsRequest: ...
+    @_builtins.property
+    def get_usage(self) -> Global___GetUsageRequest: ...
+    def __init__(
+        self,
+        *,
+        add_request: Global___AddRequestRequest | None = ...,
+        append_tokens: Global___AppendTokensRequest | None = ...,
+        get_computed_blocks: Global___GetComputedBlocksRequest | None = ...,
+        allocate_slots: Global___AllocateSlotsRequest | None = ...,
+        free_request: Global___FreeRequestRequest | None = ...,
+        probe: Global___ProbeRequest | None = ...,
+        get_request: Global___GetRequestRequest | None = ...,
+        get_block_ids: Global___GetBlockIdsRequest | None = ...,
+        get_usage: Global___GetUsageRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "allocate_slots", b"allocate_slots", "append_tokens", b"append_tokens", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "op", b"op", "probe", b"probe"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "allocate_slots", b"allocate_slots", "append_tokens", b"append_tokens", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "op", b"op", "probe", b"probe"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage"]  # noqa: Y015
+    _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
+
+Global___StepOperation: _TypeAlias = StepOperation  # noqa: Y015
+
+@_typing.final
+class OperationError(_message.Message):
+    """Why an operation of a step failed: the status the unary RPC would have ended with."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """A google.rpc.Code / grpc.StatusCode number (5 NOT_FOUND, 9 FAILED_PRECONDITION...)."""
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OperationError: _TypeAlias = OperationError  # noqa: Y015
+
+@_typing.final
+class StepResult(_message.Message):
+    """The result of one operation: the matching unary response, or its error."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADD_REQUEST_FIELD_NUMBER: _builtins.int
+    APPEND_TOKENS_FIELD_NUMBER: _builtins.int
+    GET_COMPUTED_BLOCKS_FIELD_NUMBER: _builtins.int
+    ALLOCATE_SLOTS_FIELD_NUMBER: _builtins.int
+    FREE_REQUEST_FIELD_NUMBER: _builtins.int
+    PROBE_FIELD_NUMBER: _builtins.int
+    GET_REQUEST_FIELD_NUMBER: _builtins.int
+    GET_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    GET_USAGE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def add_request(self) -> Global___AddRequestResponse: ...
+    @_builtins.property
+    def append_tokens(self) -> Global___AppendTokensResponse: ...
+    @_builtins.property
+    def get_computed_blocks(self) -> Global___GetComputedBlocksResponse: ...
+    @_builtins.property
+    def allocate_slots(self) -> Global___AllocateSlotsResponse: ...
+    @_builtins.property
+    def free_request(self) -> Global___FreeRequestResponse: ...
+    @_builtins.property
+    def probe(self) -> Global___ProbeResponse: ...
+    @_builtins.property
+    def get_request(self) -> Global___GetRequestResponse: ...
+    @_builtins.property
+    def get_block_ids(self) -> Global___GetBlockIdsResponse: ...
+    @_builtins.property
+    def get_usage(self) -> Global___GetUsageResponse: ...
+    @_builtins.property
+    def error(self) -> Global___OperationError:
+        """The operation was refused (and changed nothing), or was not run because an
+        earlier one failed under stop_on_error (code CANCELLED).
+        """
+
+    def __init__(
+        self,
+        *,
+        add_request: Global___AddRequestResponse | None = ...,
+        append_tokens: Global___AppendTokensResponse | None = ...,
+        get_computed_blocks: Global___GetComputedBlocksResponse | None = ...,
+        allocate_slots: Global___AllocateSlotsResponse | None = ...,
+        free_request: Global___FreeRequestResponse | None = ...,
+        probe: Global___ProbeResponse | None = ...,
+        get_request: Global___GetRequestResponse | None = ...,
+        get_block_ids: Global___GetBlockIdsResponse | None = ...,
+        get_usage: Global___GetUsageResponse | None = ...,
+        error: Global___OperationError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "allocate_slots", b"allocate_slots", "append_tokens", b"append_tokens", "error", b"error", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "probe", b"probe", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "allocate_slots", b"allocate_slots", "append_tokens", b"append_tokens", "error", b"error", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "probe", b"probe", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "error"]  # noqa: Y015
+    _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
+
+Global___StepResult: _TypeAlias = StepResult  # noqa: Y015
+
+@_typing.final
+class StepRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_ID_FIELD_NUMBER: _builtins.int
+    OPS_FIELD_NUMBER: _builtins.int
+    STOP_ON_ERROR_FIELD_NUMBER: _builtins.int
+    step_id: _builtins.int
+    """The client's step counter, echoed in the response (for logs and correlation)."""
+    stop_on_error: _builtins.bool
+    """Do not run the operations after the first failure (they answer CANCELLED).
+    Off by default: later operations still run, as vLLM's scheduler expects when
+    one request's call is refused.
+    """
+    @_builtins.property
+    def ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepOperation]:
+        """Run in order; an operation sees the effects of the ones before it."""
+
+    def __init__(
+        self,
+        *,
+        step_id: _builtins.int = ...,
+        ops: _abc.Iterable[Global___StepOperation] | None = ...,
+        stop_on_error: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops", "step_id", b"step_id", "stop_on_error", b"stop_on_error"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepRequest: _TypeAlias = StepRequest  # noqa: Y015
+
+@_typing.final
+class StepResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_ID_FIELD_NUMBER: _builtins.int
+    RESULTS_FIELD_NUMBER: _builtins.int
+    step_id: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepResult]:
+        """One result per operation, in the same order."""
+
+    def __init__(
+        self,
+        *,
+        step_id: _builtins.int = ...,
+        results: _abc.Iterable[Global___StepResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results", "step_id", b"step_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepResponse: _TypeAlias = StepResponse  # noqa: Y015
+
+@_typing.final
+class StepStreamRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def step(self) -> Global___StepRequest: ...
+    def __init__(
+        self,
+        *,
+        step: Global___StepRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepStreamRequest: _TypeAlias = StepStreamRequest  # noqa: Y015
+
+@_typing.final
+class StepStreamResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def step(self) -> Global___StepResponse: ...
+    def __init__(
+        self,
+        *,
+        step: Global___StepResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepStreamResponse: _TypeAlias = StepStreamResponse  # noqa: Y015

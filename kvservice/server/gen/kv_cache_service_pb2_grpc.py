@@ -85,6 +85,21 @@ class KVCacheServiceStub:
                 request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.GetCacheConfigRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.GetCacheConfigResponse.FromString,
                 _registered_method=True)
+        self.Probe = channel.unary_unary(
+                '/kvservice.v1.KVCacheService/Probe',
+                request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.ProbeRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.ProbeResponse.FromString,
+                _registered_method=True)
+        self.Step = channel.unary_unary(
+                '/kvservice.v1.KVCacheService/Step',
+                request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.StepRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.StepResponse.FromString,
+                _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/kvservice.v1.KVCacheService/StepStream',
+                request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.StepStreamRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.StepStreamResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServiceServicer:
@@ -163,6 +178,39 @@ class KVCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Probe(self, request, context):
+        """What GetComputedBlocks + AllocateSlots would do now, without doing it: the
+        tokens that would hit, the blocks the allocation would take and whether it
+        would fit. Side-effect free: no references, no eviction, LRU order and prefix
+        cache counters untouched. Errors as AllocateSlots would raise them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Step(self, request, context):
+        """One scheduling step's operations, run in order; each gets its own result (its
+        success payload or its error). A failed operation changes nothing and later
+        operations still run (unless stop_on_error). The whole step runs without
+        interleaving with other calls. INVALID_ARGUMENT (nothing run) past the
+        server's operations-per-step limit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StepStream(self, request_iterator, context):
+        """A long-lived scheduler session: every inbound message is a Step, answered by
+        exactly one outbound message, in order. Operation errors travel in the results
+        and never end the stream; it ends when the client half-closes (OK) or on a
+        message over the operations-per-step limit (INVALID_ARGUMENT). If the client
+        cancels, each step was applied entirely or not at all; reconcile with
+        GetRequest for the answer that may have been lost.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -215,6 +263,21 @@ def add_KVCacheServiceServicer_to_server(servicer, server):
                     servicer.GetCacheConfig,
                     request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.GetCacheConfigRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.GetCacheConfigResponse.SerializeToString,
+            ),
+            'Probe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.ProbeRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.ProbeResponse.SerializeToString,
+            ),
+            'Step': grpc.unary_unary_rpc_method_handler(
+                    servicer.Step,
+                    request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.StepRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.StepResponse.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
+                    request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.StepStreamRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.StepStreamResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -488,6 +551,87 @@ class KVCacheService:
             '/kvservice.v1.KVCacheService/GetCacheConfig',
             kvservice_dot_v1_dot_kv__cache__service__pb2.GetCacheConfigRequest.SerializeToString,
             kvservice_dot_v1_dot_kv__cache__service__pb2.GetCacheConfigResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/Probe',
+            kvservice_dot_v1_dot_kv__cache__service__pb2.ProbeRequest.SerializeToString,
+            kvservice_dot_v1_dot_kv__cache__service__pb2.ProbeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Step(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/Step',
+            kvservice_dot_v1_dot_kv__cache__service__pb2.StepRequest.SerializeToString,
+            kvservice_dot_v1_dot_kv__cache__service__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvservice.v1.KVCacheService/StepStream',
+            kvservice_dot_v1_dot_kv__cache__service__pb2.StepStreamRequest.SerializeToString,
+            kvservice_dot_v1_dot_kv__cache__service__pb2.StepStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

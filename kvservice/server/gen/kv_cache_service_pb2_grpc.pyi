@@ -12,6 +12,12 @@ its in-process KVCacheManager:
   AllocateSlots         at admission (passing the hit back) and every later step
   AppendTokens          after each step, with the sampled tokens
   FreeRequest           PREEMPT to recompute later, FINISH to forget the request
+  Probe                 any time: what an allocation would need, changing nothing
+
+A scheduler that makes many calls per step batches them: Step carries one step's
+operations in order and answers each with its own result; StepStream does the
+same over one long-lived bidirectional stream (one answer per message, in order).
+Every operation gives the same answer whichever way it is sent.
 
 Errors use gRPC status codes: NOT_FOUND (unknown request), ALREADY_EXISTS
 (duplicate AddRequest), INVALID_ARGUMENT (malformed numbers), OUT_OF_RANGE (past
@@ -57,6 +63,27 @@ class KVCacheServiceStub:
     """Pool usage and prefix cache totals."""
     GetCacheConfig: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.GetCacheConfigRequest, _kv_cache_service_pb2.GetCacheConfigResponse]
     """The pool layout and hashing parameters a client needs to agree with the server."""
+    Probe: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.ProbeRequest, _kv_cache_service_pb2.ProbeResponse]
+    """What GetComputedBlocks + AllocateSlots would do now, without doing it: the
+    tokens that would hit, the blocks the allocation would take and whether it
+    would fit. Side-effect free: no references, no eviction, LRU order and prefix
+    cache counters untouched. Errors as AllocateSlots would raise them.
+    """
+    Step: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.StepRequest, _kv_cache_service_pb2.StepResponse]
+    """One scheduling step's operations, run in order; each gets its own result (its
+    success payload or its error). A failed operation changes nothing and later
+    operations still run (unless stop_on_error). The whole step runs without
+    interleaving with other calls. INVALID_ARGUMENT (nothing run) past the
+    server's operations-per-step limit.
+    """
+    StepStream: _aio.StreamStreamMultiCallable[_kv_cache_service_pb2.StepStreamRequest, _kv_cache_service_pb2.StepStreamResponse]
+    """A long-lived scheduler session: every inbound message is a Step, answered by
+    exactly one outbound message, in order. Operation errors travel in the results
+    and never end the stream; it ends when the client half-closes (OK) or on a
+    message over the operations-per-step limit (INVALID_ARGUMENT). If the client
+    cancels, each step was applied entirely or not at all; reconcile with
+    GetRequest for the answer that may have been lost.
+    """
 
 class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
     """The scheduler-facing KV cache block manager."""
@@ -144,5 +171,44 @@ class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _aio.ServicerContext[_kv_cache_service_pb2.GetCacheConfigRequest, _abc.Awaitable[_kv_cache_service_pb2.GetCacheConfigResponse]],
     ) -> _abc.Awaitable[_kv_cache_service_pb2.GetCacheConfigResponse]:
         """The pool layout and hashing parameters a client needs to agree with the server."""
+
+    @_abc_1.abstractmethod
+    def Probe(
+        self,
+        request: _kv_cache_service_pb2.ProbeRequest,
+        context: _aio.ServicerContext[_kv_cache_service_pb2.ProbeRequest, _abc.Awaitable[_kv_cache_service_pb2.ProbeResponse]],
+    ) -> _abc.Awaitable[_kv_cache_service_pb2.ProbeResponse]:
+        """What GetComputedBlocks + AllocateSlots would do now, without doing it: the
+        tokens that would hit, the blocks the allocation would take and whether it
+        would fit. Side-effect free: no references, no eviction, LRU order and prefix
+        cache counters untouched. Errors as AllocateSlots would raise them.
+        """
+
+    @_abc_1.abstractmethod
+    def Step(
+        self,
+        request: _kv_cache_service_pb2.StepRequest,
+        context: _aio.ServicerContext[_kv_cache_service_pb2.StepRequest, _abc.Awaitable[_kv_cache_service_pb2.StepResponse]],
+    ) -> _abc.Awaitable[_kv_cache_service_pb2.StepResponse]:
+        """One scheduling step's operations, run in order; each gets its own result (its
+        success payload or its error). A failed operation changes nothing and later
+        operations still run (unless stop_on_error). The whole step runs without
+        interleaving with other calls. INVALID_ARGUMENT (nothing run) past the
+        server's operations-per-step limit.
+        """
+
+    @_abc_1.abstractmethod
+    def StepStream(
+        self,
+        request_iterator: _abc.AsyncIterator[_kv_cache_service_pb2.StepStreamRequest],
+        context: _aio.ServicerContext[_abc.AsyncIterator[_kv_cache_service_pb2.StepStreamRequest], _abc.AsyncIterator[_kv_cache_service_pb2.StepStreamResponse]],
+    ) -> _abc.AsyncIterator[_kv_cache_service_pb2.StepStreamResponse]:
+        """A long-lived scheduler session: every inbound message is a Step, answered by
+        exactly one outbound message, in order. Operation errors travel in the results
+        and never end the stream; it ends when the client half-closes (OK) or on a
+        message over the operations-per-step limit (INVALID_ARGUMENT). If the client
+        cancels, each step was applied entirely or not at all; reconcile with
+        GetRequest for the answer that may have been lost.
+        """
 
 def add_KVCacheServiceServicer_to_server(servicer: KVCacheServiceServicer, server: _aio.Server) -> None: ...

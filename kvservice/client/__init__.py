@@ -1,0 +1,72 @@
+"""Python clients for kvservice: no protobuf in sight.
+
+``AsyncKVClient`` (grpc.aio) and ``KVClient`` (blocking) have the same typed methods
+(``add_request``, ``get_computed_blocks``, ``allocate_slots``, ``free``, ``probe``,
+``step``...), return the dataclasses of ``types``, answer ``None`` for "no room" as
+vLLM does, and raise the typed errors of ``errors``. ``StepBuilder`` batches one
+scheduling step; ``client.session()`` runs steps over one long-lived stream.
+"""
+
+from kvservice.client.aio import AsyncKVClient, AsyncSession
+from kvservice.client.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    KVServiceError,
+    NotRunError,
+    OutOfRangeError,
+    RequestExistsError,
+    RequestNotFoundError,
+    ServiceUnavailableError,
+    StaleHitError,
+)
+from kvservice.client.step import OpHandle, StepBuilder, StepResults
+from kvservice.client.sync import KVClient, Session
+from kvservice.client.types import (
+    AllocateOptions,
+    Allocation,
+    BlockIds,
+    CacheConfig,
+    ComputedBlocks,
+    FreeMode,
+    FreeResult,
+    KVCacheGroup,
+    MultiModalFeature,
+    ProbeOptions,
+    ProbeResult,
+    RequestState,
+    RequestStatus,
+    Usage,
+)
+
+__all__ = [
+    "AllocateOptions",
+    "Allocation",
+    "AsyncKVClient",
+    "AsyncSession",
+    "BlockIds",
+    "CacheConfig",
+    "ComputedBlocks",
+    "FailedPreconditionError",
+    "FreeMode",
+    "FreeResult",
+    "InvalidArgumentError",
+    "KVCacheGroup",
+    "KVClient",
+    "KVServiceError",
+    "MultiModalFeature",
+    "NotRunError",
+    "OpHandle",
+    "OutOfRangeError",
+    "ProbeOptions",
+    "ProbeResult",
+    "RequestExistsError",
+    "RequestNotFoundError",
+    "RequestState",
+    "RequestStatus",
+    "ServiceUnavailableError",
+    "Session",
+    "StaleHitError",
+    "StepBuilder",
+    "StepResults",
+    "Usage",
+]

@@ -1,0 +1,257 @@
+"""Protobuf in and out for the client: each operation as an ``Op`` (the RPC to call,
+its request message and how to read the answer), shared by the unary calls, the step
+builder and both clients. The only client module that touches protobuf."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from kvservice.client.types import (
+    AllocateOptions,
+    Allocation,
+    BlockIds,
+    CacheConfig,
+    ComputedBlocks,
+    FreeMode,
+    FreeResult,
+    KVCacheGroup,
+    MultiModalFeature,
+    ProbeOptions,
+    ProbeResult,
+    RequestState,
+    RequestStatus,
+    Usage,
+)
+from kvservice.server.gen import kv_cache_service_pb2 as pb
+
+T = TypeVar("T")
+
+_STATUS = {
+    pb.REQUEST_STATUS_WAITING: RequestStatus.WAITING,
+    pb.REQUEST_STATUS_RUNNING: RequestStatus.RUNNING,
+    pb.REQUEST_STATUS_PREEMPTED: RequestStatus.PREEMPTED,
+    pb.REQUEST_STATUS_FINISHED: RequestStatus.FINISHED,
+}
+_FREE_MODE = {FreeMode.PREEMPT: pb.FREE_MODE_PREEMPT, FreeMode.FINISH: pb.FREE_MODE_FINISH}
+_KIND_PREFIX = "KV_CACHE_SPEC_KIND_"
+
+
+@dataclass(frozen=True, slots=True)
+class Op(Generic[T]):
+    """One operation: the unary RPC, the StepOperation/StepResult field, the request
+    message and the reader of the response message."""
+
+    rpc: str
+    field: str
+    message: Any
+    parse: Callable[[Any], T]
+
+
+# -- readers --------------------------------------------------------------------------
+
+
+def block_ids(groups: Iterable[pb.BlockIds]) -> BlockIds:
+    return tuple(tuple(g.block_ids) for g in groups)
+
+
+def request_state(msg: pb.RequestState) -> RequestState:
+    return RequestState(
+        request_id=msg.request_id,
+        status=_STATUS[msg.status],
+        num_tokens=msg.num_tokens,
+        num_prompt_tokens=msg.num_prompt_tokens,
+        num_computed_tokens=msg.num_computed_tokens,
+        num_preemptions=msg.num_preemptions,
+        num_block_hashes=msg.num_block_hashes,
+    )
+
+
+def _request_of(msg: Any) -> RequestState:
+    return request_state(msg.request)
+
+
+def _computed_blocks(msg: pb.GetComputedBlocksResponse) -> ComputedBlocks:
+    return ComputedBlocks(
+        block_ids(msg.block_ids), msg.num_computed_tokens, msg.shared_prefix_boundary
+    )
+
+
+def _allocation(msg: pb.AllocateSlotsResponse) -> Allocation | None:
+    if msg.outcome == pb.ALLOCATION_OUTCOME_NO_SPACE:
+        return None
+    return Allocation(
+        block_ids(msg.new_block_ids), tuple(msg.block_ids_to_zero), request_state(msg.request)
+    )
+
+
+def _free_result(msg: pb.FreeRequestResponse) -> FreeResult:
+    return FreeResult(request_state(msg.request), msg.num_free_blocks)
+
+
+def _probe_result(msg: pb.ProbeResponse) -> ProbeResult:
+    return ProbeResult(
+        msg.num_hit_tokens,
+        msg.num_new_tokens,
+        msg.num_blocks_to_allocate,
+        msg.num_free_blocks,
+        msg.would_fit,
+    )
+
+
+def _block_table(msg: pb.GetBlockIdsResponse) -> BlockIds:
+    return block_ids(msg.block_ids)
+
+
+def _usage(msg: pb.GetUsageResponse) -> Usage:
+    return Usage(
+        msg.usage,
+        msg.num_free_blocks,
+        msg.num_used_blocks,
+        msg.num_blocks,
+        msg.num_requests,
+        msg.prefix_cache_queries,
+        msg.prefix_cache_hits,
+    )
+
+
+def _group(msg: pb.KVCacheGroup) -> KVCacheGroup:
+    return KVCacheGroup(
+        kind=pb.KVCacheSpecKind.Name(msg.kind).removeprefix(_KIND_PREFIX).lower(),
+        block_size=msg.block_size,
+        layer_names=tuple(msg.layer_names),
+        num_kv_heads=msg.num_kv_heads,
+        head_size=msg.head_size,
+        dtype=msg.dtype,
+        page_size_bytes=msg.page_size_bytes,
+        sliding_window=msg.sliding_window if msg.HasField("sliding_window") else None,
+        attention_chunk_size=(
+            msg.attention_chunk_size if msg.HasField("attention_chunk_size") else None
+        ),
+    )
+
+
+def cache_config(msg: pb.GetCacheConfigResponse) -> CacheConfig:
+    return CacheConfig(
+        num_blocks=msg.num_blocks,
+        max_model_len=msg.max_model_len,
+        scheduler_block_size=msg.scheduler_block_size,
+        hash_block_size=msg.hash_block_size,
+        hash_algo=msg.hash_algo,
+        none_hash_seed_fingerprint=msg.none_hash_seed_fingerprint,
+        enable_caching=msg.enable_caching,
+        needs_kv_cache_zeroing=msg.needs_kv_cache_zeroing,
+        model_name=msg.model_name,
+        groups=tuple(_group(g) for g in msg.groups),
+    )
+
+
+# -- operations -----------------------------------------------------------------------
+
+
+def add_request(
+    request_id: str,
+    prompt_token_ids: Sequence[int],
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
+    mm_features: Sequence[MultiModalFeature] = (),
+    skip_reading_prefix_cache: bool = False,
+) -> Op[RequestState]:
+    message = pb.AddRequestRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt_token_ids,
+        cache_salt=cache_salt or "",
+        lora_name=lora_name or "",
+        mm_features=[
+            pb.MultiModalFeature(identifier=f.identifier, offset=f.offset, length=f.length)
+            for f in mm_features
+        ],
+        skip_reading_prefix_cache=skip_reading_prefix_cache,
+    )
+    return Op("AddRequest", "add_request", message, _request_of)
+
+
+def append_tokens(request_id: str, token_ids: Sequence[int]) -> Op[RequestState]:
+    message = pb.AppendTokensRequest(request_id=request_id, token_ids=token_ids)
+    return Op("AppendTokens", "append_tokens", message, _request_of)
+
+
+def get_computed_blocks(request_id: str) -> Op[ComputedBlocks]:
+    message = pb.GetComputedBlocksRequest(request_id=request_id)
+    return Op("GetComputedBlocks", "get_computed_blocks", message, _computed_blocks)
+
+
+def allocate_slots(
+    request_id: str,
+    num_new_tokens: int,
+    hit: ComputedBlocks | None = None,
+    options: AllocateOptions | None = None,
+) -> Op[Allocation | None]:
+    message = pb.AllocateSlotsRequest(request_id=request_id, num_new_tokens=num_new_tokens)
+    if hit is not None and hit.num_computed_tokens:
+        message.num_new_computed_tokens = hit.num_computed_tokens
+        for group in hit.block_ids:
+            message.new_computed_block_ids.add().block_ids.extend(group)
+    if options is not None:
+        _set_allocate_options(message, options)
+    return Op("AllocateSlots", "allocate_slots", message, _allocation)
+
+
+def _set_allocate_options(message: pb.AllocateSlotsRequest, options: AllocateOptions) -> None:
+    message.num_lookahead_tokens = options.num_lookahead_tokens
+    message.num_external_computed_tokens = options.num_external_computed_tokens
+    message.delay_cache_blocks = options.delay_cache_blocks
+    message.num_encoder_tokens = options.num_encoder_tokens
+    message.full_sequence_must_fit = options.full_sequence_must_fit
+    message.reserved_blocks = options.reserved_blocks
+    message.has_scheduled_reqs = options.has_scheduled_reqs
+    if options.num_computed_tokens is not None:
+        message.num_computed_tokens = options.num_computed_tokens
+
+
+def free(request_id: str, mode: FreeMode = FreeMode.FINISH) -> Op[FreeResult]:
+    message = pb.FreeRequestRequest(request_id=request_id, mode=_FREE_MODE[mode])
+    return Op("FreeRequest", "free_request", message, _free_result)
+
+
+def probe(
+    request_id: str, num_new_tokens: int | None = None, options: ProbeOptions | None = None
+) -> Op[ProbeResult]:
+    message = pb.ProbeRequest(request_id=request_id)
+    if num_new_tokens is not None:
+        message.num_new_tokens = num_new_tokens
+    if options is not None:
+        message.num_lookahead_tokens = options.num_lookahead_tokens
+        message.num_external_computed_tokens = options.num_external_computed_tokens
+        message.num_encoder_tokens = options.num_encoder_tokens
+        message.full_sequence_must_fit = options.full_sequence_must_fit
+        message.reserved_blocks = options.reserved_blocks
+        message.has_scheduled_reqs = options.has_scheduled_reqs
+    return Op("Probe", "probe", message, _probe_result)
+
+
+def get_request(request_id: str) -> Op[RequestState]:
+    message = pb.GetRequestRequest(request_id=request_id)
+    return Op("GetRequest", "get_request", message, _request_of)
+
+
+def get_block_ids(request_id: str) -> Op[BlockIds]:
+    message = pb.GetBlockIdsRequest(request_id=request_id)
+    return Op("GetBlockIds", "get_block_ids", message, _block_table)
+
+
+def get_usage() -> Op[Usage]:
+    return Op("GetUsage", "get_usage", pb.GetUsageRequest(), _usage)
+
+
+def reset_prefix_cache() -> Op[bool]:
+    return Op("ResetPrefixCache", "", pb.ResetPrefixCacheRequest(), _reset)
+
+
+def _reset(msg: pb.ResetPrefixCacheResponse) -> bool:
+    return msg.reset
+
+
+def get_cache_config() -> Op[CacheConfig]:
+    return Op("GetCacheConfig", "", pb.GetCacheConfigRequest(), cache_config)

@@ -1,0 +1,79 @@
+"""Typed errors: one class per status the service uses, each carrying the status.
+
+A unary call raises them; a step operation's error is one of them too (returned by
+``StepResults.error`` or raised when the result is read).
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class KVServiceError(Exception):
+    """A call or operation the server refused (or a transport failure)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+class RequestNotFoundError(KVServiceError):
+    """NOT_FOUND: the request id is unknown (never added, or finished)."""
+
+
+class RequestExistsError(KVServiceError):
+    """ALREADY_EXISTS: ``add_request`` for an id the server knows."""
+
+
+class InvalidArgumentError(KVServiceError):
+    """INVALID_ARGUMENT: malformed whatever the state (negative counts, no tokens)."""
+
+
+class OutOfRangeError(KVServiceError):
+    """OUT_OF_RANGE: past ``max_model_len``."""
+
+
+class FailedPreconditionError(KVServiceError):
+    """FAILED_PRECONDITION: the request is in the wrong state for the call."""
+
+
+class StaleHitError(KVServiceError):
+    """ABORTED: the prefix hit was evicted since the lookup; look it up again."""
+
+
+class NotRunError(KVServiceError):
+    """CANCELLED: a step operation skipped under ``stop_on_error``, or a call the
+    client cancelled."""
+
+
+class ServiceUnavailableError(KVServiceError):
+    """UNAVAILABLE: the server is unreachable or shutting down; retry with backoff."""
+
+
+_BY_CODE: dict[grpc.StatusCode, type[KVServiceError]] = {
+    grpc.StatusCode.NOT_FOUND: RequestNotFoundError,
+    grpc.StatusCode.ALREADY_EXISTS: RequestExistsError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.OUT_OF_RANGE: OutOfRangeError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    grpc.StatusCode.ABORTED: StaleHitError,
+    grpc.StatusCode.CANCELLED: NotRunError,
+    grpc.StatusCode.UNAVAILABLE: ServiceUnavailableError,
+}
+_CODES_BY_NUMBER: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def error_for(code: grpc.StatusCode, message: str) -> KVServiceError:
+    """The typed error for ``code``."""
+    return _BY_CODE.get(code, KVServiceError)(code, message)
+
+
+def error_for_number(number: int, message: str) -> KVServiceError:
+    """The typed error for a status code number (as a step result carries it)."""
+    return error_for(_CODES_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN), message)
+
+
+def error_from_rpc(err: grpc.RpcError) -> KVServiceError:
+    """The typed error for a failed call (sync or aio)."""
+    return error_for(err.code(), err.details() or "")

@@ -1,0 +1,158 @@
+"""The plain values the client returns: frozen dataclasses, no protobuf."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+# Block ids per KV cache group, in block-table order: ``block_ids[group][i]``.
+BlockIds = tuple[tuple[int, ...], ...]
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life, as vLLM's scheduler tracks it."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FreeMode(enum.Enum):
+    """What ``free`` does with the request: keep it for re-prefill, or forget it."""
+
+    PREEMPT = "preempt"
+    FINISH = "finish"
+
+
+@dataclass(frozen=True, slots=True)
+class MultiModalFeature:
+    """One multimodal item: ``length`` placeholder tokens from ``offset``."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestState:
+    """A request as the server sees it after a call."""
+
+    request_id: str
+    status: RequestStatus
+    num_tokens: int
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_preemptions: int
+    num_block_hashes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ComputedBlocks:
+    """A prefix lookup; pass it unchanged as ``hit`` to ``allocate_slots``."""
+
+    block_ids: BlockIds
+    num_computed_tokens: int
+    shared_prefix_boundary: int
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """A successful ``allocate_slots`` (no room is ``None``, as in vLLM)."""
+
+    new_block_ids: BlockIds
+    block_ids_to_zero: tuple[int, ...]
+    request: RequestState
+
+
+@dataclass(frozen=True, slots=True)
+class AllocateOptions:
+    """The rarer arguments of vLLM's ``allocate_slots``; the defaults are vLLM's.
+
+    ``num_computed_tokens``, when set, replaces the server's count before allocating
+    (rejected draft tokens); it is restored if the call is refused or has no room.
+    """
+
+    num_lookahead_tokens: int = 0
+    num_external_computed_tokens: int = 0
+    delay_cache_blocks: bool = False
+    num_encoder_tokens: int = 0
+    full_sequence_must_fit: bool = False
+    reserved_blocks: int = 0
+    has_scheduled_reqs: bool = True
+    num_computed_tokens: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeOptions:
+    """The arguments of ``probe`` besides the request and its new tokens."""
+
+    num_lookahead_tokens: int = 0
+    num_external_computed_tokens: int = 0
+    num_encoder_tokens: int = 0
+    full_sequence_must_fit: bool = False
+    reserved_blocks: int = 0
+    has_scheduled_reqs: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeResult:
+    """What a lookup plus ``allocate_slots`` would do now (nothing was changed)."""
+
+    num_hit_tokens: int
+    num_new_tokens: int
+    num_blocks_to_allocate: int
+    num_free_blocks: int
+    would_fit: bool
+
+
+@dataclass(frozen=True, slots=True)
+class FreeResult:
+    """The request after ``free`` and the pool's free blocks."""
+
+    request: RequestState
+    num_free_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Pool usage and prefix cache totals."""
+
+    usage: float
+    num_free_blocks: int
+    num_used_blocks: int
+    num_blocks: int
+    num_requests: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheGroup:
+    """One KV cache group: layers sharing a block table."""
+
+    kind: str  # full_attention, sliding_window, chunked_local_attention, cross_attention
+    block_size: int
+    layer_names: tuple[str, ...]
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    page_size_bytes: int
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The pool layout and hashing parameters of the server."""
+
+    num_blocks: int
+    max_model_len: int
+    scheduler_block_size: int
+    hash_block_size: int
+    hash_algo: str
+    none_hash_seed_fingerprint: str
+    enable_caching: bool
+    needs_kv_cache_zeroing: bool
+    model_name: str
+    groups: tuple[KVCacheGroup, ...] = field(default=())

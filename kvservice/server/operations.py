@@ -1,0 +1,82 @@
+"""The per-request operations, once: protobuf request in, protobuf response out.
+
+The unary RPCs and the operations of a ``Step`` call the same functions, which is what
+makes a batched step answer exactly what the same calls made one by one would. None of
+them awaits: each runs to completion on the loop that owns the allocator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvservice.server import converters
+from kvservice.server.allocator import Allocator
+from kvservice.server.gen import kv_cache_service_pb2 as pb
+
+# (allocator, request message) -> response message; protobuf messages are untyped at
+# this level because the table below mixes every kind.
+Operation = Callable[[Allocator, Any], Any]
+
+
+def add_request(allocator: Allocator, msg: pb.AddRequestRequest) -> pb.AddRequestResponse:
+    added = allocator.add_request(converters.new_request_from_pb(msg))
+    return pb.AddRequestResponse(request=converters.request_state_to_pb(added))
+
+
+def append_tokens(allocator: Allocator, msg: pb.AppendTokensRequest) -> pb.AppendTokensResponse:
+    updated = allocator.append_tokens(msg.request_id, list(msg.token_ids))
+    return pb.AppendTokensResponse(request=converters.request_state_to_pb(updated))
+
+
+def get_computed_blocks(
+    allocator: Allocator, msg: pb.GetComputedBlocksRequest
+) -> pb.GetComputedBlocksResponse:
+    return converters.computed_blocks_to_pb(allocator.get_computed_blocks(msg.request_id))
+
+
+def allocate_slots(allocator: Allocator, msg: pb.AllocateSlotsRequest) -> pb.AllocateSlotsResponse:
+    args = converters.allocate_args_from_pb(msg)
+    return converters.allocation_to_pb(allocator.allocate_slots(msg.request_id, args))
+
+
+def free_request(allocator: Allocator, msg: pb.FreeRequestRequest) -> pb.FreeRequestResponse:
+    freed = allocator.free(msg.request_id, converters.free_mode_from_pb(msg.mode))
+    return pb.FreeRequestResponse(
+        request=converters.request_state_to_pb(freed),
+        num_free_blocks=allocator.manager.block_pool.get_num_free_blocks(),
+    )
+
+
+def probe(allocator: Allocator, msg: pb.ProbeRequest) -> pb.ProbeResponse:
+    args = converters.probe_args_from_pb(msg)
+    return converters.probe_to_pb(allocator.probe(msg.request_id, args))
+
+
+def get_request(allocator: Allocator, msg: pb.GetRequestRequest) -> pb.GetRequestResponse:
+    found = allocator.get_request(msg.request_id)
+    return pb.GetRequestResponse(request=converters.request_state_to_pb(found))
+
+
+def get_block_ids(allocator: Allocator, msg: pb.GetBlockIdsRequest) -> pb.GetBlockIdsResponse:
+    block_ids = allocator.get_block_ids(msg.request_id)
+    return pb.GetBlockIdsResponse(block_ids=converters.block_ids_to_pb(block_ids))
+
+
+def get_usage(allocator: Allocator, msg: pb.GetUsageRequest) -> pb.GetUsageResponse:
+    return converters.usage_to_pb(allocator.usage())
+
+
+# The StepOperation oneof field name -> the operation. StepResult's oneof uses the same
+# names, so a result is filed under the name of the operation that produced it.
+STEP_OPERATIONS: dict[str, Operation] = {
+    "add_request": add_request,
+    "append_tokens": append_tokens,
+    "get_computed_blocks": get_computed_blocks,
+    "allocate_slots": allocate_slots,
+    "free_request": free_request,
+    "probe": probe,
+    "get_request": get_request,
+    "get_block_ids": get_block_ids,
+    "get_usage": get_usage,
+}

@@ -1,0 +1,186 @@
+"""Where ``kvservice serve`` takes its settings from: flags > environment > config file
+> defaults.
+
+Every option has one snake_case name used three ways: the TOML key (``num_blocks =
+4096``), the flag (``--num-blocks``) and the environment variable
+(``KVSERVICE_NUM_BLOCKS``). The config file is ``--config PATH`` or
+``KVSERVICE_CONFIG``; without either, none is read (the embedded default needs none).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvservice.core.block_hashing import HASH_FUNCTIONS
+from kvservice.server.config import ServerConfig
+from kvservice.server.log import LOG_LEVELS
+
+ENV_PREFIX = "KVSERVICE_"
+CONFIG_ENV = f"{ENV_PREFIX}CONFIG"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class SettingsError(ValueError):
+    """A setting that cannot be used; the message names where it came from."""
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One setting of ``kvservice serve``."""
+
+    name: str
+    kind: type
+    help: str
+    # The ServerConfig field it sets; None for settings outside it (log_level).
+    field: str | None = None
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("host", str, "gRPC bind address", "host"),
+    Option("port", int, "gRPC port (0: any free port)", "port"),
+    Option("metrics_host", str, "Prometheus /metrics bind address", "metrics_host"),
+    Option("metrics_port", int, "Prometheus /metrics port (0 disables it)", "metrics_port"),
+    Option("num_blocks", int, "KV cache blocks in the pool, null block included", "num_blocks"),
+    Option("block_size", int, "tokens per block", "block_size"),
+    Option("max_model_len", int, "the longest sequence, in tokens", "max_model_len"),
+    Option("num_layers", int, "attention layers (reported only)", "num_layers"),
+    Option("num_kv_heads", int, "KV heads per layer (reported only)", "num_kv_heads"),
+    Option("head_size", int, "head dimension (reported only)", "head_size"),
+    Option("dtype", str, "KV element type as torch names it (reported only)", "dtype"),
+    Option(
+        "hash_algo",
+        str,
+        "prefix cache block hash",
+        "hash_algo",
+        choices=tuple(sorted(HASH_FUNCTIONS)),
+    ),
+    Option(
+        "none_hash_seed",
+        str,
+        "prefix hash chain seed (set one to share an xxhash cache across processes)",
+        "none_hash_seed",
+    ),
+    Option("enable_caching", bool, "prefix caching", "enable_caching"),
+    Option(
+        "zero_new_blocks",
+        bool,
+        "report freshly allocated blocks for the runtime to zero",
+        "needs_kv_cache_zeroing",
+    ),
+    Option("model_name", str, "the model_name label of every metric", "model_name"),
+    Option("engine", str, "the engine label of every metric", "engine"),
+    Option("shutdown_grace", float, "seconds in-flight RPCs get on shutdown", "shutdown_grace_s"),
+    Option("max_message_bytes", int, "largest gRPC message accepted", "max_message_bytes"),
+    Option("max_step_ops", int, "most operations one Step message may carry", "max_step_ops"),
+    Option("log_level", str, "log level", choices=LOG_LEVELS),
+)
+_BY_NAME = {o.name: o for o in OPTIONS}
+_DEFAULTS: dict[str, Any] = {
+    **{o.name: getattr(ServerConfig(), o.field) for o in OPTIONS if o.field is not None},
+    "log_level": "info",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What ``kvservice serve`` runs with."""
+
+    server: ServerConfig
+    log_level: str
+
+
+def default_of(option: Option) -> Any:
+    return _DEFAULTS[option.name]
+
+
+def load_settings(
+    flags: Mapping[str, Any], env: Mapping[str, str], config_path: Path | None = None
+) -> Settings:
+    """Merge the sources, highest first: ``flags`` (only those given, the others None),
+    ``env`` (``KVSERVICE_*``), the TOML file at ``config_path`` (else
+    ``KVSERVICE_CONFIG``), then the defaults. Raises ``SettingsError``."""
+    values = dict(_DEFAULTS)
+    path = config_path or (Path(env[CONFIG_ENV]) if env.get(CONFIG_ENV) else None)
+    if path is not None:
+        values.update(_from_file(path))
+    values.update(_from_env(env))
+    values.update({k: v for k, v in flags.items() if k in _BY_NAME and v is not None})
+    for option in OPTIONS:
+        if option.choices and values[option.name] not in option.choices:
+            raise SettingsError(
+                f"{option.name} must be one of {', '.join(option.choices)}, "
+                f"got {values[option.name]!r}"
+            )
+    return _settings(values)
+
+
+def _settings(values: dict[str, Any]) -> Settings:
+    fields = {o.field: values[o.name] for o in OPTIONS if o.field is not None}
+    # 0 disables the endpoint on every surface; ServerConfig spells that None.
+    fields["metrics_port"] = fields["metrics_port"] or None
+    return Settings(dataclasses.replace(ServerConfig(), **fields), values["log_level"])
+
+
+def _from_file(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as f:
+            table = tomllib.load(f)
+    except OSError as err:
+        raise SettingsError(f"config file {path}: {err.strerror}") from None
+    except tomllib.TOMLDecodeError as err:
+        raise SettingsError(f"config file {path}: {err}") from None
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        option = _BY_NAME.get(key)
+        if option is None:
+            raise SettingsError(
+                f"config file {path}: unknown key {key!r} (known: {', '.join(_BY_NAME)})"
+            )
+        values[key] = _checked(option, value, f"config file {path}: {key}")
+    return values
+
+
+def _checked(option: Option, value: Any, where: str) -> Any:
+    # TOML has its own types; only widen int to float.
+    if option.kind is float and type(value) is int:
+        return float(value)
+    if type(value) is not option.kind:
+        raise SettingsError(f"{where}: expected {option.kind.__name__}, got {value!r}")
+    return value
+
+
+def _from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for option in OPTIONS:
+        raw = env.get(option.env)
+        if raw is not None:
+            values[option.name] = parse_text(option, raw, option.env)
+    return values
+
+
+def parse_text(option: Option, raw: str, where: str) -> Any:
+    """A value given as text (environment variable or flag)."""
+    if option.kind is bool:
+        lowered = raw.strip().lower()
+        if lowered in _TRUE | _FALSE:
+            return lowered in _TRUE
+        raise SettingsError(f"{where}: expected true/false (or 1/0, yes/no, on/off), got {raw!r}")
+    try:
+        return option.kind(raw)
+    except ValueError:
+        raise SettingsError(f"{where}: expected {option.kind.__name__}, got {raw!r}") from None

@@ -1,0 +1,101 @@
+"""``kvservice serve`` settings: flags > environment > config file > defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvservice.cli import build_parser, main
+from kvservice.server.config import ServerConfig
+from kvservice.server.settings import OPTIONS, SettingsError, load_settings
+
+
+def settings_for(argv: list[str], env: dict[str, str], config: Path | None = None) -> object:
+    args = build_parser().parse_args(["serve", *argv])
+    return load_settings(vars(args), env, args.config or config)
+
+
+class TestPrecedence:
+    def test_defaults_are_the_embedded_pool(self) -> None:
+        """No flags, no environment, no file: 127.0.0.1:50051, metrics on 9400."""
+        settings = settings_for([], {})
+        assert settings.server == ServerConfig()  # type: ignore[attr-defined]
+        assert (ServerConfig().host, ServerConfig().port, ServerConfig().metrics_port) == (
+            "127.0.0.1",
+            50051,
+            9400,
+        )
+        assert settings.log_level == "info"  # type: ignore[attr-defined]
+
+    def test_flags_beat_env_beat_file(self, tmp_path: Path) -> None:
+        """Each source overrides the ones below it, key by key."""
+        config = tmp_path / "kvservice.toml"
+        config.write_text(
+            'num_blocks = 100\nblock_size = 32\nmodel_name = "from-file"\n'
+            "shutdown_grace = 2\nenable_caching = false\n"
+        )
+        env = {"KVSERVICE_NUM_BLOCKS": "200", "KVSERVICE_MODEL_NAME": "from-env"}
+        settings = settings_for(["--config", str(config), "--model-name", "from-flag"], env).server  # type: ignore[attr-defined]
+        assert settings.model_name == "from-flag"
+        assert settings.num_blocks == 200
+        assert settings.block_size == 32
+        assert settings.shutdown_grace_s == 2.0
+        assert settings.enable_caching is False
+        assert settings.port == 50051
+
+    def test_config_path_from_env_and_booleans(self, tmp_path: Path) -> None:
+        """KVSERVICE_CONFIG names the file; booleans parse from env and flags."""
+        config = tmp_path / "c.toml"
+        config.write_text("zero_new_blocks = true\nmetrics_port = 0\n")
+        env = {"KVSERVICE_CONFIG": str(config), "KVSERVICE_ENABLE_CACHING": "off"}
+        server = settings_for([], env).server  # type: ignore[attr-defined]
+        assert (server.needs_kv_cache_zeroing, server.enable_caching) == (True, False)
+        assert server.metrics_port is None  # 0 disables the endpoint
+        flagged = settings_for(["--enable-caching", "--no-zero-new-blocks"], env)
+        assert flagged.server.enable_caching  # type: ignore[attr-defined]
+        assert not flagged.server.needs_kv_cache_zeroing  # type: ignore[attr-defined]
+
+
+class TestBadSettings:
+    @pytest.mark.parametrize(
+        ("text", "fragment"),
+        [
+            ("num_blocks = 'many'", "expected int"),
+            ("nmu_blocks = 3", "unknown key 'nmu_blocks'"),
+            ("num_blocks = [", "config file"),
+            ('hash_algo = "md5"', "hash_algo must be one of"),
+        ],
+    )
+    def test_bad_file(self, tmp_path: Path, text: str, fragment: str) -> None:
+        config = tmp_path / "bad.toml"
+        config.write_text(text)
+        with pytest.raises(SettingsError, match=fragment):
+            settings_for(["--config", str(config)], {})
+
+    def test_bad_env(self) -> None:
+        with pytest.raises(SettingsError, match="KVSERVICE_PORT"):
+            settings_for([], {"KVSERVICE_PORT": "http"})
+        with pytest.raises(SettingsError, match="KVSERVICE_ENABLE_CACHING"):
+            settings_for([], {"KVSERVICE_ENABLE_CACHING": "maybe"})
+
+    def test_missing_file_exits_2(self, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        """main() reports a settings problem in one line, exit code 2."""
+        assert main(["serve", "--config", str(tmp_path / "absent.toml")]) == 2
+        assert "absent.toml" in capsys.readouterr().err
+
+
+def test_help_explains_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    """`kvservice serve --help` names every flag with its environment variable, and
+    `kvservice --help` lists the command."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for option in OPTIONS:
+        assert option.flag in text
+        assert option.env in text
+    assert "--config" in text
+    assert "flags > environment > config file > defaults" in text
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    assert "serve" in capsys.readouterr().out

@@ -1,0 +1,229 @@
+"""Batched Step and StepStream: ordering, failure semantics, and equivalence with the
+unary calls."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+
+from kvservice.server import KVCacheServer, serve_in_background
+from kvservice.server.gen import kv_cache_service_pb2 as pb
+from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from tests.server.support import SMALL_POOL, Stub, expect_error, tokens
+
+# The unary RPC of each StepOperation field.
+RPC_OF = {
+    "add_request": "AddRequest",
+    "append_tokens": "AppendTokens",
+    "get_computed_blocks": "GetComputedBlocks",
+    "allocate_slots": "AllocateSlots",
+    "free_request": "FreeRequest",
+    "probe": "Probe",
+    "get_request": "GetRequest",
+    "get_block_ids": "GetBlockIds",
+    "get_usage": "GetUsage",
+}
+PREFIX = [0] * 16 + [1] * 16 + [2] * 16
+HIT_123 = [pb.BlockIds(block_ids=[1, 2, 3])]
+Outcome = tuple[Any, ...]
+
+
+def op(**field: Any) -> pb.StepOperation:
+    return pb.StepOperation(**field)
+
+
+def scenario() -> list[pb.StepOperation]:
+    """A scheduler's sequence with hits, NO_SPACE, probes, preemption and refusals;
+    later operations depend on earlier ones (block ids are vLLM's, so known ahead)."""
+    alloc = pb.AllocateSlotsRequest
+    return [
+        op(add_request=pb.AddRequestRequest(request_id="a", prompt_token_ids=[*PREFIX, 3, 3])),
+        op(get_computed_blocks=pb.GetComputedBlocksRequest(request_id="a")),
+        op(probe=pb.ProbeRequest(request_id="a")),
+        op(allocate_slots=alloc(request_id="a", num_new_tokens=50)),
+        op(add_request=pb.AddRequestRequest(request_id="b", prompt_token_ids=[*PREFIX, 4])),
+        op(add_request=pb.AddRequestRequest(request_id="b", prompt_token_ids=[9])),  # exists
+        op(get_computed_blocks=pb.GetComputedBlocksRequest(request_id="b")),
+        op(
+            allocate_slots=alloc(
+                request_id="b",
+                num_new_tokens=1,
+                num_new_computed_tokens=48,
+                new_computed_block_ids=HIT_123,
+            )
+        ),
+        op(append_tokens=pb.AppendTokensRequest(request_id="a", token_ids=tokens(14))),
+        op(allocate_slots=alloc(request_id="a", num_new_tokens=14)),
+        op(append_tokens=pb.AppendTokensRequest(request_id="ghost", token_ids=[1])),
+        op(add_request=pb.AddRequestRequest(request_id="big", prompt_token_ids=tokens(100))),
+        op(probe=pb.ProbeRequest(request_id="big")),
+        op(allocate_slots=alloc(request_id="big", num_new_tokens=100)),  # NO_SPACE
+        op(free_request=pb.FreeRequestRequest(request_id="big", mode=pb.FREE_MODE_PREEMPT)),
+        op(free_request=pb.FreeRequestRequest(request_id="a", mode=pb.FREE_MODE_PREEMPT)),
+        op(allocate_slots=alloc(request_id="big", num_new_tokens=0)),  # invalid
+        op(get_block_ids=pb.GetBlockIdsRequest(request_id="b")),
+        op(get_request=pb.GetRequestRequest(request_id="a")),
+        op(get_computed_blocks=pb.GetComputedBlocksRequest(request_id="a")),
+        op(free_request=pb.FreeRequestRequest(request_id="b", mode=pb.FREE_MODE_FINISH)),
+        op(get_usage=pb.GetUsageRequest()),
+        op(allocate_slots=alloc(request_id="big", num_new_tokens=100)),
+        op(get_usage=pb.GetUsageRequest()),
+    ]
+
+
+def result_outcome(result: pb.StepResult) -> Outcome:
+    kind = str(result.WhichOneof("result"))
+    if kind == "error":
+        return ("error", result.error.code, result.error.message)
+    return (kind, getattr(result, kind).SerializeToString(deterministic=True))
+
+
+async def unary_outcome(stub: Stub, operation: pb.StepOperation) -> Outcome:
+    kind = str(operation.WhichOneof("op"))
+    try:
+        response = await getattr(stub, RPC_OF[kind])(getattr(operation, kind))
+    except grpc.aio.AioRpcError as err:
+        return ("error", err.code().value[0], err.details())
+    return (kind, response.SerializeToString(deterministic=True))
+
+
+@pytest.fixture
+async def fresh_stub() -> AsyncIterator[Any]:
+    """A factory of stubs, each on a server of its own (same config, fresh pool)."""
+    async with contextlib_stack() as stack:
+        yield stack
+
+
+class contextlib_stack:  # noqa: N801  # a tiny async factory fixture helper
+    """Starts servers on demand and stops them all at the end."""
+
+    def __init__(self) -> None:
+        self._exits: list[Any] = []
+
+    async def __aenter__(self) -> contextlib_stack:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for cm in reversed(self._exits):
+            await cm.__aexit__(None, None, None)
+
+    async def __call__(self) -> Stub:
+        server_cm = serve_in_background(SMALL_POOL)
+        handle = await server_cm.__aenter__()
+        self._exits.append(server_cm)
+        channel_cm = grpc.aio.insecure_channel(handle.target)
+        channel = await channel_cm.__aenter__()
+        self._exits.append(channel_cm)
+        return pb_grpc.KVCacheServiceStub(channel)
+
+
+async def test_unary_step_and_stream_agree(fresh_stub: Any) -> None:
+    """The same operations sent as unary calls, as one Step and as StepStream messages
+    of three operations give byte-identical answers (errors included)."""
+    ops = scenario()
+    unary_stub, step_stub, stream_stub = await fresh_stub(), await fresh_stub(), await fresh_stub()
+
+    unary = [await unary_outcome(unary_stub, o) for o in ops]
+
+    response: pb.StepResponse = await step_stub.Step(pb.StepRequest(step_id=7, ops=ops))
+    assert response.step_id == 7
+    batched = [result_outcome(r) for r in response.results]
+
+    call = stream_stub.StepStream()
+    streamed: list[Outcome] = []
+    for step_id, start in enumerate(range(0, len(ops), 3)):
+        chunk = ops[start : start + 3]
+        await call.write(pb.StepStreamRequest(step=pb.StepRequest(step_id=step_id, ops=chunk)))
+        reply: pb.StepStreamResponse = await call.read()
+        assert reply.step.step_id == step_id
+        streamed += [result_outcome(r) for r in reply.step.results]
+    await call.done_writing()
+    assert await call.code() == grpc.StatusCode.OK
+
+    assert batched == unary
+    assert streamed == unary
+    kinds = [o[0] for o in unary]
+    assert kinds.count("error") == 4  # duplicate add, ghost, preempt waiting, zero tokens
+    no_space = pb.AllocateSlotsResponse.FromString(unary[13][1])
+    assert no_space.outcome == pb.ALLOCATION_OUTCOME_NO_SPACE
+    hit = pb.AllocateSlotsResponse.FromString(unary[7][1])
+    assert [list(g.block_ids) for g in hit.new_block_ids] == [[5]]
+
+
+class TestStepSemantics:
+    async def test_failed_op_changes_nothing_and_later_ops_run(self, stub: Stub) -> None:
+        """A refused operation answers its status; the ones after it still run."""
+        response: pb.StepResponse = await stub.Step(
+            pb.StepRequest(
+                ops=[
+                    op(add_request=pb.AddRequestRequest(request_id="a", prompt_token_ids=[1])),
+                    op(add_request=pb.AddRequestRequest(request_id="a", prompt_token_ids=[2])),
+                    op(allocate_slots=pb.AllocateSlotsRequest(request_id="a", num_new_tokens=1)),
+                ]
+            )
+        )
+        first, second, third = response.results
+        assert first.add_request.request.num_tokens == 1
+        assert second.error.code == grpc.StatusCode.ALREADY_EXISTS.value[0]
+        assert "already exists" in second.error.message
+        assert third.allocate_slots.outcome == pb.ALLOCATION_OUTCOME_OK
+
+    async def test_stop_on_error_skips_the_rest(self, stub: Stub) -> None:
+        """With stop_on_error the operations after a failure answer CANCELLED unrun."""
+        response: pb.StepResponse = await stub.Step(
+            pb.StepRequest(
+                stop_on_error=True,
+                ops=[
+                    op(get_request=pb.GetRequestRequest(request_id="ghost")),
+                    op(add_request=pb.AddRequestRequest(request_id="a", prompt_token_ids=[1])),
+                ],
+            )
+        )
+        codes = [r.error.code for r in response.results]
+        assert codes == [grpc.StatusCode.NOT_FOUND.value[0], grpc.StatusCode.CANCELLED.value[0]]
+        await expect_error(
+            stub.GetRequest(pb.GetRequestRequest(request_id="a")), grpc.StatusCode.NOT_FOUND
+        )
+
+    async def test_empty_operation_is_invalid(self, stub: Stub) -> None:
+        """An operation with no field set is refused on its own."""
+        response: pb.StepResponse = await stub.Step(pb.StepRequest(ops=[pb.StepOperation()]))
+        assert response.results[0].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+    async def test_empty_step(self, stub: Stub) -> None:
+        """A step without operations answers an empty result list."""
+        response: pb.StepResponse = await stub.Step(pb.StepRequest(step_id=3))
+        assert (response.step_id, len(response.results)) == (3, 0)
+
+
+async def test_step_over_the_limit_runs_nothing() -> None:
+    """Unary: INVALID_ARGUMENT and no operation run. Stream: the stream ends with
+    INVALID_ARGUMENT after answering the steps before it."""
+    config = dataclasses.replace(SMALL_POOL, max_step_ops=2)
+    adds = [
+        op(add_request=pb.AddRequestRequest(request_id=f"r{i}", prompt_token_ids=[1]))
+        for i in range(3)
+    ]
+    server = KVCacheServer(config)
+    handle = await server.start()
+    try:
+        async with grpc.aio.insecure_channel(handle.target) as channel:
+            stub = pb_grpc.KVCacheServiceStub(channel)
+            message = await expect_error(
+                stub.Step(pb.StepRequest(ops=adds)), grpc.StatusCode.INVALID_ARGUMENT
+            )
+            assert "at most 2" in message
+            assert server.allocator.num_requests == 0
+
+            call = stub.StepStream()
+            await call.write(pb.StepStreamRequest(step=pb.StepRequest(ops=adds[:2])))
+            assert len((await call.read()).step.results) == 2
+            await call.write(pb.StepStreamRequest(step=pb.StepRequest(ops=adds)))
+            await expect_error(call.read(), grpc.StatusCode.INVALID_ARGUMENT)
+            assert server.allocator.num_requests == 2
+    finally:
+        await server.stop(grace=0)
