@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve test lint typecheck unit proto bench bench-runtime clean
+.PHONY: setup tools serve test lint typecheck unit proto bench bench-runtime clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,6 +12,24 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+## Prometheus and promtool for the deploy tests: Debian's `prometheus` package, unpacked
+## (never installed) into .tools/prometheus/. Idempotent; refreshes apt's lists if needed.
+TOOLS := .tools
+PROMETHEUS_DIR := $(TOOLS)/prometheus
+PROMTOOL := $(PROMETHEUS_DIR)/usr/bin/promtool
+
+$(PROMTOOL):
+	rm -rf $(TOOLS)/deb && mkdir -p $(TOOLS)/deb
+	cd $(TOOLS)/deb && { apt-get download prometheus 2>/dev/null \
+		|| { apt-get update -qq && apt-get download prometheus; }; }
+	rm -rf $(PROMETHEUS_DIR)
+	dpkg -x $(TOOLS)/deb/prometheus_*.deb $(PROMETHEUS_DIR)
+	rm -rf $(TOOLS)/deb
+	$(PROMTOOL) --version
+	touch $@
+
+tools: $(PROMTOOL)
 
 ## Run the service on the embedded default (gRPC 127.0.0.1:50051, metrics 127.0.0.1:9400).
 serve: setup
@@ -27,7 +45,7 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-unit: setup
+unit: setup tools
 	$(BIN)/pytest
 
 ## Regenerate the protobuf/gRPC modules from proto/.
@@ -38,9 +56,13 @@ proto: setup
 bench: setup
 	$(BIN)/python -m benchmarks.bench_core
 
+## The gRPC service on loopback: unary latency, ops/s unary vs Step vs StepStream vs in-process.
+bench-grpc: setup
+	$(BIN)/python -m benchmarks.bench_grpc
+
 ## Paged decode attention vs dense attention (time, GB/s, ratio) on this machine.
 bench-runtime: setup
 	$(BIN)/python -m benchmarks.bench_paged_attention
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TOOLS) .mypy_cache .pytest_cache .ruff_cache

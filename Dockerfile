@@ -1,0 +1,48 @@
+# syntax=docker/dockerfile:1
+# kvservice: vLLM's KV-cache block manager as a gRPC service.
+#
+#   docker build -t kvservice:0.1.0 .                      # CPU image (python:3.11-slim)
+#   docker build -t kvservice:0.1.0-cuda \
+#     --build-arg BASE_IMAGE=nvidia/cuda:12.8.1-runtime-ubuntu24.04 \
+#     --build-arg EXTRAS=runtime .                          # CUDA base, with torch (gpu_runtime)
+#
+# Any Debian/Ubuntu base works: one without python3 gets it (>= 3.11 needed) from apt.
+ARG BASE_IMAGE=python:3.11-slim
+
+FROM ${BASE_IMAGE} AS base
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1
+RUN if ! command -v python3 >/dev/null 2>&1 || ! python3 -c 'import venv, ensurepip' 2>/dev/null; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends python3 python3-venv \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi \
+    && python3 -c 'import sys; assert sys.version_info >= (3, 11), sys.version'
+
+# Build: a virtual environment with the project and its pinned dependencies.
+FROM base AS build
+# Optional extras from pyproject.toml, e.g. EXTRAS=runtime for torch.
+ARG EXTRAS=""
+RUN python3 -m venv /opt/kvservice
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY kvservice/ kvservice/
+COPY gpu_runtime/ gpu_runtime/
+RUN /opt/kvservice/bin/pip install --no-compile ".${EXTRAS:+[${EXTRAS}]}"
+
+# Runtime: the environment only, run as an unprivileged user.
+FROM base AS runtime
+RUN groupadd --system --gid 10001 kvservice \
+    && useradd --system --uid 10001 --gid kvservice --no-create-home --home-dir /nonexistent \
+        --shell /usr/sbin/nologin kvservice
+COPY --from=build /opt/kvservice /opt/kvservice
+ENV PATH=/opt/kvservice/bin:$PATH
+USER 10001:10001
+# gRPC (with grpc.health.v1 for probes) and Prometheus /metrics.
+EXPOSE 50051 9400
+ENTRYPOINT ["kvservice", "serve"]
+# Bind all interfaces in a container (the service defaults to loopback); the Helm chart
+# replaces these with the same flags plus its ConfigMap's settings.
+CMD ["--host=0.0.0.0", "--port=50051", "--metrics-host=0.0.0.0", "--metrics-port=9400"]
