@@ -22,6 +22,7 @@ from kvservice.core.kv_cache_interface import (
     KVCacheConfig,
     KVCacheSpec,
     MambaSpec,
+    SlidingWindowSpec,
 )
 from kvservice.core.single_type_kv_cache_manager import (
     HitBlocks,
@@ -110,6 +111,29 @@ def _eagle_group_ids(kv_cache_config: KVCacheConfig, use_eagle: bool) -> frozens
     return ids
 
 
+def _validate_retention_interval(kv_cache_config: KVCacheConfig, scheduler_block_size: int) -> None:
+    interval = kv_cache_config.prefix_cache_retention_interval
+    if interval is None or interval == 0:
+        return  # 0 is allowed everywhere: full attention simply stays dense
+    if interval < 0:
+        raise InvalidArgumentError(
+            f"prefix_cache_retention_interval must be non-negative (or None), got {interval}"
+        )
+    if interval % scheduler_block_size != 0:
+        raise InvalidArgumentError(
+            f"prefix_cache_retention_interval ({interval}) must be a multiple of "
+            f"scheduler_block_size ({scheduler_block_size})"
+        )
+    if not any(
+        isinstance(g.kv_cache_spec, SlidingWindowSpec | MambaSpec)
+        for g in kv_cache_config.kv_cache_groups
+    ):
+        raise InvalidArgumentError(
+            f"prefix_cache_retention_interval={interval}, but the model has no sliding-window "
+            f"or Mamba group to retain sparsely; full attention is always dense"
+        )
+
+
 class KVCacheCoordinator(ABC):
     """Owns the pool and one ``SingleTypeKVCacheManager`` per group."""
 
@@ -153,6 +177,10 @@ class KVCacheCoordinator(ABC):
         self.eagle_group_ids = _eagle_group_ids(kv_cache_config, use_eagle)
         for gid in self.eagle_group_ids:
             self.single_type_managers[gid].use_eagle = True
+        _validate_retention_interval(kv_cache_config, scheduler_block_size)
+        self.retention_interval = kv_cache_config.prefix_cache_retention_interval
+        for manager in self.single_type_managers:
+            manager.retention_interval = self.retention_interval
         self._setup()
 
     def _setup(self) -> None:
@@ -216,8 +244,27 @@ class KVCacheCoordinator(ABC):
         )
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        boundaries = self.get_reachable_boundaries(request)
         for manager in self.single_type_managers:
-            manager.cache_blocks(request, num_computed_tokens)
+            manager.cache_blocks(request, num_computed_tokens, boundaries)
+
+    def get_replay_boundary(self, request: Request) -> int:
+        """Where a replay of this prompt resumes: its last token is always recomputed;
+        with EAGLE, one scheduler block earlier, whose drop needs the block after it."""
+        if self.eagle_group_ids:
+            sbs = self.scheduler_block_size
+            return max(request.num_prompt_tokens // sbs * sbs - sbs, 0)
+        return request.num_prompt_tokens - 1
+
+    def get_reachable_boundaries(self, request: Request) -> tuple[int, ...]:
+        """Positions later requests are known to resume from; only sparse retention
+        (an interval configured) looks at them."""
+        if self.retention_interval is None:
+            return ()
+        replay = self.get_replay_boundary(request)
+        if request.shared_prefix_boundary:
+            return (replay, request.shared_prefix_boundary)
+        return (replay,)
 
     def free(self, request_id: str) -> None:
         for manager in self.single_type_managers:
@@ -306,7 +353,9 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         return (self._manager.allocate_new_blocks(request_id, num_tokens),)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        self._manager.cache_blocks(request, num_computed_tokens)
+        self._manager.cache_blocks(
+            request, num_computed_tokens, self.get_reachable_boundaries(request)
+        )
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         self._manager.remove_skipped_blocks(request_id, total_computed_tokens)
@@ -433,13 +482,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         # Hits end on scheduler-block boundaries, so a block past the last one is useless,
         # except to an EAGLE group: it needs the block after the boundary for its drop.
         aligned = num_computed_tokens - num_computed_tokens % self.scheduler_block_size
+        boundaries = self.get_reachable_boundaries(request)
         for manager in self.single_type_managers:
             if manager.use_eagle:
-                manager.cache_blocks(
-                    request, min(num_computed_tokens, aligned + manager.block_size)
-                )
+                num_tokens = min(num_computed_tokens, aligned + manager.block_size)
             else:
-                manager.cache_blocks(request, aligned)
+                num_tokens = aligned
+            manager.cache_blocks(request, num_tokens, boundaries)
 
 
 @dataclass(slots=True)

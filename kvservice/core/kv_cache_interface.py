@@ -267,6 +267,10 @@ class KVCacheConfig:
     kv_cache_tensors: list[KVCacheTensor]
     kv_cache_groups: list[KVCacheGroupSpec]
     needs_kv_cache_zeroing: bool = False
+    # None: cache every reusable block (dense). 0: window-bounded and Mamba groups keep
+    # only the blocks a replay or a shared-prefix junction needs. k > 0 (a multiple of
+    # the scheduler block size): also one window's worth every k tokens.
+    prefix_cache_retention_interval: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_blocks, int) or self.num_blocks <= 0:

@@ -206,7 +206,9 @@ class KVCacheManager:
         The hit is capped at ``num_tokens - 1``: the last token must be computed to
         produce logits, and with block-aligned hits a fully cached prompt recomputes its
         last block. Takes no references (two requests may see the same hit before either
-        allocates). Side effect: records prefix cache stats when ``log_stats``.
+        allocates). Side effects: records prefix cache stats when ``log_stats``, and
+        notes a nonzero boundary on the request, so that sparse retention keeps the
+        junction cached for the next request sharing the prefix.
         """
         self._check_not_finished(request)
         if not self.enable_caching or request.skip_reading_prefix_cache:
@@ -221,6 +223,8 @@ class KVCacheManager:
                 preempted=request.num_preemptions > 0,
             )
         boundary = num_hit_tokens + num_uncached if num_uncached else 0
+        if boundary:
+            request.shared_prefix_boundary = boundary
         return self.create_kv_cache_blocks(blocks), num_hit_tokens, boundary
 
     # -- allocation -------------------------------------------------------------------

@@ -38,6 +38,7 @@ class Request:
         "num_preemptions",
         "num_prompt_tokens",
         "request_id",
+        "shared_prefix_boundary",
         "skip_reading_prefix_cache",
         "status",
     )
@@ -74,6 +75,9 @@ class Request:
         # the prefix cache but never read it.
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
         self.status = RequestStatus.WAITING
+        # Set by get_computed_blocks when some group matched further than the joint hit:
+        # the junction later requests sharing this prefix will resume from.
+        self.shared_prefix_boundary: int | None = None
         self.num_preemptions = 0
         self._num_computed_tokens = 0
         self.block_hashes: list[BlockHash] = []

@@ -30,6 +30,41 @@ if TYPE_CHECKING:
 HitBlocks = tuple[list[KVCacheBlock], ...]
 
 
+def sparse_retention_mask(
+    block_indices: range,
+    block_size: int,
+    need: int,
+    shift: int,
+    alignment_tokens: int,
+    retention_interval: int | None,
+    reachable_boundaries: Sequence[int],
+) -> list[bool] | None:
+    """Which blocks a group whose hit reads only ``need`` blocks must cache (None: all).
+
+    A hit ends on an ``alignment_tokens`` boundary and reads the ``need`` blocks before
+    it (shifted ``shift`` blocks later with EAGLE). Segments are ``alignment_tokens``
+    long when ``retention_interval`` is None (dense: every reusable block), absent when
+    it is 0, and ``retention_interval`` tokens otherwise; each keeps its last ``need``
+    blocks. With an interval, the runs ending at each reachable boundary are kept too.
+
+    Block size 16, need 1, interval 64, 256 tokens, replay boundary 255 (hit 240):
+    blocks 3, 7, 11, 15 (segment ends) and 14 (before token 240).
+    """
+    segment = alignment_tokens if retention_interval is None else retention_interval
+    per_segment = segment // block_size
+    if per_segment and need >= per_segment:
+        return None
+    keep: set[int] = set()
+    if per_segment:
+        keep.update(i for i in block_indices if (i - shift) % per_segment >= per_segment - need)
+    if retention_interval is not None:
+        for boundary in reachable_boundaries:
+            end = (boundary - boundary % alignment_tokens) // block_size
+            if end > 0:
+                keep.update(range(end - need + shift, end + shift))
+    return [i in keep for i in block_indices]
+
+
 class SingleTypeKVCacheManager(ABC):
     """Block tables of one KV cache group, drawing from the shared ``BlockPool``.
 
@@ -64,6 +99,9 @@ class SingleTypeKVCacheManager(ABC):
         self._max_admission_blocks_per_request = max_admission_blocks_per_request
         # Set by the coordinator for the groups an EAGLE drafter reads.
         self.use_eagle = False
+        # Sparse retention (KVCacheConfig.prefix_cache_retention_interval), set by the
+        # coordinator; only window-bounded and Mamba groups make use of it.
+        self.retention_interval: int | None = None
 
     # -- prediction (no side effects) -------------------------------------------------
 
@@ -173,8 +211,15 @@ class SingleTypeKVCacheManager(ABC):
 
     # -- caching ----------------------------------------------------------------------
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Enter the request's blocks that ``num_tokens`` fills into the prefix cache."""
+    def cache_blocks(
+        self, request: Request, num_tokens: int, reachable_boundaries: Sequence[int] = ()
+    ) -> None:
+        """Enter the request's blocks that ``num_tokens`` fills into the prefix cache.
+
+        ``reachable_boundaries``: token positions a later request is known to resume
+        from (the replay boundary, a shared-prefix junction); sparse-retention groups
+        keep the blocks a hit ending there needs.
+        """
         request_id = request.request_id
         num_cached_blocks = self.num_cached_block.get(request_id, 0)
         num_full_blocks = num_tokens // self.block_size
@@ -187,12 +232,14 @@ class SingleTypeKVCacheManager(ABC):
             num_full_blocks=num_full_blocks,
             block_size=self.block_size,
             kv_cache_group_id=self.kv_cache_group_id,
-            block_mask=self.reachable_block_mask(num_cached_blocks, num_full_blocks),
+            block_mask=self.reachable_block_mask(
+                num_cached_blocks, num_full_blocks, reachable_boundaries
+            ),
         )
         self.num_cached_block[request_id] = num_full_blocks
 
     def reachable_block_mask(
-        self, num_cached_blocks: int, num_full_blocks: int
+        self, num_cached_blocks: int, num_full_blocks: int, reachable_boundaries: Sequence[int]
     ) -> list[bool] | None:
         """Which of the blocks being cached a later prefix hit can use; None = all."""
         return None
@@ -421,23 +468,22 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return max(0, num_computed_tokens - self.sliding_window + 1)
 
     def reachable_block_mask(
-        self, num_cached_blocks: int, num_full_blocks: int
+        self, num_cached_blocks: int, num_full_blocks: int, reachable_boundaries: Sequence[int]
     ) -> list[bool] | None:
-        """Hits end on ``cache_hit_alignment_tokens`` boundaries and need one window of
-        blocks before that boundary: in a segment of several blocks only the last
-        window's worth can ever be used, so only those are cached."""
+        """Only the window of blocks before a hit's end is ever read (see
+        ``sparse_retention_mask``); with EAGLE, the window plus the block after it."""
         need = self.num_contiguous_blocks_needed(
             self.sliding_window, self.block_size, self.use_eagle
         )
-        per_segment = self.cache_hit_alignment_tokens // self.block_size
-        if need >= per_segment:
-            return None
-        # With EAGLE a hit ending on a boundary uses the window plus the block after it.
-        shift = 1 if self.use_eagle else 0
-        return [
-            (i - shift) % per_segment >= per_segment - need
-            for i in range(num_cached_blocks, num_full_blocks)
-        ]
+        return sparse_retention_mask(
+            range(num_cached_blocks, num_full_blocks),
+            self.block_size,
+            need,
+            1 if self.use_eagle else 0,
+            self.cache_hit_alignment_tokens,
+            self.retention_interval,
+            reachable_boundaries,
+        )
 
 
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
@@ -530,6 +576,20 @@ class MambaManager(SingleTypeKVCacheManager):
         """Only the state after the last computed token is read again."""
         return max(num_computed_tokens - 1, 0)
 
+    def reachable_block_mask(
+        self, num_cached_blocks: int, num_full_blocks: int, reachable_boundaries: Sequence[int]
+    ) -> list[bool] | None:
+        """A hit reads one state, at an aligned boundary: keep those states only."""
+        return sparse_retention_mask(
+            range(num_cached_blocks, num_full_blocks),
+            self.block_size,
+            1,
+            0,
+            self.cache_hit_alignment_tokens,
+            self.retention_interval,
+            reachable_boundaries,
+        )
+
     @classmethod
     def find_longest_cache_hit(
         cls,
@@ -576,7 +636,9 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
     ) -> tuple[HitBlocks, int]:
         raise NotImplementedError("cross attention does not support prefix caching")
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(
+        self, request: Request, num_tokens: int, reachable_boundaries: Sequence[int] = ()
+    ) -> None:
         raise ValueError("Should not be called as prefix caching is disabled.")
 
 
