@@ -1,0 +1,770 @@
+"""Stateful property tests: random admit / chunked prefill / decode / preempt / finish /
+reset_prefix_cache sequences against ``KVCacheManager``, driven the way vLLM's scheduler
+drives it.
+
+The scheduler moves modelled here:
+
+- admit a waiting (or preempted) request: ``get_computed_blocks`` then
+  ``allocate_slots(req, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+  ...)``; on success the caller sets ``req.num_computed_tokens = hit + new`` and marks the
+  request running. ``num_new_tokens`` may be a chunk of the rest of the prompt.
+- a running request that has not computed all its tokens gets its next chunk:
+  ``allocate_slots(req, chunk)``; one that has computed everything decodes:
+  ``append_output_token_ids`` then ``allocate_slots(req, 1)``.
+- preemption: ``manager.free(req)`` then ``req.preempt()``; the request waits again.
+- finish / abort: ``req.status = FINISHED`` then ``manager.free(req)``.
+- ``reset_prefix_cache()`` at any time.
+
+Prompts come from a three-token vocabulary and a few shared prefixes (and earlier
+sequences, outputs included), so prefix hits and duplicates happen; pools are small, so
+``None`` happens. Now and then a request carries a cache salt or a LoRA name (part of
+its hashes, so it may only hit blocks cached under the same ones), or skips prefix reads
+(prompt logprobs: no hits, still cached), and steps use lookahead slots, the watermark,
+``reserved_blocks``, ``full_sequence_must_fit`` or ``delay_cache_blocks``.
+
+Every step is checked against a model computed from a snapshot taken just before it:
+which blocks move, in which order they leave and rejoin the free queue, which ref counts
+and hashes change, and whether the answer is ``None``. After every step the pool
+invariants hold (``check_invariants``) and every cached block in a block table carries
+the hash of the request's tokens at that index. At the end every request is freed and
+the pool must be whole again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from kvservice.core.invariants import check_invariants
+from kvservice.core.kv_cache_block import KVCacheBlock
+from kvservice.core.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    cdiv,
+)
+from kvservice.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from kvservice.core.request import Request, RequestStatus
+from tests.core.helpers import make_config
+from tests.core.strategies import (
+    REQUEST_OPTIONS,
+    VOCAB,
+    Knobs,
+    MachineConfig,
+    full_attention_configs,
+    hybrid_mixed_block_configs,
+    hybrid_same_block_configs,
+    knobs,
+    local_attention_configs,
+    no_caching_configs,
+    prompts,
+    token_lists,
+)
+
+ADMISSION_KNOBS = knobs(admission=True)
+RUNNING_KNOBS = knobs(admission=False)
+TOKENS = st.integers(0, VOCAB - 1)
+MAX_LIVE_REQUESTS = 6
+MAX_HISTORY = 16
+NULL = 0  # block id of the null block
+
+
+# -- model helpers (written from the reference, not from the implementation) ------------
+
+
+def num_skipped_tokens(spec: KVCacheSpec, num_computed_tokens: int) -> int:
+    """Leading tokens no future token attends to (reference §4.6/§4.7)."""
+    if isinstance(spec, SlidingWindowSpec):
+        return max(0, num_computed_tokens - spec.sliding_window + 1)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        chunk = spec.attention_chunk_size
+        return num_computed_tokens // chunk * chunk
+    return 0
+
+
+def sliding_window_blocks_needed(spec: SlidingWindowSpec) -> int:
+    return cdiv(spec.sliding_window - 1, spec.block_size)
+
+
+def cached_by_mask(spec: KVCacheSpec, index: int, alignment_tokens: int) -> bool:
+    """Whether block ``index`` is entered into the cache when it fills (reference §4.7,
+    retention interval None: a sliding-window group caches only the last window's worth
+    of blocks of each ``alignment_tokens`` segment; every other group caches all)."""
+    if not isinstance(spec, SlidingWindowSpec):
+        return True
+    need = sliding_window_blocks_needed(spec)
+    per_segment = alignment_tokens // spec.block_size
+    return need >= per_segment or index % per_segment >= per_segment - need
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """Everything a step may change, by block id."""
+
+    ref_cnts: tuple[int, ...]
+    queue: tuple[int, ...]  # free queue, front (evicted first) to back
+    hashes: tuple[bytes | None, ...]
+    hash_map: dict[bytes, tuple[int, ...]]  # key -> block ids, first inserted first
+    tables: tuple[dict[str, tuple[int, ...]], ...]  # per group: request -> block ids
+    cached: tuple[dict[str, int], ...]  # per group: num_cached_block
+
+
+def take_state(manager: KVCacheManager) -> PoolState:
+    pool = manager.block_pool
+    cache = pool.cached_block_hash_to_block
+    managers = manager.coordinator.single_type_managers
+    return PoolState(
+        ref_cnts=tuple(b.ref_cnt for b in pool.blocks),
+        queue=tuple(b.block_id for b in pool.free_block_queue.get_all_free_blocks()),
+        hashes=tuple(b.block_hash for b in pool.blocks),
+        hash_map={key: tuple(b.block_id for b in cache.blocks_of(key)) for key in cache},
+        tables=tuple(
+            {rid: tuple(b.block_id for b in blocks) for rid, blocks in m.req_to_blocks.items()}
+            for m in managers
+        ),
+        cached=tuple(dict(m.num_cached_block) for m in managers),
+    )
+
+
+def assert_same_state(actual: PoolState, expected: PoolState, what: str) -> None:
+    """Field by field, so a failure names the part that differs."""
+    assert actual.ref_cnts == expected.ref_cnts, f"{what}: ref counts"
+    assert actual.queue == expected.queue, f"{what}: free queue order"
+    assert actual.hashes == expected.hashes, f"{what}: block hashes"
+    assert actual.hash_map == expected.hash_map, f"{what}: hash map"
+    assert actual.tables == expected.tables, f"{what}: block tables"
+    assert actual.cached == expected.cached, f"{what}: num_cached_block"
+
+
+def is_subsequence(needle: Sequence[int], haystack: Sequence[int]) -> bool:
+    it = iter(haystack)
+    return all(x in it for x in needle)
+
+
+# -- the machine --------------------------------------------------------------------------
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """Base machine; subclasses pick the pool layouts (``configs``)."""
+
+    configs: ClassVar[st.SearchStrategy[MachineConfig]]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._manager: KVCacheManager | None = None
+        self._cfg: MachineConfig | None = None
+        self.requests: dict[str, Request] = {}  # not finished
+        self.waiting: list[str] = []  # holds no blocks (new or preempted)
+        self.running: list[str] = []  # allocated at least once since (re)admission
+        self.history: list[list[int]] = []
+        self.prefixes: list[list[int]] = []
+        self.next_id = 0
+        # False while a rule or invariant runs: teardown skips its checks after a failure.
+        self.clean = True
+
+    @property
+    def m(self) -> KVCacheManager:
+        assert self._manager is not None
+        return self._manager
+
+    @property
+    def cfg(self) -> MachineConfig:
+        assert self._cfg is not None
+        return self._cfg
+
+    def specs(self) -> list[KVCacheSpec]:
+        return [m.kv_cache_spec for m in self.m.coordinator.single_type_managers]
+
+    def expected_key(self, request: Request, group: int, index: int) -> bytes:
+        """The cache key of block ``index`` of ``group``: the request's hash at the
+        group's block boundary (last fine hash of the coarse block) + group id."""
+        scale = self.specs()[group].block_size // self.m.hash_block_size
+        return request.block_hashes[(index + 1) * scale - 1] + group.to_bytes(4, "big")
+
+    # -- setup ----------------------------------------------------------------------------
+
+    @initialize(data=st.data())
+    def setup(self, data: st.DataObject) -> None:
+        cfg = data.draw(self.configs, label="config")
+        self._cfg = cfg
+        self._manager = KVCacheManager(
+            make_config(cfg.num_blocks, *cfg.specs),
+            cfg.max_model_len,
+            enable_caching=cfg.enable_caching,
+            watermark=cfg.watermark,
+        )
+        sizes = [spec.block_size for spec in cfg.specs]
+        assert self.m.hash_block_size == math.gcd(*sizes)
+        assert self.m.scheduler_block_size == math.lcm(*sizes)
+        sbs = self.m.scheduler_block_size
+        self.prefixes = data.draw(
+            st.lists(token_lists(sbs, 3 * sbs), min_size=1, max_size=3), label="prefixes"
+        )
+
+    # -- the one rule ----------------------------------------------------------------------
+
+    @rule(data=st.data())
+    def step(self, data: st.DataObject) -> None:
+        """One scheduler action, drawn by weight among those possible now.
+
+        A single rule with our own weights: Hypothesis orders separate rules by
+        argument count and name and leans towards the first, which starved the
+        decode steps in favour of ``reset_prefix_cache``."""
+        self.clean = False
+        actions: list[tuple[Callable[[st.DataObject], None], int]] = [(self.reset_prefix_cache, 1)]
+        if len(self.requests) < MAX_LIVE_REQUESTS:
+            actions.append((self.add_request, 3))
+        if self.waiting:
+            actions.append((self.schedule_waiting, 4))
+        if self.running:
+            actions += [(self.schedule_running, 6), (self.preempt, 1)]
+        if self.requests:
+            actions.append((self.finish, 2))
+        by_name = {action.__name__: action for action, _ in actions}
+        choices = [action.__name__ for action, weight in actions for _ in range(weight)]
+        by_name[data.draw(st.sampled_from(choices), label="action")](data)
+        self.clean = True
+
+    def add_request(self, data: st.DataObject) -> None:
+        tokens = data.draw(
+            prompts(self.prefixes, self.history, self.cfg.max_prompt_len), label="prompt"
+        )
+        options = data.draw(REQUEST_OPTIONS, label="options")
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        self.requests[rid] = self.m.new_request(
+            rid,
+            tokens,
+            cache_salt=options.cache_salt,
+            lora_name=options.lora_name,
+            skip_reading_prefix_cache=options.skip_reading_prefix_cache,
+        )
+        self.waiting.append(rid)
+        self.remember(tokens)
+
+    def schedule_waiting(self, data: st.DataObject) -> None:
+        """Admit a waiting or preempted request: look up its prefix, then allocate the
+        rest of its tokens (or a chunk of them)."""
+        rid = data.draw(st.sampled_from(self.waiting), label="request")
+        request = self.requests[rid]
+        step = data.draw(ADMISSION_KNOBS, label="knobs")
+        hits, num_hit = self.lookup(request)
+        remaining = request.num_tokens - num_hit
+        num_new = remaining if step.chunk is None else min(remaining, step.chunk)
+        if self.allocate(request, num_new, hits, num_hit, step) is not None:
+            request.num_computed_tokens = num_hit + num_new
+            request.status = RequestStatus.RUNNING
+            self.waiting.remove(rid)
+            self.running.append(rid)
+
+    def schedule_running(self, data: st.DataObject) -> None:
+        """Next chunk of a running request, or one decode step once all its tokens are
+        computed (append the sampled token, then allocate its slot)."""
+        rid = data.draw(st.sampled_from(self.running), label="request")
+        request = self.requests[rid]
+        step = data.draw(RUNNING_KNOBS, label="knobs")
+        if request.num_computed_tokens == request.num_tokens:
+            if request.num_tokens >= self.cfg.max_model_len:
+                self.release(request, finish=True)  # length limit: the request stops
+                return
+            request.append_output_token_ids(data.draw(TOKENS, label="token"))
+        remaining = request.num_tokens - request.num_computed_tokens
+        num_new = remaining if step.chunk is None else min(remaining, step.chunk)
+        if self.allocate(request, num_new, None, 0, step) is not None:
+            request.num_computed_tokens += num_new
+
+    def preempt(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(self.running), label="request")
+        self.release(self.requests[rid], finish=False)
+
+    def finish(self, data: st.DataObject) -> None:
+        """Finish a running request, or abort a waiting one."""
+        rid = data.draw(st.sampled_from(sorted(self.requests)), label="request")
+        self.release(self.requests[rid], finish=True)
+
+    def reset_prefix_cache(self, data: st.DataObject) -> None:
+        pool = self.m.block_pool
+        before = take_state(self.m)
+        all_free = pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+        assert self.m.reset_prefix_cache() == all_free
+        event(f"reset_prefix_cache -> {all_free}")
+        after = take_state(self.m)
+        if all_free:
+            assert after.hash_map == {}
+            assert all(h is None for h in after.hashes)
+            expected = PoolState(
+                before.ref_cnts,
+                before.queue,
+                after.hashes,
+                after.hash_map,
+                before.tables,
+                before.cached,
+            )
+            assert_same_state(after, expected, "successful reset_prefix_cache")
+        else:
+            assert_same_state(after, before, "refused reset_prefix_cache")
+
+    # -- scheduler moves, each checked against a model ------------------------------------
+
+    def remember(self, tokens: list[int]) -> None:
+        self.history.append(list(tokens))
+        del self.history[:-MAX_HISTORY]
+
+    def lookup(self, request: Request) -> tuple[KVCacheBlocks, int]:
+        """``get_computed_blocks``: side-effect free, block aligned, capped at
+        ``num_tokens - 1``, and every hit block carries the request's hash."""
+        m = self.m
+        before = take_state(m)
+        hits, num_hit, boundary = m.get_computed_blocks(request)
+        assert_same_state(take_state(m), before, "get_computed_blocks")
+        event("prefix hit" if num_hit else "prefix miss")
+        specs = self.specs()
+        if not self.cfg.enable_caching or request.skip_reading_prefix_cache:
+            assert num_hit == 0 and not any(hits.blocks)
+            return hits, num_hit
+        assert 0 <= num_hit <= max(0, request.num_tokens - 1)
+        assert num_hit % m.scheduler_block_size == 0
+        assert boundary == 0 or boundary > num_hit
+        assert len(hits.blocks) == len(specs)
+        first_block = m.block_pool.cached_block_hash_to_block.get_one_block
+        for group, (spec, blocks) in enumerate(zip(specs, hits.blocks, strict=True)):
+            assert len(blocks) * spec.block_size == num_hit, f"group {group} hit length"
+            for i, block in enumerate(blocks):
+                if block.is_null:
+                    assert not isinstance(spec, FullAttentionSpec), "null in a full hit"
+                    continue
+                key = self.expected_key(request, group, i)
+                assert block.block_hash == key
+                assert block is first_block(key), "a hit is the first block cached under its key"
+            if isinstance(spec, SlidingWindowSpec) and blocks:
+                # The hit ends with a run covering one window (or a run from block 0).
+                run = min(sliding_window_blocks_needed(spec), len(blocks))
+                assert not any(b.is_null for b in blocks[len(blocks) - run :])
+        if len(specs) == 1 and isinstance(specs[0], FullAttentionSpec):
+            # One full-attention group: the hit is the longest cached prefix that the
+            # num_tokens - 1 cap allows.
+            n = len(hits.blocks[0])
+            if (n + 1) * specs[0].block_size <= request.num_tokens - 1:
+                assert first_block(self.expected_key(request, 0, n)) is None, (
+                    "the hit stopped before the first uncached block"
+                )
+        return hits, num_hit
+
+    def blocks_to_skip(
+        self, request_id: str, total_computed_tokens: int
+    ) -> list[list[tuple[int, KVCacheBlock]]]:
+        """What ``remove_skipped_blocks`` will free, per group, in the order it frees
+        them: from the last skipped block down to the first one already null."""
+        removed: list[list[tuple[int, KVCacheBlock]]] = []
+        for single in self.m.coordinator.single_type_managers:
+            table = single.req_to_blocks.get(request_id, [])
+            skipped = num_skipped_tokens(single.kv_cache_spec, total_computed_tokens)
+            out: list[tuple[int, KVCacheBlock]] = []
+            for i in range(min(skipped // single.block_size, len(table)) - 1, -1, -1):
+                if table[i].is_null:
+                    break
+                out.append((i, table[i]))
+            removed.append(out)
+        return removed
+
+    def allocate(
+        self,
+        request: Request,
+        num_new: int,
+        hits: KVCacheBlocks | None,
+        num_hit: int,
+        step: Knobs,
+    ) -> KVCacheBlocks | None:
+        """``allocate_slots`` with the scheduler's arguments, checked against a model.
+
+        Prediction == allocation: ``allocate_slots`` first calls
+        ``remove_skipped_blocks`` (which frees out-of-window blocks even when the answer
+        is None), then predicts with ``get_num_blocks_to_allocate``. The prediction does
+        not depend on that removal: it reads the table lengths (removal only swaps
+        blocks for the null block), ``num_cached_block`` membership, and the ref counts
+        of the prefix hits, which only a request holding no blocks yet can have (so
+        nothing of it can be removed). So we predict before the call with the same
+        arguments, compute independently which blocks the removal frees
+        (``freed_by_skip``), and require the free count to drop by exactly
+        ``prediction - freed_by_skip``, and the model of
+        the allocation itself (touched free hits + new blocks per group) to take exactly
+        ``prediction`` blocks off the free queue.
+        """
+        m, cfg = self.m, self.cfg
+        pool = m.block_pool
+        rid = request.request_id
+        caching = cfg.enable_caching
+        specs = self.specs()
+        hit_lists: tuple[Sequence[KVCacheBlock], ...] = hits.blocks if hits is not None else ()
+        total = request.num_computed_tokens + num_hit
+        need_slot = min(total + num_new + step.lookahead, cfg.max_model_len)
+
+        before = take_state(m)
+        free_before = pool.get_num_free_blocks()
+        removed = self.blocks_to_skip(rid, total)
+        freed_by_skip = sum(1 for group in removed for _, b in group if b.ref_cnt == 1)
+        predicted = m.coordinator.get_num_blocks_to_allocate(rid, need_slot, hit_lists, 0, total)
+        watermark = (
+            int(cfg.watermark * cfg.num_blocks)  # only for admissions while others run
+            if step.has_scheduled_reqs
+            and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            else 0
+        )
+        refused = predicted + watermark > free_before + freed_by_skip - step.reserved_blocks
+        if step.full_sequence_must_fit:
+            # The admission gate runs first, on the free count before the removal.
+            whole = m.coordinator.get_num_blocks_to_allocate(
+                rid,
+                min(request.num_tokens, cfg.max_model_len),
+                hit_lists,
+                0,
+                total,
+                apply_admission_cap=True,
+            )
+            refused = refused or whole + watermark > free_before
+
+        # Model of remove_skipped_blocks: each group frees its removed blocks, high
+        # index first; unhashed ones to the queue front, hashed ones to the back.
+        ref = list(before.ref_cnts)
+        queue = list(before.queue)
+        tables = [dict(t) for t in before.tables]
+        for group, group_removed in enumerate(removed):
+            if not group_removed:
+                continue
+            table = list(tables[group][rid])
+            front: list[int] = []
+            back: list[int] = []
+            for i, block in group_removed:
+                table[i] = NULL
+                ref[block.block_id] -= 1
+                if ref[block.block_id] == 0:
+                    hashed = caching and before.hashes[block.block_id] is not None
+                    (back if hashed else front).append(block.block_id)
+            tables[group][rid] = tuple(table)
+            queue = front + queue + back
+
+        result = m.allocate_slots(
+            request,
+            num_new,
+            num_hit,
+            hits,
+            num_lookahead_tokens=step.lookahead,
+            delay_cache_blocks=step.delay_cache_blocks,
+            full_sequence_must_fit=step.full_sequence_must_fit,
+            reserved_blocks=step.reserved_blocks,
+            has_scheduled_reqs=step.has_scheduled_reqs,
+        )
+        after = take_state(m)
+        assert (result is None) == refused, (
+            f"allocate_slots answered {'None' if result is None else 'blocks'}: predicted "
+            f"{predicted}, watermark {watermark}, free {free_before} (+{freed_by_skip} "
+            f"skipped), reserved {step.reserved_blocks}"
+        )
+        self.check_skipped_are_null(rid, total)
+        if freed_by_skip:
+            event("remove_skipped_blocks freed blocks")
+        if result is None:
+            event("allocate_slots -> None")
+            # Nothing changes but the out-of-window blocks the removal released.
+            expected = PoolState(
+                tuple(ref),
+                tuple(queue),
+                before.hashes,
+                before.hash_map,
+                tuple(tables),
+                before.cached,
+            )
+            assert_same_state(after, expected, "allocate_slots -> None")
+            return None
+
+        # Attach the prefix hits (touch: a free hit leaves the queue), then pop the new
+        # blocks of each group, in group order, from the queue front.
+        attach = any(hit_lists)
+        touched_free = 0
+        prev_cached: list[int] = []
+        for group, spec in enumerate(specs):
+            table = list(tables[group].get(rid, ()))
+            if attach:
+                assert not table, "a waiting request holds no blocks"
+                group_hits = hit_lists[group]
+                num_skipped = num_skipped_tokens(spec, total) // spec.block_size
+                kept = group_hits[num_skipped:]
+                for block in kept:
+                    if block.is_null:
+                        continue
+                    if ref[block.block_id] == 0:
+                        queue.remove(block.block_id)
+                        touched_free += 1
+                    ref[block.block_id] += 1
+                table = [NULL] * min(num_skipped, len(group_hits)) + [b.block_id for b in kept]
+                prev_cached.append(len(table))
+            else:
+                prev_cached.append(before.cached[group].get(rid, 0))
+            tables[group][rid] = tuple(table)
+        new_ids: list[list[int]] = []
+        for group, spec in enumerate(specs):
+            table = list(tables[group][rid])
+            n = max(0, cdiv(need_slot, spec.block_size) - len(table))
+            popped, queue = queue[:n], queue[n:]
+            for block_id in popped:
+                ref[block_id] = 1
+            tables[group][rid] = tuple(table + popped)
+            new_ids.append(popped)
+
+        if touched_free:
+            event("a free cached block was hit")
+        if any(before.hashes[b] is not None for ids in new_ids for b in ids):
+            event("allocation evicted a cached block")
+        num_taken = touched_free + sum(len(ids) for ids in new_ids)
+        assert num_taken == predicted, f"prediction {predicted} but the model takes {num_taken}"
+        assert free_before - pool.get_num_free_blocks() == predicted - freed_by_skip, (
+            f"free count dropped by {free_before - pool.get_num_free_blocks()}, expected "
+            f"prediction {predicted} - {freed_by_skip} freed by remove_skipped_blocks"
+        )
+        got = result.get_block_ids()
+        assert got == tuple(new_ids), f"new blocks {got}, expected {new_ids} (queue order)"
+        all_new = [b for ids in got for b in ids]
+        assert NULL not in all_new, "the null block was handed out"
+        for table_map in after.tables:
+            for other, table_ids in table_map.items():
+                if other != rid:
+                    assert not set(all_new) & set(table_ids), f"new block held by {other}"
+        assert after.queue == tuple(queue), "free queue after allocation"
+        assert after.ref_cnts == tuple(ref), "ref counts after allocation"
+        assert after.tables == tuple(tables), "block tables after allocation"
+
+        # Caching: blocks that became full up to min(computed + new, num_tokens)
+        # (aligned down to the scheduler block size with several groups) get the
+        # request's hash; popped blocks lost theirs. Lookahead slots are never cached.
+        hashes = list(before.hashes)
+        hash_map = {k: [b for b in ids if b not in all_new] for k, ids in before.hash_map.items()}
+        for block_id in all_new:
+            hashes[block_id] = None
+        tokens_to_cache = min(total + num_new, request.num_tokens)
+        if caching and len(specs) > 1:  # the hybrid coordinator
+            tokens_to_cache -= tokens_to_cache % m.scheduler_block_size
+        for group, spec in enumerate(specs):
+            cached_now = prev_cached[group]
+            if caching and not step.delay_cache_blocks:
+                cached_now = max(cached_now, tokens_to_cache // spec.block_size)
+            assert after.cached[group].get(rid, 0) == cached_now, f"group {group} cached count"
+            final_table = tables[group][rid]
+            for i in range(prev_cached[group], cached_now):
+                block_id = final_table[i]
+                if block_id == NULL or not cached_by_mask(spec, i, m.scheduler_block_size):
+                    continue
+                key = self.expected_key(request, group, i)
+                hashes[block_id] = key
+                hash_map.setdefault(key, []).append(block_id)
+        assert after.hashes == tuple(hashes), "block hashes after allocation"
+        assert after.hash_map == {k: tuple(v) for k, v in hash_map.items() if v}, "hash map"
+        return result
+
+    def check_skipped_are_null(self, request_id: str, total_computed_tokens: int) -> None:
+        """After ``allocate_slots`` every block before the window is the null block."""
+        for single in self.m.coordinator.single_type_managers:
+            table = single.req_to_blocks.get(request_id, [])
+            skipped = num_skipped_tokens(single.kv_cache_spec, total_computed_tokens)
+            k = min(skipped // single.block_size, len(table))
+            assert all(b.is_null for b in table[:k]), "an out-of-window block is still held"
+
+    def release(self, request: Request, finish: bool) -> None:
+        """Finish (``status = FINISHED``, then ``free``) or preempt (``free``, then
+        ``preempt()``), checked against a model of ``free``: each group's blocks are
+        released last block first; unhashed ones go to the front of the queue, hashed
+        ones to the back; hashes stay."""
+        m = self.m
+        rid = request.request_id
+        before = take_state(m)
+        if finish:
+            request.status = RequestStatus.FINISHED
+            m.free(request)
+        else:
+            m.free(request)
+            request.preempt()
+        after = take_state(m)
+
+        ref = list(before.ref_cnts)
+        fronts: list[list[int]] = []
+        backs: list[list[int]] = []
+        for group_tables in before.tables:
+            front: list[int] = []
+            back: list[int] = []
+            for block_id in reversed(group_tables.get(rid, ())):
+                if block_id == NULL:
+                    continue
+                ref[block_id] -= 1
+                if ref[block_id] == 0:
+                    hashed = self.cfg.enable_caching and before.hashes[block_id] is not None
+                    (back if hashed else front).append(block_id)
+            fronts.append(front)
+            backs.append(back)
+        # Front: each group's unhashed blocks are prepended in turn, so the last group's
+        # come first. Back: hashed blocks, each group's in reverse table order (the
+        # relative order of different groups' hashed blocks is not pinned down here).
+        expected_front = [b for front in reversed(fronts) for b in front]
+        num_back = sum(len(back) for back in backs)
+        queue = list(after.queue)
+        assert queue[: len(expected_front)] == expected_front, "unhashed blocks go first"
+        middle = queue[len(expected_front) : len(queue) - num_back]
+        assert middle == list(before.queue), "blocks already free keep their order"
+        tail = queue[len(queue) - num_back :]
+        assert Counter(tail) == Counter(b for back in backs for b in back)
+        for back in backs:
+            assert is_subsequence(back, tail), "hashed blocks are queued last block first"
+        if len(backs) == 1:
+            assert tail == backs[0]
+
+        expected = PoolState(
+            tuple(ref),
+            after.queue,
+            before.hashes,
+            before.hash_map,
+            tuple({r: t for r, t in g.items() if r != rid} for g in before.tables),
+            tuple({r: n for r, n in g.items() if r != rid} for g in before.cached),
+        )
+        assert_same_state(after, expected, "free")
+
+        if finish:
+            self.requests.pop(rid)
+            self.remember(request.all_token_ids)
+            if rid in self.waiting:
+                self.waiting.remove(rid)
+        else:
+            assert request.status == RequestStatus.PREEMPTED
+            assert request.num_computed_tokens == 0
+            self.waiting.append(rid)
+        if rid in self.running:
+            self.running.remove(rid)
+
+    # -- checked after every step -----------------------------------------------------------
+
+    @invariant()
+    def pool_is_consistent(self) -> None:
+        if self._manager is None:
+            return
+        self.clean = False
+        m = self.m
+        pool = m.block_pool
+        check_invariants(m)
+        usable = pool.num_gpu_blocks - 1
+        assert m.usage == 1.0 - pool.get_num_free_blocks() / usable
+        specs = self.specs()
+        held_any = False
+        for group, single in enumerate(m.coordinator.single_type_managers):
+            spec = specs[group]
+            assert set(single.req_to_blocks) <= set(self.running), "a stopped request holds blocks"
+            assert set(single.num_cached_block) <= set(single.req_to_blocks)
+            for rid, blocks in single.req_to_blocks.items():
+                held_any = held_any or any(not b.is_null for b in blocks)
+                request = self.requests[rid]
+                num_cached = single.num_cached_block.get(rid, 0)
+                for i, block in enumerate(blocks):
+                    if block.is_null:
+                        assert not isinstance(spec, FullAttentionSpec), "null in a full table"
+                        continue
+                    if i >= num_cached:
+                        assert block.block_hash is None, (
+                            f"group {group}: {rid} block {i} is hashed but not yet cached"
+                        )
+                    elif block.block_hash is not None:
+                        assert block.block_hash == self.expected_key(request, group, i), (
+                            f"group {group}: {rid} block {i} carries another prefix's hash"
+                        )
+                    elif self.cfg.enable_caching:
+                        assert not isinstance(spec, FullAttentionSpec), (
+                            f"group {group}: {rid} cached full-attention block {i} has no hash"
+                        )
+        for rid in self.running:
+            # Cascade attention: leading full-attention blocks shared by every request
+            # that holds blocks in the group; other attention types report 0.
+            common = m.get_num_common_prefix_blocks(rid)
+            for group, single in enumerate(m.coordinator.single_type_managers):
+                expected = 0
+                if self.cfg.enable_caching and isinstance(specs[group], FullAttentionSpec):
+                    holders = len(single.req_to_blocks)
+                    for block in single.req_to_blocks.get(rid, []):
+                        if block.ref_cnt != holders:
+                            break
+                        expected += 1
+                assert common[group] == expected, f"group {group}: common prefix of {rid}"
+        if not held_any:
+            event("pool whole between steps")
+            assert pool.get_num_free_blocks() == usable, "nothing is held but blocks are missing"
+            assert m.usage == 0.0
+        self.clean = True
+
+    def teardown(self) -> None:
+        """Free every request; the pool must be whole again."""
+        if self._manager is None or not self.clean:
+            return
+        for rid in sorted(self.requests):
+            self.release(self.requests[rid], finish=True)
+        m = self.m
+        check_invariants(m)
+        assert m.block_pool.get_num_free_blocks() == self.cfg.num_blocks - 1
+        assert m.usage == 0.0
+        for single in m.coordinator.single_type_managers:
+            assert not single.req_to_blocks and not single.num_cached_block
+
+
+SETTINGS = settings(
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+    ],
+)
+
+
+class FullAttentionMachine(AllocatorMachine):
+    """(a) One full-attention group, block 4 or 16."""
+
+    configs = full_attention_configs()
+
+
+class HybridSameBlockMachine(AllocatorMachine):
+    """(b) Full attention + sliding window(s), one block size."""
+
+    configs = hybrid_same_block_configs()
+
+
+class HybridMixedBlockMachine(AllocatorMachine):
+    """(c) Full attention and sliding window with different block sizes."""
+
+    configs = hybrid_mixed_block_configs()
+
+
+class NoPrefixCacheMachine(AllocatorMachine):
+    """(d) Prefix caching disabled."""
+
+    configs = no_caching_configs()
+
+
+class LocalAttentionMachine(AllocatorMachine):
+    """(e) Chunked local attention and lone sliding-window groups."""
+
+    configs = local_attention_configs()
+
+
+TestFullAttention = FullAttentionMachine.TestCase
+TestFullAttention.settings = SETTINGS
+TestHybridSameBlock = HybridSameBlockMachine.TestCase
+TestHybridSameBlock.settings = SETTINGS
+TestHybridMixedBlock = HybridMixedBlockMachine.TestCase
+TestHybridMixedBlock.settings = SETTINGS
+TestNoPrefixCache = NoPrefixCacheMachine.TestCase
+TestNoPrefixCache.settings = SETTINGS
+TestLocalAttention = LocalAttentionMachine.TestCase
+TestLocalAttention.settings = SETTINGS
