@@ -17,6 +17,7 @@ from pathlib import Path
 from kvservice.core.errors import KVCacheError
 from kvservice.server.app import serve
 from kvservice.server.log import configure_logging
+from kvservice.server.loop import loop_factory
 from kvservice.server.settings import (
     CONFIG_ENV,
     OPTIONS,
@@ -100,9 +101,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SettingsError as err:
         print(f"kvservice: {err}", file=sys.stderr)
         return 2
+    try:
+        factory = loop_factory(settings.event_loop)
+    except ValueError as err:
+        print(f"kvservice: {err}", file=sys.stderr)
+        return 2
     configure_logging(settings.log_level)
     try:
-        asyncio.run(serve(settings.server))
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(serve(settings.server))
     except KVCacheError as err:
         # A bad combination (pool too small, bad block size): say so, no traceback.
         print(f"kvservice: {err}", file=sys.stderr)

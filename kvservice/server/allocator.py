@@ -12,7 +12,8 @@ each call runs to completion before the next starts.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -171,6 +172,11 @@ class Allocator:
         self._hits: dict[str, _PrefixHit] = {}
         self._prefix_cache_queries = 0
         self._prefix_cache_hits = 0
+        # Inside ``batched()``: pool observations are held back (the prefix cache
+        # stats summed in ``_pending``) and reported once when the batch ends.
+        self._batch_depth = 0
+        self._pending: PrefixCacheStats | None = None
+        self._pending_change = False
         self._after_change()
 
     # -- requests -------------------------------------------------------------------
@@ -445,13 +451,46 @@ class Allocator:
 
     # -- observation ----------------------------------------------------------------
 
+    @contextmanager
+    def batched(self) -> Iterator[None]:
+        """Report the pool to the observer once, when the block ends, instead of after
+        every change in it (a ``Step`` of many operations). The observer sees the same
+        totals: gauges end at the same values and the prefix cache counters move by the
+        sum of the batch's stats. Nothing awaits inside, so no scrape can tell apart
+        (beyond seeing a value one step old, as any gauge may)."""
+        self._batch_depth += 1
+        try:
+            yield
+        finally:
+            self._batch_depth -= 1
+            if not self._batch_depth and self._pending_change:
+                stats, self._pending, self._pending_change = self._pending, None, False
+                if self._observer is not None:
+                    self._observer.record_pool(self.usage(), stats)
+
     def _after_change(self) -> None:
         stats = self.manager.make_prefix_cache_stats()
         if stats is not None:
             self._prefix_cache_queries += stats.queries
             self._prefix_cache_hits += stats.hits
-        if self._observer is not None:
+        if self._observer is None:
+            return
+        if not self._batch_depth:
             self._observer.record_pool(self.usage(), stats)
+            return
+        self._pending_change = True
+        if stats is not None:
+            pending = self._pending
+            if pending is None:
+                self._pending = stats
+            else:
+                pending.reset |= stats.reset
+                pending.requests += stats.requests
+                pending.queries += stats.queries
+                pending.hits += stats.hits
+                pending.preempted_requests += stats.preempted_requests
+                pending.preempted_queries += stats.preempted_queries
+                pending.preempted_hits += stats.preempted_hits
 
     def _record(self, result: AllocationResult) -> None:
         if self._observer is not None:

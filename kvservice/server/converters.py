@@ -7,6 +7,7 @@ LoRA name) and only the fields declared ``optional`` carry presence.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from kvservice.core.block_hashing import MultiModalFeature
 from kvservice.core.errors import InvalidArgumentError
@@ -64,6 +65,32 @@ def new_request_from_pb(msg: pb.AddRequestRequest) -> NewRequest:
 
 
 def allocate_args_from_pb(msg: pb.AllocateSlotsRequest) -> AllocateArgs:
+    """The arguments of an AllocateSlots message. A scheduler sends the same few
+    argument sets over and over (one new token per decode step), so those without a
+    hit (``new_computed_block_ids``) are built once and shared: ``AllocateArgs`` is
+    immutable, and a frozen dataclass costs more to build than to look up."""
+    key = tuple(
+        (field.number, value) for field, value in msg.ListFields() if field.number != _REQUEST_ID
+    )
+    if any(number == _NEW_COMPUTED_BLOCK_IDS for number, _ in key):
+        return _allocate_args(msg)
+    args = _ALLOCATE_ARGS.get(key)
+    if args is None:
+        if len(_ALLOCATE_ARGS) >= _ALLOCATE_ARGS_CACHE_SIZE:
+            _ALLOCATE_ARGS.clear()
+        args = _ALLOCATE_ARGS[key] = _allocate_args(msg)
+    return args
+
+
+_ALLOCATE_FIELDS = pb.AllocateSlotsRequest.DESCRIPTOR.fields_by_name
+_REQUEST_ID = _ALLOCATE_FIELDS["request_id"].number
+_NEW_COMPUTED_BLOCK_IDS = _ALLOCATE_FIELDS["new_computed_block_ids"].number
+_ALLOCATE_ARGS_CACHE_SIZE = 1024
+# (field number, value) of every set field but the request id -> the arguments.
+_ALLOCATE_ARGS: dict[tuple[tuple[int, Any], ...], AllocateArgs] = {}
+
+
+def _allocate_args(msg: pb.AllocateSlotsRequest) -> AllocateArgs:
     return AllocateArgs(
         num_new_tokens=msg.num_new_tokens,
         num_new_computed_tokens=msg.num_new_computed_tokens,
@@ -107,8 +134,11 @@ def free_mode_from_pb(mode: pb.FreeMode.ValueType) -> FreeMode:
 # -- to protobuf ----------------------------------------------------------------------
 
 
-def block_ids_to_pb(groups: Iterable[Sequence[int]]) -> list[pb.BlockIds]:
-    return [pb.BlockIds(block_ids=ids) for ids in groups]
+def add_block_ids(field: Any, groups: Iterable[Sequence[int]]) -> None:
+    """Append ``groups`` to a repeated ``BlockIds`` field in place (no message built
+    to be copied)."""
+    for ids in groups:
+        field.add(block_ids=ids)
 
 
 def request_state_to_pb(request: Request) -> pb.RequestState:
@@ -123,26 +153,20 @@ def request_state_to_pb(request: Request) -> pb.RequestState:
     )
 
 
-def computed_blocks_to_pb(hit: ComputedBlocks) -> pb.GetComputedBlocksResponse:
-    return pb.GetComputedBlocksResponse(
-        block_ids=block_ids_to_pb(hit.block_ids),
-        num_computed_tokens=hit.num_computed_tokens,
-        shared_prefix_boundary=hit.shared_prefix_boundary,
-    )
+def fill_computed_blocks(out: pb.GetComputedBlocksResponse, hit: ComputedBlocks) -> None:
+    add_block_ids(out.block_ids, hit.block_ids)
+    out.num_computed_tokens = hit.num_computed_tokens
+    out.shared_prefix_boundary = hit.shared_prefix_boundary
 
 
-def allocation_to_pb(allocation: Allocation) -> pb.AllocateSlotsResponse:
+def fill_allocation(out: pb.AllocateSlotsResponse, allocation: Allocation) -> None:
     if allocation.new_block_ids is None:
-        return pb.AllocateSlotsResponse(
-            outcome=pb.ALLOCATION_OUTCOME_NO_SPACE,
-            request=request_state_to_pb(allocation.request),
-        )
-    return pb.AllocateSlotsResponse(
-        outcome=pb.ALLOCATION_OUTCOME_OK,
-        new_block_ids=block_ids_to_pb(allocation.new_block_ids),
-        block_ids_to_zero=allocation.block_ids_to_zero,
-        request=request_state_to_pb(allocation.request),
-    )
+        out.outcome = pb.ALLOCATION_OUTCOME_NO_SPACE
+    else:
+        out.outcome = pb.ALLOCATION_OUTCOME_OK
+        add_block_ids(out.new_block_ids, allocation.new_block_ids)
+        out.block_ids_to_zero.extend(allocation.block_ids_to_zero)
+    out.request.CopyFrom(request_state_to_pb(allocation.request))
 
 
 def probe_to_pb(probe: AllocationProbe) -> pb.ProbeResponse:

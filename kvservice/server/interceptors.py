@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -66,7 +67,9 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc 
         instruments = self._metrics.rpc(method)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
-                _unary_call(handler.unary_unary, method, instruments, self._clients),
+                _unary_call(
+                    handler.unary_unary, method, instruments, self._clients, _debug_enabled()
+                ),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
@@ -90,45 +93,71 @@ def _identity(context: Any) -> tuple[str | None, str]:
     return client_id, call_id or f"{_CALL_PREFIX}{next(_call_numbers)}"
 
 
-def _bind(method: str, request_id: str, client_id: str | None, call_id: str) -> Any:
-    fields = {
+def _fields(method: str, request_id: str, client_id: str | None, call_id: str) -> dict[str, str]:
+    return {
         "method": method,
         "request_id": request_id or "-",
         "client_id": client_id or "-",
         "call_id": call_id,
     }
+
+
+def _bind(method: str, request_id: str, client_id: str | None, call_id: str) -> Any:
+    fields = _fields(method, request_id, client_id, call_id)
     # Bound for whatever the handler logs; each RPC runs in a fresh context.
     structlog.contextvars.bind_contextvars(**fields)
     return log.bind(**fields)
 
 
+def _debug_enabled() -> bool:
+    """Whether the configured logger writes debug lines. Read once per method (when
+    its handler is first wrapped): the level is set once, at startup."""
+    is_enabled_for = getattr(log.bind(), "is_enabled_for", None)
+    return True if is_enabled_for is None else bool(is_enabled_for(logging.DEBUG))
+
+
 def _unary_call(
-    behavior: UnaryBehavior, method: str, instruments: RpcInstruments, clients: ClientTracker
+    behavior: UnaryBehavior,
+    method: str,
+    instruments: RpcInstruments,
+    clients: ClientTracker,
+    log_ok: bool,
 ) -> UnaryBehavior:
+    # OK calls are the hot path: their one line is at debug, so info stays readable
+    # under load, and below debug they bind no logger and format nothing; refusals and
+    # failures log with the same fields. ``log_ok``: whether debug is enabled.
+    observe = instruments.duration.observe
+    in_flight = instruments.in_flight
+    seen = clients.seen
+    bind_contextvars = structlog.contextvars.bind_contextvars
+    perf_counter = time.perf_counter
+
     # A closure, not a callable object: grpc.aio tells coroutine handlers apart with
     # inspect.iscoroutinefunction.
     async def call(request: Any, context: Any) -> Any:
         client_id, call_id = _identity(context)
-        line = _bind(method, getattr(request, "request_id", ""), client_id, call_id)
-        instruments.in_flight.inc()
-        start = time.perf_counter()
+        fields = _fields(method, getattr(request, "request_id", ""), client_id, call_id)
+        # Bound for whatever the handler logs; each RPC runs in a fresh context.
+        bind_contextvars(**fields)
+        in_flight.inc()
+        start = perf_counter()
         try:
             response = await behavior(request, context)
         except KVCacheError as err:
             code = status_code_of(err)
-            line.info("rpc refused", status=code.name, error=str(err), ms=_ms(start))
+            log.info("rpc refused", **fields, status=code.name, error=str(err), ms=_ms(start))
             await context.abort(code, str(err))
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise  # an abort's status stands; a cancelled call has nobody to answer
         except Exception:
-            line.exception("rpc failed", status="INTERNAL", ms=_ms(start))
+            log.exception("rpc failed", **fields, status="INTERNAL", ms=_ms(start))
             await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
         finally:
-            instruments.duration.observe(time.perf_counter() - start)
-            instruments.in_flight.dec()
-            clients.seen(client_id)
-        # OK calls are the hot path: logged at debug so info stays readable under load.
-        line.debug("rpc", status="OK", ms=_ms(start))
+            observe(perf_counter() - start)
+            in_flight.dec()
+            seen(client_id)
+        if log_ok:
+            log.debug("rpc", **fields, status="OK", ms=_ms(start))
         return response
 
     return call

@@ -1,4 +1,5 @@
-"""The per-request operations, once: protobuf request in, protobuf response out.
+"""The per-request operations, once: protobuf request in, protobuf response
+filled in place.
 
 The unary RPCs and the operations of a ``Step`` call the same functions, which is what
 makes a batched step answer exactly what the same calls made one by one would. None of
@@ -14,57 +15,70 @@ from kvservice.server import converters
 from kvservice.server.allocator import Allocator
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 
-# (allocator, request message) -> response message; protobuf messages are untyped at
-# this level because the table below mixes every kind.
-Operation = Callable[[Allocator, Any], Any]
+# (allocator, request message, response message to fill) -> None; protobuf messages
+# are untyped at this level because the table below mixes every kind. Each operation
+# writes its answer into the given message in place (a fresh response for a unary
+# call, the StepResult's field for a step), so a step builds no message it then
+# copies; it writes only once the allocator has answered, so a refusal leaves the
+# message untouched.
+Operation = Callable[[Allocator, Any, Any], None]
 
 
-def add_request(allocator: Allocator, msg: pb.AddRequestRequest) -> pb.AddRequestResponse:
+def add_request(
+    allocator: Allocator, msg: pb.AddRequestRequest, out: pb.AddRequestResponse
+) -> None:
     added = allocator.add_request(converters.new_request_from_pb(msg))
-    return pb.AddRequestResponse(request=converters.request_state_to_pb(added))
+    out.request.CopyFrom(converters.request_state_to_pb(added))
 
 
-def append_tokens(allocator: Allocator, msg: pb.AppendTokensRequest) -> pb.AppendTokensResponse:
+def append_tokens(
+    allocator: Allocator, msg: pb.AppendTokensRequest, out: pb.AppendTokensResponse
+) -> None:
     updated = allocator.append_tokens(msg.request_id, list(msg.token_ids))
-    return pb.AppendTokensResponse(request=converters.request_state_to_pb(updated))
+    out.request.CopyFrom(converters.request_state_to_pb(updated))
 
 
 def get_computed_blocks(
-    allocator: Allocator, msg: pb.GetComputedBlocksRequest
-) -> pb.GetComputedBlocksResponse:
-    return converters.computed_blocks_to_pb(allocator.get_computed_blocks(msg.request_id))
+    allocator: Allocator, msg: pb.GetComputedBlocksRequest, out: pb.GetComputedBlocksResponse
+) -> None:
+    converters.fill_computed_blocks(out, allocator.get_computed_blocks(msg.request_id))
 
 
-def allocate_slots(allocator: Allocator, msg: pb.AllocateSlotsRequest) -> pb.AllocateSlotsResponse:
+def allocate_slots(
+    allocator: Allocator, msg: pb.AllocateSlotsRequest, out: pb.AllocateSlotsResponse
+) -> None:
     args = converters.allocate_args_from_pb(msg)
-    return converters.allocation_to_pb(allocator.allocate_slots(msg.request_id, args))
+    converters.fill_allocation(out, allocator.allocate_slots(msg.request_id, args))
 
 
-def free_request(allocator: Allocator, msg: pb.FreeRequestRequest) -> pb.FreeRequestResponse:
+def free_request(
+    allocator: Allocator, msg: pb.FreeRequestRequest, out: pb.FreeRequestResponse
+) -> None:
     freed = allocator.free(msg.request_id, converters.free_mode_from_pb(msg.mode))
-    return pb.FreeRequestResponse(
-        request=converters.request_state_to_pb(freed),
-        num_free_blocks=allocator.manager.block_pool.get_num_free_blocks(),
-    )
+    out.request.CopyFrom(converters.request_state_to_pb(freed))
+    out.num_free_blocks = allocator.manager.block_pool.get_num_free_blocks()
 
 
-def probe(allocator: Allocator, msg: pb.ProbeRequest) -> pb.ProbeResponse:
+def probe(allocator: Allocator, msg: pb.ProbeRequest, out: pb.ProbeResponse) -> None:
     args = converters.probe_args_from_pb(msg)
-    return converters.probe_to_pb(allocator.probe(msg.request_id, args))
+    out.CopyFrom(converters.probe_to_pb(allocator.probe(msg.request_id, args)))
 
 
-def get_request(allocator: Allocator, msg: pb.GetRequestRequest) -> pb.GetRequestResponse:
+def get_request(
+    allocator: Allocator, msg: pb.GetRequestRequest, out: pb.GetRequestResponse
+) -> None:
     found = allocator.get_request(msg.request_id)
-    return pb.GetRequestResponse(request=converters.request_state_to_pb(found))
+    out.request.CopyFrom(converters.request_state_to_pb(found))
 
 
-def get_block_ids(allocator: Allocator, msg: pb.GetBlockIdsRequest) -> pb.GetBlockIdsResponse:
-    block_ids = allocator.get_block_ids(msg.request_id)
-    return pb.GetBlockIdsResponse(block_ids=converters.block_ids_to_pb(block_ids))
+def get_block_ids(
+    allocator: Allocator, msg: pb.GetBlockIdsRequest, out: pb.GetBlockIdsResponse
+) -> None:
+    converters.add_block_ids(out.block_ids, allocator.get_block_ids(msg.request_id))
 
 
-def get_usage(allocator: Allocator, msg: pb.GetUsageRequest) -> pb.GetUsageResponse:
-    return converters.usage_to_pb(allocator.usage())
+def get_usage(allocator: Allocator, msg: pb.GetUsageRequest, out: pb.GetUsageResponse) -> None:
+    out.CopyFrom(converters.usage_to_pb(allocator.usage()))
 
 
 # The StepOperation oneof field name -> the operation. StepResult's oneof uses the same

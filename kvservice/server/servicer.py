@@ -36,21 +36,27 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         """Register a WAITING request. ALREADY_EXISTS for a known id; INVALID_ARGUMENT
         for an empty id or prompt, a negative token id or a multimodal item outside
         the prompt; OUT_OF_RANGE past max_model_len."""
-        return operations.add_request(self._allocator, request)
+        response = pb.AddRequestResponse()
+        operations.add_request(self._allocator, request, response)
+        return response
 
     async def AppendTokens(  # noqa: N802
         self, request: pb.AppendTokensRequest, context: Context
     ) -> pb.AppendTokensResponse:
         """Append sampled tokens. NOT_FOUND, INVALID_ARGUMENT (none or negative),
         OUT_OF_RANGE (past max_model_len)."""
-        return operations.append_tokens(self._allocator, request)
+        response = pb.AppendTokensResponse()
+        operations.append_tokens(self._allocator, request, response)
+        return response
 
     async def GetComputedBlocks(  # noqa: N802
         self, request: pb.GetComputedBlocksRequest, context: Context
     ) -> pb.GetComputedBlocksResponse:
         """The cached prefix, remembered for AllocateSlots. NOT_FOUND;
         FAILED_PRECONDITION for a running request."""
-        return operations.get_computed_blocks(self._allocator, request)
+        response = pb.GetComputedBlocksResponse()
+        operations.get_computed_blocks(self._allocator, request, response)
+        return response
 
     async def AllocateSlots(  # noqa: N802
         self, request: pb.AllocateSlotsRequest, context: Context
@@ -59,7 +65,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         (negative counts, zero tokens); OUT_OF_RANGE (past max_model_len);
         FAILED_PRECONDITION (hit not matching the lookup, counts going backwards);
         ABORTED (the hit was evicted since the lookup)."""
-        return operations.allocate_slots(self._allocator, request)
+        response = pb.AllocateSlotsResponse()
+        operations.allocate_slots(self._allocator, request, response)
+        return response
 
     async def FreeRequest(  # noqa: N802
         self, request: pb.FreeRequestRequest, context: Context
@@ -67,19 +75,25 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         """Release the request's blocks (PREEMPT or FINISH). NOT_FOUND;
         INVALID_ARGUMENT without a mode; FAILED_PRECONDITION to preempt a request
         that is not running."""
-        return operations.free_request(self._allocator, request)
+        response = pb.FreeRequestResponse()
+        operations.free_request(self._allocator, request, response)
+        return response
 
     async def GetRequest(  # noqa: N802
         self, request: pb.GetRequestRequest, context: Context
     ) -> pb.GetRequestResponse:
         """A request's state. NOT_FOUND."""
-        return operations.get_request(self._allocator, request)
+        response = pb.GetRequestResponse()
+        operations.get_request(self._allocator, request, response)
+        return response
 
     async def GetBlockIds(  # noqa: N802
         self, request: pb.GetBlockIdsRequest, context: Context
     ) -> pb.GetBlockIdsResponse:
         """The request's block table per group. NOT_FOUND."""
-        return operations.get_block_ids(self._allocator, request)
+        response = pb.GetBlockIdsResponse()
+        operations.get_block_ids(self._allocator, request, response)
+        return response
 
     async def ResetPrefixCache(  # noqa: N802
         self, request: pb.ResetPrefixCacheRequest, context: Context
@@ -91,7 +105,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self, request: pb.GetUsageRequest, context: Context
     ) -> pb.GetUsageResponse:
         """Pool usage and prefix cache totals."""
-        return operations.get_usage(self._allocator, request)
+        response = pb.GetUsageResponse()
+        operations.get_usage(self._allocator, request, response)
+        return response
 
     async def GetCacheConfig(  # noqa: N802
         self, request: pb.GetCacheConfigRequest, context: Context
@@ -104,7 +120,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     ) -> pb.ProbeResponse:
         """What a lookup plus AllocateSlots would do, changing nothing. NOT_FOUND;
         INVALID_ARGUMENT and OUT_OF_RANGE as AllocateSlots."""
-        return operations.probe(self._allocator, request)
+        response = pb.ProbeResponse()
+        operations.probe(self._allocator, request, response)
+        return response
 
     async def Step(  # noqa: N802
         self, request: pb.StepRequest, context: Context

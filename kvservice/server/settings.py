@@ -19,6 +19,7 @@ from typing import Any
 from kvservice.core.block_hashing import HASH_FUNCTIONS
 from kvservice.server.config import ServerConfig
 from kvservice.server.log import LOG_LEVELS
+from kvservice.server.loop import EVENT_LOOPS, default_event_loop
 
 ENV_PREFIX = "KVSERVICE_"
 CONFIG_ENV = f"{ENV_PREFIX}CONFIG"
@@ -37,7 +38,8 @@ class Option:
     name: str
     kind: type
     help: str
-    # The ServerConfig field it sets; None for settings outside it (log_level).
+    # The ServerConfig field it sets; None for settings outside it (log_level,
+    # event_loop).
     field: str | None = None
     choices: tuple[str, ...] | None = None
 
@@ -88,11 +90,19 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_message_bytes", int, "largest gRPC message accepted", "max_message_bytes"),
     Option("max_step_ops", int, "most operations one Step message may carry", "max_step_ops"),
     Option("log_level", str, "log level", choices=LOG_LEVELS),
+    Option(
+        "event_loop",
+        str,
+        "the asyncio event loop: uvloop (faster, the default when installed: "
+        "pip install 'kvservice[uvloop]') or the standard library's",
+        choices=EVENT_LOOPS,
+    ),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
 _DEFAULTS: dict[str, Any] = {
     **{o.name: getattr(ServerConfig(), o.field) for o in OPTIONS if o.field is not None},
     "log_level": "info",
+    "event_loop": default_event_loop(),
 }
 
 
@@ -102,6 +112,7 @@ class Settings:
 
     server: ServerConfig
     log_level: str
+    event_loop: str = "asyncio"
 
 
 def default_of(option: Option) -> Any:
@@ -133,7 +144,9 @@ def _settings(values: dict[str, Any]) -> Settings:
     fields = {o.field: values[o.name] for o in OPTIONS if o.field is not None}
     # 0 disables the endpoint on every surface; ServerConfig spells that None.
     fields["metrics_port"] = fields["metrics_port"] or None
-    return Settings(dataclasses.replace(ServerConfig(), **fields), values["log_level"])
+    return Settings(
+        dataclasses.replace(ServerConfig(), **fields), values["log_level"], values["event_loop"]
+    )
 
 
 def _from_file(path: Path) -> dict[str, Any]:

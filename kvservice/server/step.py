@@ -39,6 +39,7 @@ def code_number(code: grpc.StatusCode) -> int:
 
 _CODE_NAMES = {code_number(c): c.name for c in grpc.StatusCode}
 _CANCELLED = code_number(grpc.StatusCode.CANCELLED)
+_NOT_RUN = "not run: an earlier operation failed (stop_on_error)"
 _INTERNAL = code_number(grpc.StatusCode.INTERNAL)
 _INVALID_ARGUMENT = code_number(grpc.StatusCode.INVALID_ARGUMENT)
 
@@ -60,18 +61,21 @@ class StepRunner:
                 f"most {self.max_ops} per step (split it)"
             )
         response.step_id = step.step_id
-        results = response.results
+        add_result = response.results.add
+        stop_on_error = step.stop_on_error
         failed: Counter[int] = Counter()
-        for index, op in enumerate(step.ops):
-            result = results.add()
-            if failed and step.stop_on_error:
-                _fail(result, _CANCELLED, "not run: an earlier operation failed (stop_on_error)")
-                continue
-            code = self._run_one(op, result)
-            if code:
-                failed[code] += 1
-                if code == _INTERNAL:
-                    log.error("step operation failed", step_id=step.step_id, op_index=index)
+        # The pool is reported to the metrics once per step, not once per operation.
+        with self.allocator.batched():
+            for index, op in enumerate(step.ops):
+                result = add_result()
+                if failed and stop_on_error:
+                    _fail(result, _CANCELLED, _NOT_RUN)
+                    continue
+                code = self._run_one(op, result)
+                if code:
+                    failed[code] += 1
+                    if code == _INTERNAL:
+                        log.error("step operation failed", step_id=step.step_id, op_index=index)
         if failed:
             # One line per step, never one per operation (a step may hold thousands).
             codes = {_CODE_NAMES[c]: n for c, n in failed.items()}
@@ -83,8 +87,11 @@ class StepRunner:
         if kind is None:
             _fail(result, _INVALID_ARGUMENT, "empty operation: set one field of StepOperation")
             return _INVALID_ARGUMENT
+        # The operation answers straight into the result's field: no response message
+        # built and then copied.
+        out = getattr(result, kind)
         try:
-            response = STEP_OPERATIONS[kind](self.allocator, getattr(op, kind))
+            STEP_OPERATIONS[kind](self.allocator, getattr(op, kind), out)
         except KVCacheError as err:
             code = code_number(status_code_of(err))
             _fail(result, code, str(err))
@@ -93,7 +100,9 @@ class StepRunner:
             log.exception("step operation crashed", op=kind)
             _fail(result, _INTERNAL, "internal error; see the server log")
             return _INTERNAL
-        getattr(result, kind).CopyFrom(response)
+        # An answer of all default values (an empty block table...) sets no field, so
+        # select it in the oneof explicitly.
+        out.SetInParent()
         return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import urllib.request
 from collections.abc import AsyncIterator
@@ -84,6 +85,63 @@ async def test_usage_and_prefix_counters_move(metered: tuple[ServerHandle, Stub]
     assert value(end, "kvservice_allocations_total", result="ok") == 2
     assert value(end, "kvservice_allocations_total", result="no_space") == 1
     assert value(end, "kvservice_allocations_total", result="invalid") == 1
+
+
+async def test_a_step_reports_the_pool_as_its_calls_one_by_one() -> None:
+    """A Step reports the pool to the metrics once, at its end, yet every series ends
+    where the same operations sent as unary calls leave it (same pool, same ids)."""
+    ops = [
+        pb.StepOperation(
+            add_request=pb.AddRequestRequest(request_id="a", prompt_token_ids=tokens(48))
+        ),
+        pb.StepOperation(get_computed_blocks=pb.GetComputedBlocksRequest(request_id="a")),
+        pb.StepOperation(allocate_slots=pb.AllocateSlotsRequest(request_id="a", num_new_tokens=48)),
+        pb.StepOperation(
+            add_request=pb.AddRequestRequest(request_id="b", prompt_token_ids=tokens(48))
+        ),
+        pb.StepOperation(get_computed_blocks=pb.GetComputedBlocksRequest(request_id="b")),
+        pb.StepOperation(allocate_slots=pb.AllocateSlotsRequest(request_id="b", num_new_tokens=48)),
+        pb.StepOperation(
+            free_request=pb.FreeRequestRequest(request_id="a", mode=pb.FREE_MODE_PREEMPT)
+        ),
+        pb.StepOperation(allocate_slots=pb.AllocateSlotsRequest(request_id="zz", num_new_tokens=1)),
+    ]
+    config = dataclasses.replace(SMALL_POOL, metrics_port=0)
+    scraped: list[Samples] = []
+    for batched in (False, True):
+        async with (
+            serve_in_background(config) as handle,
+            grpc.aio.insecure_channel(handle.target) as channel,
+        ):
+            stub = pb_grpc.KVCacheServiceStub(channel)
+            if batched:
+                await stub.Step(pb.StepRequest(step_id=1, ops=ops))
+            else:
+                for op in ops:
+                    kind = op.WhichOneof("op")
+                    assert kind is not None
+                    rpc = "".join(part.title() for part in kind.split("_"))
+                    # The last one is refused either way.
+                    with contextlib.suppress(grpc.aio.AioRpcError):
+                        await getattr(stub, rpc)(getattr(op, kind))
+            scraped.append(await scrape(handle))
+    names = (
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+        "kvservice_free_blocks",
+        "kvservice_used_blocks",
+    )
+    one_by_one, stepped = scraped
+    for name in names:
+        assert value(stepped, name) == value(one_by_one, name), name
+    for result in ("ok", "no_space", "invalid"):
+        assert value(stepped, "kvservice_allocations_total", result=result) == value(
+            one_by_one, "kvservice_allocations_total", result=result
+        )
+    assert value(stepped, "vllm:prefix_cache_queries_total") == 96
+    assert value(stepped, "kvservice_used_blocks") == 3
 
 
 async def test_cache_config_info(metered: tuple[ServerHandle, Stub]) -> None:

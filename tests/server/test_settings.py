@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvservice.cli import build_parser, main
+from kvservice.server import loop
 from kvservice.server.config import ServerConfig
 from kvservice.server.settings import OPTIONS, SettingsError, load_settings
 
@@ -99,3 +100,36 @@ def test_help_explains_every_option(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--help"])
     assert "serve" in capsys.readouterr().out
+
+
+class TestEventLoop:
+    def test_default_is_uvloop_when_installed(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """uvloop when it can be imported, else the standard loop; either can be set."""
+        expected = "uvloop" if loop.uvloop_installed() else "asyncio"
+        assert settings_for([], {}).event_loop == expected  # type: ignore[attr-defined]
+        assert loop.default_event_loop() == expected
+        monkeypatch.setattr(loop, "uvloop_installed", lambda: False)
+        assert loop.default_event_loop() == "asyncio"
+        chosen = settings_for(["--event-loop", "asyncio"], {"KVSERVICE_EVENT_LOOP": "uvloop"})
+        assert chosen.event_loop == "asyncio"  # type: ignore[attr-defined]
+        assert settings_for([], {"KVSERVICE_EVENT_LOOP": "uvloop"}).event_loop == "uvloop"  # type: ignore[attr-defined]
+
+    def test_unknown_loop_is_refused(self) -> None:
+        with pytest.raises(SettingsError, match="event_loop must be one of"):
+            settings_for([], {"KVSERVICE_EVENT_LOOP": "trio"})
+
+    def test_factories(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """asyncio: the standard loop (no factory); uvloop: its loop, or a clear error
+        when it is not installed."""
+        assert loop.loop_factory("asyncio") is None
+        if loop.uvloop_installed():
+            factory = loop.loop_factory("uvloop")
+            assert factory is not None
+            event_loop = factory()
+            try:
+                assert type(event_loop).__module__.startswith("uvloop")
+            finally:
+                event_loop.close()
+        monkeypatch.setattr(loop, "uvloop_installed", lambda: False)
+        with pytest.raises(ValueError, match="pip install"):
+            loop.loop_factory("uvloop")
