@@ -1,6 +1,7 @@
 """Core allocator throughput: a seeded scheduler-like workload replayed in-process.
 
-Each operation is one call a scheduler makes into ``KVCacheManager``: a lookup
+Each operation is one call a scheduler makes into ``KVCacheManager``: adding a request
+(``new_request``, which hashes its prompt), a lookup
 (``get_computed_blocks``), an admission or refused admission (``allocate_slots``), a
 decode step (``allocate_slots(req, 1)``), a ``free`` (finish or preemption).
 The same seeded workload (same concurrency, same prompts) runs against pools of
@@ -39,29 +40,44 @@ class Workload:
     suffix_tokens: tuple[int, int] = (1, 40)
     decode_tokens: tuple[int, int] = (1, 48)
     max_running: int = 6
+    num_prompts: int = 4096
     rng: random.Random = field(init=False)
-    prefixes: list[list[int]] = field(init=False)
+    prompts: list[list[int]] = field(init=False)
+    tokens: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
+        # Generated before the clock starts: the benchmark times the manager, not the RNG.
         self.rng = random.Random(self.seed)
-        self.prefixes = [
-            [
-                self.rng.getrandbits(15)
-                for _ in range(BLOCK_SIZE * self.rng.randint(*self.prefix_blocks))
-            ]
+        rand = self.rng.getrandbits
+        prefixes = [
+            [rand(15) for _ in range(BLOCK_SIZE * self.rng.randint(*self.prefix_blocks))]
             for _ in range(self.num_prefixes)
         ]
+        self.prompts = [
+            self.rng.choice(prefixes)
+            + [rand(15) for _ in range(self.rng.randint(*self.suffix_tokens))]
+            for _ in range(self.num_prompts)
+        ]
+        self.tokens = [rand(15) for _ in range(8192)]
+        self._next_prompt = 0
+        self._next_token = 0
 
     def new_prompt(self) -> list[int]:
-        prefix = self.rng.choice(self.prefixes)
-        suffix = [self.rng.getrandbits(15) for _ in range(self.rng.randint(*self.suffix_tokens))]
-        return prefix + suffix
+        # Cycling through a fixed set also replays prompts whole: full prefix hits.
+        prompt = self.prompts[self._next_prompt % self.num_prompts]
+        self._next_prompt += 1
+        return prompt
+
+    def next_token(self) -> int:
+        self._next_token += 1
+        return self.tokens[self._next_token % len(self.tokens)]
 
 
 @dataclass
 class OpMix:
     """What a run did: manager calls by kind (each counts as one op)."""
 
+    adds: int = 0
     lookups: int = 0
     admissions: int = 0
     refused: int = 0
@@ -71,7 +87,7 @@ class OpMix:
 
     @property
     def ops(self) -> int:
-        return self.lookups + self.admissions + self.refused + self.decodes + self.frees
+        return self.adds + self.lookups + self.admissions + self.refused + self.decodes + self.frees
 
 
 def _admit(manager: KVCacheManager, req: Request, mix: OpMix) -> bool:
@@ -106,7 +122,7 @@ def _decode_step(
             mix.frees += 1
             running.pop(i)
             continue
-        req.append_output_token_ids(wl.rng.getrandbits(15))
+        req.append_output_token_ids(wl.next_token())
         new = manager.allocate_slots(req, 1)
         mix.decodes += 1
         while new is None:
@@ -128,9 +144,11 @@ def _decode_step(
         i += 1
 
 
-def run_workload(manager: KVCacheManager, num_ops: int, seed: int) -> tuple[OpMix, float]:
+def run_workload(
+    manager: KVCacheManager, num_ops: int, seed: int, max_decode: int = 48
+) -> tuple[OpMix, float]:
     """Replay about ``num_ops`` manager calls; returns what was done and the seconds."""
-    wl = Workload(seed)
+    wl = Workload(seed, decode_tokens=(1, max_decode))
     running: list[list[Request | int]] = []  # [request, tokens left to decode]
     waiting: list[Request] = []
     next_id = 0
@@ -138,7 +156,9 @@ def run_workload(manager: KVCacheManager, num_ops: int, seed: int) -> tuple[OpMi
     start = time.perf_counter()
     while mix.ops < num_ops:
         if len(running) + len(waiting) < wl.max_running:
+            # Building the request hashes its prompt: the work of the service's AddRequest.
             waiting.append(manager.new_request(f"r{next_id}", wl.new_prompt()))
+            mix.adds += 1
             next_id += 1
         if waiting and _admit(manager, waiting[0], mix):
             running.append([waiting.pop(0), wl.rng.randint(*wl.decode_tokens)])
@@ -175,11 +195,18 @@ def main() -> None:
     parser.add_argument("--hash", default="sha256")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="best of N rounds")
+    parser.add_argument(
+        "--max-decode",
+        type=int,
+        default=48,
+        help="tokens decoded per request, drawn from 1..N (small N: admission-heavy mix)",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
 
     print(
         f"workload: seed {args.seed}, {args.ops} ops per run, hash {args.hash}, "
+        f"decode 1..{args.max_decode} tokens per request, "
         f"best of {args.repeats} rounds (sizes interleaved in each round)"
     )
     builds = {n: measure_construction(n) for n in sizes}
@@ -189,7 +216,7 @@ def main() -> None:
         for num_blocks in sizes:
             manager = make_manager(num_blocks, args.hash)
             gc.collect()
-            mix, seconds = run_workload(manager, args.ops, args.seed)
+            mix, seconds = run_workload(manager, args.ops, args.seed, args.max_decode)
             if num_blocks <= 65536:
                 check_invariants(manager)
             best[num_blocks] = max(best[num_blocks], mix.ops / seconds)
@@ -205,7 +232,7 @@ def main() -> None:
         print(
             f"{num_blocks:>9} {build_s:>8.3f} {build_mib:>9.1f} {best[num_blocks]:>9.0f} "
             f"{best[num_blocks] / first:>8.2f} {best[num_blocks] / VLLM_REFERENCE_OPS_PER_S:>8.2f}"
-            f"  lookups {mix.lookups}, decodes {mix.decodes}, frees {mix.frees}, "
+            f"  adds {mix.adds}, lookups {mix.lookups}, decodes {mix.decodes}, frees {mix.frees}, "
             f"refused {mix.refused}, preemptions {mix.preemptions}"
         )
     print(
