@@ -82,7 +82,10 @@ def _allocation(msg: pb.AllocateSlotsResponse) -> Allocation | None:
     if msg.outcome == pb.ALLOCATION_OUTCOME_NO_SPACE:
         return None
     return Allocation(
-        block_ids(msg.new_block_ids), tuple(msg.block_ids_to_zero), request_state(msg.request)
+        block_ids(msg.new_block_ids),
+        tuple(msg.block_ids_to_zero),
+        request_state(msg.request),
+        tuple(msg.block_ids_zeroed),
     )
 
 
@@ -144,6 +147,8 @@ def cache_config(msg: pb.GetCacheConfigResponse) -> CacheConfig:
         needs_kv_cache_zeroing=msg.needs_kv_cache_zeroing,
         model_name=msg.model_name,
         groups=tuple(_group(g) for g in msg.groups),
+        blocks_zeroed_by_server=msg.blocks_zeroed_by_server,
+        runtime_device=msg.runtime_device,
     )
 
 

@@ -58,11 +58,17 @@ class ComputedBlocks:
 
 @dataclass(frozen=True, slots=True)
 class Allocation:
-    """A successful ``allocate_slots`` (no room is ``None``, as in vLLM)."""
+    """A successful ``allocate_slots`` (no room is ``None``, as in vLLM).
+
+    When the pool needs zeroing, the fresh blocks are in ``block_ids_to_zero`` (the
+    caller's worker must zero them before use) or, when the server's co-located runtime
+    owns the KV tensors, in ``block_ids_zeroed`` (already zeroed when this arrived).
+    """
 
     new_block_ids: BlockIds
     block_ids_to_zero: tuple[int, ...]
     request: RequestState
+    block_ids_zeroed: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,3 +162,6 @@ class CacheConfig:
     needs_kv_cache_zeroing: bool
     model_name: str
     groups: tuple[KVCacheGroup, ...] = field(default=())
+    # The server's co-located runtime zeroes fresh blocks itself (and on which device).
+    blocks_zeroed_by_server: bool = False
+    runtime_device: str = ""

@@ -7,6 +7,11 @@ leaves no trace. It knows nothing of gRPC.
 
 It is not thread safe on purpose: one asyncio loop owns it, and no method awaits, so
 each call runs to completion before the next starts.
+
+With a co-located runtime (``KVRuntime``) it also keeps the KV tensors in step with
+the block table: every block an allocation hands out is zeroed before the allocation
+returns, or, inside ``batched()``, once when the batch ends (one zeroing for a whole
+``Step``), which is still before any answer leaves the server.
 """
 
 from __future__ import annotations
@@ -106,11 +111,18 @@ class ComputedBlocks:
 
 @dataclass(frozen=True, slots=True)
 class Allocation:
-    """An AllocateSlots answer; ``new_block_ids`` is None when there was no room."""
+    """An AllocateSlots answer; ``new_block_ids`` is None when there was no room.
+
+    Fresh blocks of a pool that needs zeroing are in exactly one list:
+    ``block_ids_to_zero`` for a remote worker to zero (no runtime), or
+    ``block_ids_zeroed`` when the co-located runtime zeroes them before the answer is
+    sent.
+    """
 
     request: Request
     new_block_ids: BlockIdsPerGroup | None
     block_ids_to_zero: list[int] = field(default_factory=list)
+    block_ids_zeroed: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,6 +136,19 @@ class PoolUsage:
     num_requests: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+
+
+class KVRuntime(Protocol):
+    """The KV tensors the server owns (``gpu_runtime.runtime.KVCacheRuntime``); a
+    protocol so the allocator needs no torch."""
+
+    def apply(
+        self,
+        new_block_ids_to_zero: Sequence[int] | None = None,
+        copies: Sequence[tuple[int, int]] | None = None,
+    ) -> None:
+        """Zero fresh blocks, then apply copy-on-write ``(src, dst)`` copies."""
+        ...
 
 
 class AllocatorObserver(Protocol):
@@ -165,9 +190,21 @@ class _PrefixHit:
 class Allocator:
     """The request table around one ``KVCacheManager``; one method per RPC."""
 
-    def __init__(self, manager: KVCacheManager, observer: AllocatorObserver | None = None) -> None:
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        observer: AllocatorObserver | None = None,
+        runtime: KVRuntime | None = None,
+    ) -> None:
+        if runtime is not None and not manager.kv_cache_config.needs_kv_cache_zeroing:
+            # The core records fresh blocks only when zeroing is on; without the
+            # record the runtime would hand out blocks holding another request's KV.
+            raise InvalidArgumentError("a runtime needs a pool with needs_kv_cache_zeroing")
         self.manager = manager
         self._observer = observer
+        self._runtime = runtime
+        # Fresh blocks handed out inside a batch, zeroed once when it ends.
+        self._to_zero: list[int] = []
         self._requests: dict[str, Request] = {}
         self._hits: dict[str, _PrefixHit] = {}
         self._prefix_cache_queries = 0
@@ -290,7 +327,13 @@ class Allocator:
             args.num_new_computed_tokens + args.num_external_computed_tokens + args.num_new_tokens
         )
         request.status = RequestStatus.RUNNING
-        return Allocation(request, new_blocks.get_block_ids(), self.manager.take_new_block_ids())
+        fresh = self.manager.take_new_block_ids()
+        if self._runtime is None:
+            return Allocation(request, new_blocks.get_block_ids(), block_ids_to_zero=fresh)
+        self._to_zero.extend(fresh)
+        if not self._batch_depth:
+            self._apply_runtime()
+        return Allocation(request, new_blocks.get_block_ids(), block_ids_zeroed=fresh)
 
     def probe(self, request_id: str, args: ProbeArgs) -> AllocationProbe:
         """What a lookup plus ``allocate_slots`` would do now; changes nothing (no
@@ -463,10 +506,33 @@ class Allocator:
             yield
         finally:
             self._batch_depth -= 1
-            if not self._batch_depth and self._pending_change:
-                stats, self._pending, self._pending_change = self._pending, None, False
-                if self._observer is not None:
-                    self._observer.record_pool(self.usage(), stats)
+            if not self._batch_depth:
+                try:
+                    # Also on an exception: the operations before it stay applied, so
+                    # their blocks must be zeroed all the same.
+                    self._apply_runtime()
+                finally:
+                    self._report_batch()
+
+    def _report_batch(self) -> None:
+        if self._pending_change:
+            stats, self._pending, self._pending_change = self._pending, None, False
+            if self._observer is not None:
+                self._observer.record_pool(self.usage(), stats)
+
+    def _apply_runtime(self) -> None:
+        """Zero the fresh blocks handed out since the last call, in one device op.
+
+        The core schedules no copy-on-write copies today (vLLM v1 shares only full,
+        immutable blocks), so none are passed; ``KVRuntime.apply`` takes them after
+        the zeroing when it does.
+        """
+        if self._runtime is None or not self._to_zero:
+            return
+        # Taken before applying: a device failure must not zero the same ids again
+        # inside a later answer (the failure itself answers INTERNAL).
+        to_zero, self._to_zero = self._to_zero, []
+        self._runtime.apply(to_zero, None)
 
     def _after_change(self) -> None:
         stats = self.manager.make_prefix_cache_stats()

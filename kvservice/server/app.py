@@ -13,7 +13,7 @@ import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import structlog
@@ -21,12 +21,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvservice.server.allocator import Allocator
-from kvservice.server.config import ServerConfig, build_manager
+from kvservice.server.config import ServerConfig, build_kv_cache_config, build_manager
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server.interceptors import RpcInterceptor
 from kvservice.server.metrics import ClientTracker, KVCacheMetrics, MetricsEndpoint
+from kvservice.server.runtime import build_runtime, kv_cache_budget
 from kvservice.server.servicer import KVCacheServicer
+
+if TYPE_CHECKING:  # only for annotations: importing gpu_runtime imports torch
+    from gpu_runtime.runtime import KVCacheRuntime
 
 log = structlog.get_logger("kvservice.server")
 
@@ -49,11 +53,19 @@ def _channel_options(config: ServerConfig) -> list[tuple[str, int]]:
 
 @dataclass(frozen=True, slots=True)
 class ServerHandle:
-    """Where a started server listens."""
+    """Where a started server listens, and its KV tensors when it owns them.
+
+    ``runtime`` is the co-located runtime (``--runtime torch``), None without one. It
+    is for co-located use only (a model running in the server's own process, tests):
+    read and write its tensors only from the loop the server runs on, between RPCs, at
+    the block ids the answers give. Fresh blocks already read as zeros when an answer
+    arrives; the server touches nothing else.
+    """
 
     host: str
     port: int
     metrics_port: int | None
+    runtime: KVCacheRuntime | None = None
 
     @property
     def target(self) -> str:
@@ -72,13 +84,20 @@ class KVCacheServer:
 
     ``allocator`` is public for embedding and tests: touch it only from the loop the
     server runs on (it is not thread safe), e.g. ``server.audit()`` after a test.
+    ``runtime`` (also on the handle) holds the KV tensors with ``runtime="torch"``,
+    else None; it is allocated here, before the server binds, so a device or memory
+    problem fails startup.
     """
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
-        manager = build_manager(config)
+        kv_cache_config = build_kv_cache_config(config, kv_cache_budget(config))
+        manager = build_manager(config, kv_cache_config)
+        self.runtime: KVCacheRuntime | None = (
+            build_runtime(config, kv_cache_config) if config.has_runtime else None
+        )
         self.metrics = KVCacheMetrics(manager, config.model_name, config.engine)
-        self.allocator = Allocator(manager, self.metrics)
+        self.allocator = Allocator(manager, self.metrics, self.runtime)
         self.clients = ClientTracker()
         self.metrics.watch(manager, lambda: self.allocator.num_requests, self.clients)
         self._health = health.aio.HealthServicer()
@@ -98,7 +117,13 @@ class KVCacheServer:
         interceptor = RpcInterceptor(SERVICE_NAME, self.metrics, self.clients)
         server = grpc.aio.server(interceptors=[interceptor], options=_channel_options(config))
         pb_grpc.add_KVCacheServiceServicer_to_server(
-            KVCacheServicer(self.allocator, config.model_name, config.max_step_ops), server
+            KVCacheServicer(
+                self.allocator,
+                config.model_name,
+                config.max_step_ops,
+                runtime_device=config.device if self.runtime is not None else "",
+            ),
+            server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -110,7 +135,7 @@ class KVCacheServer:
         metrics_port = self._start_metrics()
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._handle = ServerHandle(config.host, port, metrics_port)
+        self._handle = ServerHandle(config.host, port, metrics_port, self.runtime)
         return self._handle
 
     def _start_metrics(self) -> int | None:
@@ -174,8 +199,11 @@ async def serve(config: ServerConfig) -> None:
         address=handle.target,
         port=handle.port,
         metrics_url=handle.metrics_url,
-        num_blocks=config.num_blocks,
+        # The pool's, not the setting's: a memory budget may have sized it.
+        num_blocks=server.allocator.manager.kv_cache_config.num_blocks,
         block_size=config.block_size,
+        runtime=config.runtime,
+        device=config.device if server.runtime is not None else None,
         max_model_len=config.max_model_len,
     )
     try:

@@ -46,10 +46,31 @@ class ServerConfig:
     max_message_bytes: int = 4 * 1024 * 1024
     # Operations one Step (or one StepStream message) may carry.
     max_step_ops: int = 4096
+    # The co-located runtime (``kvservice.server.runtime``): "none" leaves the KV
+    # tensors to a remote worker; "torch" allocates them on ``device`` in this process
+    # and zeroes fresh blocks before answering.
+    runtime: str = "none"
+    device: str = "cpu"
+    # A KV cache budget in bytes that sizes the pool instead of ``num_blocks``.
+    kv_cache_memory_bytes: int | None = None
+    # CUDA only: size the pool so that the device's used memory ends at this fraction
+    # of its total (vLLM's ``gpu_memory_utilization``), from ``torch.cuda.mem_get_info``.
+    gpu_memory_utilization: float | None = None
+
+    @property
+    def has_runtime(self) -> bool:
+        """Whether this process owns the KV tensors (``runtime`` is not "none")."""
+        return self.runtime != "none"
 
 
-def build_kv_cache_config(config: ServerConfig) -> KVCacheConfig:
-    """The pool: one full-attention group of ``num_layers`` layers.
+def build_kv_cache_config(
+    config: ServerConfig, available_memory: int | None = None
+) -> KVCacheConfig:
+    """The pool: one full-attention group of ``num_layers`` layers, of ``num_blocks``
+    blocks, or of as many as ``available_memory`` bytes hold when given.
+
+    Zeroing is on when the config asks for it and always with a runtime: the runtime
+    zeroes what ``take_new_block_ids`` records, which it records only then.
 
     Raises ``InvalidArgumentError`` for a shape the core rejects, or a pool too small
     for one request of ``max_model_len`` tokens.
@@ -63,18 +84,21 @@ def build_kv_cache_config(config: ServerConfig) -> KVCacheConfig:
     layers = [f"model.layers.{i}.self_attn" for i in range(config.num_layers)]
     kv_cache_config = kv_cache_config_from_memory(
         [KVCacheGroupSpec(layers, spec)],
-        available_memory=0,
-        num_gpu_blocks_override=config.num_blocks,
-        needs_kv_cache_zeroing=config.needs_kv_cache_zeroing,
+        available_memory=available_memory or 0,
+        num_gpu_blocks_override=config.num_blocks if available_memory is None else None,
+        needs_kv_cache_zeroing=config.needs_kv_cache_zeroing or config.has_runtime,
     )
     check_enough_kv_cache_memory(kv_cache_config, config.max_model_len, config.max_model_len)
     return kv_cache_config
 
 
-def build_manager(config: ServerConfig) -> KVCacheManager:
-    """The manager the server owns; stats on, so the metrics can be fed."""
+def build_manager(
+    config: ServerConfig, kv_cache_config: KVCacheConfig | None = None
+) -> KVCacheManager:
+    """The manager the server owns (of ``kv_cache_config``, else the config's pool);
+    stats on, so the metrics can be fed."""
     return KVCacheManager(
-        build_kv_cache_config(config),
+        kv_cache_config or build_kv_cache_config(config),
         config.max_model_len,
         enable_caching=config.enable_caching,
         log_stats=True,

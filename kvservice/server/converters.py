@@ -166,6 +166,7 @@ def fill_allocation(out: pb.AllocateSlotsResponse, allocation: Allocation) -> No
         out.outcome = pb.ALLOCATION_OUTCOME_OK
         add_block_ids(out.new_block_ids, allocation.new_block_ids)
         out.block_ids_to_zero.extend(allocation.block_ids_to_zero)
+        out.block_ids_zeroed.extend(allocation.block_ids_zeroed)
     out.request.CopyFrom(request_state_to_pb(allocation.request))
 
 
@@ -210,7 +211,11 @@ def group_to_pb(group: KVCacheGroupSpec) -> pb.KVCacheGroup:
     return msg
 
 
-def cache_config_to_pb(manager: KVCacheManager, model_name: str) -> pb.GetCacheConfigResponse:
+def cache_config_to_pb(
+    manager: KVCacheManager, model_name: str, runtime_device: str = ""
+) -> pb.GetCacheConfigResponse:
+    """The pool as clients see it; ``runtime_device`` is where the co-located
+    runtime's KV tensors live, empty without a runtime."""
     config = manager.kv_cache_config
     hasher = manager.block_hasher
     return pb.GetCacheConfigResponse(
@@ -224,4 +229,6 @@ def cache_config_to_pb(manager: KVCacheManager, model_name: str) -> pb.GetCacheC
         enable_caching=manager.enable_caching,
         needs_kv_cache_zeroing=config.needs_kv_cache_zeroing,
         model_name=model_name,
+        blocks_zeroed_by_server=bool(runtime_device),
+        runtime_device=runtime_device,
     )

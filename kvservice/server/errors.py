@@ -28,3 +28,11 @@ def status_code_of(error: KVCacheError) -> grpc.StatusCode:
     in the error class, not the caller's fault)."""
     code: grpc.StatusCode = grpc.StatusCode.__members__.get(error.status, grpc.StatusCode.INTERNAL)
     return code
+
+
+class RuntimeUnavailableError(KVCacheError):
+    """``--runtime torch`` cannot run here: PyTorch missing, the device absent, or too
+    little memory for the KV tensors. Raised at startup only (``kvservice serve`` exits
+    with code 2), never by an RPC."""
+
+    status = "FAILED_PRECONDITION"

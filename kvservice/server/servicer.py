@@ -25,9 +25,13 @@ Context = Any
 class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     """The gRPC face of one ``Allocator``."""
 
-    def __init__(self, allocator: Allocator, model_name: str, max_step_ops: int) -> None:
+    def __init__(
+        self, allocator: Allocator, model_name: str, max_step_ops: int, runtime_device: str = ""
+    ) -> None:
         self._allocator = allocator
         self._model_name = model_name
+        # Where the co-located runtime's KV tensors live; "" without a runtime.
+        self._runtime_device = runtime_device
         self._steps = StepRunner(allocator, max_step_ops)
 
     async def AddRequest(  # noqa: N802
@@ -61,7 +65,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     async def AllocateSlots(  # noqa: N802
         self, request: pb.AllocateSlotsRequest, context: Context
     ) -> pb.AllocateSlotsResponse:
-        """vLLM's allocate_slots; NO_SPACE is an OK answer. NOT_FOUND; INVALID_ARGUMENT
+        """vLLM's allocate_slots; NO_SPACE is an OK answer. With a co-located runtime the
+        fresh blocks are zeroed before this returns. NOT_FOUND; INVALID_ARGUMENT
         (negative counts, zero tokens); OUT_OF_RANGE (past max_model_len);
         FAILED_PRECONDITION (hit not matching the lookup, counts going backwards);
         ABORTED (the hit was evicted since the lookup)."""
@@ -113,7 +118,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self, request: pb.GetCacheConfigRequest, context: Context
     ) -> pb.GetCacheConfigResponse:
         """The pool layout and hashing parameters."""
-        return converters.cache_config_to_pb(self._allocator.manager, self._model_name)
+        return converters.cache_config_to_pb(
+            self._allocator.manager, self._model_name, self._runtime_device
+        )
 
     async def Probe(  # noqa: N802
         self, request: pb.ProbeRequest, context: Context
@@ -127,8 +134,10 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     async def Step(  # noqa: N802
         self, request: pb.StepRequest, context: Context
     ) -> pb.StepResponse:
-        """One step's operations in order, one result each (see ``step``).
-        INVALID_ARGUMENT, nothing run, over the operations-per-step limit."""
+        """One step's operations in order, one result each (see ``step``); with a
+        co-located runtime the step's fresh blocks are zeroed once, after the last
+        operation and before this returns. INVALID_ARGUMENT, nothing run, over the
+        operations-per-step limit."""
         response = pb.StepResponse()
         self._steps.run(request, response)
         return response

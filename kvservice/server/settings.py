@@ -20,6 +20,7 @@ from kvservice.core.block_hashing import HASH_FUNCTIONS
 from kvservice.server.config import ServerConfig
 from kvservice.server.log import LOG_LEVELS
 from kvservice.server.loop import EVENT_LOOPS, default_event_loop
+from kvservice.server.runtime import DEVICES, RUNTIMES
 
 ENV_PREFIX = "KVSERVICE_"
 CONFIG_ENV = f"{ENV_PREFIX}CONFIG"
@@ -89,6 +90,30 @@ OPTIONS: tuple[Option, ...] = (
     Option("shutdown_grace", float, "seconds in-flight RPCs get on shutdown", "shutdown_grace_s"),
     Option("max_message_bytes", int, "largest gRPC message accepted", "max_message_bytes"),
     Option("max_step_ops", int, "most operations one Step message may carry", "max_step_ops"),
+    Option(
+        "runtime",
+        str,
+        "who owns the KV tensors: none (a remote worker; answers list the blocks it must "
+        "zero) or torch (this process allocates them and zeroes fresh blocks before "
+        "answering; needs pip install 'kvservice[runtime]')",
+        "runtime",
+        choices=RUNTIMES,
+    ),
+    Option("device", str, "device of the runtime's KV tensors", "device", choices=DEVICES),
+    Option(
+        "kv_cache_memory_bytes",
+        int,
+        "size the pool from this many bytes of KV cache instead of num_blocks (0: use "
+        "num_blocks); on CUDA it must fit in the free device memory",
+        "kv_cache_memory_bytes",
+    ),
+    Option(
+        "gpu_memory_utilization",
+        float,
+        "--runtime torch --device cuda: size the pool so that the device's used memory "
+        "ends at this fraction of its total, measured at startup (0: use num_blocks)",
+        "gpu_memory_utilization",
+    ),
     Option("log_level", str, "log level", choices=LOG_LEVELS),
     Option(
         "event_loop",
@@ -101,6 +126,9 @@ OPTIONS: tuple[Option, ...] = (
 _BY_NAME = {o.name: o for o in OPTIONS}
 _DEFAULTS: dict[str, Any] = {
     **{o.name: getattr(ServerConfig(), o.field) for o in OPTIONS if o.field is not None},
+    # ServerConfig spells "no budget" None; every settings surface spells it 0.
+    "kv_cache_memory_bytes": 0,
+    "gpu_memory_utilization": 0.0,
     "log_level": "info",
     "event_loop": default_event_loop(),
 }
@@ -144,6 +172,8 @@ def _settings(values: dict[str, Any]) -> Settings:
     fields = {o.field: values[o.name] for o in OPTIONS if o.field is not None}
     # 0 disables the endpoint on every surface; ServerConfig spells that None.
     fields["metrics_port"] = fields["metrics_port"] or None
+    fields["kv_cache_memory_bytes"] = fields["kv_cache_memory_bytes"] or None
+    fields["gpu_memory_utilization"] = fields["gpu_memory_utilization"] or None
     return Settings(
         dataclasses.replace(ServerConfig(), **fields), values["log_level"], values["event_loop"]
     )

@@ -12,6 +12,11 @@ Failure semantics (the ``Step`` and ``StepStream`` contract):
   ones.
 * The step is isolated: no operation awaits, so the whole step runs without any other
   call interleaving, and a cancelled call has either run entirely or not at all.
+* With a co-located runtime, the blocks every ``allocate_slots`` of the step handed out
+  are zeroed once, when the last operation has run and before the answer is sent
+  (``Allocator.batched``): one device op per step, not one per allocation, and no
+  block id reaches a client before it reads as zeros. Should that zeroing fail (a
+  device error), the whole step answers INTERNAL; its operations stay applied.
 """
 
 from __future__ import annotations

@@ -496,12 +496,28 @@ Global___AllocateSlotsRequest: _TypeAlias = AllocateSlotsRequest  # noqa: Y015
 
 @_typing.final
 class AllocateSlotsResponse(_message.Message):
+    """Fresh blocks and zeroing. When the pool needs zeroing (GetCacheConfigResponse.
+    needs_kv_cache_zeroing), every block this call allocated is listed in exactly one of
+    two fields, depending on who owns the KV tensors (GetCacheConfigResponse.
+    blocks_zeroed_by_server):
+
+      block_ids_to_zero   no runtime in the server: a remote worker owns the tensors
+                          and must zero these blocks before the model writes them.
+      block_ids_zeroed    the server's co-located runtime owns the tensors and has
+                          already zeroed these blocks when this answer is sent (for an
+                          operation of a Step or StepStream message: when that step's
+                          answer is sent). Informational; nothing is left to do.
+
+    Without zeroing both are empty.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     OUTCOME_FIELD_NUMBER: _builtins.int
     NEW_BLOCK_IDS_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_TO_ZERO_FIELD_NUMBER: _builtins.int
     REQUEST_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_ZEROED_FIELD_NUMBER: _builtins.int
     outcome: Global___AllocationOutcome.ValueType
     @_builtins.property
     def new_block_ids(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockIds]:
@@ -509,11 +525,15 @@ class AllocateSlotsResponse(_message.Message):
 
     @_builtins.property
     def block_ids_to_zero(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Blocks the runtime must zero before use (only when the pool needs zeroing)."""
+        """Blocks a remote worker must zero before use (no co-located runtime; see above)."""
 
     @_builtins.property
     def request(self) -> Global___RequestState:
         """The request after the call (num_computed_tokens advanced on OK)."""
+
+    @_builtins.property
+    def block_ids_zeroed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Blocks the server's co-located runtime zeroed before answering (see above)."""
 
     def __init__(
         self,
@@ -522,10 +542,11 @@ class AllocateSlotsResponse(_message.Message):
         new_block_ids: _abc.Iterable[Global___BlockIds] | None = ...,
         block_ids_to_zero: _abc.Iterable[_builtins.int] | None = ...,
         request: Global___RequestState | None = ...,
+        block_ids_zeroed: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids_to_zero", b"block_ids_to_zero", "new_block_ids", b"new_block_ids", "outcome", b"outcome", "request", b"request"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids_to_zero", b"block_ids_to_zero", "block_ids_zeroed", b"block_ids_zeroed", "new_block_ids", b"new_block_ids", "outcome", b"outcome", "request", b"request"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -842,6 +863,8 @@ class GetCacheConfigResponse(_message.Message):
     ENABLE_CACHING_FIELD_NUMBER: _builtins.int
     NEEDS_KV_CACHE_ZEROING_FIELD_NUMBER: _builtins.int
     MODEL_NAME_FIELD_NUMBER: _builtins.int
+    BLOCKS_ZEROED_BY_SERVER_FIELD_NUMBER: _builtins.int
+    RUNTIME_DEVICE_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
     """The pool size, null block (id 0) included."""
     max_model_len: _builtins.int
@@ -857,7 +880,17 @@ class GetCacheConfigResponse(_message.Message):
     """
     enable_caching: _builtins.bool
     needs_kv_cache_zeroing: _builtins.bool
+    """Freshly allocated blocks must be zeroed before use (always true with a runtime)."""
     model_name: _builtins.str
+    blocks_zeroed_by_server: _builtins.bool
+    """The server runs a co-located runtime that owns the KV tensors and zeroes fresh
+    blocks itself before answering: allocations report them in
+    AllocateSlotsResponse.block_ids_zeroed, never in block_ids_to_zero.
+    """
+    runtime_device: _builtins.str
+    """The device holding the server's KV tensors ("cpu", "cuda"); empty without a
+    runtime.
+    """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVCacheGroup]: ...
     def __init__(
@@ -873,10 +906,12 @@ class GetCacheConfigResponse(_message.Message):
         enable_caching: _builtins.bool = ...,
         needs_kv_cache_zeroing: _builtins.bool = ...,
         model_name: _builtins.str = ...,
+        blocks_zeroed_by_server: _builtins.bool = ...,
+        runtime_device: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["enable_caching", b"enable_caching", "groups", b"groups", "hash_algo", b"hash_algo", "hash_block_size", b"hash_block_size", "max_model_len", b"max_model_len", "model_name", b"model_name", "needs_kv_cache_zeroing", b"needs_kv_cache_zeroing", "none_hash_seed_fingerprint", b"none_hash_seed_fingerprint", "num_blocks", b"num_blocks", "scheduler_block_size", b"scheduler_block_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_zeroed_by_server", b"blocks_zeroed_by_server", "enable_caching", b"enable_caching", "groups", b"groups", "hash_algo", b"hash_algo", "hash_block_size", b"hash_block_size", "max_model_len", b"max_model_len", "model_name", b"model_name", "needs_kv_cache_zeroing", b"needs_kv_cache_zeroing", "none_hash_seed_fingerprint", b"none_hash_seed_fingerprint", "num_blocks", b"num_blocks", "runtime_device", b"runtime_device", "scheduler_block_size", b"scheduler_block_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
