@@ -28,30 +28,54 @@ and hashes change, and whether the answer is ``None``. After every step the pool
 invariants hold (``check_invariants``) and every cached block in a block table carries
 the hash of the request's tokens at that index. At the end every request is freed and
 the pool must be whole again.
+
+The same machine also models the features the layouts of
+``test_state_machine_hybrid.py`` turn on (``MachineConfig``): Mamba groups (only the
+state block of the last computed token is held, plus speculative blocks; older states
+are released last first), EAGLE (hits give one block back; hybrid drafter groups cache
+one block past the scheduler-block boundary), sparse retention intervals (which blocks
+a window or Mamba group caches, from an independent oracle), decode context
+parallelism (scaled full-attention blocks), connector (external) tokens at admission,
+``evict_blocks`` of random ids, ``probe`` before allocations, and KV events replayed
+after every step into a model of the cache that must equal the pool's hash map. Every
+prefix hit (chunked local attention aside) is checked against an independent
+recomputation of the longest usable hit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+import pytest
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from kvservice.core.errors import InvalidArgumentError
 from kvservice.core.invariants import check_invariants
-from kvservice.core.kv_cache_block import KVCacheBlock
+from kvservice.core.kv_cache_block import KVCacheBlock, get_block_hash, get_group_id
 from kvservice.core.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
+    MambaSpec,
     SlidingWindowSpec,
     cdiv,
 )
-from kvservice.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from kvservice.core.kv_cache_manager import AllocationProbe, KVCacheBlocks, KVCacheManager
+from kvservice.core.kv_events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from kvservice.core.request import Request, RequestStatus
 from tests.core.helpers import make_config
 from tests.core.strategies import (
@@ -81,12 +105,15 @@ NULL = 0  # block id of the null block
 
 
 def num_skipped_tokens(spec: KVCacheSpec, num_computed_tokens: int) -> int:
-    """Leading tokens no future token attends to (reference §4.6/§4.7)."""
+    """Leading tokens no future token attends to (reference §4.6/§4.7); a Mamba group
+    reads only the state after the last computed token."""
     if isinstance(spec, SlidingWindowSpec):
         return max(0, num_computed_tokens - spec.sliding_window + 1)
     if isinstance(spec, ChunkedLocalAttentionSpec):
         chunk = spec.attention_chunk_size
         return num_computed_tokens // chunk * chunk
+    if isinstance(spec, MambaSpec):
+        return max(num_computed_tokens - 1, 0)
     return 0
 
 
@@ -94,15 +121,42 @@ def sliding_window_blocks_needed(spec: SlidingWindowSpec) -> int:
     return cdiv(spec.sliding_window - 1, spec.block_size)
 
 
-def cached_by_mask(spec: KVCacheSpec, index: int, alignment_tokens: int) -> bool:
-    """Whether block ``index`` is entered into the cache when it fills (reference §4.7,
-    retention interval None: a sliding-window group caches only the last window's worth
-    of blocks of each ``alignment_tokens`` segment; every other group caches all)."""
-    if not isinstance(spec, SlidingWindowSpec):
-        return True
-    need = sliding_window_blocks_needed(spec)
-    per_segment = alignment_tokens // spec.block_size
-    return need >= per_segment or index % per_segment >= per_segment - need
+def speculative_tokens(spec: KVCacheSpec) -> int:
+    """Mamba allocates state blocks for draft tokens beyond the main model's tokens."""
+    return spec.num_speculative_blocks * spec.block_size if isinstance(spec, MambaSpec) else 0
+
+
+def retained_block(
+    index: int,
+    block_size: int,
+    need: int,
+    shift: int,
+    alignment: int,
+    interval: int | None,
+    boundaries: Sequence[int],
+) -> bool:
+    """Whether a window or Mamba group enters block ``index`` into the cache when it
+    fills (reference §4.7 and §12 row 8), written as "some retained hit end reads it".
+
+    A hit ending at block boundary ``E`` (an ``alignment`` multiple) reads the ``need``
+    blocks ``[E - need + shift, E + shift)`` (``shift`` 1 with EAGLE: the window and the
+    block after the end). Retained ends: every multiple of the segment (``alignment``
+    when ``interval`` is None, none when 0, else ``interval`` tokens); with an interval
+    also each reachable boundary rounded down to ``alignment`` (when above 0)."""
+    segment = alignment if interval is None else interval
+    if segment:
+        per_segment = segment // block_size
+        # The smallest segment end above index - shift must be at most index - shift + need.
+        lowest = index - shift + 1
+        first_end = -(-lowest // per_segment) * per_segment
+        if first_end <= index - shift + need:
+            return True
+    if interval is not None:
+        for boundary in boundaries:
+            end = (boundary - boundary % alignment) // block_size
+            if end > 0 and end - need + shift <= index < end + shift:
+                return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -167,6 +221,17 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.history: list[list[int]] = []
         self.prefixes: list[list[int]] = []
         self.next_id = 0
+        # Model of the features (filled in by setup).
+        self.hybrid = False  # the hybrid coordinator (caching on, several groups)
+        self.eagle: list[bool] = []  # per group: searched and cached as an EAGLE group
+        self.alignment: list[int] = []  # per group: where its hits may end
+        self.spec_groups: list[list[int]] = []  # equal specs, full attention first
+        # Replay of the KV events: (group, external hash) -> cached blocks under it.
+        self.event_model: Counter[tuple[int, bytes]] = Counter()
+        # shared_prefix_boundary per request, as get_computed_blocks should have set it.
+        self.shared_boundary: dict[str, int] = {}
+        # (group, request, index) of held blocks whose cache entry evict_blocks dropped.
+        self.evicted_held: set[tuple[int, str, int]] = set()
         # False while a rule or invariant runs: teardown skips its checks after a failure.
         self.clean = True
 
@@ -181,6 +246,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         return self._cfg
 
     def specs(self) -> list[KVCacheSpec]:
+        """The groups' specs as the allocator sees them (DCP-scaled)."""
         return [m.kv_cache_spec for m in self.m.coordinator.single_type_managers]
 
     def expected_key(self, request: Request, group: int, index: int) -> bytes:
@@ -189,25 +255,79 @@ class AllocatorMachine(RuleBasedStateMachine):
         scale = self.specs()[group].block_size // self.m.hash_block_size
         return request.block_hashes[(index + 1) * scale - 1] + group.to_bytes(4, "big")
 
+    def num_hashed_blocks(self, request: Request, group: int) -> int:
+        scale = self.specs()[group].block_size // self.m.hash_block_size
+        return len(request.block_hashes) // scale
+
     # -- setup ----------------------------------------------------------------------------
 
     @initialize(data=st.data())
     def setup(self, data: st.DataObject) -> None:
         cfg = data.draw(self.configs, label="config")
         self._cfg = cfg
+        config = make_config(cfg.num_blocks, *cfg.specs)
+        if cfg.eagle_marks is not None:
+            groups = [
+                dataclasses.replace(group, is_eagle_group=mark)
+                for group, mark in zip(config.kv_cache_groups, cfg.eagle_marks, strict=True)
+            ]
+            config = dataclasses.replace(config, kv_cache_groups=groups)
+        config = dataclasses.replace(config, prefix_cache_retention_interval=cfg.retention)
         self._manager = KVCacheManager(
-            make_config(cfg.num_blocks, *cfg.specs),
+            config,
             cfg.max_model_len,
             enable_caching=cfg.enable_caching,
             watermark=cfg.watermark,
+            use_eagle=cfg.use_eagle,
+            dcp_world_size=cfg.dcp,
+            enable_kv_cache_events=cfg.events,
         )
-        sizes = [spec.block_size for spec in cfg.specs]
+        specs = self.specs()
+        # DCP scales full attention only; a Mamba state is replicated.
+        assert [spec.block_size for spec in specs] == [
+            spec.block_size * (cfg.dcp if isinstance(spec, FullAttentionSpec) else 1)
+            for spec in cfg.specs
+        ]
+        sizes = [spec.block_size for spec in specs]
         assert self.m.hash_block_size == math.gcd(*sizes)
         assert self.m.scheduler_block_size == math.lcm(*sizes)
         sbs = self.m.scheduler_block_size
+        self.hybrid = cfg.enable_caching and len(specs) > 1
+        self.alignment = [sbs if self.hybrid else spec.block_size for spec in specs]
+        for group, spec in enumerate(specs):
+            for known in self.spec_groups:
+                if specs[known[0]] == spec:
+                    known.append(group)
+                    break
+            else:
+                self.spec_groups.append([group])
+        self.spec_groups.sort(key=lambda ids: not isinstance(specs[ids[0]], FullAttentionSpec))
+        self.eagle = self.eagle_groups()
+        assert [s.use_eagle for s in self.m.coordinator.single_type_managers] == self.eagle
         self.prefixes = data.draw(
-            st.lists(token_lists(sbs, 3 * sbs), min_size=1, max_size=3), label="prefixes"
+            st.lists(
+                token_lists(cfg.prefix_blocks[0] * sbs, cfg.prefix_blocks[1] * sbs),
+                min_size=1,
+                max_size=3,
+            ),
+            label="prefixes",
         )
+
+    def eagle_groups(self) -> list[bool]:
+        """EAGLE reads the marked groups, or every non-Mamba group when none is marked;
+        the hybrid coordinator extends a mark to groups with an equal spec."""
+        cfg, specs = self.cfg, self.specs()
+        if not cfg.use_eagle:
+            return [False] * len(specs)
+        marks = cfg.eagle_marks or (False,) * len(specs)
+        ids = {i for i, mark in enumerate(marks) if mark} or {
+            i for i, spec in enumerate(specs) if not isinstance(spec, MambaSpec)
+        }
+        if self.hybrid:
+            for siblings in self.spec_groups:
+                if ids & set(siblings):
+                    ids |= set(siblings)
+        return [i in ids for i in range(len(specs))]
 
     # -- the one rule ----------------------------------------------------------------------
 
@@ -228,6 +348,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             actions += [(self.schedule_running, 6), (self.preempt, 1)]
         if self.requests:
             actions.append((self.finish, 2))
+        if self.cfg.evict:
+            actions.append((self.evict_blocks, 1))
         by_name = {action.__name__: action for action, _ in actions}
         choices = [action.__name__ for action, weight in actions for _ in range(weight)]
         by_name[data.draw(st.sampled_from(choices), label="action")](data)
@@ -252,15 +374,22 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def schedule_waiting(self, data: st.DataObject) -> None:
         """Admit a waiting or preempted request: look up its prefix, then allocate the
-        rest of its tokens (or a chunk of them)."""
+        rest of its tokens (or a chunk of them), some of them loaded by a KV connector
+        (external tokens) when the layout allows it."""
         rid = data.draw(st.sampled_from(self.waiting), label="request")
         request = self.requests[rid]
         step = data.draw(ADMISSION_KNOBS, label="knobs")
         hits, num_hit = self.lookup(request)
         remaining = request.num_tokens - num_hit
-        num_new = remaining if step.chunk is None else min(remaining, step.chunk)
-        if self.allocate(request, num_new, hits, num_hit, step) is not None:
-            request.num_computed_tokens = num_hit + num_new
+        num_external = 0
+        if self.cfg.external and data.draw(st.sampled_from((False, False, True)), label="ext"):
+            num_external = data.draw(st.integers(1, remaining), label="external tokens")
+            event("external tokens")
+        rest = remaining - num_external
+        num_new = rest if step.chunk is None else min(rest, step.chunk)
+        probe = self.maybe_probe(data, request, num_new, num_external, step, num_hit)
+        if self.allocate(request, num_new, hits, num_hit, step, num_external, probe) is not None:
+            request.num_computed_tokens = num_hit + num_external + num_new
             request.status = RequestStatus.RUNNING
             self.waiting.remove(rid)
             self.running.append(rid)
@@ -278,7 +407,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             request.append_output_token_ids(data.draw(TOKENS, label="token"))
         remaining = request.num_tokens - request.num_computed_tokens
         num_new = remaining if step.chunk is None else min(remaining, step.chunk)
-        if self.allocate(request, num_new, None, 0, step) is not None:
+        probe = self.maybe_probe(data, request, num_new, 0, step, 0)
+        if self.allocate(request, num_new, None, 0, step, 0, probe) is not None:
             request.num_computed_tokens += num_new
 
     def preempt(self, data: st.DataObject) -> None:
@@ -312,27 +442,116 @@ class AllocatorMachine(RuleBasedStateMachine):
         else:
             assert_same_state(after, before, "refused reset_prefix_cache")
 
+    def evict_blocks(self, data: st.DataObject) -> None:
+        """``evict_blocks`` of random ids (held or free, hashed or not, the null block,
+        now and then one out of range): only the cache entries of those blocks go,
+        duplicates under the same key move up; ref counts, the queue and the tables
+        stay. An id out of range is refused before anything changes."""
+        m = self.m
+        n = self.cfg.num_blocks
+        ids = data.draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=3), label="evict")
+        if data.draw(st.sampled_from((False,) * 9 + (True,)), label="out of range"):
+            ids.add(n + data.draw(st.integers(0, 2), label="bad id"))
+        before = take_state(m)
+        if max(ids) >= n:
+            with pytest.raises(InvalidArgumentError, match="out of range"):
+                m.evict_blocks(ids)
+            assert_same_state(take_state(m), before, "refused evict_blocks")
+            event("evict_blocks refused")
+            return
+        m.evict_blocks(ids)
+        hashes = list(before.hashes)
+        hash_map = {key: list(ids_) for key, ids_ in before.hash_map.items()}
+        for block_id in sorted(ids):
+            key = before.hashes[block_id]
+            if key is None:
+                continue
+            event("evict_blocks dropped an entry")
+            hashes[block_id] = None
+            hash_map[key].remove(block_id)
+            for group, table_map in enumerate(before.tables):
+                for rid, table in table_map.items():
+                    self.evicted_held.update(
+                        (group, rid, i) for i, b in enumerate(table) if b == block_id
+                    )
+        expected = PoolState(
+            before.ref_cnts,
+            before.queue,
+            tuple(hashes),
+            {k: tuple(v) for k, v in hash_map.items() if v},
+            before.tables,
+            before.cached,
+        )
+        assert_same_state(take_state(m), expected, "evict_blocks")
+
     # -- scheduler moves, each checked against a model ------------------------------------
 
     def remember(self, tokens: list[int]) -> None:
         self.history.append(list(tokens))
         del self.history[:-MAX_HISTORY]
 
+    def is_cached(self, request: Request, group: int, index: int) -> bool:
+        if index >= self.num_hashed_blocks(request, group):
+            return False
+        key = self.expected_key(request, group, index)
+        return self.m.block_pool.cached_block_hash_to_block.get_one_block(key) is not None
+
+    def group_can_hit(self, request: Request, group: int, length: int, cap: int) -> bool:
+        """Whether ``group`` can serve a hit of ``length`` tokens (reference §4.7): full
+        attention needs every block before it, a sliding window the blocks of one window
+        before it (all of them if the prefix is shorter), Mamba the state at it. An EAGLE
+        group recomputes its last hit block, so it also needs the block after the end
+        (within the ``num_tokens - 1`` cap)."""
+        if length == 0:
+            return True
+        spec = self.specs()[group]
+        num_blocks = length // spec.block_size
+        if isinstance(spec, MambaSpec):
+            return self.is_cached(request, group, num_blocks - 1)
+        last = num_blocks - 1
+        if self.eagle[group]:
+            if (num_blocks + 1) * spec.block_size > cap:
+                return False
+            last = num_blocks
+        first = 0
+        if isinstance(spec, SlidingWindowSpec):
+            first = max(0, num_blocks - sliding_window_blocks_needed(spec))
+        return all(self.is_cached(request, group, i) for i in range(first, last + 1))
+
+    def longest_hit(self, request: Request, groups: Sequence[int], cap: int) -> int:
+        """The longest hit of at most ``cap`` tokens, on the groups' common alignment,
+        that every one of ``groups`` can serve (the fixed point the hybrid search
+        converges to: each group's usable lengths are closed under this search)."""
+        align = self.alignment[groups[0]]
+        for length in range(cap - cap % align, -1, -align):
+            if all(self.group_can_hit(request, g, length, cap) for g in groups):
+                return length
+        return 0
+
     def lookup(self, request: Request) -> tuple[KVCacheBlocks, int]:
-        """``get_computed_blocks``: side-effect free, block aligned, capped at
-        ``num_tokens - 1``, and every hit block carries the request's hash."""
+        """``get_computed_blocks``: side-effect free (but for the request's
+        shared_prefix_boundary), block aligned, capped at ``num_tokens - 1``, every hit
+        block carries the request's hash, and the hit is the longest usable one."""
         m = self.m
         before = take_state(m)
+        num_events = len(m.block_pool.kv_event_queue)
         hits, num_hit, boundary = m.get_computed_blocks(request)
         assert_same_state(take_state(m), before, "get_computed_blocks")
+        assert len(m.block_pool.kv_event_queue) == num_events, "a lookup emitted events"
         event("prefix hit" if num_hit else "prefix miss")
         specs = self.specs()
+        rid = request.request_id
         if not self.cfg.enable_caching or request.skip_reading_prefix_cache:
-            assert num_hit == 0 and not any(hits.blocks)
+            assert num_hit == 0 and not any(hits.blocks) and boundary == 0
             return hits, num_hit
-        assert 0 <= num_hit <= max(0, request.num_tokens - 1)
+        cap = request.num_tokens - 1
+        assert 0 <= num_hit <= max(0, cap)
         assert num_hit % m.scheduler_block_size == 0
         assert boundary == 0 or boundary > num_hit
+        if boundary:
+            self.shared_boundary[rid] = boundary
+            event("shared prefix boundary")
+        assert request.shared_prefix_boundary == self.shared_boundary.get(rid)
         assert len(hits.blocks) == len(specs)
         first_block = m.block_pool.cached_block_hash_to_block.get_one_block
         for group, (spec, blocks) in enumerate(zip(specs, hits.blocks, strict=True)):
@@ -348,7 +567,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 # The hit ends with a run covering one window (or a run from block 0).
                 run = min(sliding_window_blocks_needed(spec), len(blocks))
                 assert not any(b.is_null for b in blocks[len(blocks) - run :])
-        if len(specs) == 1 and isinstance(specs[0], FullAttentionSpec):
+        if len(specs) == 1 and isinstance(specs[0], FullAttentionSpec) and not self.eagle[0]:
             # One full-attention group: the hit is the longest cached prefix that the
             # num_tokens - 1 cap allows.
             n = len(hits.blocks[0])
@@ -356,7 +575,83 @@ class AllocatorMachine(RuleBasedStateMachine):
                 assert first_block(self.expected_key(request, 0, n)) is None, (
                     "the hit stopped before the first uncached block"
                 )
+        if not any(isinstance(spec, ChunkedLocalAttentionSpec) for spec in specs):
+            self.check_hit(request, hits, num_hit, boundary, cap)
         return hits, num_hit
+
+    def check_hit(
+        self, request: Request, hits: KVCacheBlocks, num_hit: int, boundary: int, cap: int
+    ) -> None:
+        """The hit against the independent oracle: its length, which blocks are real
+        (full attention: all; a window: the last window's worth; Mamba: the last one),
+        and the shared-prefix boundary (how far the first group searched alone got)."""
+        specs = self.specs()
+        every_group = list(range(len(specs)))
+        expected = self.longest_hit(request, every_group, cap)
+        assert num_hit == expected, f"hit {num_hit}, the longest usable hit is {expected}"
+        if self.cfg.use_eagle and num_hit:
+            event("EAGLE hit")
+        if any(self.eagle):
+            # EAGLE never hits more than the same cache without it, minus one block.
+            saved = self.eagle
+            self.eagle = [False] * len(specs)
+            plain = self.longest_hit(request, every_group, cap)
+            self.eagle = saved
+            assert num_hit <= plain, f"EAGLE hit {num_hit} above the plain hit {plain}"
+            if (
+                num_hit
+                and all(saved)
+                and all(spec.block_size == self.alignment[g] for g, spec in enumerate(specs))
+            ):
+                # Every group drafts at block granularity: one block is given back.
+                assert num_hit <= plain - self.alignment[0], "EAGLE gave no block back"
+        first = self.longest_hit(request, self.spec_groups[0], cap) if self.hybrid else num_hit
+        assert boundary == (first if first > num_hit else 0), "shared prefix boundary"
+        for group, (spec, blocks) in enumerate(zip(specs, hits.blocks, strict=True)):
+            num_blocks = len(blocks)
+            if isinstance(spec, MambaSpec):
+                real = range(max(num_blocks - 1, 0), num_blocks)
+            elif isinstance(spec, SlidingWindowSpec):
+                real = range(max(0, num_blocks - sliding_window_blocks_needed(spec)), num_blocks)
+            else:
+                real = range(num_blocks)
+            assert [i for i, b in enumerate(blocks) if not b.is_null] == list(real), (
+                f"group {group}: real hit blocks"
+            )
+
+    def maybe_probe(
+        self,
+        data: st.DataObject,
+        request: Request,
+        num_new: int,
+        num_external: int,
+        step: Knobs,
+        num_hit: int,
+    ) -> AllocationProbe | None:
+        """``probe`` with the arguments of the coming allocation, now and then: it must
+        change nothing and report the hit the lookup found; ``allocate`` then checks its
+        prediction against the outcome."""
+        if not self.cfg.probe or not data.draw(st.booleans(), label="probe"):
+            return None
+        m = self.m
+        before = take_state(m)
+        num_events = len(m.block_pool.kv_event_queue)
+        boundary = request.shared_prefix_boundary
+        probe = m.probe(
+            request,
+            num_new_tokens=num_new,
+            num_lookahead_tokens=step.lookahead,
+            num_external_computed_tokens=num_external,
+            full_sequence_must_fit=step.full_sequence_must_fit,
+            reserved_blocks=step.reserved_blocks,
+            has_scheduled_reqs=step.has_scheduled_reqs,
+        )
+        assert_same_state(take_state(m), before, "probe")
+        assert len(m.block_pool.kv_event_queue) == num_events, "probe emitted events"
+        assert request.shared_prefix_boundary == boundary, "probe set the boundary"
+        assert probe.num_hit_tokens == num_hit, "probe hit differs from the lookup"
+        assert probe.num_new_tokens == num_new
+        return probe
 
     def blocks_to_skip(
         self, request_id: str, total_computed_tokens: int
@@ -375,6 +670,40 @@ class AllocatorMachine(RuleBasedStateMachine):
             removed.append(out)
         return removed
 
+    def reachable_boundaries(self, request: Request) -> tuple[int, ...]:
+        """Where later requests resume (only read with a retention interval): the replay
+        boundary (the last prompt token; with EAGLE one scheduler block before the last
+        whole one) and the shared-prefix junction the lookup noted."""
+        if self.cfg.retention is None:
+            return ()
+        sbs = self.m.scheduler_block_size
+        prompt = request.num_prompt_tokens
+        replay = max(prompt // sbs * sbs - sbs, 0) if any(self.eagle) else prompt - 1
+        junction = self.shared_boundary.get(request.request_id)
+        return (replay, junction) if junction else (replay,)
+
+    def retained(self, group: int, index: int, boundaries: Sequence[int]) -> bool:
+        """Whether block ``index`` of ``group`` is entered into the cache when it fills:
+        full attention caches all; a window or Mamba group what a hit can read."""
+        spec = self.specs()[group]
+        if isinstance(spec, SlidingWindowSpec):
+            eagle = self.eagle[group]
+            need = sliding_window_blocks_needed(spec) + (1 if eagle else 0)
+            shift = 1 if eagle else 0
+        elif isinstance(spec, MambaSpec):
+            need, shift = 1, 0
+        else:
+            return True
+        return retained_block(
+            index,
+            spec.block_size,
+            need,
+            shift,
+            self.alignment[group],
+            self.cfg.retention,
+            boundaries,
+        )
+
     def allocate(
         self,
         request: Request,
@@ -382,6 +711,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         hits: KVCacheBlocks | None,
         num_hit: int,
         step: Knobs,
+        num_external: int = 0,
+        probe: AllocationProbe | None = None,
     ) -> KVCacheBlocks | None:
         """``allocate_slots`` with the scheduler's arguments, checked against a model.
 
@@ -395,8 +726,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         arguments, compute independently which blocks the removal frees
         (``freed_by_skip``), and require the free count to drop by exactly
         ``prediction - freed_by_skip``, and the model of
-        the allocation itself (touched free hits + new blocks per group) to take exactly
-        ``prediction`` blocks off the free queue.
+        the allocation itself (touched free hits + external blocks + new blocks per
+        group) to take exactly ``prediction`` blocks off the free queue.
         """
         m, cfg = self.m, self.cfg
         pool = m.block_pool
@@ -404,10 +735,11 @@ class AllocatorMachine(RuleBasedStateMachine):
         caching = cfg.enable_caching
         specs = self.specs()
         hit_lists: tuple[Sequence[KVCacheBlock], ...] = hits.blocks if hits is not None else ()
-        total = request.num_computed_tokens + num_hit
+        total = request.num_computed_tokens + num_hit + num_external
         need_slot = min(total + num_new + step.lookahead, cfg.max_model_len)
 
         before = take_state(m)
+        num_events = len(pool.kv_event_queue)
         free_before = pool.get_num_free_blocks()
         removed = self.blocks_to_skip(rid, total)
         freed_by_skip = sum(1 for group in removed for _, b in group if b.ref_cnt == 1)
@@ -457,6 +789,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             num_hit,
             hits,
             num_lookahead_tokens=step.lookahead,
+            num_external_computed_tokens=num_external,
             delay_cache_blocks=step.delay_cache_blocks,
             full_sequence_must_fit=step.full_sequence_must_fit,
             reserved_blocks=step.reserved_blocks,
@@ -468,6 +801,11 @@ class AllocatorMachine(RuleBasedStateMachine):
             f"{predicted}, watermark {watermark}, free {free_before} (+{freed_by_skip} "
             f"skipped), reserved {step.reserved_blocks}"
         )
+        if probe is not None:
+            assert probe.would_fit == (result is not None), "probe would_fit"
+            assert probe.num_blocks_to_allocate == predicted, "probe block count"
+            assert probe.num_free_blocks == free_before + freed_by_skip, "probe free count"
+            event("probe checked")
         self.check_skipped_are_null(rid, total)
         if freed_by_skip:
             event("remove_skipped_blocks freed blocks")
@@ -485,16 +823,17 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert_same_state(after, expected, "allocate_slots -> None")
             return None
 
-        # Attach the prefix hits (touch: a free hit leaves the queue), then pop the new
-        # blocks of each group, in group order, from the queue front.
-        attach = any(hit_lists)
+        # Attach the prefix hits of every group (touch: a free hit leaves the queue),
+        # then allocate every group's blocks for the external tokens (two phases), then
+        # pop the new blocks of each group, in group order, from the queue front.
+        attach = num_external > 0 or any(hit_lists)
         touched_free = 0
         prev_cached: list[int] = []
         for group, spec in enumerate(specs):
             table = list(tables[group].get(rid, ()))
             if attach:
                 assert not table, "a waiting request holds no blocks"
-                group_hits = hit_lists[group]
+                group_hits = hit_lists[group] if hit_lists else ()
                 num_skipped = num_skipped_tokens(spec, total) // spec.block_size
                 kept = group_hits[num_skipped:]
                 for block in kept:
@@ -509,10 +848,23 @@ class AllocatorMachine(RuleBasedStateMachine):
             else:
                 prev_cached.append(before.cached[group].get(rid, 0))
             tables[group][rid] = tuple(table)
+        external_ids: list[list[int]] = []
+        for group, spec in enumerate(specs):
+            table = list(tables[group][rid])
+            popped: list[int] = []
+            if num_external:
+                num_skipped = num_skipped_tokens(spec, total) // spec.block_size
+                table += [NULL] * max(0, num_skipped - len(table))
+                n = max(0, cdiv(total, spec.block_size) - len(table))
+                popped, queue = queue[:n], queue[n:]
+                for block_id in popped:
+                    ref[block_id] = 1
+            tables[group][rid] = tuple(table + popped)
+            external_ids.append(popped)
         new_ids: list[list[int]] = []
         for group, spec in enumerate(specs):
             table = list(tables[group][rid])
-            n = max(0, cdiv(need_slot, spec.block_size) - len(table))
+            n = max(0, cdiv(need_slot + speculative_tokens(spec), spec.block_size) - len(table))
             popped, queue = queue[:n], queue[n:]
             for block_id in popped:
                 ref[block_id] = 1
@@ -521,9 +873,11 @@ class AllocatorMachine(RuleBasedStateMachine):
 
         if touched_free:
             event("a free cached block was hit")
-        if any(before.hashes[b] is not None for ids in new_ids for b in ids):
+        if any(external_ids):
+            event("external blocks allocated")
+        if any(before.hashes[b] is not None for ids in new_ids + external_ids for b in ids):
             event("allocation evicted a cached block")
-        num_taken = touched_free + sum(len(ids) for ids in new_ids)
+        num_taken = touched_free + sum(len(ids) for ids in external_ids + new_ids)
         assert num_taken == predicted, f"prediction {predicted} but the model takes {num_taken}"
         assert free_before - pool.get_num_free_blocks() == predicted - freed_by_skip, (
             f"free count dropped by {free_before - pool.get_num_free_blocks()}, expected "
@@ -531,7 +885,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         )
         got = result.get_block_ids()
         assert got == tuple(new_ids), f"new blocks {got}, expected {new_ids} (queue order)"
-        all_new = [b for ids in got for b in ids]
+        all_new = [b for ids in got for b in ids] + [b for ids in external_ids for b in ids]
         assert NULL not in all_new, "the null block was handed out"
         for table_map in after.tables:
             for other, table_ids in table_map.items():
@@ -540,32 +894,86 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert after.queue == tuple(queue), "free queue after allocation"
         assert after.ref_cnts == tuple(ref), "ref counts after allocation"
         assert after.tables == tuple(tables), "block tables after allocation"
+        for group, spec in enumerate(specs):
+            if isinstance(spec, MambaSpec):
+                # Mamba holds the state block of the last computed token and the blocks
+                # after it (this step's states and the speculative ones), nothing before.
+                held = after.tables[group][rid]
+                live = max(total - 1, 0) // spec.block_size
+                assert all(b == NULL for b in held[:live]), "Mamba holds an old state"
+                assert NULL not in held[live:], "Mamba lost a live state"
+                assert len(held) >= cdiv(need_slot, spec.block_size) + (
+                    spec.num_speculative_blocks
+                ), "Mamba speculative blocks"
 
         # Caching: blocks that became full up to min(computed + new, num_tokens)
-        # (aligned down to the scheduler block size with several groups) get the
-        # request's hash; popped blocks lost theirs. Lookahead slots are never cached.
+        # (aligned down to the scheduler block size with several groups, one block
+        # further in an EAGLE group) get the request's hash unless the retention rule
+        # leaves them out; popped blocks lost theirs. Lookahead slots are never cached.
         hashes = list(before.hashes)
         hash_map = {k: [b for b in ids if b not in all_new] for k, ids in before.hash_map.items()}
         for block_id in all_new:
             hashes[block_id] = None
         tokens_to_cache = min(total + num_new, request.num_tokens)
-        if caching and len(specs) > 1:  # the hybrid coordinator
-            tokens_to_cache -= tokens_to_cache % m.scheduler_block_size
+        aligned = tokens_to_cache
+        if self.hybrid:
+            aligned -= tokens_to_cache % m.scheduler_block_size
+        boundaries = self.reachable_boundaries(request)
+        # Events: one removal per popped cached block, in pop order; then one
+        # BlockStored per group that cached a block (parent: the logical block before).
+        expected_events: list[KVCacheEvent] = [
+            BlockRemoved([get_block_hash(key)], MEDIUM_GPU, get_group_id(key))
+            for ids in external_ids + new_ids
+            for b in ids
+            if (key := before.hashes[b]) is not None
+        ]
         for group, spec in enumerate(specs):
             cached_now = prev_cached[group]
+            group_tokens = aligned
+            if self.hybrid and self.eagle[group]:
+                group_tokens = min(tokens_to_cache, aligned + spec.block_size)
             if caching and not step.delay_cache_blocks:
-                cached_now = max(cached_now, tokens_to_cache // spec.block_size)
+                cached_now = max(cached_now, group_tokens // spec.block_size)
             assert after.cached[group].get(rid, 0) == cached_now, f"group {group} cached count"
             final_table = tables[group][rid]
+            stored: list[bytes] = []
             for i in range(prev_cached[group], cached_now):
                 block_id = final_table[i]
-                if block_id == NULL or not cached_by_mask(spec, i, m.scheduler_block_size):
+                if block_id == NULL:
+                    continue
+                if not self.retained(group, i, boundaries):
+                    event("retention left a block out")
                     continue
                 key = self.expected_key(request, group, i)
                 hashes[block_id] = key
                 hash_map.setdefault(key, []).append(block_id)
+                stored.append(get_block_hash(key))
+            if stored:
+                first, bs = prev_cached[group], spec.block_size
+                expected_events.append(
+                    BlockStored(
+                        block_hashes=stored,
+                        parent_block_hash=(
+                            get_block_hash(self.expected_key(request, group, first - 1))
+                            if first
+                            else None
+                        ),
+                        token_ids=request.all_token_ids[first * bs : cached_now * bs],
+                        block_size=bs,
+                        lora_id=None,
+                        medium=MEDIUM_GPU,
+                        lora_name=request.lora_name,
+                        group_idx=group,
+                    )
+                )
         assert after.hashes == tuple(hashes), "block hashes after allocation"
         assert after.hash_map == {k: tuple(v) for k, v in hash_map.items() if v}, "hash map"
+        if cfg.events:
+            emitted = [
+                dataclasses.replace(e, extra_keys=None) if isinstance(e, BlockStored) else e
+                for e in pool.kv_event_queue[num_events:]
+            ]
+            assert emitted == expected_events, "events of allocate_slots"
         return result
 
     def check_skipped_are_null(self, request_id: str, total_computed_tokens: int) -> None:
@@ -632,9 +1040,11 @@ class AllocatorMachine(RuleBasedStateMachine):
             tuple({r: n for r, n in g.items() if r != rid} for g in before.cached),
         )
         assert_same_state(after, expected, "free")
+        self.evicted_held = {entry for entry in self.evicted_held if entry[1] != rid}
 
         if finish:
             self.requests.pop(rid)
+            self.shared_boundary.pop(rid, None)
             self.remember(request.all_token_ids)
             if rid in self.waiting:
                 self.waiting.remove(rid)
@@ -679,7 +1089,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                         assert block.block_hash == self.expected_key(request, group, i), (
                             f"group {group}: {rid} block {i} carries another prefix's hash"
                         )
-                    elif self.cfg.enable_caching:
+                    elif self.cfg.enable_caching and (group, rid, i) not in self.evicted_held:
                         assert not isinstance(spec, FullAttentionSpec), (
                             f"group {group}: {rid} cached full-attention block {i} has no hash"
                         )
@@ -700,7 +1110,50 @@ class AllocatorMachine(RuleBasedStateMachine):
             event("pool whole between steps")
             assert pool.get_num_free_blocks() == usable, "nothing is held but blocks are missing"
             assert m.usage == 0.0
+        self.replay_events()
         self.clean = True
+
+    def replay_events(self) -> None:
+        """Drain ``take_events`` into the model of the cache (stored adds, removed
+        drops, cleared empties) and require it to equal the pool's hash map: the events
+        are complete and gap-free. Counts per key, since several blocks may be cached
+        under one key (duplicates)."""
+        m = self.m
+        events = m.take_events()
+        if not self.cfg.events:
+            assert events == [], "events without enable_kv_cache_events"
+            return
+        specs = self.specs()
+        model = self.event_model
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                assert ev.group_idx is not None and 0 <= ev.group_idx < len(specs)
+                spec = specs[ev.group_idx]
+                assert ev.block_size == spec.block_size, "BlockStored block size"
+                assert ev.kv_cache_spec_kind == spec.kind.value
+                window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+                assert ev.kv_cache_spec_sliding_window == window
+                assert ev.medium == MEDIUM_GPU
+                assert len(ev.token_ids) % spec.block_size == 0
+                assert 1 <= len(ev.block_hashes) <= len(ev.token_ids) // spec.block_size
+                for block_hash in ev.block_hashes:
+                    model[(ev.group_idx, block_hash)] += 1
+            elif isinstance(ev, BlockRemoved):
+                assert ev.group_idx is not None and ev.medium == MEDIUM_GPU
+                assert len(ev.block_hashes) == 1
+                for block_hash in ev.block_hashes:
+                    assert model[(ev.group_idx, block_hash)] > 0, "removed a hash never stored"
+                    model[(ev.group_idx, block_hash)] -= 1
+            else:
+                assert isinstance(ev, AllBlocksCleared)
+                model.clear()
+        cache = m.block_pool.cached_block_hash_to_block
+        expected = Counter(
+            {(get_group_id(k), get_block_hash(k)): len(cache.blocks_of(k)) for k in cache}
+        )
+        assert +model == expected, "the replayed events disagree with the hash map"
+        if events:
+            event("events replayed")
 
     def teardown(self) -> None:
         """Free every request; the pool must be whole again."""
@@ -714,18 +1167,27 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert m.usage == 0.0
         for single in m.coordinator.single_type_managers:
             assert not single.req_to_blocks and not single.num_cached_block
+        self.replay_events()
 
 
-SETTINGS = settings(
-    max_examples=60,
-    stateful_step_count=40,
-    deadline=None,
-    suppress_health_check=[
-        HealthCheck.too_slow,
-        HealthCheck.data_too_large,
-        HealthCheck.filter_too_much,
-    ],
-)
+# KVSERVICE_STATE_MACHINE_SCALE=10 runs ten times as many examples (a longer soak).
+SCALE = float(os.environ.get("KVSERVICE_STATE_MACHINE_SCALE", "1"))
+
+
+def machine_settings(max_examples: int, steps: int) -> settings:
+    return settings(
+        max_examples=max(1, round(max_examples * SCALE)),
+        stateful_step_count=steps,
+        deadline=None,
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.data_too_large,
+            HealthCheck.filter_too_much,
+        ],
+    )
+
+
+SETTINGS = machine_settings(60, 40)
 
 
 class FullAttentionMachine(AllocatorMachine):
