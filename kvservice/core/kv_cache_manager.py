@@ -154,10 +154,11 @@ class KVCacheManager:
             )
             for g in groups
         ]
-        self._block_sizes = [
-            g.kv_cache_spec.block_size
+        # Per group, the block size a prefix hit is counted in (None: cross attention,
+        # which never has hits).
+        self._hit_block_sizes = [
+            None if isinstance(g.kv_cache_spec, CrossAttentionSpec) else g.kv_cache_spec.block_size
             for g in groups
-            if not isinstance(g.kv_cache_spec, CrossAttentionSpec)
         ]
         # Requests this manager has allocated for and not yet seen finish: the
         # num_computed_tokens seen at their last allocation (0 after a preemption).
@@ -488,7 +489,11 @@ class KVCacheManager:
                 f"request {rid!r} already holds blocks; prefix hits attach only at admission"
             )
         covered = min(
-            (len(group) * bs for group, bs in zip(hits, self._block_sizes, strict=False)),
+            (
+                len(group) * bs
+                for group, bs in zip(hits, self._hit_block_sizes, strict=True)
+                if bs is not None
+            ),
             default=0,
         )
         if num_new_computed_tokens > covered:
