@@ -11,12 +11,10 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from kvservice.core.allocation_checks import AllocationChecker
 from kvservice.core.block_hashing import BlockHasher, MultiModalFeature
 from kvservice.core.errors import (
-    FailedPreconditionError,
     InvalidArgumentError,
-    OutOfRangeError,
-    RequestNotFoundError,
 )
 from kvservice.core.kv_cache_block import KVCacheBlock
 from kvservice.core.kv_cache_coordinator import get_kv_cache_coordinator
@@ -154,15 +152,16 @@ class KVCacheManager:
             )
             for g in groups
         ]
-        # Per group, the block size a prefix hit is counted in (None: cross attention,
-        # which never has hits).
-        self._hit_block_sizes = [
-            None if isinstance(g.kv_cache_spec, CrossAttentionSpec) else g.kv_cache_spec.block_size
-            for g in groups
-        ]
-        # Requests this manager has allocated for and not yet seen finish: the
-        # num_computed_tokens seen at their last allocation (0 after a preemption).
-        self._num_computed_at_last_allocation: dict[str, int] = {}
+        self.checker = AllocationChecker(
+            max_model_len,
+            [
+                None
+                if isinstance(g.kv_cache_spec, CrossAttentionSpec)
+                else g.kv_cache_spec.block_size
+                for g in groups
+            ],
+            lambda request_id: any(self.coordinator.get_blocks(request_id)),
+        )
 
     @property
     def usage(self) -> float:
@@ -211,7 +210,7 @@ class KVCacheManager:
         notes a nonzero boundary on the request, so that sparse retention keeps the
         junction cached for the next request sharing the prefix.
         """
-        self._check_not_finished(request)
+        self.checker.check_not_finished(request)
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0, 0
         blocks, num_hit_tokens, num_uncached = self.coordinator.find_longest_cache_hit(
@@ -268,7 +267,7 @@ class KVCacheManager:
         """
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else ()
         num_computed_tokens = request.num_computed_tokens
-        self._validate_allocation(
+        self.checker.check_allocation(
             request,
             num_computed_tokens,
             num_new_tokens,
@@ -310,7 +309,7 @@ class KVCacheManager:
         new_blocks = coordinator.allocate_new_blocks(
             request_id, num_tokens_need_slot, num_encoder_tokens
         )
-        self._num_computed_at_last_allocation[request_id] = num_computed_tokens
+        self.checker.record_allocation(request_id, num_computed_tokens)
 
         if self.enable_caching and not delay_cache_blocks:
             coordinator.cache_blocks(request, min(num_tokens_main_model, request.num_tokens))
@@ -361,7 +360,7 @@ class KVCacheManager:
         up); one holding blocks as a running request. ``num_new_tokens`` defaults to the
         request's tokens not yet computed nor hit. Raises what ``allocate_slots`` would.
         """
-        self._check_not_finished(request)
+        self.checker.check_not_finished(request)
         request_id = request.request_id
         hits: tuple[Sequence[KVCacheBlock], ...] = ()
         num_hit_tokens = 0
@@ -379,7 +378,7 @@ class KVCacheManager:
                 - num_external_computed_tokens,
                 0,
             )
-        self._validate_allocation(
+        self.checker.check_allocation(
             request,
             num_computed_tokens,
             num_new_tokens,
@@ -407,105 +406,6 @@ class KVCacheManager:
         fits = fits and num_required + watermark_blocks <= num_free - reserved_blocks
         return AllocationProbe(num_hit_tokens, num_new_tokens, num_required, num_free, fits)
 
-    def _validate_allocation(
-        self,
-        request: Request,
-        num_computed_tokens: int,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        hits: tuple[Sequence[KVCacheBlock], ...],
-        num_lookahead_tokens: int,
-        num_external_computed_tokens: int,
-        num_encoder_tokens: int,
-        reserved_blocks: int,
-    ) -> None:
-        rid = request.request_id
-        if (
-            min(
-                num_new_tokens,
-                num_new_computed_tokens,
-                num_lookahead_tokens,
-                num_external_computed_tokens,
-                num_encoder_tokens,
-                reserved_blocks,
-            )
-            < 0
-        ):
-            counts = {
-                "num_new_tokens": num_new_tokens,
-                "num_new_computed_tokens": num_new_computed_tokens,
-                "num_lookahead_tokens": num_lookahead_tokens,
-                "num_external_computed_tokens": num_external_computed_tokens,
-                "num_encoder_tokens": num_encoder_tokens,
-                "reserved_blocks": reserved_blocks,
-            }
-            negative = {k: v for k, v in counts.items() if v < 0}
-            raise InvalidArgumentError(f"request {rid!r}: counts must be >= 0, got {negative}")
-        if num_new_tokens == 0 and num_external_computed_tokens == 0:
-            raise InvalidArgumentError(
-                f"request {rid!r}: num_new_tokens must be greater than 0 when there are no "
-                f"external computed tokens"
-            )
-        if request.status is RequestStatus.FINISHED:
-            self._check_not_finished(request)
-        previous = self._num_computed_at_last_allocation.get(rid)
-        if previous is not None and num_computed_tokens < previous:
-            raise FailedPreconditionError(
-                f"request {rid!r}: num_computed_tokens went backwards from {previous} to "
-                f"{num_computed_tokens} without a preemption (free the request first)"
-            )
-        end = num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
-        if end + num_new_tokens > self.max_model_len:
-            raise OutOfRangeError(
-                f"request {rid!r}: {num_computed_tokens} computed + "
-                f"{num_new_computed_tokens} cached + {num_external_computed_tokens} external + "
-                f"{num_new_tokens} new tokens = {end + num_new_tokens} exceeds max_model_len "
-                f"{self.max_model_len}"
-            )
-        if hits or num_new_computed_tokens:
-            self._validate_hits(request, num_new_computed_tokens, hits)
-
-    def _validate_hits(
-        self,
-        request: Request,
-        num_new_computed_tokens: int,
-        hits: tuple[Sequence[KVCacheBlock], ...],
-    ) -> None:
-        rid = request.request_id
-        if not any(hits):
-            if num_new_computed_tokens > 0:
-                raise InvalidArgumentError(
-                    f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} "
-                    f"but no new_computed_blocks were given"
-                )
-            return
-        if len(hits) != self.num_kv_cache_groups:
-            raise InvalidArgumentError(
-                f"request {rid!r}: new_computed_blocks has {len(hits)} groups, the KV cache "
-                f"has {self.num_kv_cache_groups}"
-            )
-        if any(self.coordinator.get_blocks(rid)):
-            raise FailedPreconditionError(
-                f"request {rid!r} already holds blocks; prefix hits attach only at admission"
-            )
-        covered = min(
-            (
-                len(group) * bs
-                for group, bs in zip(hits, self._hit_block_sizes, strict=True)
-                if bs is not None
-            ),
-            default=0,
-        )
-        if num_new_computed_tokens > covered:
-            raise InvalidArgumentError(
-                f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} exceeds "
-                f"the {covered} tokens the given new_computed_blocks cover"
-            )
-
-    def _check_not_finished(self, request: Request) -> None:
-        if request.is_finished:
-            raise FailedPreconditionError(f"request {request.request_id!r} is finished")
-
     # -- freeing and bookkeeping --------------------------------------------------------
 
     def free(self, request: Request) -> None:
@@ -516,30 +416,20 @@ class KVCacheManager:
         its ``num_computed_tokens`` check from 0.
         """
         self.coordinator.free(request.request_id)
-        if request.is_finished:
-            self._num_computed_at_last_allocation.pop(request.request_id, None)
-        elif request.request_id in self._num_computed_at_last_allocation:
-            self._num_computed_at_last_allocation[request.request_id] = 0
+        self.checker.record_free(request)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
-        self._check_known(request_id)
+        self.checker.check_known(request_id)
         return self.create_kv_cache_blocks(self.coordinator.get_blocks(request_id))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The block table of each group (null blocks included, as id 0)."""
         return self.get_blocks(request_id).get_block_ids()
 
-    def _check_known(self, request_id: str) -> None:
-        if request_id not in self._num_computed_at_last_allocation:
-            raise RequestNotFoundError(
-                f"request {request_id!r} is not known to the KV cache manager (never "
-                f"allocated, or already finished and freed)"
-            )
-
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         """Per group, the leading blocks of this request that every request holding
         blocks shares (for cascade attention)."""
-        self._check_known(running_request_id)
+        self.checker.check_known(running_request_id)
         return self.coordinator.get_num_common_prefix_blocks(running_request_id)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
