@@ -4,7 +4,9 @@
 (``add_request``, ``get_computed_blocks``, ``allocate_slots``, ``free``, ``probe``,
 ``step``...), return the dataclasses of ``types``, answer ``None`` for "no room" as
 vLLM does, and raise the typed errors of ``errors``. ``StepBuilder`` batches one
-scheduling step; ``client.session()`` runs steps over one long-lived stream.
+scheduling step; ``client.session()`` runs steps over one long-lived stream;
+``subscribe_events`` follows the KV events (``events``; ``CachedBlocksView`` folds
+them).
 """
 
 from kvservice.client.aio import AsyncKVClient, AsyncSession
@@ -18,6 +20,17 @@ from kvservice.client.errors import (
     RequestNotFoundError,
     ServiceUnavailableError,
     StaleHitError,
+    SubscriberDroppedError,
+)
+from kvservice.client.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    CachedBlockHash,
+    CachedBlocksView,
+    CacheSnapshot,
+    EventStreamItem,
+    KVEvent,
 )
 from kvservice.client.step import OpHandle, StepBuilder, StepResults
 from kvservice.client.sync import KVClient, Session
@@ -39,19 +52,27 @@ from kvservice.client.types import (
 )
 
 __all__ = [
+    "AllBlocksCleared",
     "AllocateOptions",
     "Allocation",
     "AsyncKVClient",
     "AsyncSession",
     "BlockIds",
+    "BlockRemoved",
+    "BlockStored",
     "CacheConfig",
+    "CacheSnapshot",
+    "CachedBlockHash",
+    "CachedBlocksView",
     "ComputedBlocks",
+    "EventStreamItem",
     "FailedPreconditionError",
     "FreeMode",
     "FreeResult",
     "InvalidArgumentError",
     "KVCacheGroup",
     "KVClient",
+    "KVEvent",
     "KVServiceError",
     "MultiModalFeature",
     "NotRunError",
@@ -68,5 +89,6 @@ __all__ = [
     "StaleHitError",
     "StepBuilder",
     "StepResults",
+    "SubscriberDroppedError",
     "Usage",
 ]

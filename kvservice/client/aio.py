@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -12,6 +12,7 @@ import grpc
 
 from kvservice.client import _wire
 from kvservice.client.errors import KVServiceError, error_for, error_from_rpc
+from kvservice.client.events import EventStreamItem, StreamDecoder
 from kvservice.client.step import StepBuilder, StepResults
 from kvservice.client.types import (
     AllocateOptions,
@@ -27,6 +28,7 @@ from kvservice.client.types import (
     RequestState,
     Usage,
 )
+from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
@@ -159,6 +161,32 @@ class AsyncKVClient:
         except grpc.aio.AioRpcError as err:
             raise error_from_rpc(err) from None
         return StepResults(response)
+
+    async def subscribe_events(
+        self, from_sequence: int = 0, log_id: str = ""
+    ) -> AsyncGenerator[EventStreamItem, None]:
+        """The server's KV events (it must run with ``--kv-events``): a
+        ``CacheSnapshot`` first unless the server still holds every event after
+        ``from_sequence`` (of ``log_id``), then each event in order, until the
+        iterator is closed. No call timeout applies. Raises
+        ``FailedPreconditionError`` when events are off, ``SubscriberDroppedError``
+        when this subscriber fell too far behind (resubscribe from the last
+        sequence seen)."""
+        call = self._stub.SubscribeEvents(
+            pb.SubscribeEventsRequest(from_sequence=from_sequence, log_id=log_id),
+            metadata=self._metadata,
+        )
+        decoder = StreamDecoder()
+        try:
+            async for message in call:
+                item = decoder.feed(message)
+                if item is not None:
+                    yield item
+        except grpc.aio.AioRpcError as err:
+            raise error_from_rpc(err) from None
+        finally:
+            # Closing the iterator early must end the server's stream too.
+            call.cancel()
 
     def session(self) -> AsyncSession:
         """A ``StepStream`` session (``async with client.session() as s``)."""

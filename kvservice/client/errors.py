@@ -51,6 +51,11 @@ class ServiceUnavailableError(KVServiceError):
     """UNAVAILABLE: the server is unreachable or shutting down; retry with backoff."""
 
 
+class SubscriberDroppedError(KVServiceError):
+    """RESOURCE_EXHAUSTED on SubscribeEvents: the subscriber fell too far behind and
+    was dropped; resubscribe from the last sequence received."""
+
+
 _BY_CODE: dict[grpc.StatusCode, type[KVServiceError]] = {
     grpc.StatusCode.NOT_FOUND: RequestNotFoundError,
     grpc.StatusCode.ALREADY_EXISTS: RequestExistsError,
@@ -60,6 +65,7 @@ _BY_CODE: dict[grpc.StatusCode, type[KVServiceError]] = {
     grpc.StatusCode.ABORTED: StaleHitError,
     grpc.StatusCode.CANCELLED: NotRunError,
     grpc.StatusCode.UNAVAILABLE: ServiceUnavailableError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: SubscriberDroppedError,
 }
 _CODES_BY_NUMBER: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import queue
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -13,6 +13,7 @@ import grpc
 from kvservice.client import _wire
 from kvservice.client.aio import DEFAULT_TARGET, call_metadata
 from kvservice.client.errors import ServiceUnavailableError, error_from_rpc
+from kvservice.client.events import EventStreamItem, StreamDecoder
 from kvservice.client.step import StepBuilder, StepResults
 from kvservice.client.types import (
     AllocateOptions,
@@ -148,6 +149,26 @@ class KVClient:
         except grpc.RpcError as err:
             raise error_from_rpc(err) from None
         return StepResults(response)
+
+    def subscribe_events(
+        self, from_sequence: int = 0, log_id: str = ""
+    ) -> Generator[EventStreamItem, None, None]:
+        """The server's KV events, as ``AsyncKVClient.subscribe_events``; closing the
+        generator cancels the stream."""
+        call = self._stub.SubscribeEvents(
+            pb.SubscribeEventsRequest(from_sequence=from_sequence, log_id=log_id),
+            metadata=self._metadata,
+        )
+        decoder = StreamDecoder()
+        try:
+            for message in call:
+                item = decoder.feed(message)
+                if item is not None:
+                    yield item
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+        finally:
+            call.cancel()
 
     def session(self) -> Session:
         """A ``StepStream`` session (``with client.session() as s``)."""

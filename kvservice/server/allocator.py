@@ -17,7 +17,7 @@ returns, or, inside ``batched()``, once when the batch ends (one zeroing for a w
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -33,11 +33,14 @@ from kvservice.core.errors import (
 from kvservice.core.invariants import InvariantViolationError, check_invariants
 from kvservice.core.kv_cache_block import BlockHashWithGroupId
 from kvservice.core.kv_cache_manager import AllocationProbe, KVCacheBlocks, KVCacheManager
+from kvservice.core.kv_events import KVCacheEvent
 from kvservice.core.request import Request, RequestStatus
 from kvservice.core.stats import PrefixCacheStats
 from kvservice.server.errors import AlreadyExistsError, StaleHitError
 
 BlockIdsPerGroup = tuple[list[int], ...]
+# Receives the manager's KV events right after the change that caused them.
+EventSink = Callable[[list[KVCacheEvent]], None]
 
 
 class FreeMode(enum.Enum):
@@ -195,6 +198,7 @@ class Allocator:
         manager: KVCacheManager,
         observer: AllocatorObserver | None = None,
         runtime: KVRuntime | None = None,
+        events: EventSink | None = None,
     ) -> None:
         if runtime is not None and not manager.kv_cache_config.needs_kv_cache_zeroing:
             # The core records fresh blocks only when zeroing is on; without the
@@ -203,6 +207,10 @@ class Allocator:
         self.manager = manager
         self._observer = observer
         self._runtime = runtime
+        # With a sink, every change hands the manager's events on before the call
+        # returns, so none is ever pending between two RPCs (what makes a snapshot
+        # taken then match the events published so far).
+        self._events = events
         # Fresh blocks handed out inside a batch, zeroed once when it ends.
         self._to_zero: list[int] = []
         self._requests: dict[str, Request] = {}
@@ -301,6 +309,9 @@ class Allocator:
             allocation = self._allocate(request_id, args)
         except KVCacheError:
             self._record(AllocationResult.INVALID)
+            # A refusal changes nothing, but hand on anything the core queued anyway
+            # rather than let it surface later under another call.
+            self.publish_events()
             raise
         ok = allocation.new_block_ids is not None
         self._record(AllocationResult.OK if ok else AllocationResult.NO_SPACE)
@@ -534,7 +545,15 @@ class Allocator:
         to_zero, self._to_zero = self._to_zero, []
         self._runtime.apply(to_zero, None)
 
+    def publish_events(self) -> None:
+        """Hand the manager's pending KV events to the sink (none without one)."""
+        if self._events is not None:
+            events = self.manager.take_events()
+            if events:
+                self._events(events)
+
     def _after_change(self) -> None:
+        self.publish_events()
         stats = self.manager.make_prefix_cache_stats()
         if stats is not None:
             self._prefix_cache_queries += stats.queries

@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvservice.server.allocator import Allocator
 from kvservice.server.config import ServerConfig, build_kv_cache_config, build_manager
+from kvservice.server.events import EventLog
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server.interceptors import RpcInterceptor
@@ -86,7 +87,8 @@ class KVCacheServer:
     server runs on (it is not thread safe), e.g. ``server.audit()`` after a test.
     ``runtime`` (also on the handle) holds the KV tensors with ``runtime="torch"``,
     else None; it is allocated here, before the server binds, so a device or memory
-    problem fails startup.
+    problem fails startup. ``events`` is the KV event log behind ``SubscribeEvents``
+    with ``kv_events``, else None.
     """
 
     def __init__(self, config: ServerConfig) -> None:
@@ -97,7 +99,23 @@ class KVCacheServer:
             build_runtime(config, kv_cache_config) if config.has_runtime else None
         )
         self.metrics = KVCacheMetrics(manager, config.model_name, config.engine)
-        self.allocator = Allocator(manager, self.metrics, self.runtime)
+        self.events: EventLog | None = (
+            EventLog(
+                manager,
+                config.kv_events_buffer_size,
+                config.kv_events_queue_size,
+                published=self.metrics.events_published,
+                dropped=self.metrics.events_dropped,
+            )
+            if config.kv_events
+            else None
+        )
+        self.allocator = Allocator(
+            manager,
+            self.metrics,
+            self.runtime,
+            events=self.events.publish if self.events is not None else None,
+        )
         self.clients = ClientTracker()
         self.metrics.watch(manager, lambda: self.allocator.num_requests, self.clients)
         self._health = health.aio.HealthServicer()
@@ -122,6 +140,7 @@ class KVCacheServer:
                 config.model_name,
                 config.max_step_ops,
                 runtime_device=config.device if self.runtime is not None else "",
+                events=self.events,
             ),
             server,
         )

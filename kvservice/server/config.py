@@ -56,6 +56,13 @@ class ServerConfig:
     # CUDA only: size the pool so that the device's used memory ends at this fraction
     # of its total (vLLM's ``gpu_memory_utilization``), from ``torch.cuda.mem_get_info``.
     gpu_memory_utilization: float | None = None
+    # KV events (``SubscribeEvents``): off by default, since collecting them costs
+    # time on every allocation even with nobody subscribed.
+    kv_events: bool = False
+    # Recent events kept for subscribers that resume from a sequence number.
+    kv_events_buffer_size: int = 100_000
+    # Events one subscriber may fall behind by before it is dropped.
+    kv_events_queue_size: int = 10_000
 
     @property
     def has_runtime(self) -> bool:
@@ -96,7 +103,7 @@ def build_manager(
     config: ServerConfig, kv_cache_config: KVCacheConfig | None = None
 ) -> KVCacheManager:
     """The manager the server owns (of ``kv_cache_config``, else the config's pool);
-    stats on, so the metrics can be fed."""
+    stats on, so the metrics can be fed; KV events on with ``kv_events``."""
     return KVCacheManager(
         kv_cache_config or build_kv_cache_config(config),
         config.max_model_len,
@@ -104,4 +111,5 @@ def build_manager(
         log_stats=True,
         hash_algo=config.hash_algo,
         none_hash_seed=config.none_hash_seed,
+        enable_kv_cache_events=config.kv_events,
     )

@@ -12,8 +12,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
+
 from kvservice.server import converters, operations
 from kvservice.server.allocator import Allocator
+from kvservice.server.events import EventLog, SubscriberDroppedError
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server.step import StepRunner
@@ -26,13 +29,20 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     """The gRPC face of one ``Allocator``."""
 
     def __init__(
-        self, allocator: Allocator, model_name: str, max_step_ops: int, runtime_device: str = ""
+        self,
+        allocator: Allocator,
+        model_name: str,
+        max_step_ops: int,
+        runtime_device: str = "",
+        events: EventLog | None = None,
     ) -> None:
         self._allocator = allocator
         self._model_name = model_name
         # Where the co-located runtime's KV tensors live; "" without a runtime.
         self._runtime_device = runtime_device
         self._steps = StepRunner(allocator, max_step_ops)
+        # The KV event log; None when the server runs without --kv-events.
+        self._events = events
 
     async def AddRequest(  # noqa: N802
         self, request: pb.AddRequestRequest, context: Context
@@ -151,3 +161,25 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             response = pb.StepStreamResponse()
             self._steps.run(message.step, response.step)
             yield response
+
+    async def SubscribeEvents(  # noqa: N802
+        self, request: pb.SubscribeEventsRequest, context: Context
+    ) -> AsyncIterator[pb.SubscribeEventsResponse]:
+        """A snapshot or the missed events, then every new KV event (see ``events``).
+        FAILED_PRECONDITION without --kv-events; RESOURCE_EXHAUSTED when the
+        subscriber falls too far behind."""
+        if self._events is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "KV events are off on this server; start it with --kv-events "
+                "(KVSERVICE_KV_EVENTS=1, or kv_events = true in the config file)",
+            )
+            return
+        # Anything a change queued is already published (the allocator hands events
+        # on after every change); this only guards against a path that forgot to.
+        self._allocator.publish_events()
+        try:
+            async for message in self._events.subscribe(request.from_sequence, request.log_id):
+                yield message
+        except SubscriberDroppedError as err:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))

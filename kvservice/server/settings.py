@@ -114,6 +114,25 @@ OPTIONS: tuple[Option, ...] = (
         "ends at this fraction of its total, measured at startup (0: use num_blocks)",
         "gpu_memory_utilization",
     ),
+    Option(
+        "kv_events",
+        bool,
+        "record the prefix cache's KV events (vLLM's BlockStored / BlockRemoved / "
+        "AllBlocksCleared) and serve them over the SubscribeEvents RPC",
+        "kv_events",
+    ),
+    Option(
+        "kv_events_buffer_size",
+        int,
+        "recent KV events kept so a resubscribing client gets only what it missed",
+        "kv_events_buffer_size",
+    ),
+    Option(
+        "kv_events_queue_size",
+        int,
+        "KV events one subscriber may fall behind by before it is dropped (RESOURCE_EXHAUSTED)",
+        "kv_events_queue_size",
+    ),
     Option("log_level", str, "log level", choices=LOG_LEVELS),
     Option(
         "event_loop",

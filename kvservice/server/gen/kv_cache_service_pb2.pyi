@@ -19,6 +19,9 @@ operations in order and answers each with its own result; StepStream does the
 same over one long-lived bidirectional stream (one answer per message, in order).
 Every operation gives the same answer whichever way it is sent.
 
+With --kv-events, SubscribeEvents streams the prefix cache's changes (vLLM's KV
+events) with gap-free sequence numbers, starting from a snapshot or resuming.
+
 Errors use gRPC status codes: NOT_FOUND (unknown request), ALREADY_EXISTS
 (duplicate AddRequest), INVALID_ARGUMENT (malformed numbers), OUT_OF_RANGE (past
 max_model_len), FAILED_PRECONDITION (wrong request state), ABORTED (a prefix hit
@@ -1250,3 +1253,282 @@ class StepStreamResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StepStreamResponse: _TypeAlias = StepStreamResponse  # noqa: Y015
+
+@_typing.final
+class SubscribeEventsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FROM_SEQUENCE_FIELD_NUMBER: _builtins.int
+    LOG_ID_FIELD_NUMBER: _builtins.int
+    from_sequence: _builtins.int
+    """The last sequence number the subscriber saw; 0 when it has seen none (starts
+    with a snapshot).
+    """
+    log_id: _builtins.str
+    """The log_id that from_sequence belongs to; empty accepts the server's. A
+    different one (the server restarted) starts with a snapshot.
+    """
+    def __init__(
+        self,
+        *,
+        from_sequence: _builtins.int = ...,
+        log_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_sequence", b"from_sequence", "log_id", b"log_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SubscribeEventsRequest: _TypeAlias = SubscribeEventsRequest  # noqa: Y015
+
+@_typing.final
+class SubscribeEventsResponse(_message.Message):
+    """One message of a SubscribeEvents stream: a snapshot part or one event."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQUENCE_FIELD_NUMBER: _builtins.int
+    LOG_ID_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    BLOCK_STORED_FIELD_NUMBER: _builtins.int
+    BLOCK_REMOVED_FIELD_NUMBER: _builtins.int
+    ALL_BLOCKS_CLEARED_FIELD_NUMBER: _builtins.int
+    sequence: _builtins.int
+    """For an event: its sequence number. For a snapshot part: the sequence of the
+    last event the snapshot includes (0 when there was none yet).
+    """
+    log_id: _builtins.str
+    """Names this server's event log (random per start): sequences from another
+    log_id do not apply here.
+    """
+    @_builtins.property
+    def snapshot(self) -> Global___CacheSnapshot: ...
+    @_builtins.property
+    def block_stored(self) -> Global___BlockStored: ...
+    @_builtins.property
+    def block_removed(self) -> Global___BlockRemoved: ...
+    @_builtins.property
+    def all_blocks_cleared(self) -> Global___AllBlocksCleared: ...
+    def __init__(
+        self,
+        *,
+        sequence: _builtins.int = ...,
+        log_id: _builtins.str = ...,
+        snapshot: Global___CacheSnapshot | None = ...,
+        block_stored: Global___BlockStored | None = ...,
+        block_removed: Global___BlockRemoved | None = ...,
+        all_blocks_cleared: Global___AllBlocksCleared | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["all_blocks_cleared", b"all_blocks_cleared", "block_removed", b"block_removed", "block_stored", b"block_stored", "payload", b"payload", "snapshot", b"snapshot"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_blocks_cleared", b"all_blocks_cleared", "block_removed", b"block_removed", "block_stored", b"block_stored", "log_id", b"log_id", "payload", b"payload", "sequence", b"sequence", "snapshot", b"snapshot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["snapshot", "block_stored", "block_removed", "all_blocks_cleared"]  # noqa: Y015
+    _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
+
+Global___SubscribeEventsResponse: _TypeAlias = SubscribeEventsResponse  # noqa: Y015
+
+@_typing.final
+class CacheSnapshot(_message.Message):
+    """Part of the set of cached blocks at one sequence number. A large cache is sent in
+    several parts with the same sequence; the last has complete = true. Replace any
+    view you held with the union of the parts.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    COMPLETE_FIELD_NUMBER: _builtins.int
+    complete: _builtins.bool
+    """True on the last part of the snapshot."""
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___CachedBlockHash]: ...
+    def __init__(
+        self,
+        *,
+        blocks: _abc.Iterable[Global___CachedBlockHash] | None = ...,
+        complete: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "complete", b"complete"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CacheSnapshot: _TypeAlias = CacheSnapshot  # noqa: Y015
+
+@_typing.final
+class CachedBlockHash(_message.Message):
+    """One prefix cache key. The server keeps no tokens nor parent hashes for cached
+    blocks, so a snapshot carries only what the key holds: the hash and the group.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_HASH_FIELD_NUMBER: _builtins.int
+    GROUP_IDX_FIELD_NUMBER: _builtins.int
+    NUM_BLOCKS_FIELD_NUMBER: _builtins.int
+    block_hash: _builtins.bytes
+    """The block hash in external form (without the group id suffix), as BlockStored
+    carries it.
+    """
+    group_idx: _builtins.int
+    """The KV cache group the key belongs to."""
+    num_blocks: _builtins.int
+    """How many physical blocks hold this key (identical full blocks are all cached)."""
+    def __init__(
+        self,
+        *,
+        block_hash: _builtins.bytes = ...,
+        group_idx: _builtins.int = ...,
+        num_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hash", b"block_hash", "group_idx", b"group_idx", "num_blocks", b"num_blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CachedBlockHash: _TypeAlias = CachedBlockHash  # noqa: Y015
+
+@_typing.final
+class BlockStored(_message.Message):
+    """Blocks that entered the prefix cache together (vLLM's BlockStored): full blocks of
+    one request in one group, in order.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    BLOCK_SIZE_FIELD_NUMBER: _builtins.int
+    LORA_ID_FIELD_NUMBER: _builtins.int
+    MEDIUM_FIELD_NUMBER: _builtins.int
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    GROUP_IDX_FIELD_NUMBER: _builtins.int
+    KV_CACHE_SPEC_KIND_FIELD_NUMBER: _builtins.int
+    KV_CACHE_SPEC_SLIDING_WINDOW_FIELD_NUMBER: _builtins.int
+    parent_block_hash: _builtins.bytes
+    """The hash of the block before the first one; unset for a request's first block."""
+    block_size: _builtins.int
+    """Tokens per block of this group."""
+    lora_id: _builtins.int
+    medium: _builtins.str
+    """Where the blocks live ("GPU")."""
+    lora_name: _builtins.str
+    group_idx: _builtins.int
+    """The KV cache group of the blocks."""
+    kv_cache_spec_kind: _builtins.str
+    """The group's spec kind (e.g. "full_attention"); empty when unknown."""
+    kv_cache_spec_sliding_window: _builtins.int
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """The hash of each stored block, in external form."""
+
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The tokens of the blocks, block_size per hash block (null and masked-out blocks
+        included, as vLLM sends them).
+        """
+
+    def __init__(
+        self,
+        *,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        parent_block_hash: _builtins.bytes | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        block_size: _builtins.int = ...,
+        lora_id: _builtins.int | None = ...,
+        medium: _builtins.str | None = ...,
+        lora_name: _builtins.str | None = ...,
+        group_idx: _builtins.int | None = ...,
+        kv_cache_spec_kind: _builtins.str = ...,
+        kv_cache_spec_sliding_window: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window", "_lora_id", b"_lora_id", "_lora_name", b"_lora_name", "_medium", b"_medium", "_parent_block_hash", b"_parent_block_hash", "group_idx", b"group_idx", "kv_cache_spec_sliding_window", b"kv_cache_spec_sliding_window", "lora_id", b"lora_id", "lora_name", b"lora_name", "medium", b"medium", "parent_block_hash", b"parent_block_hash"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window", "_lora_id", b"_lora_id", "_lora_name", b"_lora_name", "_medium", b"_medium", "_parent_block_hash", b"_parent_block_hash", "block_hashes", b"block_hashes", "block_size", b"block_size", "group_idx", b"group_idx", "kv_cache_spec_kind", b"kv_cache_spec_kind", "kv_cache_spec_sliding_window", b"kv_cache_spec_sliding_window", "lora_id", b"lora_id", "lora_name", b"lora_name", "medium", b"medium", "parent_block_hash", b"parent_block_hash", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__group_idx: _TypeAlias = _typing.Literal["group_idx"]  # noqa: Y015
+    _WhichOneofArgType__group_idx: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx"]  # noqa: Y015
+    _WhichOneofReturnType__kv_cache_spec_sliding_window: _TypeAlias = _typing.Literal["kv_cache_spec_sliding_window"]  # noqa: Y015
+    _WhichOneofArgType__kv_cache_spec_sliding_window: _TypeAlias = _typing.Literal["_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window"]  # noqa: Y015
+    _WhichOneofReturnType__lora_id: _TypeAlias = _typing.Literal["lora_id"]  # noqa: Y015
+    _WhichOneofArgType__lora_id: _TypeAlias = _typing.Literal["_lora_id", b"_lora_id"]  # noqa: Y015
+    _WhichOneofReturnType__lora_name: _TypeAlias = _typing.Literal["lora_name"]  # noqa: Y015
+    _WhichOneofArgType__lora_name: _TypeAlias = _typing.Literal["_lora_name", b"_lora_name"]  # noqa: Y015
+    _WhichOneofReturnType__medium: _TypeAlias = _typing.Literal["medium"]  # noqa: Y015
+    _WhichOneofArgType__medium: _TypeAlias = _typing.Literal["_medium", b"_medium"]  # noqa: Y015
+    _WhichOneofReturnType__parent_block_hash: _TypeAlias = _typing.Literal["parent_block_hash"]  # noqa: Y015
+    _WhichOneofArgType__parent_block_hash: _TypeAlias = _typing.Literal["_parent_block_hash", b"_parent_block_hash"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__group_idx) -> _WhichOneofReturnType__group_idx | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__kv_cache_spec_sliding_window) -> _WhichOneofReturnType__kv_cache_spec_sliding_window | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__lora_id) -> _WhichOneofReturnType__lora_id | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__lora_name) -> _WhichOneofReturnType__lora_name | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__medium) -> _WhichOneofReturnType__medium | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parent_block_hash) -> _WhichOneofReturnType__parent_block_hash | None: ...
+
+Global___BlockStored: _TypeAlias = BlockStored  # noqa: Y015
+
+@_typing.final
+class BlockRemoved(_message.Message):
+    """Cache entries that left the prefix cache (vLLM's BlockRemoved): one block each, by
+    hash in external form.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    MEDIUM_FIELD_NUMBER: _builtins.int
+    GROUP_IDX_FIELD_NUMBER: _builtins.int
+    medium: _builtins.str
+    group_idx: _builtins.int
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        medium: _builtins.str | None = ...,
+        group_idx: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_medium", b"_medium", "group_idx", b"group_idx", "medium", b"medium"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_medium", b"_medium", "block_hashes", b"block_hashes", "group_idx", b"group_idx", "medium", b"medium"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__group_idx: _TypeAlias = _typing.Literal["group_idx"]  # noqa: Y015
+    _WhichOneofArgType__group_idx: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx"]  # noqa: Y015
+    _WhichOneofReturnType__medium: _TypeAlias = _typing.Literal["medium"]  # noqa: Y015
+    _WhichOneofArgType__medium: _TypeAlias = _typing.Literal["_medium", b"_medium"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__group_idx) -> _WhichOneofReturnType__group_idx | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__medium) -> _WhichOneofReturnType__medium | None: ...
+
+Global___BlockRemoved: _TypeAlias = BlockRemoved  # noqa: Y015
+
+@_typing.final
+class AllBlocksCleared(_message.Message):
+    """The whole prefix cache was reset (vLLM's AllBlocksCleared)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AllBlocksCleared: _TypeAlias = AllBlocksCleared  # noqa: Y015

@@ -100,6 +100,11 @@ class KVCacheServiceStub:
                 request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.StepStreamRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.StepStreamResponse.FromString,
                 _registered_method=True)
+        self.SubscribeEvents = channel.unary_stream(
+                '/kvservice.v1.KVCacheService/SubscribeEvents',
+                request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.SubscribeEventsRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.SubscribeEventsResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServiceServicer:
@@ -211,6 +216,29 @@ class KVCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeEvents(self, request, context):
+        """The pool's prefix cache changes, as vLLM's KV events, for a KV-aware router or
+        an external index. Needs the server started with --kv-events
+        (KVSERVICE_KV_EVENTS=1, or kv_events = true in the config file); without it
+        the call ends at once with FAILED_PRECONDITION.
+
+        Every event the server records gets the next sequence number (1, 2, 3... with
+        no gap). A subscriber passing the last sequence it saw (and the log_id it saw
+        it under) that the server still holds in its buffer of recent events gets
+        exactly the events after it. Otherwise (from_sequence 0, a sequence older than
+        the buffer, or another log_id) the stream starts with a snapshot of the cached
+        blocks, in one or more SubscribeEventsResponse messages tagged with the
+        sequence of the last event it includes, then the events after it. Either way
+        the stream then follows every new event, in order, until the client cancels.
+
+        A subscriber that falls behind by more than the server's per-subscriber queue
+        is dropped with RESOURCE_EXHAUSTED (the server never waits for it); it
+        resubscribes from the last sequence it saw.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -278,6 +306,11 @@ def add_KVCacheServiceServicer_to_server(servicer, server):
                     servicer.StepStream,
                     request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.StepStreamRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.StepStreamResponse.SerializeToString,
+            ),
+            'SubscribeEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeEvents,
+                    request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.SubscribeEventsRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.SubscribeEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -632,6 +665,33 @@ class KVCacheService:
             '/kvservice.v1.KVCacheService/StepStream',
             kvservice_dot_v1_dot_kv__cache__service__pb2.StepStreamRequest.SerializeToString,
             kvservice_dot_v1_dot_kv__cache__service__pb2.StepStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/SubscribeEvents',
+            kvservice_dot_v1_dot_kv__cache__service__pb2.SubscribeEventsRequest.SerializeToString,
+            kvservice_dot_v1_dot_kv__cache__service__pb2.SubscribeEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

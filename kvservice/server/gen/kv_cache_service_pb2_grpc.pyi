@@ -19,6 +19,9 @@ operations in order and answers each with its own result; StepStream does the
 same over one long-lived bidirectional stream (one answer per message, in order).
 Every operation gives the same answer whichever way it is sent.
 
+With --kv-events, SubscribeEvents streams the prefix cache's changes (vLLM's KV
+events) with gap-free sequence numbers, starting from a snapshot or resuming.
+
 Errors use gRPC status codes: NOT_FOUND (unknown request), ALREADY_EXISTS
 (duplicate AddRequest), INVALID_ARGUMENT (malformed numbers), OUT_OF_RANGE (past
 max_model_len), FAILED_PRECONDITION (wrong request state), ABORTED (a prefix hit
@@ -83,6 +86,25 @@ class KVCacheServiceStub:
     message over the operations-per-step limit (INVALID_ARGUMENT). If the client
     cancels, each step was applied entirely or not at all; reconcile with
     GetRequest for the answer that may have been lost.
+    """
+    SubscribeEvents: _aio.UnaryStreamMultiCallable[_kv_cache_service_pb2.SubscribeEventsRequest, _kv_cache_service_pb2.SubscribeEventsResponse]
+    """The pool's prefix cache changes, as vLLM's KV events, for a KV-aware router or
+    an external index. Needs the server started with --kv-events
+    (KVSERVICE_KV_EVENTS=1, or kv_events = true in the config file); without it
+    the call ends at once with FAILED_PRECONDITION.
+
+    Every event the server records gets the next sequence number (1, 2, 3... with
+    no gap). A subscriber passing the last sequence it saw (and the log_id it saw
+    it under) that the server still holds in its buffer of recent events gets
+    exactly the events after it. Otherwise (from_sequence 0, a sequence older than
+    the buffer, or another log_id) the stream starts with a snapshot of the cached
+    blocks, in one or more SubscribeEventsResponse messages tagged with the
+    sequence of the last event it includes, then the events after it. Either way
+    the stream then follows every new event, in order, until the client cancels.
+
+    A subscriber that falls behind by more than the server's per-subscriber queue
+    is dropped with RESOURCE_EXHAUSTED (the server never waits for it); it
+    resubscribes from the last sequence it saw.
     """
 
 class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -209,6 +231,31 @@ class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
         message over the operations-per-step limit (INVALID_ARGUMENT). If the client
         cancels, each step was applied entirely or not at all; reconcile with
         GetRequest for the answer that may have been lost.
+        """
+
+    @_abc_1.abstractmethod
+    def SubscribeEvents(
+        self,
+        request: _kv_cache_service_pb2.SubscribeEventsRequest,
+        context: _aio.ServicerContext[_kv_cache_service_pb2.SubscribeEventsRequest, _abc.AsyncIterator[_kv_cache_service_pb2.SubscribeEventsResponse]],
+    ) -> _abc.AsyncIterator[_kv_cache_service_pb2.SubscribeEventsResponse]:
+        """The pool's prefix cache changes, as vLLM's KV events, for a KV-aware router or
+        an external index. Needs the server started with --kv-events
+        (KVSERVICE_KV_EVENTS=1, or kv_events = true in the config file); without it
+        the call ends at once with FAILED_PRECONDITION.
+
+        Every event the server records gets the next sequence number (1, 2, 3... with
+        no gap). A subscriber passing the last sequence it saw (and the log_id it saw
+        it under) that the server still holds in its buffer of recent events gets
+        exactly the events after it. Otherwise (from_sequence 0, a sequence older than
+        the buffer, or another log_id) the stream starts with a snapshot of the cached
+        blocks, in one or more SubscribeEventsResponse messages tagged with the
+        sequence of the last event it includes, then the events after it. Either way
+        the stream then follows every new event, in order, until the client cancels.
+
+        A subscriber that falls behind by more than the server's per-subscriber queue
+        is dropped with RESOURCE_EXHAUSTED (the server never waits for it); it
+        resubscribes from the last sequence it saw.
         """
 
 def add_KVCacheServiceServicer_to_server(servicer: KVCacheServiceServicer, server: _aio.Server) -> None: ...
