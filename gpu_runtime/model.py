@@ -111,7 +111,7 @@ class TinyTransformer:
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             # The metadata was validated when built: no per-layer checks or syncs.
             reshape_and_cache(k, v, layers[layer], metadata.slot_mapping, validate=False)
-            return self.backend.forward(q, layers[layer], metadata)
+            return self.backend.forward(q, layers[layer], metadata, validate=False)
 
         return self._run(token_ids, positions, attend)
 

@@ -34,8 +34,14 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float | None = None,
+        *,
+        validate: bool = True,
     ) -> torch.Tensor:
-        check_attention_inputs(query, kv_cache, metadata)
+        """``validate=False`` skips ``check_attention_inputs`` for callers whose shapes
+        are fixed by construction and whose metadata was validated when built (the
+        per-layer hot path, as for ``reshape_and_cache``)."""
+        if validate:
+            check_attention_inputs(query, kv_cache, metadata)
         head_size = query.shape[-1]
         return self._forward(query, kv_cache, metadata, scale or head_size**-0.5)
 

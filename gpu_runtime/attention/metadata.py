@@ -8,7 +8,8 @@ device, so the per-layer ops and kernels need no further checks or syncs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,27 +35,27 @@ class AttentionMetadata:
     seq_lens_tensor: torch.Tensor  # [num_seqs] int64
     block_table: torch.Tensor  # [num_seqs, max_blocks] int64
     slot_mapping: torch.Tensor  # [num_tokens] int64: where each new token's K/V goes
+    # Derived once here rather than per layer: every forward call reads them.
+    num_tokens: int = field(init=False)
+    max_query_len: int = field(init=False)
+    max_seq_len: int = field(init=False)
+    is_decode: bool = field(init=False)  # one new token per sequence: batched decode
+    # What backends derive from this step's batch (e.g. the decode chunk plan), keyed by
+    # the backend; built by the first layer's call and reused by the others.
+    plans: dict[Any, Any] = field(
+        init=False, default_factory=dict, repr=False, compare=False, hash=False
+    )
+
+    def __post_init__(self) -> None:
+        max_query_len = max(self.query_lens, default=0)
+        object.__setattr__(self, "num_tokens", sum(self.query_lens))
+        object.__setattr__(self, "max_query_len", max_query_len)
+        object.__setattr__(self, "max_seq_len", max(self.seq_lens, default=0))
+        object.__setattr__(self, "is_decode", max_query_len == 1)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.query_lens)
-
-    @property
-    def max_query_len(self) -> int:
-        return max(self.query_lens)
-
-    @property
-    def max_seq_len(self) -> int:
-        return max(self.seq_lens)
-
-    @property
-    def is_decode(self) -> bool:
-        """One new token per sequence: the batched decode path applies."""
-        return self.max_query_len == 1
 
     @classmethod
     def build(

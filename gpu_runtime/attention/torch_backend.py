@@ -6,11 +6,17 @@ Decode gathers the pages of a chunk of sequences into a reused workspace sized t
 stay in cache (``workspace_bytes``), then runs one batched SDPA per chunk. The
 workspace is reused because fresh multi-megabyte allocations cost page faults on
 every call, and the chunking keeps the gathered copy in cache so DRAM sees the KV
-bytes about once. Prefill loops over sequences (it is compute bound; the gather is
-small next to the attention) and masks causally with the cached prefix in front.
+bytes about once. The chunk plan (block ids, masks, workspace views) depends only on
+the step's batch, so the first layer builds it and caches it on the metadata; the
+other layers' calls are one ``index_select`` and one SDPA with no host-side work
+beyond a few identity checks. Prefill loops over sequences (it is compute bound; the
+gather is small next to the attention) and masks causally with the cached prefix in
+front.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F  # noqa: N812 (the conventional alias)
@@ -25,6 +31,114 @@ CPU_WORKSPACE_BYTES = 4 << 20
 CUDA_WORKSPACE_BYTES = 1 << 30
 
 
+@dataclass(slots=True)
+class _DecodeChunk:
+    """Sequences ``[start, end)`` gathered together: ``ids`` is their block table cut
+    to the ``span // block_size`` blocks the longest needs, flattened; ``mask`` hides
+    each shorter sequence's positions past its end (None when all are ``longest``).
+    ``views`` caches the gather target and the key/value views over the workspace."""
+
+    start: int
+    end: int
+    span: int
+    longest: int
+    ids: torch.Tensor
+    mask: torch.Tensor | None
+    views: _Views | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Views:
+    workspace: torch.Tensor  # the views are valid while the backend keeps this one
+    page_shape: tuple[int, ...]  # [block_size, Hkv, D]
+    gathered: torch.Tensor  # [2, len(ids), block_size, Hkv, D]: index_select's out
+    key: torch.Tensor  # [count, Hkv, longest, D] over the gathered keys
+    value: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodePlan:
+    chunks: tuple[_DecodeChunk, ...]
+    max_pages: int  # the most pages one chunk gathers: sizes the workspace once
+
+
+@dataclass(frozen=True, slots=True)
+class _FastDecode:
+    """One backend's decode setup for one step, valid while the workspace and the
+    cache's shape, dtype and device match; ``chunk``/``views`` when there is one chunk."""
+
+    workspace: torch.Tensor
+    cache_shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    plan: _DecodePlan
+    chunk: _DecodeChunk | None
+    views: _Views  # of the first chunk
+
+
+def _decode_plan(metadata: AttentionMetadata, budget: int, page_pair_bytes: int) -> _DecodePlan:
+    """The step's decode chunks, computed by the first layer and reused by the rest."""
+    key = ("torch-decode", budget, page_pair_bytes)
+    plan = metadata.plans.get(key)
+    if plan is None:
+        plan = metadata.plans[key] = _build_decode_plan(metadata, budget, page_pair_bytes)
+    assert isinstance(plan, _DecodePlan)
+    return plan
+
+
+def _build_decode_plan(
+    metadata: AttentionMetadata, budget: int, page_pair_bytes: int
+) -> _DecodePlan:
+    seq_lens, block_size, num_seqs = metadata.seq_lens, metadata.block_size, metadata.num_seqs
+    chunks = []
+    start = 0
+    while start < num_seqs:
+        # Grow the chunk while its gathered pages fit the budget; at least one sequence.
+        end, width = start + 1, cdiv(seq_lens[start], block_size)
+        while end < num_seqs:
+            wider = max(width, cdiv(seq_lens[end], block_size))
+            if wider * (end + 1 - start) * page_pair_bytes > budget:
+                break
+            end, width = end + 1, wider
+        ids = metadata.block_table[start:end, :width].reshape(-1).contiguous()
+        longest = max(seq_lens[start:end])
+        mask = None
+        if min(seq_lens[start:end]) != longest:
+            positions = torch.arange(longest, device=ids.device)
+            mask = positions < metadata.seq_lens_tensor[start:end, None]
+            mask = mask[:, None, None, :]
+        chunks.append(_DecodeChunk(start, end, width * block_size, longest, ids, mask))
+        start = end
+    return _DecodePlan(tuple(chunks), max(chunk.ids.numel() for chunk in chunks))
+
+
+def _chunk_views(
+    chunk: _DecodeChunk, workspace: torch.Tensor, page_shape: tuple[int, ...]
+) -> _Views:
+    """Views of ``workspace`` for ``chunk`` (cached on it while the workspace stays)."""
+    views = chunk.views
+    if views is not None and views.workspace is workspace and views.page_shape == page_shape:
+        return views
+    block_size, num_kv_heads, head_size = page_shape
+    pages, count, span = chunk.ids.numel(), chunk.end - chunk.start, chunk.span
+    numel = pages * block_size * num_kv_heads * head_size
+    size = (count, num_kv_heads, chunk.longest, head_size)
+    # Pages as in the cache: keys then values, each [count, span, Hkv, D]. (A head-major
+    # gather through a permuted out makes SDPA's keys contiguous, but the strided gather
+    # costs about what SDPA saves, so the plain page copy stays.)
+    gathered = workspace[: 2 * numel].view(2, pages, *page_shape)
+    stride = (span * num_kv_heads * head_size, head_size, num_kv_heads * head_size, 1)
+    views = _Views(
+        workspace,
+        page_shape,
+        gathered,
+        workspace.as_strided(size, stride, workspace.storage_offset()),
+        workspace.as_strided(size, stride, workspace.storage_offset() + numel),
+    )
+    chunk.views = views
+    return views
+
+
 class TorchAttentionBackend(AttentionBackend):
     """Gather-then-SDPA paged attention (no compile, any device)."""
 
@@ -35,11 +149,12 @@ class TorchAttentionBackend(AttentionBackend):
         self._workspace: torch.Tensor | None = None
 
     def _buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """The reused workspace, grown (reallocated) when ``numel`` does not fit."""
         ws = self._workspace
         if ws is None or ws.dtype != like.dtype or ws.device != like.device or ws.numel() < numel:
             ws = torch.empty(numel, dtype=like.dtype, device=like.device)
             self._workspace = ws
-        return ws[:numel]
+        return ws
 
     def _forward(
         self,
@@ -59,44 +174,76 @@ class TorchAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
-        num_seqs, num_q_heads = metadata.num_seqs, query.shape[1]
-        page = block_size * num_kv_heads * head_size
-        pages = kv_cache.view(2, num_blocks, page)
+        # Per-layer host work is a cached lookup: the chunk plan and its workspace views
+        # are built by the step's first layer (kept on the metadata, keyed by this
+        # backend) and reused while the cache's shape, dtype and device stay the same.
+        fast = metadata.plans.get(self)
+        if (
+            fast is None
+            or fast.workspace is not self._workspace
+            or fast.cache_shape != kv_cache.shape
+            or fast.dtype != kv_cache.dtype
+            or fast.device != kv_cache.device
+        ):
+            fast = self._prepare_decode(kv_cache, metadata)
+        chunk, views = fast.chunk, fast.views
+        if chunk is None:
+            return self._decode_chunks(query, kv_cache, fast.plan, scale)
+        torch.index_select(kv_cache, 1, chunk.ids, out=views.gathered)
+        o = F.scaled_dot_product_attention(
+            query.unsqueeze(2),
+            views.key,
+            views.value,
+            attn_mask=chunk.mask,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return o.squeeze(2)
+
+    def _prepare_decode(self, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> _FastDecode:
+        page_shape = kv_cache.shape[2:]
         budget = self.workspace_bytes or (
             CUDA_WORKSPACE_BYTES if kv_cache.is_cuda else CPU_WORKSPACE_BYTES
         )
-        page_pair_bytes = 2 * page * kv_cache.element_size()
-        q = query.view(num_seqs, num_q_heads, 1, head_size)
+        plan = _decode_plan(metadata, budget, 2 * page_shape.numel() * kv_cache.element_size())
+        workspace = self._buffer(2 * plan.max_pages * page_shape.numel(), kv_cache)
+        single = len(plan.chunks) == 1
+        fast = _FastDecode(
+            workspace,
+            kv_cache.shape,
+            kv_cache.dtype,
+            kv_cache.device,
+            plan,
+            plan.chunks[0] if single else None,
+            _chunk_views(plan.chunks[0], workspace, page_shape),
+        )
+        metadata.plans[self] = fast
+        return fast
+
+    def _decode_chunks(
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: _DecodePlan,
+        scale: float,
+    ) -> torch.Tensor:
+        """Several chunks: each gathers its sequences' pages into the workspace in turn."""
+        page_shape = kv_cache.shape[2:]
+        workspace = self._buffer(2 * plan.max_pages * page_shape.numel(), kv_cache)
+        q = query.unsqueeze(2)
         out = torch.empty_like(query)
-        seq_lens = metadata.seq_lens
-        start = 0
-        while start < num_seqs:
-            # Grow the chunk while its gathered pages fit the budget; at least one sequence.
-            end, width = start + 1, cdiv(seq_lens[start], block_size)
-            while end < num_seqs:
-                wider = max(width, cdiv(seq_lens[end], block_size))
-                if wider * (end + 1 - start) * page_pair_bytes > budget:
-                    break
-                end, width = end + 1, wider
-            count = end - start
-            ids = metadata.block_table[start:end, :width].reshape(-1)
-            gathered = self._buffer(2 * ids.numel() * page, kv_cache).view(2, ids.numel(), page)
-            torch.index_select(pages, 1, ids, out=gathered)
-            longest = max(seq_lens[start:end])
-            kv = gathered.view(2, count, width * block_size, num_kv_heads, head_size)
-            k = kv[0, :, :longest].transpose(1, 2)  # [count, Hkv, longest, D]
-            v = kv[1, :, :longest].transpose(1, 2)
-            mask = None
-            if min(seq_lens[start:end]) != longest:
-                positions = torch.arange(longest, device=query.device)
-                mask = positions < metadata.seq_lens_tensor[start:end, None]
-                mask = mask[:, None, None, :]
+        for chunk in plan.chunks:
+            views = _chunk_views(chunk, workspace, page_shape)
+            torch.index_select(kv_cache, 1, chunk.ids, out=views.gathered)
             o = F.scaled_dot_product_attention(
-                q[start:end], k, v, attn_mask=mask, scale=scale, enable_gqa=True
+                q[chunk.start : chunk.end],
+                views.key,
+                views.value,
+                attn_mask=chunk.mask,
+                scale=scale,
+                enable_gqa=True,
             )
-            out[start:end] = o.view(count, num_q_heads, head_size)
-            start = end
+            out[chunk.start : chunk.end] = o.squeeze(2)
         return out
 
     def _prefill(

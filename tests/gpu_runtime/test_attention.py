@@ -65,6 +65,30 @@ def test_flex_backend_eager(seed: int, decode: bool, dtype: torch.dtype) -> None
     check_against_reference(FlexAttentionBackend(compile=False), seed, dtype, decode=decode)
 
 
+@pytest.mark.parametrize("budget", [None, 1])
+def test_torch_backend_decode_reuses_the_step_plan(budget: int | None) -> None:
+    # The decode plan and workspace views are cached on the metadata and shared by the
+    # step's layers: each layer's cache (other values, another dtype, after a bigger
+    # batch regrew the workspace) must still get its own exact answer.
+    backend = TorchAttentionBackend(budget)
+    case = random_case(3, torch.float32, decode=True)
+    bigger = random_case(4, torch.float32, decode=True, max_seq_len=140)
+
+    def check(query: torch.Tensor, kv_cache: torch.Tensor, *, validate: bool = True) -> None:
+        out = backend.forward(query, kv_cache, case.metadata, case.scale, validate=validate)
+        expected = ref_paged_attention(query, kv_cache, case.metadata, case.tables, case.scale)
+        tol = TOLERANCES[kv_cache.dtype]
+        torch.testing.assert_close(out.double(), expected, atol=tol[0], rtol=tol[1])
+
+    check(case.query, case.kv_cache)
+    check(case.query, case.kv_cache, validate=False)
+    check(-case.query, torch.randn_like(case.kv_cache), validate=False)  # another layer
+    backend.forward(bigger.query, bigger.kv_cache, bigger.metadata, bigger.scale)
+    check(case.query, case.kv_cache, validate=False)
+    check(case.query.bfloat16(), case.kv_cache.bfloat16(), validate=False)
+    check(case.query, case.kv_cache)
+
+
 def test_bad_attention_input_is_refused() -> None:
     case = random_case(0, torch.float32, decode=True)
     backend = TorchAttentionBackend()
