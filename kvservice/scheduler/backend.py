@@ -1,0 +1,169 @@
+"""The scheduler's view of KV memory: a small ``Backend`` protocol with plain-data
+answers, and its two implementations, in-process (``KVCacheManager``) and remote
+(the blocking ``KVClient``). The scheduler cannot tell them apart."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvservice.client import KVClient
+from kvservice.client.types import AllocateOptions, ComputedBlocks, FreeMode
+from kvservice.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from kvservice.core.request import Request, RequestStatus
+
+# Block ids per KV cache group, in block-table order (as the client's ``BlockIds``).
+BlockIds = tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """A prefix lookup: the cached blocks and the tokens they hold. Passed back
+    unchanged to ``allocate_slots`` to attach them."""
+
+    block_ids: BlockIds
+    num_computed_tokens: int
+    shared_prefix_boundary: int = 0
+
+
+class Backend(Protocol):
+    """The allocator calls vLLM's scheduler makes, by request id.
+
+    ``allocate_slots`` answers the new block ids, or None for no room (nothing
+    changed); on success the backend advances the request's computed tokens by the
+    hit plus ``num_new_tokens``, as vLLM's scheduler does right after scheduling.
+    """
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None: ...
+
+    def get_computed_blocks(self, request_id: str) -> PrefixHit: ...
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        hit: PrefixHit | None = None,
+        num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+    ) -> BlockIds | None: ...
+
+    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None: ...
+
+    def free(self, request_id: str, preempt: bool = False) -> None: ...
+
+    def num_free_blocks(self) -> int: ...
+
+
+def _ids(blocks: KVCacheBlocks) -> BlockIds:
+    return tuple(tuple(group) for group in blocks.get_block_ids())
+
+
+class InProcessBackend:
+    """A ``Backend`` over a ``KVCacheManager`` in this process, keeping the request
+    state the server keeps (status, computed tokens, the pending prefix hit)."""
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        self.manager = manager
+        self._requests: dict[str, Request] = {}
+        # The blocks behind each pending lookup: the protocol hands out only ids.
+        self._hits: dict[str, KVCacheBlocks] = {}
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} already exists")
+        self._requests[request_id] = self.manager.new_request(request_id, prompt_token_ids)
+
+    def get_computed_blocks(self, request_id: str) -> PrefixHit:
+        blocks, num_hit, boundary = self.manager.get_computed_blocks(self._requests[request_id])
+        self._hits[request_id] = blocks
+        return PrefixHit(_ids(blocks), num_hit, boundary)
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        hit: PrefixHit | None = None,
+        num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+    ) -> BlockIds | None:
+        request = self._requests[request_id]
+        num_hit = hit.num_computed_tokens if hit is not None else 0
+        hit_blocks = self._hits.get(request_id) if hit is not None else None
+        if hit is not None and (hit_blocks is None or _ids(hit_blocks) != hit.block_ids):
+            raise ValueError(f"request {request_id!r}: the hit is not the last lookup's")
+        new_blocks = self.manager.allocate_slots(
+            request,
+            num_new_tokens,
+            num_hit,
+            hit_blocks,
+            num_lookahead_tokens=num_lookahead_tokens,
+            full_sequence_must_fit=full_sequence_must_fit,
+        )
+        if new_blocks is None:
+            return None
+        self._hits.pop(request_id, None)
+        request.num_computed_tokens += num_hit + num_new_tokens
+        request.status = RequestStatus.RUNNING
+        return _ids(new_blocks)
+
+    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self._requests[request_id].append_output_token_ids(token_ids)
+
+    def free(self, request_id: str, preempt: bool = False) -> None:
+        request = self._requests[request_id]
+        self._hits.pop(request_id, None)
+        if preempt:
+            self.manager.free(request)
+            request.preempt()
+            return
+        # Marked finished before freeing, as the server does: the manager forgets it.
+        request.status = RequestStatus.FINISHED
+        self.manager.free(request)
+        del self._requests[request_id]
+
+    def num_free_blocks(self) -> int:
+        return self.manager.block_pool.get_num_free_blocks()
+
+
+class RemoteBackend:
+    """A ``Backend`` over a kvservice server, one blocking RPC per call."""
+
+    def __init__(self, client: KVClient) -> None:
+        self.client = client
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+        self.client.add_request(request_id, prompt_token_ids)
+
+    def get_computed_blocks(self, request_id: str) -> PrefixHit:
+        hit = self.client.get_computed_blocks(request_id)
+        return PrefixHit(hit.block_ids, hit.num_computed_tokens, hit.shared_prefix_boundary)
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        hit: PrefixHit | None = None,
+        num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+    ) -> BlockIds | None:
+        computed = (
+            None
+            if hit is None
+            else ComputedBlocks(hit.block_ids, hit.num_computed_tokens, hit.shared_prefix_boundary)
+        )
+        options = AllocateOptions(
+            num_lookahead_tokens=num_lookahead_tokens,
+            full_sequence_must_fit=full_sequence_must_fit,
+        )
+        allocation = self.client.allocate_slots(request_id, num_new_tokens, computed, options)
+        return None if allocation is None else allocation.new_block_ids
+
+    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self.client.append_tokens(request_id, token_ids)
+
+    def free(self, request_id: str, preempt: bool = False) -> None:
+        self.client.free(request_id, FreeMode.PREEMPT if preempt else FreeMode.FINISH)
+
+    def num_free_blocks(self) -> int:
+        return self.client.get_usage().num_free_blocks

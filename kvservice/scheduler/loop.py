@@ -1,0 +1,298 @@
+"""vLLM's scheduling loop (``Scheduler.schedule`` + ``update_from_output``) in our own
+code, over any ``Backend``.
+
+One step: requests that have arrived join the waiting queue; running requests are
+scheduled first, each for its remaining tokens within the step's token budget,
+preempting the lowest-priority running request while ``allocate_slots`` has no room;
+if nothing was preempted, waiting requests are admitted in queue order (prefix lookup,
+then ``allocate_slots`` with ``full_sequence_must_fit``) until one does not fit. Then
+each request whose prompt is fully computed samples one token from a seeded RNG and
+finishes at its ``max_output_tokens``.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvservice.scheduler.backend import Backend, BlockIds
+from kvservice.workloads.specs import RequestSpec
+
+
+class Policy(enum.Enum):
+    """Which running request is preempted first, and which waiting one admitted first."""
+
+    FCFS = "fcfs"  # preempt the last admitted; admit in arrival order
+    PRIORITY = "priority"  # preempt the highest priority value, latest arrival
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """The scheduler's knobs, named after vLLM's ``SchedulerConfig`` where they match."""
+
+    max_model_len: int
+    max_num_batched_tokens: int = 512
+    max_num_running_reqs: int = 64
+    enable_chunked_prefill: bool = True
+    full_sequence_must_fit: bool = True
+    num_lookahead_tokens: int = 0
+    policy: Policy = Policy.FCFS
+    vocab_size: int = 32_000
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step."""
+
+    request_id: str
+    num_new_tokens: int  # tokens computed this step (the prefix hit excluded)
+    num_hit_tokens: int  # tokens the prefix cache supplied (admissions only)
+    new_block_ids: BlockIds
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What one step decided, as plain data comparable across backends."""
+
+    step: int
+    scheduled: tuple[ScheduledRequest, ...]
+    preempted: tuple[str, ...]
+    finished: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class _Tracked:
+    """The scheduler's own state of one request (vLLM's scheduler-side ``Request``)."""
+
+    spec: RequestSpec
+    order: int  # arrival order, the tie breaker after arrival_step
+    num_tokens: int
+    num_computed_tokens: int = 0
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def preemption_key(self) -> tuple[int, int, int]:
+        # The priority policy evicts the largest key: least important, latest arrival.
+        return (self.spec.priority, self.spec.arrival_step, self.order)
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """The scheduled part of a step being built; dicts keep scheduling order."""
+
+    token_budget: int
+    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
+    preempted: list[str] = field(default_factory=list)
+
+
+class Scheduler:
+    """vLLM's scheduling loop over a ``Backend``; ``step`` runs one iteration.
+
+    The same code drives the in-process and the remote backend, so two runs of one
+    workload, config and seed make the same decisions on either.
+    """
+
+    def __init__(
+        self, backend: Backend, config: SchedulerConfig, specs: Iterable[RequestSpec]
+    ) -> None:
+        self.backend = backend
+        self.config = config
+        self._rng = random.Random(config.seed)
+        self._pending = sorted(specs, key=lambda s: s.arrival_step)
+        self._num_arrived = 0
+        self.waiting: list[_Tracked] = []
+        self.running: list[_Tracked] = []
+        self.step_index = 0
+        self.finished_order: list[str] = []
+
+    @property
+    def done(self) -> bool:
+        """Whether every request has arrived and finished."""
+        return self._num_arrived == len(self._pending) and not self.waiting and not self.running
+
+    def run(self, max_steps: int = 100_000) -> list[StepRecord]:
+        """Step until every request has finished; raises if ``max_steps`` is not enough."""
+        records: list[StepRecord] = []
+        while not self.done:
+            if len(records) >= max_steps:
+                raise RuntimeError(f"the workload did not finish in {max_steps} steps")
+            self._skip_idle_steps()
+            records.append(self.step())
+        return records
+
+    def step(self) -> StepRecord:
+        """One scheduling iteration: arrivals, schedule, sample, finish."""
+        self._admit_arrivals()
+        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        # As vLLM: a step that had to preempt admits nobody (the memory is contended).
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        finished = self._update_from_output(plan)
+        record = StepRecord(
+            self.step_index, tuple(plan.scheduled.values()), tuple(plan.preempted), finished
+        )
+        self.step_index += 1
+        return record
+
+    # -- arrivals ---------------------------------------------------------------------
+
+    def _skip_idle_steps(self) -> None:
+        # Nothing to do until the next arrival: jump the clock rather than step empty.
+        if not self.waiting and not self.running and self._num_arrived < len(self._pending):
+            next_arrival = self._pending[self._num_arrived].arrival_step
+            self.step_index = max(self.step_index, next_arrival)
+
+    def _admit_arrivals(self) -> None:
+        while (
+            self._num_arrived < len(self._pending)
+            and self._pending[self._num_arrived].arrival_step <= self.step_index
+        ):
+            spec = self._pending[self._num_arrived]
+            self.backend.add_request(spec.request_id, spec.prompt_token_ids)
+            self.waiting.append(_Tracked(spec, self._num_arrived, len(spec.prompt_token_ids)))
+            self._num_arrived += 1
+
+    # -- running requests ---------------------------------------------------------------
+
+    def _num_new_tokens(self, request: _Tracked, token_budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        # The last position of the context window never needs computing: no token follows.
+        room = self.config.max_model_len - 1 - request.num_computed_tokens
+        return max(min(remaining, token_budget, room), 0)
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        index = 0
+        while index < len(self.running) and plan.token_budget > 0:
+            request = self.running[index]
+            num_new_tokens = self._num_new_tokens(request, plan.token_budget)
+            if num_new_tokens == 0:
+                index += 1
+                continue
+            new_block_ids = self._allocate_or_preempt(request, num_new_tokens, plan)
+            if new_block_ids is None:
+                break  # the request preempted itself: nothing more fits this step
+            plan.scheduled[request.request_id] = ScheduledRequest(
+                request.request_id, num_new_tokens, 0, new_block_ids
+            )
+            plan.token_budget -= num_new_tokens
+            # Preempting an already scheduled request shifted the list left by one.
+            index = self.running.index(request) + 1
+
+    def _allocate_or_preempt(
+        self, request: _Tracked, num_new_tokens: int, plan: _StepPlan
+    ) -> BlockIds | None:
+        """Allocate for a running request, preempting others until it fits; None when
+        it had to preempt itself."""
+        while True:
+            new_block_ids = self.backend.allocate_slots(
+                request.request_id,
+                num_new_tokens,
+                num_lookahead_tokens=self.config.num_lookahead_tokens,
+            )
+            if new_block_ids is not None:
+                return new_block_ids
+            victim = self._pick_victim()
+            self._preempt(victim, plan)
+            if victim is request:
+                return None
+
+    def _pick_victim(self) -> _Tracked:
+        if self.config.policy is Policy.PRIORITY:
+            return max(self.running, key=lambda r: r.preemption_key)
+        return self.running[-1]  # FCFS: the last admitted
+
+    def _preempt(self, victim: _Tracked, plan: _StepPlan) -> None:
+        self.running.remove(victim)
+        scheduled = plan.scheduled.pop(victim.request_id, None)
+        if scheduled is not None:
+            # Its blocks are gone, so its share of this step is given back.
+            plan.token_budget += scheduled.num_new_tokens
+        self.backend.free(victim.request_id, preempt=True)
+        # Re-prefill from token 0, usually hitting its own freed, still-cached blocks.
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        plan.preempted.append(victim.request_id)
+        if self.config.policy is Policy.FCFS:
+            self.waiting.insert(0, victim)  # first in line again
+        else:
+            self.waiting.append(victim)  # the priority order places it
+
+    # -- waiting requests ---------------------------------------------------------------
+
+    def _peek_waiting(self) -> _Tracked:
+        if self.config.policy is Policy.PRIORITY:
+            return min(self.waiting, key=lambda r: r.preemption_key)
+        return self.waiting[0]
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        while self.waiting and plan.token_budget > 0:
+            if len(self.running) >= self.config.max_num_running_reqs:
+                break
+            request = self._peek_waiting()
+            scheduled = self._try_admit(request, plan.token_budget)
+            if scheduled is None:
+                break  # the head does not fit; vLLM does not skip ahead of it
+            self.waiting.remove(request)
+            self.running.append(request)
+            plan.scheduled[request.request_id] = scheduled
+            plan.token_budget -= scheduled.num_new_tokens
+
+    def _try_admit(self, request: _Tracked, token_budget: int) -> ScheduledRequest | None:
+        hit = self.backend.get_computed_blocks(request.request_id)
+        remaining = request.num_tokens - hit.num_computed_tokens
+        if not self.config.enable_chunked_prefill and remaining > token_budget:
+            return None
+        num_new_tokens = min(remaining, token_budget)
+        new_block_ids = self.backend.allocate_slots(
+            request.request_id,
+            num_new_tokens,
+            hit if hit.num_computed_tokens else None,
+            num_lookahead_tokens=self.config.num_lookahead_tokens,
+            full_sequence_must_fit=self.config.full_sequence_must_fit,
+        )
+        if new_block_ids is None:
+            return None
+        request.num_computed_tokens = hit.num_computed_tokens
+        return ScheduledRequest(
+            request.request_id, num_new_tokens, hit.num_computed_tokens, new_block_ids
+        )
+
+    # -- after the forward pass ---------------------------------------------------------
+
+    def _update_from_output(self, plan: _StepPlan) -> tuple[str, ...]:
+        finished: list[str] = []
+        by_id = {r.request_id: r for r in self.running}
+        for scheduled in plan.scheduled.values():
+            request = by_id[scheduled.request_id]
+            request.num_computed_tokens += scheduled.num_new_tokens
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a partial prefill chunk samples nothing
+            if self._sample(request):
+                finished.append(request.request_id)
+        self.finished_order.extend(finished)
+        return tuple(finished)
+
+    def _sample(self, request: _Tracked) -> bool:
+        """Sample one token; True when that finished the request (freed, dropped)."""
+        token = self._rng.randrange(self.config.vocab_size)
+        request.num_output_tokens += 1
+        request.num_tokens += 1
+        if (
+            request.num_output_tokens >= request.spec.max_output_tokens
+            or request.num_tokens >= self.config.max_model_len
+        ):
+            # The last token is never computed, so the backend need not hear of it.
+            self.running.remove(request)
+            self.backend.free(request.request_id)
+            return True
+        self.backend.append_tokens(request.request_id, [token])
+        return False

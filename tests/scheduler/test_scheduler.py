@@ -1,0 +1,256 @@
+"""The reference scheduler over both backends: for every workload kind, the same
+scheduler code makes the same decisions in-process and against a real server (same
+block ids, preemptions and finishing order), recorded traces replay to the same
+answers, and every run leaves the pool whole."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from kvservice.client import KVClient
+from kvservice.scheduler import (
+    Backend,
+    InProcessBackend,
+    Policy,
+    RemoteBackend,
+    Scheduler,
+    SchedulerConfig,
+    StepRecord,
+    TraceMismatchError,
+    TracingBackend,
+    check_replay,
+    read_trace,
+    write_trace,
+)
+from kvservice.server import serve_in_background
+from kvservice.server.config import ServerConfig, build_manager
+from kvservice.workloads import (
+    FewShotConfig,
+    LengthDistribution,
+    LongDocumentQAConfig,
+    MultiTurnChatConfig,
+    NoSharingConfig,
+    RequestSpec,
+    SharedSystemPromptConfig,
+    WorkloadConfig,
+    generate,
+)
+
+MAX_MODEL_LEN = 256
+THREAD_TIMEOUT_S = 30
+# 23 usable blocks of 16 tokens: a handful of requests fill it, so they preempt.
+TIGHT_POOL = ServerConfig(
+    port=0,
+    metrics_port=None,
+    num_blocks=24,
+    block_size=16,
+    max_model_len=MAX_MODEL_LEN,
+    num_layers=1,
+    num_kv_heads=1,
+    head_size=8,
+    dtype="float32",
+    model_name="scheduler-test",
+    shutdown_grace_s=0,
+)
+
+L = LengthDistribution
+_OUTPUT = L(median=24, sigma=0.6, low=1, high=64)
+WORKLOADS: dict[str, WorkloadConfig] = {
+    "shared_system_prompt": SharedSystemPromptConfig(
+        num_requests=12, system_prompt_len=64, user_len=L(24, 0.7, 1, 96)
+    ),
+    "multi_turn_chat": MultiTurnChatConfig(
+        num_conversations=3, turns_per_conversation=3, user_len=L(20, 0.7, 1, 64), turn_gap_steps=4
+    ),
+    "few_shot": FewShotConfig(
+        num_requests=10,
+        instruction_len=16,
+        examples_per_task=4,
+        example_len=L(24, 0.4, 8, 48),
+        question_len=L(12, 0.5, 1, 32),
+    ),
+    "long_document_qa": LongDocumentQAConfig(
+        num_documents=3,
+        questions_per_document=3,
+        document_len=L(128, 0.3, 48, 176),
+        question_len=L(12, 0.5, 1, 32),
+    ),
+    "no_sharing": NoSharingConfig(num_requests=12, prompt_len=L(64, 0.8, 1, 176)),
+}
+
+
+def workload(kind: str, seed: int = 1, num_priorities: int = 1) -> list[RequestSpec]:
+    config = dataclasses.replace(
+        WORKLOADS[kind],
+        max_model_len=MAX_MODEL_LEN,
+        output_len=_OUTPUT,
+        requests_per_step=2.0,
+        num_priorities=num_priorities,
+    )
+    return generate(config, seed)
+
+
+@contextlib.contextmanager
+def remote_server(config: ServerConfig) -> Iterator[str]:
+    """``serve_in_background`` on its own loop in a thread: the blocking client would
+    stall a server sharing its thread. Yields the target."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = serve_in_background(config)
+    handle = asyncio.run_coroutine_threadsafe(server.__aenter__(), loop).result(THREAD_TIMEOUT_S)
+    try:
+        yield handle.target
+    finally:
+        stop = server.__aexit__(None, None, None)
+        asyncio.run_coroutine_threadsafe(stop, loop).result(THREAD_TIMEOUT_S)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(THREAD_TIMEOUT_S)
+        loop.close()
+
+
+def run(
+    backend: Backend, specs: Sequence[RequestSpec], config: SchedulerConfig
+) -> list[StepRecord]:
+    """Run the workload to the end and check the pool is whole again."""
+    records = Scheduler(backend, config, specs).run(max_steps=5_000)
+    assert backend.num_free_blocks() == TIGHT_POOL.num_blocks - 1  # block 0 is the null block
+    return records
+
+
+def run_in_process(specs: Sequence[RequestSpec], config: SchedulerConfig) -> list[StepRecord]:
+    return run(InProcessBackend(build_manager(TIGHT_POOL)), specs, config)
+
+
+def run_remote(specs: Sequence[RequestSpec], config: SchedulerConfig) -> list[StepRecord]:
+    with remote_server(TIGHT_POOL) as target, KVClient(target) as client:
+        return run(RemoteBackend(client), specs, config)
+
+
+def num_preemptions(records: Sequence[StepRecord]) -> int:
+    return sum(len(r.preempted) for r in records)
+
+
+def first_admission_hit_tokens(records: Sequence[StepRecord]) -> int:
+    """Prefix hits of first admissions (a re-admission re-hits its own blocks)."""
+    seen: set[str] = set()
+    total = 0
+    for record in records:
+        for s in record.scheduled:
+            if s.request_id not in seen:
+                seen.add(s.request_id)
+                total += s.num_hit_tokens
+    return total
+
+
+def finished_order(records: Sequence[StepRecord]) -> list[str]:
+    return [rid for r in records for rid in r.finished]
+
+
+FCFS = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=128, seed=7)
+
+
+@pytest.mark.parametrize("kind", sorted(WORKLOADS))
+def test_same_decisions_in_process_and_remote(kind: str) -> None:
+    specs = workload(kind)
+    local = run_in_process(specs, FCFS)
+    assert run_remote(specs, FCFS) == local
+    assert sorted(finished_order(local)) == sorted(s.request_id for s in specs)
+    # Only the no-sharing workload never hits the prefix cache.
+    assert (first_admission_hit_tokens(local) == 0) == (kind == "no_sharing")
+
+
+def test_tight_pool_preempts_and_re_prefills() -> None:
+    specs = workload("few_shot")
+    records = run_in_process(specs, FCFS)
+    assert num_preemptions(records) > 0
+    # A preempted request is admitted again later, hitting its own cached blocks.
+    preempted = {rid for r in records for rid in r.preempted}
+    readmitted = [
+        s
+        for i, r in enumerate(records)
+        for s in r.scheduled
+        if s.num_hit_tokens and s.request_id in preempted
+    ]
+    assert readmitted, "no preempted request was re-admitted with a prefix hit"
+
+
+def test_priority_policy_and_lookahead_match_remote() -> None:
+    specs = workload("shared_system_prompt", num_priorities=3)
+    config = dataclasses.replace(FCFS, policy=Policy.PRIORITY, num_lookahead_tokens=2)
+    local = run_in_process(specs, config)
+    assert num_preemptions(local) > 0
+    assert run_remote(specs, config) == local
+
+
+def test_no_chunked_prefill_matches_remote() -> None:
+    specs = workload("long_document_qa")
+    config = dataclasses.replace(FCFS, enable_chunked_prefill=False, max_num_batched_tokens=256)
+    local = run_in_process(specs, config)
+    assert run_remote(specs, config) == local
+
+
+def test_trace_replays_to_the_same_answers(tmp_path: Path) -> None:
+    specs = workload("multi_turn_chat")
+    tracer = TracingBackend(InProcessBackend(build_manager(TIGHT_POOL)))
+    run(tracer, specs, FCFS)
+    path = tmp_path / "run.jsonl"
+    write_trace(path, tracer.trace({"workload": "multi_turn_chat", "seed": 1}))
+    trace = read_trace(path)
+    assert trace.entries == tuple(tracer.entries)
+    assert trace.meta == {"workload": "multi_turn_chat", "seed": 1}
+
+    assert check_replay(trace, InProcessBackend(build_manager(TIGHT_POOL))) == len(trace.entries)
+    with remote_server(TIGHT_POOL) as target, KVClient(target) as client:
+        check_replay(trace, RemoteBackend(client))
+
+
+def test_replay_reports_a_different_answer(tmp_path: Path) -> None:
+    specs = workload("no_sharing")
+    tracer = TracingBackend(InProcessBackend(build_manager(TIGHT_POOL)))
+    run(tracer, specs, FCFS)
+    # The same calls on a larger pool answer other block ids at some point.
+    other = InProcessBackend(build_manager(dataclasses.replace(TIGHT_POOL, num_blocks=64)))
+    with pytest.raises(TraceMismatchError):
+        check_replay(tracer.trace(), other)
+
+
+@pytest.mark.parametrize("kind", sorted(WORKLOADS))
+def test_workloads_are_seeded_and_fit(kind: str) -> None:
+    specs = workload(kind, seed=3)
+    assert specs == workload(kind, seed=3)
+    assert specs != workload(kind, seed=4)
+    assert all(s.max_total_tokens <= MAX_MODEL_LEN for s in specs)
+    assert [s.arrival_step for s in specs] == sorted(s.arrival_step for s in specs)
+    assert len({s.request_id for s in specs}) == len(specs)
+
+
+def test_multi_turn_turns_extend_the_conversation() -> None:
+    specs = workload("multi_turn_chat")
+    by_id = {s.request_id: s for s in specs}
+    first, second = by_id["chat-0"], by_id["chat-1"]
+    assert second.prompt_token_ids[: len(first.prompt_token_ids)] == first.prompt_token_ids
+    assert len(second.prompt_token_ids) > first.max_total_tokens
+
+
+@pytest.mark.parametrize(
+    ("policy", "victim"), [(Policy.FCFS, "c"), (Policy.PRIORITY, "b")], ids=["fcfs", "priority"]
+)
+def test_preemption_picks_the_policy_victim(policy: Policy, victim: str) -> None:
+    """Three requests that outgrow the pool together: FCFS preempts the last admitted
+    (c), the priority policy the largest priority value (b)."""
+    specs = [
+        RequestSpec(rid, tuple(range(i * 1000, i * 1000 + 96)), 150, priority=p)
+        for i, (rid, p) in enumerate([("a", 0), ("b", 2), ("c", 1)])
+    ]
+    config = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=512, policy=policy)
+    records = run_in_process(specs, config)
+    first = next(r for r in records if r.preempted)
+    assert first.preempted == (victim,)
