@@ -642,12 +642,16 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         raise ValueError("Should not be called as prefix caching is disabled.")
 
 
+# Each manager names the spec it serves (``spec_type``); the map is derived from that.
 SPEC_MANAGER_MAP: dict[type[KVCacheSpec], type[SingleTypeKVCacheManager]] = {
-    FullAttentionSpec: FullAttentionManager,
-    SlidingWindowSpec: SlidingWindowManager,
-    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
-    CrossAttentionSpec: CrossAttentionManager,
-    MambaSpec: MambaManager,
+    manager.spec_type: manager
+    for manager in (
+        FullAttentionManager,
+        SlidingWindowManager,
+        ChunkedLocalAttentionManager,
+        CrossAttentionManager,
+        MambaManager,
+    )
 }
 
 

@@ -4,6 +4,7 @@ kvservice started in a background thread, and PromQL/exposition helpers."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import socket
@@ -20,6 +21,7 @@ import pytest
 
 from kvservice.server.app import ServerHandle, serve_in_background
 from kvservice.server.config import ServerConfig
+from tests.server import support as server_support
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "grafana"
@@ -35,19 +37,9 @@ PROMETHEUS = PROMETHEUS_BIN / "prometheus"
 # What Grafana puts in place of its variables when the tests evaluate a dashboard query.
 RATE_INTERVAL = "5m"
 
-# 10 usable blocks of 16 tokens (block 0 is the null block).
-SMALL_POOL = ServerConfig(
-    port=0,
-    metrics_port=0,
-    num_blocks=11,
-    block_size=16,
-    max_model_len=128,
-    num_layers=2,
-    num_kv_heads=1,
-    head_size=8,
-    dtype="float32",
-    model_name="deploy-test",
-    shutdown_grace_s=0,
+# The server tests' small pool (10 usable blocks of 16 tokens), with metrics served.
+SMALL_POOL = dataclasses.replace(
+    server_support.SMALL_POOL, metrics_port=0, model_name="deploy-test"
 )
 
 

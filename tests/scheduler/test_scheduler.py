@@ -42,22 +42,17 @@ from kvservice.workloads import (
     WorkloadConfig,
     generate,
 )
+from tests.server import support as server_support
 
 MAX_MODEL_LEN = 256
 THREAD_TIMEOUT_S = 30
 # 23 usable blocks of 16 tokens: a handful of requests fill it, so they preempt.
-TIGHT_POOL = ServerConfig(
-    port=0,
-    metrics_port=None,
+TIGHT_POOL = dataclasses.replace(
+    server_support.SMALL_POOL,
     num_blocks=24,
-    block_size=16,
     max_model_len=MAX_MODEL_LEN,
     num_layers=1,
-    num_kv_heads=1,
-    head_size=8,
-    dtype="float32",
     model_name="scheduler-test",
-    shutdown_grace_s=0,
 )
 
 L = LengthDistribution
