@@ -43,6 +43,9 @@ USER 10001:10001
 # gRPC (with grpc.health.v1 for probes) and Prometheus /metrics.
 EXPOSE 50051 9400
 ENTRYPOINT ["kvservice", "serve"]
-# Bind all interfaces in a container (the service defaults to loopback); the Helm chart
-# replaces these with the same flags plus its ConfigMap's settings.
-CMD ["--host=0.0.0.0", "--port=50051", "--metrics-host=0.0.0.0", "--metrics-port=9400"]
+# Bind all interfaces in a container (the service defaults to loopback); plaintext and
+# without tokens, which off loopback needs --allow-insecure-bind (see the README's
+# Security section to add TLS and tokens). The Helm chart replaces these with the same
+# flags plus its ConfigMap's settings.
+CMD ["--host=0.0.0.0", "--port=50051", "--metrics-host=0.0.0.0", "--metrics-port=9400", \
+     "--allow-insecure-bind"]

@@ -1,20 +1,34 @@
 """The gRPC service on loopback: unary latency, and ops/s unary vs batched vs stream,
-against the same workload run in-process, side by side in one run.
+against the same workload run in-process, measured side by side in one run.
 
 Run: ``python -m benchmarks.bench_grpc`` (``make bench-grpc``). The server runs as a
 subprocess (``kvservice serve`` on a free port), so client and server have a core each
 on a 2-core machine. ``--profile`` instead profiles, in-process, the server's side of
 a Step (decode, run the operations, encode) with cProfile.
 
-The floor: a raw grpc.aio echo server (one generic unary method that returns its
+The floors: a raw grpc.aio echo server (one generic unary method that returns its
 request bytes; no protobuf, no interceptor, no allocator) runs as a second subprocess
-on the same event loop, and its latency is measured in the same rounds as the
-service's, so the service's own overhead reads as the difference.
+on the same event loop, called with the blocking client (what the latency rows use) and
+with the grpc.aio client; the same subprocess echoes bytes on a plain TCP socket, which
+is what Python and the loopback cost without gRPC. All are measured in the same rounds
+as the service's calls, so the service's own overhead reads as the difference.
 
 The workload is a seeded scheduler-like sequence, built once as protobuf operations:
 waves of requests are added, looked up, admitted, decoded for a few steps (append one
 token, allocate one slot) and finished. Every way of sending it runs the identical
-operation sequence on a fresh set of request ids.
+operation sequence on a fresh set of request ids, and the ways run interleaved, round
+after round (each round starting at another way); each ratio is the median over rounds
+of (way / in-process in that round). Beside ops/s, each way reports the CPU time per
+operation of this process and the server together, read from the OS: other processes on
+a shared machine stretch the wall time but hardly the CPU time, so "CPU vs Alloc" is the
+steadier estimate of the ratio on an idle machine with a core per process.
+
+The in-process baseline is the same operations on an ``Allocator`` in this process:
+the core ``KVCacheManager`` behind the server's own request table and argument checks,
+the same work the server does per operation minus protobuf, transport and metrics
+(arguments decoded before timing, answers kept as the Python objects it returns). The
+scheduler's ``InProcessBackend`` (the core manager with its request table, no checks)
+is printed beside it as a second, leaner in-process reference.
 """
 
 from __future__ import annotations
@@ -23,18 +37,25 @@ import argparse
 import asyncio
 import cProfile
 import json
+import os
 import pstats
+import socket
 import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import grpc
 
+from kvservice.client import KVClient
+from kvservice.client.step import OpHandle, StepBuilder
+from kvservice.client.types import FreeMode
+from kvservice.scheduler.backend import InProcessBackend
 from kvservice.server import converters
 from kvservice.server.allocator import Allocator
 from kvservice.server.config import ServerConfig, build_manager
@@ -122,31 +143,100 @@ def config() -> ServerConfig:
     )
 
 
+# -- measuring ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One timed run of a workload: its operations, the wall time, and the CPU time
+    this process and the server spent on it (which the 2-core box's load from other
+    processes barely moves, unlike the wall time)."""
+
+    ops: int
+    wall_s: float
+    cpu_s: float
+
+    @property
+    def ops_s(self) -> float:
+        return self.ops / self.wall_s
+
+    @property
+    def cpu_us_per_op(self) -> float:
+        return self.cpu_s / self.ops * 1e6
+
+
+def _process_cpu_s(pid: int) -> float:
+    """CPU time of every thread of a process, in nanoseconds' resolution from
+    /proc/PID/task/*/schedstat (stat's clock ticks are 10 ms); 0 without /proc."""
+    total_ns = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat", encoding="ascii") as stat:
+                total_ns += int(stat.read().split()[0])
+        except OSError:
+            continue  # the thread ended meanwhile
+    return total_ns / 1e9
+
+
+class Meter:
+    """Times a section: wall clock, this process's CPU, and the server's CPU."""
+
+    def __init__(self, server_pid: int | None = None) -> None:
+        self._server_pid = server_pid
+        self._start = (0.0, 0.0, 0.0)
+
+    def _now(self) -> tuple[float, float, float]:
+        server = _process_cpu_s(self._server_pid) if self._server_pid is not None else 0.0
+        return time.perf_counter(), _process_cpu_s(os.getpid()), server
+
+    def start(self) -> None:
+        self._start = self._now()
+
+    def stop(self, ops: int) -> Sample:
+        wall, cpu, server = (b - a for a, b in zip(self._start, self._now(), strict=True))
+        return Sample(ops, wall, cpu + server)
+
+
 # -- in-process ---------------------------------------------------------------------
 
 
-def run_in_process(workload: Workload) -> float:
-    """ops/s of the workload on an Allocator in this process (no protobuf, no RPC)."""
+def run_in_process(meter: Meter, workload: Workload) -> Sample:
+    """The workload on an Allocator in this process (no protobuf, no RPC)."""
     allocator = Allocator(build_manager(config()))
     calls = _domain_calls(allocator, workload)
-    start = time.perf_counter()
+    meter.start()
     for call in calls:
         call()
-    return len(calls) / (time.perf_counter() - start)
+    return meter.stop(len(calls))
 
 
-def run_step_in_process(workload: Workload, size: int) -> float:
-    """ops/s of the server's side of ``Step`` in this process, metrics included:
-    parse each request, run it, serialize the answer (no transport)."""
+def run_backend(meter: Meter, workload: Workload) -> Sample:
+    """The workload on the scheduler's ``InProcessBackend`` (the core manager and a
+    request table, no argument checks)."""
+    backend = InProcessBackend(build_manager(config()))
+    calls = _backend_calls(backend, workload)
+    meter.start()
+    for call in calls:
+        call()
+    return meter.stop(len(calls))
+
+
+def run_step_in_process(meter: Meter, workload: Workload, size: int) -> Sample:
+    """The server's side of ``Step`` in this process, metrics included: parse each
+    request, run it, serialize the answer (no transport)."""
     manager = build_manager(config())
     runner = StepRunner(Allocator(manager, KVCacheMetrics(manager, "bench", "0")), 4096)
     steps = [s.SerializeToString() for s in workload.chunks(size)]
-    start = time.perf_counter()
+    meter.start()
     for raw in steps:
         response = pb.StepResponse()
         runner.run(pb.StepRequest.FromString(raw), response)
         response.SerializeToString()
-    return len(workload.ops) / (time.perf_counter() - start)
+    return meter.stop(len(workload.ops))
 
 
 def _domain_calls(allocator: Allocator, workload: Workload) -> list[Callable[[], object]]:
@@ -171,12 +261,32 @@ def _domain_calls(allocator: Allocator, workload: Workload) -> list[Callable[[],
     return calls
 
 
+def _backend_calls(backend: InProcessBackend, workload: Workload) -> list[Callable[[], object]]:
+    calls: list[Callable[[], object]] = []
+    for op in workload.ops:
+        kind = op.WhichOneof("op")
+        if kind == "add_request":
+            msg = op.add_request
+            calls.append(partial(backend.add_request, msg.request_id, list(msg.prompt_token_ids)))
+        elif kind == "get_computed_blocks":
+            calls.append(partial(backend.get_computed_blocks, op.get_computed_blocks.request_id))
+        elif kind == "allocate_slots":
+            alloc = op.allocate_slots
+            calls.append(partial(backend.allocate_slots, alloc.request_id, alloc.num_new_tokens))
+        elif kind == "append_tokens":
+            append = op.append_tokens
+            calls.append(partial(backend.append_tokens, append.request_id, list(append.token_ids)))
+        else:
+            calls.append(partial(backend.free, op.free_request.request_id))
+    return calls
+
+
 # -- the server -----------------------------------------------------------------------
 
 
 @contextmanager
-def server_process(event_loop: str) -> Iterator[str]:
-    """``kvservice serve`` on a free port; yields its target."""
+def server_process(event_loop: str) -> Iterator[tuple[str, int]]:
+    """``kvservice serve`` on a free port; yields its target and pid."""
     cfg = config()
     process = subprocess.Popen(
         [
@@ -200,7 +310,7 @@ def server_process(event_loop: str) -> Iterator[str]:
         for line in process.stdout:
             record = json.loads(line)
             if record.get("event") == "serving":
-                yield f"127.0.0.1:{record['port']}"
+                yield f"127.0.0.1:{record['port']}", process.pid
                 break
         else:
             raise RuntimeError("the server exited before serving")
@@ -213,11 +323,16 @@ ECHO_METHOD = "/bench.Echo/Echo"
 
 
 def echo_server(event_loop: str) -> None:
-    """The floor: a grpc.aio server whose one method returns the request's bytes.
-    Prints its port, then serves until terminated."""
+    """The floors: a grpc.aio server whose one method returns the request's bytes, and
+    a TCP server that writes back what it reads, on one loop. Prints both ports, then
+    serves until terminated."""
 
     async def echo(request: bytes, context: object) -> bytes:
         return request
+
+    async def echo_tcp(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            writer.write(data)
 
     async def main() -> None:
         server = grpc.aio.server()
@@ -227,7 +342,8 @@ def echo_server(event_loop: str) -> None:
         )
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        print(port, flush=True)
+        tcp = await asyncio.start_server(echo_tcp, "127.0.0.1", 0)
+        print(port, tcp.sockets[0].getsockname()[1], flush=True)
         await server.wait_for_termination()
 
     with asyncio.Runner(loop_factory=loop_factory(event_loop)) as runner:
@@ -235,8 +351,8 @@ def echo_server(event_loop: str) -> None:
 
 
 @contextmanager
-def echo_process(event_loop: str) -> Iterator[str]:
-    """``echo_server`` in a subprocess; yields its target."""
+def echo_process(event_loop: str) -> Iterator[tuple[str, int]]:
+    """``echo_server`` in a subprocess; yields the gRPC target and the TCP port."""
     process = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.bench_grpc", f"--echo-server={event_loop}"],
         stdout=subprocess.PIPE,
@@ -244,7 +360,8 @@ def echo_process(event_loop: str) -> Iterator[str]:
     )
     assert process.stdout is not None
     try:
-        yield f"127.0.0.1:{int(process.stdout.readline())}"
+        grpc_port, tcp_port = process.stdout.readline().split()
+        yield f"127.0.0.1:{grpc_port}", int(tcp_port)
     finally:
         process.terminate()
         process.wait(30)
@@ -252,80 +369,162 @@ def echo_process(event_loop: str) -> Iterator[str]:
 
 # -- remote measurements --------------------------------------------------------------
 
+LATENCY_ROWS = (
+    "plain TCP echo (floor)",
+    "grpc echo, aio client",
+    "grpc echo (floor)",
+    "AllocateSlots",
+    "GetUsage",
+)
+
 
 @dataclass(slots=True)
-class Latencies:
-    """Blocking ping-pong samples, in seconds, per kind of call."""
+class Floors:
+    """The echo servers: the blocking gRPC echo call, a timer of ``n`` aio echo calls,
+    and a connected TCP socket."""
 
-    echo: list[float]
-    allocate: list[float]
-    usage: list[float]
+    grpc_echo: Callable[[bytes], bytes]
+    aio_echo: Callable[[bytes, int], list[float]]
+    tcp: socket.socket
+
+
+def _time_tcp(sock: socket.socket, payload: bytes, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        start = time.perf_counter()
+        sock.sendall(payload)
+        received = 0
+        while received < len(payload):
+            received += len(sock.recv(65536))
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def _time_calls(call: Callable[[], object], n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        start = time.perf_counter()
+        call()
+        out.append(time.perf_counter() - start)
+    return out
 
 
 def unary_latency(
-    stub: pb_grpc.KVCacheServiceStub, echo: Callable[[bytes], bytes], n: int
-) -> Latencies:
-    """Blocking ping-pong in alternating rounds, so the floor and the service see the
-    same machine: the echo of an AllocateSlots request's bytes; AllocateSlots
-    (decode: append untimed, allocate timed); GetUsage (the service with almost no
-    allocator work)."""
+    stub: pb_grpc.KVCacheServiceStub, floors: Floors, n: int
+) -> dict[str, list[float]]:
+    """Blocking ping-pong in alternating rounds of 100, so the floors and the service
+    see the same machine: the echoes of an AllocateSlots request's bytes; AllocateSlots
+    (decode: append untimed, allocate timed); GetUsage (almost no allocator work)."""
     stub.AddRequest(pb.AddRequestRequest(request_id="lat", prompt_token_ids=list(range(16))))
     stub.AllocateSlots(pb.AllocateSlotsRequest(request_id="lat", num_new_tokens=16))
     alloc = pb.AllocateSlotsRequest(request_id="lat", num_new_tokens=1)
     append = pb.AppendTokensRequest(request_id="lat", token_ids=[1])
     usage = pb.GetUsageRequest()
     payload = alloc.SerializeToString()
-    out = Latencies([], [], [])
+    out: dict[str, list[float]] = {name: [] for name in LATENCY_ROWS}
     round_size = 100
     for _ in range(0, n, round_size):
-        for _ in range(round_size):
-            start = time.perf_counter()
-            echo(payload)
-            out.echo.append(time.perf_counter() - start)
+        out["plain TCP echo (floor)"] += _time_tcp(floors.tcp, payload, round_size)
+        out["grpc echo, aio client"] += floors.aio_echo(payload, round_size)
+        out["grpc echo (floor)"] += _time_calls(partial(floors.grpc_echo, payload), round_size)
         for _ in range(round_size):
             stub.AppendTokens(append)
             start = time.perf_counter()
             stub.AllocateSlots(alloc)
-            out.allocate.append(time.perf_counter() - start)
-        for _ in range(round_size):
-            start = time.perf_counter()
-            stub.GetUsage(usage)
-            out.usage.append(time.perf_counter() - start)
+            out["AllocateSlots"].append(time.perf_counter() - start)
+        out["GetUsage"] += _time_calls(partial(stub.GetUsage, usage), round_size)
     stub.FreeRequest(pb.FreeRequestRequest(request_id="lat", mode=pb.FREE_MODE_FINISH))
     return out
 
 
-def unary_ops(stub: pb_grpc.KVCacheServiceStub, workload: Workload) -> float:
+def unary_ops(meter: Meter, stub: pb_grpc.KVCacheServiceStub, workload: Workload) -> Sample:
     calls = [
         (getattr(stub, RPC_OF[k]), getattr(o, k)) for o in workload.ops if (k := o.WhichOneof("op"))
     ]
-    start = time.perf_counter()
+    meter.start()
     for method, message in calls:
         method(message)
-    return len(calls) / (time.perf_counter() - start)
+    return meter.stop(len(calls))
 
 
-def step_ops(stub: pb_grpc.KVCacheServiceStub, workload: Workload, size: int) -> float:
+def step_ops(
+    meter: Meter, stub: pb_grpc.KVCacheServiceStub, workload: Workload, size: int
+) -> Sample:
+    """Prebuilt ``StepRequest`` messages on the raw stub: the transport and the
+    server, no client-side encoding or decoding."""
     steps = workload.chunks(size)
-    start = time.perf_counter()
+    meter.start()
     for step in steps:
         response = stub.Step(step)
         assert not any(r.WhichOneof("result") == "error" for r in response.results)
-    return len(workload.ops) / (time.perf_counter() - start)
+    return meter.stop(len(workload.ops))
 
 
-async def stream_ops(target: str, workload: Workload, size: int) -> float:
+def _builder_adders(workload: Workload) -> list[Callable[[StepBuilder], OpHandle[Any]]]:
+    """The workload as ``StepBuilder`` calls (plain Python values, no protobuf)."""
+    adders: list[Callable[[StepBuilder], OpHandle[Any]]] = []
+    for op in workload.ops:
+        kind = op.WhichOneof("op")
+        if kind == "add_request":
+            msg = op.add_request
+            rid, prompt = msg.request_id, list(msg.prompt_token_ids)
+            adders.append(partial(StepBuilder.add_request, request_id=rid, prompt_token_ids=prompt))
+        elif kind == "get_computed_blocks":
+            rid = op.get_computed_blocks.request_id
+            adders.append(partial(StepBuilder.get_computed_blocks, request_id=rid))
+        elif kind == "allocate_slots":
+            alloc = op.allocate_slots
+            adders.append(
+                partial(
+                    StepBuilder.allocate_slots,
+                    request_id=alloc.request_id,
+                    num_new_tokens=alloc.num_new_tokens,
+                )
+            )
+        elif kind == "append_tokens":
+            append = op.append_tokens
+            tokens = list(append.token_ids)
+            adders.append(
+                partial(StepBuilder.append_tokens, request_id=append.request_id, token_ids=tokens)
+            )
+        else:
+            rid = op.free_request.request_id
+            adders.append(partial(StepBuilder.free, request_id=rid, mode=FreeMode.FINISH))
+    return adders
+
+
+def client_step_ops(meter: Meter, client: KVClient, workload: Workload, size: int) -> Sample:
+    """What a scheduler pays: build each step with ``StepBuilder``, send it with
+    ``KVClient.step``, and read every operation's result back as Python values."""
+    adders = _builder_adders(workload)
+    meter.start()
+    for first in range(0, len(adders), size):
+        builder = StepBuilder()
+        handles = [add(builder) for add in adders[first : first + size]]
+        results = client.step(builder)
+        for handle in handles:
+            results[handle]
+    return meter.stop(len(adders))
+
+
+def _run_stream(
+    meter: Meter, runner: asyncio.Runner, target: str, workload: Workload, size: int
+) -> Sample:
+    return runner.run(stream_ops(meter, target, workload, size))
+
+
+async def stream_ops(meter: Meter, target: str, workload: Workload, size: int) -> Sample:
     """Ping-pong over one StepStream (grpc.aio), ``size`` operations per message."""
     messages = [pb.StepStreamRequest(step=s) for s in workload.chunks(size)]
     async with grpc.aio.insecure_channel(target) as channel:
         call = pb_grpc.KVCacheServiceStub(channel).StepStream()
-        start = time.perf_counter()
+        meter.start()
         for message in messages:
             await call.write(message)
             await call.read()
-        elapsed = time.perf_counter() - start
+        sample = meter.stop(len(workload.ops))
         await call.done_writing()
-    return len(workload.ops) / elapsed
+    return sample
 
 
 # -- reporting ------------------------------------------------------------------------
@@ -336,69 +535,188 @@ def pct(samples: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def run(num_requests: int, latency_samples: int, event_loop: str) -> None:
-    tags = iter(f"w{i}" for i in range(100))
-    in_process = run_in_process(build_workload(num_requests, next(tags)))
+@dataclass(frozen=True, slots=True)
+class Way:
+    """One way of running the workload: a name, the requests it runs per round (the
+    slow ways run a smaller workload of the same shape) and the measurement."""
+
+    name: str
+    num_requests: int
+    measure: Callable[[Workload], Sample]
+
+
+@dataclass(slots=True)
+class Throughputs:
+    """The samples of every way, per round."""
+
+    samples: dict[str, list[Sample]] = field(default_factory=dict)
+
+    def add(self, name: str, sample: Sample) -> None:
+        self.samples.setdefault(name, []).append(sample)
+
+    def ops_s(self, name: str) -> float:
+        return statistics.median(s.ops_s for s in self.samples[name])
+
+    def cpu_us_per_op(self, name: str) -> float:
+        return statistics.median(s.cpu_us_per_op for s in self.samples[name])
+
+    def ratio(self, name: str, baseline: str) -> float:
+        """Median over rounds of (ops/s of the way / of the baseline in that round)."""
+        pairs = zip(self.samples[name], self.samples[baseline], strict=True)
+        return statistics.median(a.ops_s / b.ops_s for a, b in pairs)
+
+    def cpu_ratio(self, name: str, baseline: str) -> float:
+        """Median over rounds of (the baseline's CPU per op / the way's, client and
+        server together): the throughput ratio on an otherwise idle machine with one
+        core per process."""
+        pairs = zip(self.samples[name], self.samples[baseline], strict=True)
+        return statistics.median(b.cpu_us_per_op / a.cpu_us_per_op for a, b in pairs)
+
+
+IN_PROCESS = "in-process: Allocator calls"
+BACKEND = "in-process: InProcessBackend"
+
+
+def _ways(
+    meter: Meter,
+    num_requests: int,
+    stub: pb_grpc.KVCacheServiceStub,
+    client: KVClient,
+    target: str,
+    runner: asyncio.Runner,
+) -> list[Way]:
+    few = max(WAVE, num_requests // 8)
+    ways = [
+        Way(IN_PROCESS, num_requests, partial(run_in_process, meter)),
+        Way(BACKEND, num_requests, partial(run_backend, meter)),
+        Way(
+            "in-process Step path, 256 ops",
+            num_requests,
+            partial(run_step_in_process, meter, size=256),
+        ),
+        Way("unary, 1 op per call", few, partial(unary_ops, meter, stub)),
+    ]
+    for size in (64, 256):
+        ways.append(
+            Way(
+                f"Step, {size} ops per call",
+                num_requests,
+                partial(step_ops, meter, stub, size=size),
+            )
+        )
+    ways.append(
+        Way(
+            "Step 256 via KVClient+StepBuilder",
+            num_requests,
+            partial(client_step_ops, meter, client, size=256),
+        )
+    )
+    for size in (1, 64, 256):
+        n = few if size == 1 else num_requests
+        ways.append(
+            Way(
+                f"StepStream, {size} ops per message",
+                n,
+                partial(_run_stream, meter, runner, target, size=size),
+            )
+        )
+    return ways
+
+
+async def _open_aio_channel(target: str) -> grpc.aio.Channel:
+    # Opened on the runner's loop, which every later call on it runs on.
+    return grpc.aio.insecure_channel(target)
+
+
+def _aio_echo(
+    runner: asyncio.Runner, channel: grpc.aio.Channel
+) -> Callable[[bytes, int], list[float]]:
+    call = channel.unary_unary(ECHO_METHOD)
+
+    async def timed(payload: bytes, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            start = time.perf_counter()
+            await call(payload)
+            out.append(time.perf_counter() - start)
+        return out
+
+    return lambda payload, n: runner.run(timed(payload, n))
+
+
+def run(num_requests: int, latency_samples: int, rounds: int, event_loop: str) -> None:
     num_ops = len(build_workload(num_requests, "x").ops)
     print(
         f"workload: {num_requests} requests, {num_ops} operations "
         f"(prompt {PROMPT_LEN}, {DECODE_STEPS} decode steps, waves of {WAVE}); "
-        f"pool {NUM_BLOCKS} blocks; server event loop {event_loop}"
+        f"pool {NUM_BLOCKS} blocks; server event loop {event_loop}; {rounds} rounds"
     )
-    with (
-        server_process(event_loop) as target,
-        grpc.insecure_channel(target) as channel,
-        echo_process(event_loop) as echo_target,
-        grpc.insecure_channel(echo_target) as echo_channel,
-    ):
+    tags = (f"w{i}" for i in range(1_000_000))
+    with ExitStack() as stack:
+        target, server_pid = stack.enter_context(server_process(event_loop))
+        echo_target, tcp_port = stack.enter_context(echo_process(event_loop))
+        channel = stack.enter_context(grpc.insecure_channel(target))
+        echo_channel = stack.enter_context(grpc.insecure_channel(echo_target))
+        runner = stack.enter_context(asyncio.Runner(loop_factory=loop_factory(event_loop)))
+        aio_channel = runner.run(_open_aio_channel(echo_target))
+        stack.callback(lambda: runner.run(aio_channel.close()))
+        client = stack.enter_context(KVClient(target))
+        tcp = stack.enter_context(socket.create_connection(("127.0.0.1", tcp_port)))
+        tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         stub = pb_grpc.KVCacheServiceStub(channel)
         stub.GetUsage(pb.GetUsageRequest(), wait_for_ready=True)
         echo = echo_channel.unary_unary(ECHO_METHOD)
         echo(b"", wait_for_ready=True)
-        unary_latency(stub, echo, 200)  # warm-up
-        lat = unary_latency(stub, echo, latency_samples)
-        rows = [("in-process (Allocator calls)", in_process)]
-        rows.append(
-            (
-                "in-process Step path, 256 ops",
-                run_step_in_process(build_workload(num_requests, next(tags)), 256),
-            )
-        )
-        rows.append(
-            ("unary, 1 op per call", unary_ops(stub, build_workload(num_requests, next(tags))))
-        )
-        for size in (64, 256):
-            rows.append(
-                (
-                    f"Step, {size} ops per call",
-                    step_ops(stub, build_workload(num_requests, next(tags)), size),
-                )
-            )
-        for size in (1, 64, 256):
-            ops_s = asyncio.run(stream_ops(target, build_workload(num_requests, next(tags)), size))
-            rows.append((f"StepStream, {size} ops per message", ops_s))
-        in_process = (in_process + run_in_process(build_workload(num_requests, next(tags)))) / 2
-        rows[0] = (rows[0][0], in_process)
-    floor = pct(lat.echo, 0.5)
-    print(f"\nunary latency (blocking stub, {len(lat.allocate)} calls each, interleaved):")
-    for name, samples in (
-        ("raw grpc echo (floor)", lat.echo),
-        ("AllocateSlots", lat.allocate),
-        ("GetUsage", lat.usage),
-    ):
+        floors = Floors(echo, _aio_echo(runner, aio_channel), tcp)
+        unary_latency(stub, floors, 200)  # warm-up
+        ways = _ways(Meter(server_pid), num_requests, stub, client, target, runner)
+        for way in ways:  # warm-up (connections, caches), not reported
+            way.measure(build_workload(WAVE, next(tags)))
+        latencies: dict[str, list[float]] = {name: [] for name in LATENCY_ROWS}
+        throughputs = Throughputs()
+        for r in range(rounds):
+            for name, samples in unary_latency(stub, floors, latency_samples // rounds).items():
+                latencies[name] += samples
+            # Each round starts at another way, so none always runs first (right after
+            # the latency rounds) or last.
+            shift = r % len(ways)
+            for way in ways[shift:] + ways[:shift]:
+                throughputs.add(way.name, way.measure(build_workload(way.num_requests, next(tags))))
+    _report(latencies, throughputs)
+
+
+def _report(latencies: dict[str, list[float]], throughputs: Throughputs) -> None:
+    floor = pct(latencies["grpc echo (floor)"], 0.5)
+    num = len(latencies["AllocateSlots"])
+    print(f"\nunary latency ({num} calls each, interleaved in rounds of 100; blocking stub):")
+    for name, samples in latencies.items():
         over = (
             ""
-            if samples is lat.echo
-            else f", p50 over the floor {(pct(samples, 0.5) - floor) * 1e6:+.0f} us"
+            if "echo" in name
+            else f", p50 over the grpc floor {(pct(samples, 0.5) - floor) * 1e6:+.0f} us"
         )
         print(
-            f"  {name:<22} p50 {pct(samples, 0.5) * 1e6:.0f} us, "
-            f"p99 {pct(samples, 0.99) * 1e6:.0f} us, "
-            f"mean {statistics.fmean(samples) * 1e6:.0f} us{over}"
+            f"  {name:<24} p50 {pct(samples, 0.5) * 1e6:6.0f} us, "
+            f"p99 {pct(samples, 0.99) * 1e6:6.0f} us, "
+            f"mean {statistics.fmean(samples) * 1e6:6.0f} us{over}"
         )
-    print(f"\n{'way':<34}{'ops/s':>12}{'vs in-process':>16}")
-    for name, ops_s in rows:
-        print(f"{name:<34}{ops_s:>12,.0f}{ops_s / in_process:>15.2f}x")
+    print(
+        f"\n{'way':<36}{'ops/s':>9}{'vs Alloc':>10}{'vs Backend':>12}"
+        f"{'CPU us/op':>11}{'CPU vs Alloc':>14}"
+    )
+    for name in throughputs.samples:
+        print(
+            f"{name:<36}{throughputs.ops_s(name):>9,.0f}"
+            f"{throughputs.ratio(name, IN_PROCESS):>9.2f}x"
+            f"{throughputs.ratio(name, BACKEND):>11.2f}x"
+            f"{throughputs.cpu_us_per_op(name):>11.1f}"
+            f"{throughputs.cpu_ratio(name, IN_PROCESS):>13.2f}x"
+        )
+    print(
+        "ops/s and CPU: medians over rounds; ratios: medians over rounds of the ratio in "
+        "each round.\nCPU us/op: this process's CPU plus the server's, per operation; "
+        "'CPU vs Alloc' = in-process CPU per op / the way's."
+    )
 
 
 def profile(num_requests: int) -> None:
@@ -418,8 +736,9 @@ def profile(num_requests: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=640, help="requests per workload")
+    parser.add_argument("--requests", type=int, default=320, help="requests per workload")
     parser.add_argument("--latency-samples", type=int, default=2000)
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
     parser.add_argument("--profile", action="store_true", help="profile Step in-process")
     parser.add_argument(
         "--event-loop",
@@ -434,7 +753,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.profile:
         profile(args.requests)
     else:
-        run(args.requests, args.latency_samples, args.event_loop)
+        run(args.requests, args.latency_samples, args.rounds, args.event_loop)
     return 0
 
 

@@ -14,6 +14,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kvservice.bench import cli as bench_cli
+from kvservice.bench import demo
 from kvservice.core.errors import KVCacheError
 from kvservice.server.app import serve
 from kvservice.server.log import configure_logging
@@ -91,11 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for option in OPTIONS:
         _add_option(run, option)
+    bench_cli.add_parser(commands)
+    demo.add_parser(commands)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        return bench_cli.main(args)
+    if args.command == "demo":
+        return demo.main(args)
     try:
         settings = load_settings(vars(args), os.environ, args.config)
     except SettingsError as err:

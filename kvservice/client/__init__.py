@@ -9,7 +9,7 @@ scheduling step; ``client.session()`` runs steps over one long-lived stream;
 them).
 """
 
-from kvservice.client.aio import AsyncKVClient, AsyncSession
+from kvservice.client.aio import AsyncKVClient, AsyncLease, AsyncSession
 from kvservice.client.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -33,10 +33,11 @@ from kvservice.client.events import (
     KVEvent,
 )
 from kvservice.client.step import OpHandle, StepBuilder, StepResults
-from kvservice.client.sync import KVClient, Session
+from kvservice.client.sync import KVClient, Lease, Session
 from kvservice.client.types import (
     AllocateOptions,
     Allocation,
+    AuditReport,
     BlockIds,
     CacheConfig,
     ComputedBlocks,
@@ -56,7 +57,9 @@ __all__ = [
     "AllocateOptions",
     "Allocation",
     "AsyncKVClient",
+    "AsyncLease",
     "AsyncSession",
+    "AuditReport",
     "BlockIds",
     "BlockRemoved",
     "BlockStored",
@@ -74,6 +77,7 @@ __all__ = [
     "KVClient",
     "KVEvent",
     "KVServiceError",
+    "Lease",
     "MultiModalFeature",
     "NotRunError",
     "OpHandle",

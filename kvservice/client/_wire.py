@@ -86,6 +86,8 @@ def _allocation(msg: pb.AllocateSlotsResponse) -> Allocation | None:
         tuple(msg.block_ids_to_zero),
         request_state(msg.request),
         tuple(msg.block_ids_zeroed),
+        tuple((c.src_block_id, c.dst_block_id) for c in msg.block_copies_to_apply),
+        tuple((c.src_block_id, c.dst_block_id) for c in msg.block_copies_applied),
     )
 
 

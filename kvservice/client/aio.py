@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import uuid
 from collections.abc import AsyncGenerator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -17,6 +19,7 @@ from kvservice.client.step import StepBuilder, StepResults
 from kvservice.client.types import (
     AllocateOptions,
     Allocation,
+    AuditReport,
     BlockIds,
     CacheConfig,
     ComputedBlocks,
@@ -35,9 +38,86 @@ T = TypeVar("T")
 DEFAULT_TARGET = "127.0.0.1:50051"
 
 
-def call_metadata(client_id: str | None) -> tuple[tuple[str, str], ...]:
+Metadata = tuple[tuple[str, str], ...]
+SESSION_KEY = "x-kvservice-session"
+OPERATION_ID_KEY = "x-kvservice-operation-id"
+# Calls that change the pool: with retries on, each carries an operation id, so the
+# server applies a retried one once.
+MUTATING_RPCS = frozenset(
+    {
+        "AddRequest",
+        "AppendTokens",
+        "GetComputedBlocks",
+        "AllocateSlots",
+        "FreeRequest",
+        "ResetPrefixCache",
+        "Step",
+    }
+)
+# Failures after which the call may or may not have run: retried with the same id.
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+RETRY_BACKOFF_S = 0.05
+# A lease is renewed this many times per TTL, so one lost KeepAlive does not end it.
+RENEWALS_PER_TTL = 3
+# Answers to KeepAlive after which renewing again is pointless.
+LEASE_LOST_CODES = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION})
+
+
+def call_metadata(client_id: str | None) -> Metadata:
     """The metadata sent with every call: ``x-client-id`` names the scheduler."""
     return (("x-client-id", client_id),) if client_id else ()
+
+
+def bearer_metadata(token: str | None) -> Metadata:
+    """``authorization: Bearer <token>`` for a server with a tokens file; sent with
+    every call, streams included. Over plaintext only on loopback: use TLS elsewhere."""
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def channel_credentials(
+    tls: bool,
+    root_certificates: bytes | None,
+    certificate_chain: bytes | None,
+    private_key: bytes | None,
+) -> Any:
+    """``grpc.ChannelCredentials`` for TLS, or None for plaintext. TLS is on with
+    ``tls`` or any PEM given: ``root_certificates`` checks the server (the system's
+    roots when None); ``certificate_chain`` and ``private_key`` (together) are the
+    client's own certificate for a server that requires mutual TLS."""
+    if (certificate_chain is None) != (private_key is None):
+        raise ValueError("certificate_chain and private_key go together (mutual TLS)")
+    if not tls and root_certificates is None and certificate_chain is None:
+        return None
+    return grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
+
+
+def with_operation_id(metadata: Metadata, rpc: str, retries: int) -> Metadata:
+    """``metadata`` plus a fresh operation id for a mutating call when retries are on
+    (the id is the same on every attempt of the call)."""
+    if retries and rpc in MUTATING_RPCS:
+        return (*metadata, (OPERATION_ID_KEY, uuid.uuid4().hex))
+    return metadata
+
+
+def retry_delay(attempt: int) -> float:
+    """Exponential backoff before retry ``attempt`` (0-based)."""
+    delay: float = RETRY_BACKOFF_S * 2**attempt
+    return delay
+
+
+def audit_report(msg: pb.AuditResponse) -> AuditReport:
+    return AuditReport(
+        ok=msg.ok,
+        violations=tuple(msg.violations),
+        num_free_blocks=msg.num_free_blocks,
+        num_held_blocks=msg.num_held_blocks,
+        num_cached_blocks=msg.num_cached_blocks,
+        num_requests=msg.num_requests,
+        num_sessions=msg.num_sessions,
+        num_owned_requests=msg.num_owned_requests,
+        current_epoch=msg.current_epoch,
+        duration_s=msg.duration_seconds,
+    )
 
 
 class AsyncKVClient:
@@ -46,6 +126,16 @@ class AsyncKVClient:
     Values come back as the dataclasses of ``kvservice.client.types``; ``allocate_slots``
     answers None when there is no room, as vLLM does; refusals raise the typed errors
     of ``kvservice.client.errors``. Use it as an async context manager, or ``close()``.
+
+    ``retries`` (opt-in, 0 by default): mutating calls carry an operation id and are
+    sent again, up to that many times with backoff, after UNAVAILABLE or
+    DEADLINE_EXCEEDED; the server applies each at most once. ``open_session`` binds
+    the client to a server session whose lease it renews in the background.
+
+    Security: ``token`` is sent as ``authorization: Bearer <token>`` with every call
+    and stream. ``tls=True`` or any PEM turns on TLS: ``root_certificates`` to check
+    the server (the system roots when None), ``certificate_chain`` and
+    ``private_key`` for a server that requires client certificates (mutual TLS).
     """
 
     def __init__(
@@ -54,12 +144,29 @@ class AsyncKVClient:
         *,
         client_id: str | None = None,
         timeout: float | None = 30.0,
+        retries: int = 0,
+        token: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
     ) -> None:
-        self._channel = grpc.aio.insecure_channel(target)
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        credentials = channel_credentials(tls, root_certificates, certificate_chain, private_key)
+        self._channel = (
+            grpc.aio.insecure_channel(target)
+            if credentials is None
+            else grpc.aio.secure_channel(target, credentials)
+        )
         self._stub = pb_grpc.KVCacheServiceStub(self._channel)
-        self._metadata = call_metadata(client_id)
+        self._base_metadata = call_metadata(client_id) + bearer_metadata(token)
+        self._metadata = self._base_metadata
         self._timeout = timeout
+        self._retries = retries
         self._step_ids = itertools.count(1)
+        # The session this client's calls run under (``open_session``), if any.
+        self._lease: AsyncLease | None = None
 
     async def __aenter__(self) -> AsyncKVClient:
         return self
@@ -73,15 +180,28 @@ class AsyncKVClient:
         await self.close()
 
     async def close(self) -> None:
+        """Close the channel; an open session is left to run out (its requests are
+        freed then), as if the client had crashed: close the lease first to end it."""
+        if self._lease is not None:
+            await self._lease.stop_renewing()
         await self._channel.close()
 
     async def _call(self, op: _wire.Op[T]) -> T:
-        method = getattr(self._stub, op.rpc)
-        try:
-            response = await method(op.message, metadata=self._metadata, timeout=self._timeout)
-        except grpc.aio.AioRpcError as err:
-            raise error_from_rpc(err) from None
-        return op.parse(response)
+        return op.parse(await self._invoke(op.rpc, op.message))
+
+    async def _invoke(self, rpc: str, message: Any) -> Any:
+        """One unary call, retried (with one operation id) when ``retries`` allows."""
+        method = getattr(self._stub, rpc)
+        metadata = with_operation_id(self._metadata, rpc, self._retries)
+        attempt = 0
+        while True:
+            try:
+                return await method(message, metadata=metadata, timeout=self._timeout)
+            except grpc.aio.AioRpcError as err:
+                if attempt >= self._retries or err.code() not in RETRYABLE_CODES:
+                    raise error_from_rpc(err) from None
+            await asyncio.sleep(retry_delay(attempt))
+            attempt += 1
 
     async def add_request(
         self,
@@ -154,13 +274,45 @@ class AsyncKVClient:
     async def step(self, builder: StepBuilder, *, stop_on_error: bool = False) -> StepResults:
         """Run the builder's operations as one ``Step`` call."""
         request = builder.to_pb(next(self._step_ids), stop_on_error)
-        try:
-            response = await self._stub.Step(
-                request, metadata=self._metadata, timeout=self._timeout
-            )
-        except grpc.aio.AioRpcError as err:
-            raise error_from_rpc(err) from None
-        return StepResults(response)
+        return StepResults(await self._invoke("Step", request))
+
+    async def audit(self) -> AuditReport:
+        """Have the server check every invariant of its pool (O(pool size))."""
+        return audit_report(await self._invoke("Audit", pb.AuditRequest()))
+
+    async def open_session(
+        self, ttl_s: float = 0.0, *, epoch: int = 0, client_name: str = ""
+    ) -> AsyncLease:
+        """Open a server session (``ttl_s`` 0: the server's default lease) and send its
+        id with every later call of this client; the lease is renewed in the
+        background until the handle is closed. Requests added from now on are owned
+        by the session: the server frees them if the lease runs out. A session opened
+        before stops being renewed. Raises
+        ``FailedPreconditionError`` when a newer ``epoch`` has taken over."""
+        response = await self._invoke(
+            "OpenSession",
+            pb.OpenSessionRequest(ttl_seconds=ttl_s, client_name=client_name, epoch=epoch),
+        )
+        if self._lease is not None:
+            # One session per client: the previous one is no longer renewed.
+            await self._lease.stop_renewing()
+        self._metadata = (*self._base_metadata, (SESSION_KEY, response.session_id))
+        self._lease = AsyncLease(self, response.session_id, epoch, response.ttl_seconds)
+        self._lease.start()
+        return self._lease
+
+    async def _keep_alive(self, session_id: str) -> None:
+        await self._invoke("KeepAlive", pb.KeepAliveRequest(session_id=session_id))
+
+    async def _close_session(self, session_id: str, free_requests: bool) -> int:
+        if self._lease is not None and self._lease.session_id == session_id:
+            self._metadata, self._lease = self._base_metadata, None
+        response = await self._invoke(
+            "CloseSession",
+            pb.CloseSessionRequest(session_id=session_id, free_requests=free_requests),
+        )
+        freed: int = response.num_requests_freed
+        return freed
 
     async def subscribe_events(
         self, from_sequence: int = 0, log_id: str = ""
@@ -251,3 +403,57 @@ class AsyncSession:
     def cancel(self) -> None:
         """Drop the stream at once."""
         self._call.cancel()
+
+
+class AsyncLease:
+    """An open server session (``AsyncKVClient.open_session``): a task renews its
+    lease every third of its TTL. ``lost`` holds the error that ended the lease on
+    the server's side (expired, or a newer epoch took over), None while it holds.
+    ``close()`` ends it (``async with`` closes it too)."""
+
+    def __init__(self, client: AsyncKVClient, session_id: str, epoch: int, ttl_s: float) -> None:
+        self.session_id = session_id
+        self.epoch = epoch
+        self.ttl_s = ttl_s
+        self.lost: KVServiceError | None = None
+        self._client = client
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._renew())
+
+    async def __aenter__(self) -> AsyncLease:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(self.ttl_s / RENEWALS_PER_TTL)
+            try:
+                await self._client._keep_alive(self.session_id)
+            except KVServiceError as err:
+                if err.code in LEASE_LOST_CODES:
+                    self.lost = err
+                    return
+                # Unreachable for now: keep trying while the lease may still hold.
+
+    async def stop_renewing(self) -> None:
+        """Stop the background renewal (the lease then runs out on the server)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def close(self, free_requests: bool = True) -> int:
+        """Stop renewing and end the session; with ``free_requests`` the server frees
+        (FINISH) every request it owns. Returns how many it freed."""
+        await self.stop_renewing()
+        return await self._client._close_session(self.session_id, free_requests)

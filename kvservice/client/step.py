@@ -60,7 +60,8 @@ class StepBuilder:
 
     def _add(self, op: _wire.Op[T]) -> OpHandle[T]:
         index = len(self._request.ops)
-        getattr(self._request.ops.add(), op.field).CopyFrom(op.message)
+        # One call that copies the message into the new operation's oneof field.
+        self._request.ops.add(**{op.field: op.message})
         return OpHandle(index, op.parse)
 
     def to_pb(self, step_id: int = 0, stop_on_error: bool = False) -> pb.StepRequest:

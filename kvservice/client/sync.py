@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import queue
+import threading
+import time
 from collections.abc import Generator, Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
@@ -11,13 +13,26 @@ from typing import Any, TypeVar
 import grpc
 
 from kvservice.client import _wire
-from kvservice.client.aio import DEFAULT_TARGET, call_metadata
-from kvservice.client.errors import ServiceUnavailableError, error_from_rpc
+from kvservice.client.aio import (
+    DEFAULT_TARGET,
+    LEASE_LOST_CODES,
+    RENEWALS_PER_TTL,
+    RETRYABLE_CODES,
+    SESSION_KEY,
+    audit_report,
+    bearer_metadata,
+    call_metadata,
+    channel_credentials,
+    retry_delay,
+    with_operation_id,
+)
+from kvservice.client.errors import KVServiceError, ServiceUnavailableError, error_from_rpc
 from kvservice.client.events import EventStreamItem, StreamDecoder
 from kvservice.client.step import StepBuilder, StepResults
 from kvservice.client.types import (
     AllocateOptions,
     Allocation,
+    AuditReport,
     BlockIds,
     CacheConfig,
     ComputedBlocks,
@@ -36,7 +51,8 @@ T = TypeVar("T")
 
 
 class KVClient:
-    """A blocking connection to one kvservice server; see ``AsyncKVClient``."""
+    """A blocking connection to one kvservice server; see ``AsyncKVClient`` (the
+    same ``retries`` and ``open_session``; the lease is renewed by a daemon thread)."""
 
     def __init__(
         self,
@@ -44,12 +60,29 @@ class KVClient:
         *,
         client_id: str | None = None,
         timeout: float | None = 30.0,
+        retries: int = 0,
+        token: str | None = None,
+        tls: bool = False,
+        root_certificates: bytes | None = None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
     ) -> None:
-        self._channel = grpc.insecure_channel(target)
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        credentials = channel_credentials(tls, root_certificates, certificate_chain, private_key)
+        self._channel = (
+            grpc.insecure_channel(target)
+            if credentials is None
+            else grpc.secure_channel(target, credentials)
+        )
         self._stub = pb_grpc.KVCacheServiceStub(self._channel)
-        self._metadata = call_metadata(client_id)
+        self._base_metadata = call_metadata(client_id) + bearer_metadata(token)
+        self._metadata = self._base_metadata
         self._timeout = timeout
+        self._retries = retries
         self._step_ids = itertools.count(1)
+        # The session this client's calls run under (``open_session``), if any.
+        self._lease: Lease | None = None
 
     def __enter__(self) -> KVClient:
         return self
@@ -63,15 +96,28 @@ class KVClient:
         self.close()
 
     def close(self) -> None:
+        """Close the channel; an open session is left to run out (see
+        ``AsyncKVClient.close``)."""
+        if self._lease is not None:
+            self._lease.stop_renewing()
         self._channel.close()
 
     def _call(self, op: _wire.Op[T]) -> T:
-        method = getattr(self._stub, op.rpc)
-        try:
-            response = method(op.message, metadata=self._metadata, timeout=self._timeout)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err) from None
-        return op.parse(response)
+        return op.parse(self._invoke(op.rpc, op.message))
+
+    def _invoke(self, rpc: str, message: Any) -> Any:
+        """One unary call, retried (with one operation id) when ``retries`` allows."""
+        method = getattr(self._stub, rpc)
+        metadata = with_operation_id(self._metadata, rpc, self._retries)
+        attempt = 0
+        while True:
+            try:
+                return method(message, metadata=metadata, timeout=self._timeout)
+            except grpc.RpcError as err:
+                if attempt >= self._retries or err.code() not in RETRYABLE_CODES:
+                    raise error_from_rpc(err) from None
+            time.sleep(retry_delay(attempt))
+            attempt += 1
 
     def add_request(
         self,
@@ -144,11 +190,38 @@ class KVClient:
     def step(self, builder: StepBuilder, *, stop_on_error: bool = False) -> StepResults:
         """Run the builder's operations as one ``Step`` call."""
         request = builder.to_pb(next(self._step_ids), stop_on_error)
-        try:
-            response = self._stub.Step(request, metadata=self._metadata, timeout=self._timeout)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err) from None
-        return StepResults(response)
+        return StepResults(self._invoke("Step", request))
+
+    def audit(self) -> AuditReport:
+        """Have the server check every invariant of its pool (O(pool size))."""
+        return audit_report(self._invoke("Audit", pb.AuditRequest()))
+
+    def open_session(self, ttl_s: float = 0.0, *, epoch: int = 0, client_name: str = "") -> Lease:
+        """Open a server session bound to this client; see
+        ``AsyncKVClient.open_session``."""
+        response = self._invoke(
+            "OpenSession",
+            pb.OpenSessionRequest(ttl_seconds=ttl_s, client_name=client_name, epoch=epoch),
+        )
+        if self._lease is not None:
+            self._lease.stop_renewing()
+        self._metadata = (*self._base_metadata, (SESSION_KEY, response.session_id))
+        self._lease = Lease(self, response.session_id, epoch, response.ttl_seconds)
+        self._lease.start()
+        return self._lease
+
+    def _keep_alive(self, session_id: str) -> None:
+        self._invoke("KeepAlive", pb.KeepAliveRequest(session_id=session_id))
+
+    def _close_session(self, session_id: str, free_requests: bool) -> int:
+        if self._lease is not None and self._lease.session_id == session_id:
+            self._metadata, self._lease = self._base_metadata, None
+        response = self._invoke(
+            "CloseSession",
+            pb.CloseSessionRequest(session_id=session_id, free_requests=free_requests),
+        )
+        freed: int = response.num_requests_freed
+        return freed
 
     def subscribe_events(
         self, from_sequence: int = 0, log_id: str = ""
@@ -231,3 +304,53 @@ class Session:
         """Drop the stream at once."""
         self._outbound.put(_CLOSE)
         self._responses.cancel()
+
+
+class Lease:
+    """An open server session on the blocking API (``KVClient.open_session``): a
+    daemon thread renews the lease every third of its TTL; see ``AsyncLease``."""
+
+    def __init__(self, client: KVClient, session_id: str, epoch: int, ttl_s: float) -> None:
+        self.session_id = session_id
+        self.epoch = epoch
+        self.ttl_s = ttl_s
+        self.lost: KVServiceError | None = None
+        self._client = client
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(
+            target=self._renew, name=f"kvservice-lease-{session_id[:8]}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _renew(self) -> None:
+        while not self._stopping.wait(self.ttl_s / RENEWALS_PER_TTL):
+            try:
+                self._client._keep_alive(self.session_id)
+            except KVServiceError as err:
+                if err.code in LEASE_LOST_CODES:
+                    self.lost = err
+                    return
+
+    def stop_renewing(self) -> None:
+        """Stop the background renewal (the lease then runs out on the server)."""
+        self._stopping.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def close(self, free_requests: bool = True) -> int:
+        """Stop renewing and end the session; see ``AsyncLease.close``."""
+        self.stop_renewing()
+        return self._client._close_session(self.session_id, free_requests)

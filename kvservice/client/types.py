@@ -63,12 +63,19 @@ class Allocation:
     When the pool needs zeroing, the fresh blocks are in ``block_ids_to_zero`` (the
     caller's worker must zero them before use) or, when the server's co-located runtime
     owns the KV tensors, in ``block_ids_zeroed`` (already zeroed when this arrived).
+
+    A prefix hit ending inside a block gets a private copy of that block: the copies
+    ``(src_block_id, dst_block_id)`` are in ``block_copies_to_apply`` (the worker
+    copies after zeroing, before the model writes) or ``block_copies_applied`` (the
+    server's runtime already did).
     """
 
     new_block_ids: BlockIds
     block_ids_to_zero: tuple[int, ...]
     request: RequestState
     block_ids_zeroed: tuple[int, ...] = ()
+    block_copies_to_apply: tuple[tuple[int, int], ...] = ()
+    block_copies_applied: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,3 +172,19 @@ class CacheConfig:
     # The server's co-located runtime zeroes fresh blocks itself (and on which device).
     blocks_zeroed_by_server: bool = False
     runtime_device: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AuditReport:
+    """What the server's audit of its pool found (``ok`` when nothing is broken)."""
+
+    ok: bool
+    violations: tuple[str, ...]
+    num_free_blocks: int
+    num_held_blocks: int
+    num_cached_blocks: int
+    num_requests: int
+    num_sessions: int
+    num_owned_requests: int
+    current_epoch: int
+    duration_s: float

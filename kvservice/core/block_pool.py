@@ -225,8 +225,11 @@ class BlockPool:
             block = blocks[i]
             if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
                 continue
+            if block.block_hash is not None:
+                # Only a partial entry of this very block may precede its full key.
+                self._drop_partial_key(block, (i + 1) * block_size)
             key = hashes[i] + gid_suffix
-            block.set_block_hash(key)
+            block.set_block_hash(key, (i + 1) * block_size)
             insert(key, block)
             if self.enable_kv_cache_events:
                 stored.append(hashes[i])
@@ -242,6 +245,81 @@ class BlockPool:
                 block_size,
                 kv_cache_group_id,
             )
+
+    def cache_partial_block(
+        self,
+        request: Request,
+        block: KVCacheBlock,
+        num_tokens: int,
+        kv_cache_group_id: int,
+        block_size: int,
+    ) -> BlockHashWithGroupId | None:
+        """Register ``block`` as the cache entry of the prefix ending at ``num_tokens``,
+        a hash boundary inside the block (a partial entry, for partial-block hits).
+
+        A shorter partial entry of the block is replaced; a block already registered
+        for as many tokens or more is left alone (None). The null block is never
+        registered (None).
+        """
+        if block.is_null:
+            return None
+        hbs = self.hash_block_size
+        assert block_size > hbs and num_tokens % hbs == 0 and num_tokens % block_size != 0, (
+            f"a partial entry ends on a hash boundary inside a block, got {num_tokens} tokens "
+            f"(block {block_size}, hash block {hbs})"
+        )
+        current = block.block_hash_num_tokens
+        if block.block_hash is not None:
+            if current is None or current >= num_tokens:
+                return None
+            self._drop_partial_key(block, num_tokens)
+        fine_index = num_tokens // hbs - 1
+        key = make_block_hash_with_group_id(request.block_hashes[fine_index], kv_cache_group_id)
+        block.set_block_hash(key, num_tokens)
+        self.cached_block_hash_to_block.insert(key, block)
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(
+                BlockStored(
+                    block_hashes=[request.block_hashes[fine_index]],
+                    parent_block_hash=request.block_hashes[fine_index - 1] if fine_index else None,
+                    token_ids=request.all_token_ids[num_tokens - hbs : num_tokens],
+                    block_size=hbs,
+                    lora_id=None,
+                    medium=MEDIUM_GPU,
+                    lora_name=request.lora_name,
+                    extra_keys=None,
+                    group_idx=kv_cache_group_id,
+                )
+            )
+        return key
+
+    def _drop_partial_key(self, block: KVCacheBlock, new_num_tokens: int) -> None:
+        """Remove ``block``'s partial entry before it is registered for a longer prefix."""
+        current = block.block_hash_num_tokens
+        assert current is not None and current < new_num_tokens, (
+            f"block {block.block_id} is already cached for {current} tokens; it cannot be "
+            f"registered again for {new_num_tokens}"
+        )
+        self._maybe_evict_cached_block(block)
+
+    def move_block_hashes(self, src: KVCacheBlock, dst: KVCacheBlock) -> None:
+        """Re-point ``src``'s cache entry at ``dst`` (which will receive a copy of its
+        content), so that ``src`` can be written again. No events: the cached content
+        stays the same."""
+        key = src.block_hash
+        assert key is not None and dst.block_hash is None and not dst.is_null
+        num_tokens = src.block_hash_num_tokens
+        popped = self.cached_block_hash_to_block.pop(key, src.block_id)
+        assert popped is src, f"block {src.block_id} carries a key the map does not file"
+        src.reset_hash()
+        dst.set_block_hash(key, num_tokens)
+        self.cached_block_hash_to_block.insert(key, dst)
+
+    @staticmethod
+    def is_block_writable(block: KVCacheBlock) -> bool:
+        """Whether one request may write into ``block`` in place: it alone holds it and
+        it is no prefix-cache entry."""
+        return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
 
     def _emit_block_stored(
         self,

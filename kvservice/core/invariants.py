@@ -50,8 +50,10 @@ def _queued_blocks(manager: KVCacheManager) -> list[KVCacheBlock]:
 
 def check_invariants(manager: KVCacheManager) -> None:
     """Raise ``InvariantViolationError`` unless every block is either free (ref 0, queued
-    exactly once) or owned (ref = number of block-table entries holding it), and the
-    hash map and the blocks' hashes agree."""
+    exactly once) or owned (ref = number of block-table entries holding it plus the
+    holds kept for copy-on-write copies), the hash map and the blocks' hashes agree, a
+    copy's ends stay held until the copy is taken, and no block a request may still
+    write into is shared."""
     pool = manager.block_pool
     null = pool.null_block
     if not null.is_null or null.block_id != 0 or null.block_hash is not None:
@@ -61,15 +63,17 @@ def check_invariants(manager: KVCacheManager) -> None:
     if null.block_id in queued_ids:
         _fail("the null block is in the free queue")
 
-    holders: Counter[int] = Counter()
+    table_holders: Counter[int] = Counter()
     for group_id, single in enumerate(manager.coordinator.single_type_managers):
         for request_id, blocks in single.req_to_blocks.items():
             ids = [b.block_id for b in blocks if not b.is_null]
             if len(ids) != len(set(ids)):
                 _fail(f"group {group_id}: request {request_id!r} holds a block twice: {ids}")
-            holders.update(ids)
+            table_holders.update(ids)
             if single.num_cached_block.get(request_id, 0) > len(blocks):
                 _fail(f"group {group_id}: request {request_id!r} caches more blocks than it holds")
+    _check_writable_blocks_unshared(manager, table_holders)
+    holders = table_holders + _copy_holds(manager, queued_ids)
 
     for block in pool.blocks[1:]:
         if block.is_null:
@@ -85,6 +89,39 @@ def check_invariants(manager: KVCacheManager) -> None:
             )
 
     _check_hash_map(manager)
+
+
+def _copy_holds(manager: KVCacheManager, queued_ids: set[int]) -> Counter[int]:
+    """The references held for copies: queued ones (their ends must stay out of the
+    free queue, so neither is handed to a new owner before the copy is taken) and
+    taken ones whose holds the caller has not released yet."""
+    holds: Counter[int] = Counter(manager.retained_holds)
+    for group_id, single in enumerate(manager.coordinator.single_type_managers):
+        holds.update(b.block_id for b in single.copy_holds)
+        for src, dst in single.pending_cow_copies:
+            if src.is_null or dst.is_null or src is dst:
+                _fail(f"group {group_id}: copy {src.block_id} -> {dst.block_id} is malformed")
+            for end in (src, dst):
+                if end.ref_cnt < 1 or end.block_id in queued_ids:
+                    _fail(
+                        f"group {group_id}: block {end.block_id} of the pending copy "
+                        f"{src.block_id} -> {dst.block_id} is free before the copy was taken"
+                    )
+    return holds
+
+
+def _check_writable_blocks_unshared(manager: KVCacheManager, table_holders: Counter[int]) -> None:
+    """A block at or past a request's cached prefix may still be written by it, so no
+    other block-table entry may hold it (a hit ending inside a block gets a copy)."""
+    for group_id, single in enumerate(manager.coordinator.single_type_managers):
+        for request_id, blocks in single.req_to_blocks.items():
+            for block in blocks[single.num_cached_block.get(request_id, 0) :]:
+                if not block.is_null and table_holders[block.block_id] > 1:
+                    _fail(
+                        f"group {group_id}: block {block.block_id}, which request "
+                        f"{request_id!r} may still write, is shared by "
+                        f"{table_holders[block.block_id]} block-table entries"
+                    )
 
 
 def _check_hash_map(manager: KVCacheManager) -> None:

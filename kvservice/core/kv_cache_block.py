@@ -38,6 +38,7 @@ class KVCacheBlock:
 
     __slots__ = (
         "_block_hash",
+        "_block_hash_num_tokens",
         "block_id",
         "is_null",
         "next_free_block",
@@ -49,6 +50,7 @@ class KVCacheBlock:
         self.block_id = block_id
         self.ref_cnt = 0
         self._block_hash: BlockHashWithGroupId | None = None
+        self._block_hash_num_tokens: int | None = None
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
         self.is_null = False
@@ -57,14 +59,24 @@ class KVCacheBlock:
     def block_hash(self) -> BlockHashWithGroupId | None:
         return self._block_hash
 
-    def set_block_hash(self, block_hash: BlockHashWithGroupId) -> None:
+    @property
+    def block_hash_num_tokens(self) -> int | None:
+        """Length of the prefix the hash fingerprints: a block boundary, or a hash
+        boundary inside the block for a partial entry (None when unknown)."""
+        return self._block_hash_num_tokens
+
+    def set_block_hash(
+        self, block_hash: BlockHashWithGroupId, num_tokens: int | None = None
+    ) -> None:
         assert self._block_hash is None, (
             f"block {self.block_id} already has a hash; a block is cached once between resets"
         )
         self._block_hash = block_hash
+        self._block_hash_num_tokens = num_tokens
 
     def reset_hash(self) -> None:
         self._block_hash = None
+        self._block_hash_num_tokens = None
 
     def __repr__(self) -> str:
         # Neighbour ids, not neighbours: printing the objects would recurse the list.

@@ -25,6 +25,7 @@ from kvservice.core.kv_cache_interface import (
     SlidingWindowSpec,
 )
 from kvservice.core.single_type_kv_cache_manager import (
+    BlockCopy,
     HitBlocks,
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
@@ -80,12 +81,14 @@ def _validate_mamba(group_id: int, spec: MambaSpec, enable_caching: bool) -> Non
     if enable_caching and spec.mamba_cache_mode == "none":
         raise InvalidArgumentError(
             f"KV cache group {group_id} is Mamba with mamba_cache_mode 'none', which keeps no "
-            f"prefix-cache states; use mamba_cache_mode 'all' or set enable_caching=False"
+            f"prefix-cache states; with enable_caching=True mamba_cache_mode must be one of "
+            f"['align', 'all'] (or set enable_caching=False)"
         )
     if not enable_caching and spec.mamba_cache_mode != "none":
         raise InvalidArgumentError(
             f"KV cache group {group_id} has mamba_cache_mode {spec.mamba_cache_mode!r}, which "
-            f"needs prefix caching; set enable_caching=True or mamba_cache_mode 'none'"
+            f"needs prefix caching; with enable_caching=False mamba_cache_mode must be one "
+            f"of ['none'] (or set enable_caching=True)"
         )
 
 
@@ -194,6 +197,9 @@ class KVCacheCoordinator(ABC):
         num_encoder_tokens: int,
         total_computed_tokens: int,
         apply_admission_cap: bool = False,
+        *,
+        num_local_computed_tokens: int | None = None,
+        num_tokens_main_model: int | None = None,
     ) -> int:
         """Blocks the allocation will take from the free queue, summed over groups."""
         total = 0
@@ -205,7 +211,13 @@ class KVCacheCoordinator(ABC):
             else:
                 hits = new_computed_blocks[i] if new_computed_blocks else ()
                 total += manager.get_num_blocks_to_allocate(
-                    request_id, num_tokens, hits, total_computed_tokens, apply_admission_cap
+                    request_id,
+                    num_tokens,
+                    hits,
+                    total_computed_tokens,
+                    apply_admission_cap,
+                    num_local_computed_tokens=num_local_computed_tokens,
+                    num_tokens_main_model=num_tokens_main_model,
                 )
         return total
 
@@ -234,14 +246,33 @@ class KVCacheCoordinator(ABC):
                 )
 
     def allocate_new_blocks(
-        self, request_id: str, num_tokens: int, num_encoder_tokens: int = 0
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_encoder_tokens: int = 0,
+        num_tokens_main_model: int | None = None,
     ) -> tuple[list[KVCacheBlock], ...]:
         return tuple(
-            manager.allocate_new_blocks(
-                request_id, num_encoder_tokens if self._is_cross_attention[i] else num_tokens
-            )
+            manager.allocate_new_blocks(request_id, num_encoder_tokens)
+            if self._is_cross_attention[i]
+            else manager.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
             for i, manager in enumerate(self.single_type_managers)
         )
+
+    def take_pending_cow_copies(self) -> tuple[list[BlockCopy], list[KVCacheBlock]]:
+        """Every group's queued copies and the blocks held for them (see
+        ``SingleTypeKVCacheManager.take_pending_cow_copies``)."""
+        copies: list[BlockCopy] = []
+        holds: list[KVCacheBlock] = []
+        for manager in self.single_type_managers:
+            group_copies, group_holds = manager.take_pending_cow_copies()
+            copies += group_copies
+            holds += group_holds
+        return copies, holds
+
+    def pending_copy_destinations(self) -> set[int]:
+        """Blocks whose content arrives by a copy not yet taken by the runtime."""
+        return {dst.block_id for m in self.single_type_managers for _, dst in m.pending_cow_copies}
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         boundaries = self.get_reachable_boundaries(request)
@@ -338,6 +369,9 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         num_encoder_tokens: int,
         total_computed_tokens: int,
         apply_admission_cap: bool = False,
+        *,
+        num_local_computed_tokens: int | None = None,
+        num_tokens_main_model: int | None = None,
     ) -> int:
         return self._manager.get_num_blocks_to_allocate(
             request_id,
@@ -345,12 +379,18 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
             new_computed_blocks[0] if new_computed_blocks else (),
             total_computed_tokens,
             apply_admission_cap,
+            num_local_computed_tokens=num_local_computed_tokens,
+            num_tokens_main_model=num_tokens_main_model,
         )
 
     def allocate_new_blocks(
-        self, request_id: str, num_tokens: int, num_encoder_tokens: int = 0
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_encoder_tokens: int = 0,
+        num_tokens_main_model: int | None = None,
     ) -> tuple[list[KVCacheBlock], ...]:
-        return (self._manager.allocate_new_blocks(request_id, num_tokens),)
+        return (self._manager.allocate_new_blocks(request_id, num_tokens, num_tokens_main_model),)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         self._manager.cache_blocks(
@@ -378,8 +418,10 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
 
 
 class HybridKVCacheCoordinator(KVCacheCoordinator):
-    """Several groups (full attention, sliding window, chunked local) that must agree on
-    one hit length, a multiple of every group's block size (the scheduler block size).
+    """Several groups (full attention, sliding window, chunked local, Mamba) that must
+    agree on one hit length, a multiple of every group's block size (the scheduler
+    block size), or, with partial-block hits (``enable_partial_hash_hits``), of the
+    hash block size: such a hit may end inside a block, which the request then copies.
 
     Groups with equal specs are searched together. Full attention goes first: its
     left-to-right hit is the tightest first bound, and since its hits are downward
@@ -388,10 +430,31 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     """
 
     def _setup(self) -> None:
-        self.alignment_tokens = self.scheduler_block_size
+        self.enable_partial_hash_hits = self._partial_hash_hits_possible()
+        hash_block_size = self.block_pool.hash_block_size
+        self.alignment_tokens = (
+            hash_block_size if self.enable_partial_hash_hits else self.scheduler_block_size
+        )
         for manager in self.single_type_managers:
             manager.cache_hit_alignment_tokens = self.alignment_tokens
+            manager.partial_hits = self.enable_partial_hash_hits
         self.attention_groups = self._split_attention_groups()
+
+    def _partial_hash_hits_possible(self) -> bool:
+        """Partial-block hits, as vLLM 0.33 enables them: a Mamba "align" group whose
+        block is larger than the hash block, and every group able to look hits up per
+        hash block (full attention, Mamba) or with blocks of one hash block."""
+        hash_block_size = self.block_pool.hash_block_size
+        managers = self.single_type_managers
+        has_fine_mamba = any(
+            isinstance(m.kv_cache_spec, MambaSpec)
+            and m.kv_cache_spec.mamba_cache_mode == "align"
+            and m.block_size > hash_block_size
+            for m in managers
+        )
+        return has_fine_mamba and all(
+            m.supports_fine_grained_hash_lookup or m.block_size == hash_block_size for m in managers
+        )
 
     def _split_attention_groups(self) -> list[_SpecGroup]:
         groups: list[_SpecGroup] = []
@@ -440,14 +503,22 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 spec = group.spec
                 is_full = isinstance(spec, FullAttentionSpec)
                 if is_full and group.group_ids[0] in full_hit_length:
+                    # Hits are downward closed: a shorter candidate only trims them (to
+                    # a block boundary, or to a hash boundary with partial hits).
                     candidate = min(candidate, full_hit_length[group.group_ids[0]])
-                    candidate -= candidate % spec.block_size
+                    candidate -= candidate % min(spec.block_size, self.alignment_tokens)
                     continue
                 max_length = candidate
                 if group.use_eagle and not is_full:
-                    # Match one block past the candidate, then give it back: the drop
-                    # lands on the candidate instead of one block below it.
-                    max_length = min(candidate + spec.block_size, max_cache_hit_length)
+                    # Match one unit past the candidate, then give it back: the drop
+                    # lands on the candidate instead of one unit below it.
+                    margin = (
+                        self.alignment_tokens
+                        if self.enable_partial_hash_hits
+                        and group.manager_cls.supports_fine_grained_hash_lookup
+                        else spec.block_size
+                    )
+                    max_length = min(candidate + margin, max_cache_hit_length)
                 lists, length = group.manager_cls.find_longest_cache_hit(
                     block_hashes,
                     max_length,
@@ -474,14 +545,17 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 for gid in group.group_ids:
                     full_hits = hits_by_group[gid]
                     assert full_hits is not None
-                    del full_hits[hit_length // group.spec.block_size :]
+                    del full_hits[-(-hit_length // group.spec.block_size) :]
         result = tuple(hits if hits is not None else [] for hits in hits_by_group)
         return result, hit_length, longest - hit_length
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         # Hits end on scheduler-block boundaries, so a block past the last one is useless,
         # except to an EAGLE group: it needs the block after the boundary for its drop.
-        aligned = num_computed_tokens - num_computed_tokens % self.scheduler_block_size
+        # With partial hits any hash boundary can end a hit: cache everything.
+        aligned = num_computed_tokens
+        if not self.enable_partial_hash_hits:
+            aligned -= num_computed_tokens % self.scheduler_block_size
         boundaries = self.get_reachable_boundaries(request)
         for manager in self.single_type_managers:
             if manager.use_eagle:

@@ -175,7 +175,7 @@ class CrossAttentionSpec(AttentionSpec):
         return cdiv(self.max_num_encoder_input_tokens, self.block_size) * self.page_size_bytes
 
 
-MAMBA_CACHE_MODES = ("none", "all")
+MAMBA_CACHE_MODES = ("none", "align", "all")
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,8 +184,12 @@ class MambaSpec(KVCacheSpec):
 
     A block holds the state after its last token. ``mamba_cache_mode``: "none" keeps
     only the live state (no prefix caching; usually ``block_size = max_model_len``);
-    "all" keeps the state at every block boundary as a prefix-cache entry. Speculative
-    decoding adds ``num_speculative_blocks`` state blocks per request.
+    "all" keeps the state at every block boundary as a prefix-cache entry; "align"
+    keeps only the states of steps that end on a block boundary (the scheduler splits
+    chunks there), holding one state block per request plus the previous one, and with
+    a hash block smaller than the block it also keeps mid-block states, which enables
+    partial-block prefix hits. Speculative decoding adds ``num_speculative_blocks``
+    state blocks per request.
     """
 
     shapes: tuple[tuple[int, ...], ...] = ()
@@ -200,7 +204,7 @@ class MambaSpec(KVCacheSpec):
         if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
             raise InvalidArgumentError(
                 f"mamba_cache_mode {self.mamba_cache_mode!r} is not supported; use one of "
-                f"{list(MAMBA_CACHE_MODES)} (vLLM's 'align' mode is not implemented yet)"
+                f"{list(MAMBA_CACHE_MODES)}"
             )
         if self.num_speculative_blocks < 0:
             raise InvalidArgumentError(
@@ -230,6 +234,9 @@ class MambaSpec(KVCacheSpec):
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         if self.mamba_cache_mode == "all":
             return cdiv(max_model_len, self.block_size) * self.page_size_bytes
+        if self.mamba_cache_mode == "align":
+            # The state being written and the previous boundary's state it started from.
+            return (2 + self.num_speculative_blocks) * self.page_size_bytes
         return (1 + self.num_speculative_blocks) * self.page_size_bytes
 
 

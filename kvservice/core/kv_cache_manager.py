@@ -8,12 +8,14 @@ runs before anything is committed, so a refused call leaves no trace.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvservice.core.allocation_checks import AllocationChecker
 from kvservice.core.block_hashing import BlockHasher, MultiModalFeature
 from kvservice.core.errors import (
+    FailedPreconditionError,
     InvalidArgumentError,
 )
 from kvservice.core.kv_cache_block import KVCacheBlock
@@ -54,6 +56,25 @@ class KVCacheBlocks:
 
 
 _WAITING_STATES = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheBlockCopy:
+    """A copy-on-write copy for the runtime: block ``dst_block_id`` must receive the
+    content of ``src_block_id`` after zeroing and before the model writes into it."""
+
+    src_block_id: int
+    dst_block_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheBlockCopies:
+    """The answer of ``KVCacheManager.take_kv_cache_block_copies``: the copies, and the
+    blocks held so that neither end of a copy is recycled before it is applied. Pass
+    ``retained_blocks`` to ``free_retained_blocks`` once the copies are applied."""
+
+    copies: list[KVCacheBlockCopy]
+    retained_blocks: list[KVCacheBlock]
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +173,8 @@ class KVCacheManager:
             )
             for g in groups
         ]
+        # Block id -> holds handed out by take_kv_cache_block_copies, not yet released.
+        self._retained_holds: Counter[int] = Counter()
         self.checker = AllocationChecker(
             max_model_len,
             [
@@ -256,8 +279,10 @@ class KVCacheManager:
         tokens a KV connector will load; new = tokens to compute; lookahead = speculative
         slots (allocated, never hashed).
 
-        Returns the newly allocated blocks per group (never the hit blocks), or None when
-        the pool cannot take the request now; None changes no state. Blocks that fill up
+        Returns the newly allocated blocks per group (never the hit blocks; a private
+        copy of a hit block that the hit ends inside comes first), or None when the pool
+        cannot take the request now, or when a hit block's content still awaits a copy
+        not yet taken (the request retries next step); None changes no state. Blocks that fill up
         are hashed into the prefix cache now, up to ``request.num_tokens`` (draft tokens
         that may be rejected are never cached), unless ``delay_cache_blocks``.
 
@@ -293,11 +318,19 @@ class KVCacheManager:
         num_tokens_main_model = total_computed_tokens + num_new_tokens
         num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
 
+        if hits and self._hits_await_copy(hits):
+            return None
         # Free what has slid out of view before counting, so the request may cover its
         # need with memory it just released. Safe even if the request is refused below.
         coordinator.remove_skipped_blocks(request_id, total_computed_tokens)
         num_required = coordinator.get_num_blocks_to_allocate(
-            request_id, num_tokens_need_slot, hits, num_encoder_tokens, total_computed_tokens
+            request_id,
+            num_tokens_need_slot,
+            hits,
+            num_encoder_tokens,
+            total_computed_tokens,
+            num_local_computed_tokens=num_local_computed_tokens,
+            num_tokens_main_model=num_tokens_main_model,
         )
         if num_required + watermark_blocks > block_pool.get_num_free_blocks() - reserved_blocks:
             return None
@@ -307,13 +340,52 @@ class KVCacheManager:
                 request_id, hits, num_local_computed_tokens, num_external_computed_tokens
             )
         new_blocks = coordinator.allocate_new_blocks(
-            request_id, num_tokens_need_slot, num_encoder_tokens
+            request_id, num_tokens_need_slot, num_encoder_tokens, num_tokens_main_model
         )
         self.checker.record_allocation(request_id, num_computed_tokens)
 
         if self.enable_caching and not delay_cache_blocks:
             coordinator.cache_blocks(request, min(num_tokens_main_model, request.num_tokens))
         return self.create_kv_cache_blocks(new_blocks)
+
+    def _hits_await_copy(self, hits: tuple[Sequence[KVCacheBlock], ...]) -> bool:
+        """Whether a hit block's content is still to arrive by a copy not yet taken (a
+        partial entry moved this step): such a hit waits for the next step, as vLLM
+        defers it."""
+        if not any(m.pending_cow_copies for m in self.coordinator.single_type_managers):
+            return False
+        pending = self.coordinator.pending_copy_destinations()
+        return any(block.block_id in pending for group in hits for block in group)
+
+    def take_kv_cache_block_copies(self) -> KVCacheBlockCopies:
+        """The copy-on-write copies queued since the last call, for the runtime.
+
+        Each copy's source and destination stay held (``retained_blocks``) until the
+        caller passes them to ``free_retained_blocks``, once the copies are applied:
+        as in vLLM 0.33, where the scheduler frees them after the copy's step.
+        """
+        copies, holds = self.coordinator.take_pending_cow_copies()
+        self._retained_holds.update(b.block_id for b in holds)
+        return KVCacheBlockCopies(
+            [KVCacheBlockCopy(src.block_id, dst.block_id) for src, dst in copies], holds
+        )
+
+    def free_retained_blocks(self, retained_blocks: Sequence[KVCacheBlock]) -> None:
+        """Release the holds of ``take_kv_cache_block_copies`` (last first, like a
+        request's blocks)."""
+        releasing = Counter(b.block_id for b in retained_blocks)
+        for block_id, count in releasing.items():
+            if self._retained_holds[block_id] < count:
+                raise FailedPreconditionError(
+                    f"block {block_id} is not held for a copy; retained blocks are released once"
+                )
+        self._retained_holds -= releasing  # also drops the counts reaching zero
+        self.block_pool.free_blocks(reversed(retained_blocks))
+
+    @property
+    def retained_holds(self) -> Counter[int]:
+        """Block id -> holds taken by ``take_kv_cache_block_copies`` not yet released."""
+        return self._retained_holds
 
     def _watermark_blocks_for(self, request: Request, has_scheduled_reqs: bool) -> int:
         # The watermark only guards admissions, and only when something else runs.
@@ -401,9 +473,16 @@ class KVCacheManager:
             self.coordinator.get_num_blocks_freed_by_skipping(request_id, total_computed_tokens)
         )
         num_required = self.coordinator.get_num_blocks_to_allocate(
-            request_id, num_tokens_need_slot, hits, num_encoder_tokens, total_computed_tokens
+            request_id,
+            num_tokens_need_slot,
+            hits,
+            num_encoder_tokens,
+            total_computed_tokens,
+            num_local_computed_tokens=num_computed_tokens + num_hit_tokens,
+            num_tokens_main_model=total_computed_tokens + num_new_tokens,
         )
         fits = fits and num_required + watermark_blocks <= num_free - reserved_blocks
+        fits = fits and not (hits and self._hits_await_copy(hits))
         return AllocationProbe(num_hit_tokens, num_new_tokens, num_required, num_free, fits)
 
     # -- freeing and bookkeeping --------------------------------------------------------

@@ -1,12 +1,22 @@
-"""The reference scheduler: vLLM's scheduling loop over a ``Backend`` (in-process or
-remote), and run traces that replay its allocator calls."""
+"""The reference scheduler: vLLM's scheduling loop over a ``Backend`` (in-process,
+remote unary, remote batched ``Step`` or ``StepStream``), and run traces that replay
+its allocator calls."""
 
 from kvservice.scheduler.backend import (
+    AllocatedIds,
     Backend,
     BlockIds,
     InProcessBackend,
+    PendingBlockIds,
     PrefixHit,
     RemoteBackend,
+    resolve_ids,
+)
+from kvservice.scheduler.batched import (
+    BatchingBackend,
+    PredictionError,
+    StepBackend,
+    StreamBackend,
 )
 from kvservice.scheduler.loop import (
     Policy,
@@ -27,16 +37,22 @@ from kvservice.scheduler.trace import (
 )
 
 __all__ = [
+    "AllocatedIds",
     "Backend",
+    "BatchingBackend",
     "BlockIds",
     "InProcessBackend",
+    "PendingBlockIds",
     "Policy",
+    "PredictionError",
     "PrefixHit",
     "RemoteBackend",
     "ScheduledRequest",
     "Scheduler",
     "SchedulerConfig",
+    "StepBackend",
     "StepRecord",
+    "StreamBackend",
     "Trace",
     "TraceEntry",
     "TraceMismatchError",
@@ -44,5 +60,6 @@ __all__ = [
     "check_replay",
     "read_trace",
     "replay",
+    "resolve_ids",
     "write_trace",
 ]

@@ -27,12 +27,44 @@ class PrefixHit:
     shared_prefix_boundary: int = 0
 
 
+class PendingBlockIds:
+    """Block ids a batching backend will know once it sends the step (``flush``).
+
+    A batching backend answers an allocation it can prove will fit with this
+    placeholder instead of a round trip; the scheduler reads it after ``flush``.
+    """
+
+    __slots__ = ("_value",)
+
+    def __init__(self) -> None:
+        self._value: BlockIds | None = None
+
+    def set(self, value: BlockIds) -> None:
+        self._value = value
+
+    def get(self) -> BlockIds:
+        if self._value is None:
+            raise RuntimeError("block ids read before the step was flushed")
+        return self._value
+
+
+# An allocation's answer: the ids now, or once the step is flushed.
+AllocatedIds = BlockIds | PendingBlockIds
+
+
+def resolve_ids(ids: AllocatedIds) -> BlockIds:
+    """The block ids of an answer, pending or not (pending ones after ``flush``)."""
+    return ids.get() if isinstance(ids, PendingBlockIds) else ids
+
+
 class Backend(Protocol):
     """The allocator calls vLLM's scheduler makes, by request id.
 
-    ``allocate_slots`` answers the new block ids, or None for no room (nothing
-    changed); on success the backend advances the request's computed tokens by the
-    hit plus ``num_new_tokens``, as vLLM's scheduler does right after scheduling.
+    ``allocate_slots`` answers the new block ids (possibly pending until ``flush``),
+    or None for no room (nothing changed); on success the backend advances the
+    request's computed tokens by the hit plus ``num_new_tokens``, as vLLM's
+    scheduler does right after scheduling. ``flush`` ends a scheduling step: a
+    batching backend sends what it deferred; the others have nothing to do.
     """
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None: ...
@@ -46,13 +78,19 @@ class Backend(Protocol):
         hit: PrefixHit | None = None,
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
-    ) -> BlockIds | None: ...
+    ) -> AllocatedIds | None: ...
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None: ...
 
     def free(self, request_id: str, preempt: bool = False) -> None: ...
 
     def num_free_blocks(self) -> int: ...
+
+    def flush(self) -> None: ...
+
+    def prefetch_lookup(self, request_id: str) -> None:
+        """A hint: the scheduler's next call is this request's lookup if the next
+        allocation succeeds (a batching backend sends both together)."""
 
 
 def _ids(blocks: KVCacheBlocks) -> BlockIds:
@@ -125,6 +163,12 @@ class InProcessBackend:
     def num_free_blocks(self) -> int:
         return self.manager.block_pool.get_num_free_blocks()
 
+    def flush(self) -> None:
+        """Nothing is deferred in-process."""
+
+    def prefetch_lookup(self, request_id: str) -> None:
+        """Nothing to gain in-process."""
+
 
 class RemoteBackend:
     """A ``Backend`` over a kvservice server, one blocking RPC per call."""
@@ -167,3 +211,9 @@ class RemoteBackend:
 
     def num_free_blocks(self) -> int:
         return self.client.get_usage().num_free_blocks
+
+    def flush(self) -> None:
+        """Every call was already sent."""
+
+    def prefetch_lookup(self, request_id: str) -> None:
+        """One RPC per call: nothing to batch."""

@@ -17,7 +17,7 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvservice.scheduler.backend import Backend, BlockIds
+from kvservice.scheduler.backend import AllocatedIds, Backend, BlockIds, resolve_ids
 from kvservice.workloads.specs import RequestSpec
 
 
@@ -63,7 +63,9 @@ class StepRecord:
     finished: tuple[str, ...]
 
 
-@dataclass(slots=True)
+# Compared by identity: the queues find requests by ``is`` (comparing specs field by
+# field made queue scans quadratic in the prompt lengths).
+@dataclass(slots=True, eq=False)
 class _Tracked:
     """The scheduler's own state of one request (vLLM's scheduler-side ``Request``)."""
 
@@ -84,12 +86,31 @@ class _Tracked:
         return (self.spec.priority, self.spec.arrival_step, self.order)
 
 
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """A request's share of the step being built; its block ids may still be pending
+    on a batching backend until the step is flushed."""
+
+    request_id: str
+    num_new_tokens: int
+    num_hit_tokens: int
+    new_block_ids: AllocatedIds
+
+    def resolve(self) -> ScheduledRequest:
+        return ScheduledRequest(
+            self.request_id,
+            self.num_new_tokens,
+            self.num_hit_tokens,
+            resolve_ids(self.new_block_ids),
+        )
+
+
 @dataclass(slots=True)
 class _StepPlan:
     """The scheduled part of a step being built; dicts keep scheduling order."""
 
     token_budget: int
-    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
+    scheduled: dict[str, _Planned] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
 
 
@@ -124,12 +145,13 @@ class Scheduler:
         while not self.done:
             if len(records) >= max_steps:
                 raise RuntimeError(f"the workload did not finish in {max_steps} steps")
-            self._skip_idle_steps()
             records.append(self.step())
         return records
 
     def step(self) -> StepRecord:
-        """One scheduling iteration: arrivals, schedule, sample, finish."""
+        """One scheduling iteration: arrivals, schedule, sample, finish (the clock
+        first jumps to the next arrival when nothing is waiting or running)."""
+        self._skip_idle_steps()
         self._admit_arrivals()
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
         self._schedule_running(plan)
@@ -137,11 +159,21 @@ class Scheduler:
         if not plan.preempted:
             self._schedule_waiting(plan)
         finished = self._update_from_output(plan)
-        record = StepRecord(
-            self.step_index, tuple(plan.scheduled.values()), tuple(plan.preempted), finished
-        )
+        # A batching backend sends the whole step here; pending block ids resolve.
+        self.backend.flush()
+        scheduled = tuple(planned.resolve() for planned in plan.scheduled.values())
+        record = StepRecord(self.step_index, scheduled, tuple(plan.preempted), finished)
         self.step_index += 1
         return record
+
+    def abort_all(self) -> None:
+        """Free every request the backend knows (running, preempted or waiting), for a
+        run cut short; the pool ends as it would after the workload finished."""
+        for request in [*self.running, *self.waiting]:
+            self.backend.free(request.request_id)
+        self.running.clear()
+        self.waiting.clear()
+        self.backend.flush()
 
     # -- arrivals ---------------------------------------------------------------------
 
@@ -173,6 +205,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and plan.token_budget > 0:
             request = self.running[index]
+            num_preempted = len(plan.preempted)
             num_new_tokens = self._num_new_tokens(request, plan.token_budget)
             if num_new_tokens == 0:
                 index += 1
@@ -180,16 +213,19 @@ class Scheduler:
             new_block_ids = self._allocate_or_preempt(request, num_new_tokens, plan)
             if new_block_ids is None:
                 break  # the request preempted itself: nothing more fits this step
-            plan.scheduled[request.request_id] = ScheduledRequest(
+            plan.scheduled[request.request_id] = _Planned(
                 request.request_id, num_new_tokens, 0, new_block_ids
             )
             plan.token_budget -= num_new_tokens
-            # Preempting an already scheduled request shifted the list left by one.
-            index = self.running.index(request) + 1
+            if len(plan.preempted) == num_preempted:
+                index += 1
+            else:
+                # A preempted, already scheduled request shifted the list left.
+                index = self.running.index(request) + 1
 
     def _allocate_or_preempt(
         self, request: _Tracked, num_new_tokens: int, plan: _StepPlan
-    ) -> BlockIds | None:
+    ) -> AllocatedIds | None:
         """Allocate for a running request, preempting others until it fits; None when
         it had to preempt itself."""
         while True:
@@ -246,12 +282,13 @@ class Scheduler:
             plan.scheduled[request.request_id] = scheduled
             plan.token_budget -= scheduled.num_new_tokens
 
-    def _try_admit(self, request: _Tracked, token_budget: int) -> ScheduledRequest | None:
+    def _try_admit(self, request: _Tracked, token_budget: int) -> _Planned | None:
         hit = self.backend.get_computed_blocks(request.request_id)
         remaining = request.num_tokens - hit.num_computed_tokens
         if not self.config.enable_chunked_prefill and remaining > token_budget:
             return None
         num_new_tokens = min(remaining, token_budget)
+        self._hint_next_lookup(request, token_budget - num_new_tokens)
         new_block_ids = self.backend.allocate_slots(
             request.request_id,
             num_new_tokens,
@@ -262,9 +299,18 @@ class Scheduler:
         if new_block_ids is None:
             return None
         request.num_computed_tokens = hit.num_computed_tokens
-        return ScheduledRequest(
-            request.request_id, num_new_tokens, hit.num_computed_tokens, new_block_ids
-        )
+        return _Planned(request.request_id, num_new_tokens, hit.num_computed_tokens, new_block_ids)
+
+    def _hint_next_lookup(self, admitting: _Tracked, budget_left: int) -> None:
+        """Name the request ``_schedule_waiting`` looks up next if ``admitting`` gets in."""
+        if budget_left <= 0 or len(self.running) + 1 >= self.config.max_num_running_reqs:
+            return
+        if self.config.policy is Policy.PRIORITY:
+            others = [r for r in self.waiting if r is not admitting]
+            if others:
+                self.backend.prefetch_lookup(min(others, key=lambda r: r.preemption_key).request_id)
+        elif len(self.waiting) > 1:
+            self.backend.prefetch_lookup(self.waiting[1].request_id)
 
     # -- after the forward pass ---------------------------------------------------------
 

@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvservice.scheduler.backend import Backend, BlockIds, PrefixHit
+from kvservice.scheduler.backend import (
+    AllocatedIds,
+    Backend,
+    BlockIds,
+    PendingBlockIds,
+    PrefixHit,
+    resolve_ids,
+)
 
 TRACE_FORMAT = "kvservice-trace"
 TRACE_VERSION = 1
@@ -78,6 +85,8 @@ class TracingBackend:
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
         self.entries: list[TraceEntry] = []
+        # Entries whose answer a batching backend gives only at the next flush.
+        self._unresolved: list[tuple[int, PendingBlockIds]] = []
 
     def _record(self, op: str, args: dict[str, Any], result: Any = None) -> None:
         self.entries.append(TraceEntry(op, args, result))
@@ -100,7 +109,7 @@ class TracingBackend:
         hit: PrefixHit | None = None,
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
-    ) -> BlockIds | None:
+    ) -> AllocatedIds | None:
         new_block_ids = self.inner.allocate_slots(
             request_id, num_new_tokens, hit, num_lookahead_tokens, full_sequence_must_fit
         )
@@ -111,7 +120,11 @@ class TracingBackend:
             "num_lookahead_tokens": num_lookahead_tokens,
             "full_sequence_must_fit": full_sequence_must_fit,
         }
-        self._record("allocate_slots", args, _ids_to_json(new_block_ids))
+        if isinstance(new_block_ids, PendingBlockIds):
+            self._unresolved.append((len(self.entries), new_block_ids))
+            self._record("allocate_slots", args)
+        else:
+            self._record("allocate_slots", args, _ids_to_json(new_block_ids))
         return new_block_ids
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
@@ -126,6 +139,16 @@ class TracingBackend:
         num_free = self.inner.num_free_blocks()
         self._record("num_free_blocks", {}, num_free)
         return num_free
+
+    def prefetch_lookup(self, request_id: str) -> None:
+        self.inner.prefetch_lookup(request_id)  # a hint, not a call: not recorded
+
+    def flush(self) -> None:
+        self.inner.flush()
+        for index, pending in self._unresolved:
+            entry = self.entries[index]
+            self.entries[index] = TraceEntry(entry.op, entry.args, _ids_to_json(pending.get()))
+        self._unresolved.clear()
 
     def trace(self, meta: dict[str, Any] | None = None) -> Trace:
         """What was recorded so far."""
@@ -171,7 +194,9 @@ def _apply(backend: Backend, entry: TraceEntry) -> Any:
                 int(args["num_lookahead_tokens"]),
                 bool(args["full_sequence_must_fit"]),
             )
-            return _ids_to_json(new_block_ids)
+            if isinstance(new_block_ids, PendingBlockIds):
+                backend.flush()  # a batching backend: its answer comes with the send
+            return None if new_block_ids is None else _ids_to_json(resolve_ids(new_block_ids))
         case "append_tokens":
             backend.append_tokens(str(args["request_id"]), [int(t) for t in args["token_ids"]])
             return None

@@ -16,8 +16,9 @@ returns, or, inside ``batched()``, once when the batch ends (one zeroing for a w
 
 from __future__ import annotations
 
+import dataclasses
 import enum
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -31,16 +32,25 @@ from kvservice.core.errors import (
     RequestNotFoundError,
 )
 from kvservice.core.invariants import InvariantViolationError, check_invariants
-from kvservice.core.kv_cache_block import BlockHashWithGroupId
+from kvservice.core.kv_cache_block import BlockHashWithGroupId, KVCacheBlock
 from kvservice.core.kv_cache_manager import AllocationProbe, KVCacheBlocks, KVCacheManager
 from kvservice.core.kv_events import KVCacheEvent
 from kvservice.core.request import Request, RequestStatus
 from kvservice.core.stats import PrefixCacheStats
+from kvservice.server.caller import DEFAULT_TENANT, current_caller
 from kvservice.server.errors import AlreadyExistsError, StaleHitError
+from kvservice.server.tenancy import (
+    QuotaExceededError,
+    TenantLedger,
+    core_request_id,
+    tenant_cache_salt,
+)
 
 BlockIdsPerGroup = tuple[list[int], ...]
 # Receives the manager's KV events right after the change that caused them.
 EventSink = Callable[[list[KVCacheEvent]], None]
+# Told (tenant, reason) of every allocation refused for a tenant's quota.
+RefusalSink = Callable[[str, str], None]
 
 
 class FreeMode(enum.Enum):
@@ -119,13 +129,17 @@ class Allocation:
     Fresh blocks of a pool that needs zeroing are in exactly one list:
     ``block_ids_to_zero`` for a remote worker to zero (no runtime), or
     ``block_ids_zeroed`` when the co-located runtime zeroes them before the answer is
-    sent.
+    sent. Copy-on-write copies ``(src, dst)`` of a partial prefix hit likewise:
+    ``block_copies_to_apply`` (the worker applies them after zeroing, before the
+    model writes) or ``block_copies_applied`` (the runtime did, after zeroing).
     """
 
     request: Request
     new_block_ids: BlockIdsPerGroup | None
     block_ids_to_zero: list[int] = field(default_factory=list)
     block_ids_zeroed: list[int] = field(default_factory=list)
+    block_copies_to_apply: list[tuple[int, int]] = field(default_factory=list)
+    block_copies_applied: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +165,19 @@ class KVRuntime(Protocol):
         copies: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         """Zero fresh blocks, then apply copy-on-write ``(src, dst)`` copies."""
+        ...
+
+
+class RequestOwnership(Protocol):
+    """Learns which requests come and go (``sessions``: the caller's session owns
+    what it adds); called right after the change, on the allocator's loop."""
+
+    def adopt(self, request_id: str) -> None:
+        """``request_id`` was just added."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """``request_id`` was just finished (forgotten)."""
         ...
 
 
@@ -199,6 +226,8 @@ class Allocator:
         observer: AllocatorObserver | None = None,
         runtime: KVRuntime | None = None,
         events: EventSink | None = None,
+        quotas: Mapping[str, int] | None = None,
+        on_refusal: RefusalSink | None = None,
     ) -> None:
         if runtime is not None and not manager.kv_cache_config.needs_kv_cache_zeroing:
             # The core records fresh blocks only when zeroing is on; without the
@@ -213,8 +242,20 @@ class Allocator:
         self._events = events
         # Fresh blocks handed out inside a batch, zeroed once when it ends.
         self._to_zero: list[int] = []
+        # Copy-on-write copies of the batch (applied after the zeroing), and the blocks
+        # the core holds for them per owning tenant, released once they are applied or
+        # handed to the worker.
+        self._copies: list[tuple[int, int]] = []
+        self._retained: list[tuple[str, list[KVCacheBlock]]] = []
         self._requests: dict[str, Request] = {}
+        # Who owns each request (set by the server when sessions are on).
+        self.ownership: RequestOwnership | None = None
         self._hits: dict[str, _PrefixHit] = {}
+        # Blocks held per tenant, against ``quotas`` (tenant -> max_blocks).
+        self.tenants = TenantLedger(quotas)
+        # The named tenant of each request (the default tenant's are not listed).
+        self._tenant_of: dict[str, str] = {}
+        self._on_refusal = on_refusal
         self._prefix_cache_queries = 0
         self._prefix_cache_hits = 0
         # Inside ``batched()``: pool observations are held back (the prefix cache
@@ -226,10 +267,13 @@ class Allocator:
 
     # -- requests -------------------------------------------------------------------
 
-    def add_request(self, new: NewRequest) -> Request:
-        """Register a WAITING request; ALREADY_EXISTS for a known id."""
+    def add_request(self, new: NewRequest, tenant: str | None = None) -> Request:
+        """Register a WAITING request of ``tenant``; ALREADY_EXISTS for an id the
+        tenant already uses (another tenant's ids are no concern of it)."""
         rid = new.request_id
-        if rid in self._requests:
+        tenant = _tenant(tenant)
+        key = core_request_id(tenant, rid)
+        if key in self._requests:
             raise AlreadyExistsError(
                 f"request {rid!r} already exists; finish it (FreeRequest FINISH) before "
                 f"reusing its id"
@@ -241,20 +285,26 @@ class Allocator:
                     f"request {rid!r}: multimodal item at offset {f.offset} has no identifier"
                 )
         request = Request(
-            rid,
+            key,
             new.prompt_token_ids,
             self.manager.block_hasher,
-            cache_salt=new.cache_salt,
+            cache_salt=tenant_cache_salt(tenant, new.cache_salt),
             lora_name=new.lora_name,
             mm_features=new.mm_features,
             skip_reading_prefix_cache=new.skip_reading_prefix_cache,
         )
-        self._requests[rid] = request
+        self._requests[key] = request
+        if tenant != DEFAULT_TENANT:
+            self._tenant_of[key] = tenant
+        if self.ownership is not None:
+            self.ownership.adopt(rid)
         return request
 
-    def append_tokens(self, request_id: str, token_ids: list[int]) -> Request:
+    def append_tokens(
+        self, request_id: str, token_ids: list[int], tenant: str | None = None
+    ) -> Request:
         """Append sampled tokens (hashing the blocks they complete)."""
-        request = self._get(request_id)
+        request = self._get(request_id, tenant)
         self._check_new_tokens(request_id, token_ids, request.num_tokens, "token_ids")
         request.append_output_token_ids(token_ids)
         return request
@@ -278,8 +328,11 @@ class Allocator:
                 f"max_model_len {max_len}"
             )
 
-    def _get(self, request_id: str) -> Request:
-        request = self._requests.get(request_id)
+    def _get(self, request_id: str, tenant: str | None = None) -> Request:
+        # Another tenant's request answers exactly as an unknown id: no existence leak.
+        if tenant is None:
+            tenant = current_caller().tenant
+        request = self._requests.get(core_request_id(tenant, request_id) if tenant else request_id)
         if request is None:
             raise RequestNotFoundError(
                 f"request {request_id!r} is not known (never added, or finished); "
@@ -289,24 +342,31 @@ class Allocator:
 
     # -- lookup and allocation ------------------------------------------------------
 
-    def get_computed_blocks(self, request_id: str) -> ComputedBlocks:
+    def get_computed_blocks(self, request_id: str, tenant: str | None = None) -> ComputedBlocks:
         """The cached prefix of a waiting or preempted request, remembered for the
         next ``allocate_slots``. Side effect: records prefix cache stats."""
-        request = self._get(request_id)
+        request = self._get(request_id, tenant)
         if request.status == RequestStatus.RUNNING:
             raise FailedPreconditionError(
                 f"request {request_id!r} is running; prefix lookups are for waiting or "
                 f"preempted requests (free it with PREEMPT to re-admit it)"
             )
-        blocks, num_hit, boundary = self.manager.get_computed_blocks(request)
-        self._hits[request_id] = _PrefixHit.of(blocks)
+        try:
+            blocks, num_hit, boundary = self.manager.get_computed_blocks(request)
+        except KVCacheError as err:
+            raise _renamed(err, request.request_id, request_id) from None
+        self._hits[request.request_id] = _PrefixHit.of(blocks)
         self._after_change()
         return ComputedBlocks(blocks.get_block_ids(), num_hit, boundary)
 
-    def allocate_slots(self, request_id: str, args: AllocateArgs) -> Allocation:
-        """``allocate_slots`` for a known request; counts the outcome either way."""
+    def allocate_slots(
+        self, request_id: str, args: AllocateArgs, tenant: str | None = None
+    ) -> Allocation:
+        """``allocate_slots`` for a known request; counts the outcome either way.
+        RESOURCE_EXHAUSTED (nothing changed) when it would take ``tenant`` past its
+        block quota."""
         try:
-            allocation = self._allocate(request_id, args)
+            allocation = self._allocate(request_id, args, tenant)
         except KVCacheError:
             self._record(AllocationResult.INVALID)
             # A refusal changes nothing, but hand on anything the core queued anyway
@@ -319,19 +379,32 @@ class Allocator:
         self._after_change()
         return allocation
 
-    def _allocate(self, request_id: str, args: AllocateArgs) -> Allocation:
-        request = self._get(request_id)
+    def _allocate(self, request_id: str, args: AllocateArgs, tenant: str | None) -> Allocation:
+        request = self._get(request_id, tenant)
+        key = request.request_id
         self._check_num_computed_tokens(request_id, args.num_computed_tokens)
-        hit = self._hit_to_attach(request_id, args.new_computed_block_ids)
+        hit = self._hit_to_attach(request_id, args.new_computed_block_ids, key)
         previous = request.num_computed_tokens
         if args.num_computed_tokens is not None:
             request.num_computed_tokens = args.num_computed_tokens
-        new_blocks = self._call_allocate_slots(request, args, hit, previous)
+        owner = self._owner(key)
+        pool = self.manager.block_pool
+        free_before = pool.get_num_free_blocks()
+        try:
+            if self.tenants.has_quota(owner):
+                self._check_quota(request, request_id, owner, args, hit, previous)
+            new_blocks = self._call_allocate_slots(request, args, hit, previous)
+        except KVCacheError as err:
+            raise _renamed(err, key, request_id) from None
+        finally:
+            # Tenants never share a block, so the pool's loss is exactly the owner's gain
+            # (negative when blocks slid out of a window).
+            self.tenants.charge(owner, free_before - pool.get_num_free_blocks())
         if new_blocks is None:
             # No room changes nothing, the value set for this call included.
             request.num_computed_tokens = previous
             return Allocation(request, None)
-        self._hits.pop(request_id, None)
+        self._hits.pop(key, None)
         # vLLM's scheduler advances the count right after scheduling; the next call
         # sends num_computed_tokens only to correct it (rejected draft tokens).
         request.num_computed_tokens += (
@@ -339,26 +412,120 @@ class Allocator:
         )
         request.status = RequestStatus.RUNNING
         fresh = self.manager.take_new_block_ids()
+        copies = self._take_copies(owner)
         if self._runtime is None:
-            return Allocation(request, new_blocks.get_block_ids(), block_ids_to_zero=fresh)
+            if not self._batch_depth:
+                self._release_retained()
+            return Allocation(
+                request,
+                new_blocks.get_block_ids(),
+                block_ids_to_zero=fresh,
+                block_copies_to_apply=copies,
+            )
         self._to_zero.extend(fresh)
+        self._copies.extend(copies)
         if not self._batch_depth:
             self._apply_runtime()
-        return Allocation(request, new_blocks.get_block_ids(), block_ids_zeroed=fresh)
-
-    def probe(self, request_id: str, args: ProbeArgs) -> AllocationProbe:
-        """What a lookup plus ``allocate_slots`` would do now; changes nothing (no
-        references, LRU order and prefix cache stats untouched)."""
-        return self.manager.probe(
-            self._get(request_id),
-            args.num_new_tokens,
-            num_lookahead_tokens=args.num_lookahead_tokens,
-            num_external_computed_tokens=args.num_external_computed_tokens,
-            num_encoder_tokens=args.num_encoder_tokens,
-            full_sequence_must_fit=args.full_sequence_must_fit,
-            reserved_blocks=args.reserved_blocks,
-            has_scheduled_reqs=args.has_scheduled_reqs,
+        return Allocation(
+            request, new_blocks.get_block_ids(), block_ids_zeroed=fresh, block_copies_applied=copies
         )
+
+    def _take_copies(self, owner: str) -> list[tuple[int, int]]:
+        """The allocation's copy-on-write copies; the blocks held for them wait in
+        ``_retained`` until ``_release_retained``."""
+        taken = self.manager.take_kv_cache_block_copies()
+        if taken.retained_blocks:
+            self._retained.append((owner, taken.retained_blocks))
+        return [(c.src_block_id, c.dst_block_id) for c in taken.copies]
+
+    def _release_retained(self) -> None:
+        """Release the holds of copies now applied (runtime) or in answers on their way
+        to the worker, which applies each answer's copies before the model writes and
+        before it zeroes the blocks of a later answer; a released source may be reused
+        from then on. Charged to the tenant that took the copy."""
+        retained, self._retained = self._retained, []
+        pool = self.manager.block_pool
+        for owner, blocks in retained:
+            free_before = pool.get_num_free_blocks()
+            self.manager.free_retained_blocks(blocks)
+            self.tenants.charge(owner, free_before - pool.get_num_free_blocks())
+
+    def probe(self, request_id: str, args: ProbeArgs, tenant: str | None = None) -> AllocationProbe:
+        """What a lookup plus ``allocate_slots`` would do now; changes nothing (no
+        references, LRU order and prefix cache stats untouched). ``would_fit`` is also
+        false when the allocation would take the tenant past its block quota."""
+        request = self._get(request_id, tenant)
+        try:
+            probe = self.manager.probe(
+                request,
+                args.num_new_tokens,
+                num_lookahead_tokens=args.num_lookahead_tokens,
+                num_external_computed_tokens=args.num_external_computed_tokens,
+                num_encoder_tokens=args.num_encoder_tokens,
+                full_sequence_must_fit=args.full_sequence_must_fit,
+                reserved_blocks=args.reserved_blocks,
+                has_scheduled_reqs=args.has_scheduled_reqs,
+            )
+        except KVCacheError as err:
+            raise _renamed(err, request.request_id, request_id) from None
+        owner = self._owner(request.request_id)
+        if not probe.would_fit or not self.tenants.has_quota(owner):
+            return probe
+        # The probe counts blocks sliding out of view as free; they are the owner's.
+        freed = probe.num_free_blocks - self.manager.block_pool.get_num_free_blocks()
+        if self.tenants.fits(owner, probe.num_blocks_to_allocate - freed):
+            return probe
+        return dataclasses.replace(probe, would_fit=False)
+
+    def _check_quota(
+        self,
+        request: Request,
+        request_id: str,
+        tenant: str,
+        args: AllocateArgs,
+        hit: KVCacheBlocks | None,
+        previous: int,
+    ) -> None:
+        """Refuse (restoring ``num_computed_tokens``) an allocation that would take
+        ``tenant`` past its quota, counted with the core's own predictor: the blocks
+        it would take from the free queue, less those sliding out of view. The core's
+        argument checks run first, so a malformed call still answers its own status."""
+        manager = self.manager
+        hits = hit.blocks if hit is not None else ()
+        try:
+            manager.checker.check_allocation(
+                request,
+                request.num_computed_tokens,
+                args.num_new_tokens,
+                args.num_new_computed_tokens,
+                hits,
+                args.num_lookahead_tokens,
+                args.num_external_computed_tokens,
+                args.num_encoder_tokens,
+                args.reserved_blocks,
+            )
+            total_computed = (
+                request.num_computed_tokens
+                + args.num_new_computed_tokens
+                + args.num_external_computed_tokens
+            )
+            num_tokens = min(
+                total_computed + args.num_new_tokens + args.num_lookahead_tokens,
+                manager.max_model_len,
+            )
+            coordinator = manager.coordinator
+            needed = coordinator.get_num_blocks_to_allocate(
+                request.request_id, num_tokens, hits, args.num_encoder_tokens, total_computed
+            ) - coordinator.get_num_blocks_freed_by_skipping(request.request_id, total_computed)
+            self.tenants.check(tenant, request_id, needed)
+        except QuotaExceededError:
+            request.num_computed_tokens = previous
+            if self._on_refusal is not None:
+                self._on_refusal(tenant, "quota")
+            raise
+        except KVCacheError:
+            request.num_computed_tokens = previous
+            raise
 
     def _call_allocate_slots(
         self, request: Request, args: AllocateArgs, hit: KVCacheBlocks | None, previous: int
@@ -396,13 +563,14 @@ class Allocator:
             )
 
     def _hit_to_attach(
-        self, rid: str, block_ids: tuple[tuple[int, ...], ...]
+        self, rid: str, block_ids: tuple[tuple[int, ...], ...], key: str
     ) -> KVCacheBlocks | None:
-        """The remembered hit the client named, checked against what it was told and
-        against eviction since; None when the client attaches nothing."""
+        """The remembered hit the client named (``rid``, stored under ``key``),
+        checked against what it was told and against eviction since; None when the
+        client attaches nothing."""
         if not any(block_ids):
             return None
-        hit = self._hits.get(rid)
+        hit = self._hits.get(key)
         if hit is None:
             raise FailedPreconditionError(
                 f"request {rid!r}: new_computed_block_ids given but no prefix hit is "
@@ -423,20 +591,27 @@ class Allocator:
 
     # -- freeing and queries --------------------------------------------------------
 
-    def free(self, request_id: str, mode: FreeMode) -> Request:
+    def free(self, request_id: str, mode: FreeMode, tenant: str | None = None) -> Request:
         """Release the request's blocks; PREEMPT keeps it for re-prefill, FINISH
         forgets it."""
-        request = self._get(request_id)
+        request = self._get(request_id, tenant)
+        key = request.request_id
+        owner = self._owner(key)
         if mode is FreeMode.PREEMPT and request.status != RequestStatus.RUNNING:
             raise FailedPreconditionError(
                 f"request {request_id!r} is {request.status.name}; only a running request "
                 f"can be preempted (use FINISH to drop it)"
             )
-        self._hits.pop(request_id, None)
+        self._hits.pop(key, None)
         if mode is FreeMode.FINISH:
             request.status = RequestStatus.FINISHED
-            del self._requests[request_id]
+            del self._requests[key]
+            self._tenant_of.pop(key, None)
+            if self.ownership is not None:
+                self.ownership.release(request_id)
+        free_before = self.manager.block_pool.get_num_free_blocks()
         self.manager.free(request)
+        self.tenants.charge(owner, free_before - self.manager.block_pool.get_num_free_blocks())
         if mode is FreeMode.PREEMPT:
             request.preempt()
             if self._observer is not None:
@@ -444,16 +619,16 @@ class Allocator:
         self._after_change()
         return request
 
-    def get_request(self, request_id: str) -> Request:
-        """A known request; NOT_FOUND otherwise."""
-        return self._get(request_id)
+    def get_request(self, request_id: str, tenant: str | None = None) -> Request:
+        """A known request of ``tenant``; NOT_FOUND otherwise."""
+        return self._get(request_id, tenant)
 
-    def get_block_ids(self, request_id: str) -> BlockIdsPerGroup:
+    def get_block_ids(self, request_id: str, tenant: str | None = None) -> BlockIdsPerGroup:
         """The request's block table per group; empty lists before its first
         allocation."""
-        self._get(request_id)
+        key = self._get(request_id, tenant).request_id
         try:
-            return self.manager.get_block_ids(request_id)
+            return self.manager.get_block_ids(key)
         except RequestNotFoundError:
             # The manager learns of a request at its first allocation; to the service
             # it already exists and simply holds nothing.
@@ -487,6 +662,39 @@ class Allocator:
                 raise InvariantViolationError(
                     f"requests {orphans[:5]} hold blocks but are not known to the service"
                 )
+        self._audit_tenants()
+
+    def _audit_tenants(self) -> None:
+        """Each tenant's ledger count must equal the distinct blocks its requests
+        hold, and no block may be held by two tenants."""
+        holders: dict[int, str] = {}
+        for single in self.manager.coordinator.single_type_managers:
+            for key, blocks in single.req_to_blocks.items():
+                owner = self._owner(key)
+                for block in blocks:
+                    if block.is_null:
+                        continue
+                    other = holders.setdefault(block.block_id, owner)
+                    if other != owner:
+                        raise InvariantViolationError(
+                            f"block {block.block_id} is held by tenants {other!r} and {owner!r}"
+                        )
+        counted: dict[str, int] = {}
+        for owner in holders.values():
+            counted[owner] = counted.get(owner, 0) + 1
+        ledger = {t: n for t, n in self.tenants.snapshot().items() if n}
+        if counted != ledger:
+            raise InvariantViolationError(
+                f"blocks held per tenant {counted} do not match the quota ledger {ledger}"
+            )
+
+    def _owner(self, key: str) -> str:
+        """The tenant a core key belongs to."""
+        return self._tenant_of.get(key, DEFAULT_TENANT)
+
+    def tenant_blocks(self) -> dict[str, int]:
+        """Blocks held per tenant (a copy; safe to read from the metrics thread)."""
+        return self.tenants.snapshot()
 
     def usage(self) -> PoolUsage:
         manager = self.manager
@@ -532,18 +740,19 @@ class Allocator:
                 self._observer.record_pool(self.usage(), stats)
 
     def _apply_runtime(self) -> None:
-        """Zero the fresh blocks handed out since the last call, in one device op.
-
-        The core schedules no copy-on-write copies today (vLLM v1 shares only full,
-        immutable blocks), so none are passed; ``KVRuntime.apply`` takes them after
-        the zeroing when it does.
-        """
-        if self._runtime is None or not self._to_zero:
-            return
-        # Taken before applying: a device failure must not zero the same ids again
-        # inside a later answer (the failure itself answers INTERNAL).
-        to_zero, self._to_zero = self._to_zero, []
-        self._runtime.apply(to_zero, None)
+        """Zero the fresh blocks handed out since the last call, then apply the
+        copy-on-write copies (one ``KVRuntime.apply``), then release the blocks held
+        for the copies."""
+        try:
+            if self._runtime is None or not (self._to_zero or self._copies):
+                return
+            # Taken before applying: a device failure must not zero or copy the same ids
+            # again inside a later answer (the failure itself answers INTERNAL).
+            to_zero, self._to_zero = self._to_zero, []
+            copies, self._copies = self._copies, []
+            self._runtime.apply(to_zero, copies or None)
+        finally:
+            self._release_retained()
 
     def publish_events(self) -> None:
         """Hand the manager's pending KV events to the sink (none without one)."""
@@ -580,3 +789,18 @@ class Allocator:
     def _record(self, result: AllocationResult) -> None:
         if self._observer is not None:
             self._observer.record_allocation(result)
+
+
+def _tenant(tenant: str | None) -> str:
+    """``tenant``, or when None the tenant of the call running in this task (the
+    default tenant outside any call): the RPC boundary and the sessions' reaper set
+    it in ``caller.CURRENT_CALLER``."""
+    return current_caller().tenant if tenant is None else tenant
+
+
+def _renamed(err: KVCacheError, key: str, request_id: str) -> KVCacheError:
+    """``err`` as the client should read it: a core error about ``key`` (a named
+    tenant's core key) re-made to name ``request_id``, the id the client knows."""
+    if key == request_id or repr(key) not in str(err):
+        return err
+    return type(err)(str(err).replace(repr(key), repr(request_id)))

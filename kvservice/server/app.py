@@ -21,14 +21,24 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvservice.server.allocator import Allocator
+from kvservice.server.audit import Auditor, SelfCheck
+from kvservice.server.auth import AuthInterceptor, TokenTable, load_tokens_file
 from kvservice.server.config import ServerConfig, build_kv_cache_config, build_manager
 from kvservice.server.events import EventLog
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.server.idempotency import IdempotencyInterceptor, OperationCache
 from kvservice.server.interceptors import RpcInterceptor
 from kvservice.server.metrics import ClientTracker, KVCacheMetrics, MetricsEndpoint
 from kvservice.server.runtime import build_runtime, kv_cache_budget
 from kvservice.server.servicer import KVCacheServicer
+from kvservice.server.sessions import (
+    SessionInterceptor,
+    SessionPolicy,
+    SessionReaper,
+    SessionRegistry,
+)
+from kvservice.server.tls import check_bind, server_credentials
 
 if TYPE_CHECKING:  # only for annotations: importing gpu_runtime imports torch
     from gpu_runtime.runtime import KVCacheRuntime
@@ -93,6 +103,13 @@ class KVCacheServer:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        # Security settings first: a bad file or an unsafe bind fails startup before
+        # anything is allocated. ``tokens`` is None without a tokens file.
+        self.tokens: TokenTable | None = (
+            load_tokens_file(config.auth_tokens_file) if config.auth_tokens_file else None
+        )
+        self._credentials = server_credentials(config)
+        check_bind(config, has_tokens=self.tokens is not None)
         kv_cache_config = build_kv_cache_config(config, kv_cache_budget(config))
         manager = build_manager(config, kv_cache_config)
         self.runtime: KVCacheRuntime | None = (
@@ -115,9 +132,21 @@ class KVCacheServer:
             self.metrics,
             self.runtime,
             events=self.events.publish if self.events is not None else None,
+            quotas=self.tokens.quotas if self.tokens is not None else None,
+            on_refusal=self.metrics.record_refusal,
         )
         self.clients = ClientTracker()
+        # Sessions own requests (the registry hooks into the allocator); the reaper
+        # and the self-check run on the server's loop between start and stop.
+        self.sessions = SessionRegistry(self.allocator, SessionPolicy.of(config), self.metrics)
+        self.auditor = Auditor(self.allocator, self.sessions, self.metrics)
+        self._operations = OperationCache(config.idempotency_cache_size)
+        self._reaper = SessionReaper(self.sessions)
+        self._self_check = (
+            SelfCheck(self.auditor, config.audit_interval_s) if config.audit_interval_s else None
+        )
         self.metrics.watch(manager, lambda: self.allocator.num_requests, self.clients)
+        self.metrics.watch_tenants(self.allocator.tenant_blocks)
         self._health = health.aio.HealthServicer()
         self._server: Any = None
         self._metrics_endpoint: MetricsEndpoint | None = None
@@ -132,8 +161,18 @@ class KVCacheServer:
     async def start(self) -> ServerHandle:
         """Bind, start serving and report SERVING; returns where it listens."""
         config = self.config
-        interceptor = RpcInterceptor(SERVICE_NAME, self.metrics, self.clients)
-        server = grpc.aio.server(interceptors=[interceptor], options=_channel_options(config))
+        # Outermost first: RpcInterceptor turns the inner ones' refusals into statuses;
+        # sessions resolve the caller before idempotency scopes operation ids by it.
+        interceptors = [
+            RpcInterceptor(SERVICE_NAME, self.metrics, self.clients),
+            SessionInterceptor(SERVICE_NAME, self.sessions),
+            IdempotencyInterceptor(SERVICE_NAME, self._operations, self.metrics),
+        ]
+        if self.tokens is not None:
+            # Before all others: it sets the tenant they read, and a call it refuses
+            # reaches none of them, so it changes nothing.
+            interceptors.insert(0, AuthInterceptor(self.tokens, self.metrics.record_refusal))
+        server = grpc.aio.server(interceptors=interceptors, options=_channel_options(config))
         pb_grpc.add_KVCacheServiceServicer_to_server(
             KVCacheServicer(
                 self.allocator,
@@ -141,6 +180,8 @@ class KVCacheServer:
                 config.max_step_ops,
                 runtime_device=config.device if self.runtime is not None else "",
                 events=self.events,
+                sessions=self.sessions,
+                auditor=self.auditor,
             ),
             server,
         )
@@ -148,12 +189,20 @@ class KVCacheServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        address = f"{config.host}:{config.port}"
+        port = (
+            server.add_secure_port(address, self._credentials)
+            if self._credentials is not None
+            else server.add_insecure_port(address)
+        )
         await server.start()
         self._server = server
         metrics_port = self._start_metrics()
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._reaper.start()
+        if self._self_check is not None:
+            self._self_check.start()
         self._handle = ServerHandle(config.host, port, metrics_port, self.runtime)
         return self._handle
 
@@ -176,6 +225,9 @@ class KVCacheServer:
         config's by default), then close the metrics endpoint. Idempotent."""
         grace = self.config.shutdown_grace_s if grace is None else grace
         await self._health.enter_graceful_shutdown()
+        await self._reaper.stop()
+        if self._self_check is not None:
+            await self._self_check.stop()
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None

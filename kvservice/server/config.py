@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvservice.core.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from kvservice.core.errors import InvalidArgumentError
+from kvservice.core.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+)
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.kv_cache_sizing import check_enough_kv_cache_memory, kv_cache_config_from_memory
 
@@ -37,6 +43,12 @@ class ServerConfig:
     dtype: str = "bfloat16"
     hash_algo: str = "sha256"
     none_hash_seed: str | None = None
+    # Tokens per prefix-cache hash; 0: ``block_size``. It must divide every block size.
+    hash_block_size: int = 0
+    # A Mamba state group (mode "align", one layer, page padded to the attention page)
+    # of this block size beside the attention group; 0: none. With a hash block below
+    # its block size, prefix hits may end inside a block (copy-on-write copies).
+    mamba_block_size: int = 0
     enable_caching: bool = True
     needs_kv_cache_zeroing: bool = False
     model_name: str = "default"
@@ -63,6 +75,25 @@ class ServerConfig:
     kv_events_buffer_size: int = 100_000
     # Events one subscriber may fall behind by before it is dropped.
     kv_events_queue_size: int = 10_000
+    # Client sessions (``sessions``): the lease bounds OpenSession accepts, the lease
+    # granted for ttl_seconds = 0, and whether mutating calls need a session.
+    session_ttl_min_s: float = 1.0
+    session_ttl_max_s: float = 3600.0
+    session_ttl_default_s: float = 30.0
+    require_sessions: bool = False
+    # Seconds between the pool's periodic self-checks (``audit``); 0 disables them.
+    audit_interval_s: float = 60.0
+    # Operation ids remembered for idempotent retries (``idempotency``).
+    idempotency_cache_size: int = 10_000
+    # Security (``tls``, ``auth``): PEM files for TLS; a client CA turns on mutual TLS.
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = None
+    # TOML file of tenants, their bearer tokens, block quotas and rate limits; None:
+    # no authentication, every caller is the default tenant.
+    auth_tokens_file: str | None = None
+    # Serve a non-loopback address without TLS plus client authentication.
+    allow_insecure_bind: bool = False
 
     @property
     def has_runtime(self) -> bool:
@@ -89,14 +120,49 @@ def build_kv_cache_config(
         dtype=config.dtype,
     )
     layers = [f"model.layers.{i}.self_attn" for i in range(config.num_layers)]
+    groups = [KVCacheGroupSpec(layers, spec)]
+    _check_hash_block_size(config)
+    if config.mamba_block_size:
+        groups.append(_mamba_group(config, spec.page_size_bytes))
     kv_cache_config = kv_cache_config_from_memory(
-        [KVCacheGroupSpec(layers, spec)],
+        groups,
         available_memory=available_memory or 0,
         num_gpu_blocks_override=config.num_blocks if available_memory is None else None,
         needs_kv_cache_zeroing=config.needs_kv_cache_zeroing or config.has_runtime,
     )
     check_enough_kv_cache_memory(kv_cache_config, config.max_model_len, config.max_model_len)
     return kv_cache_config
+
+
+def _check_hash_block_size(config: ServerConfig) -> None:
+    sizes = {"block_size": config.block_size}
+    if config.mamba_block_size:
+        sizes["mamba_block_size"] = config.mamba_block_size
+    for name, size in sizes.items():
+        if size < 0 or (name == "block_size" and size == 0):
+            raise InvalidArgumentError(f"{name} must be positive, got {size}")
+    hbs = config.hash_block_size
+    if hbs < 0:
+        raise InvalidArgumentError(f"hash_block_size must be >= 0 (0: block_size), got {hbs}")
+    for name, size in sizes.items():
+        if hbs and size % hbs != 0:
+            raise InvalidArgumentError(
+                f"hash_block_size {hbs} must divide {name} {size}; allowed values are the "
+                f"common divisors of the block sizes {sorted(set(sizes.values()))}"
+            )
+
+
+def _mamba_group(config: ServerConfig, page_size: int) -> KVCacheGroupSpec:
+    """One Mamba "align" layer whose page is padded to the attention page (the pool's
+    blocks are interchangeable between groups)."""
+    spec = MambaSpec(
+        block_size=config.mamba_block_size,
+        shapes=((1,),),
+        dtypes=("float32",),
+        page_size_padded=page_size,
+        mamba_cache_mode="align" if config.enable_caching else "none",
+    )
+    return KVCacheGroupSpec(["model.layers.mamba"], spec)
 
 
 def build_manager(
@@ -111,5 +177,6 @@ def build_manager(
         log_stats=True,
         hash_algo=config.hash_algo,
         none_hash_seed=config.none_hash_seed,
+        hash_block_size=config.hash_block_size or None,
         enable_kv_cache_events=config.kv_events,
     )

@@ -6,6 +6,7 @@ LoRA name) and only the fields declared ``optional`` carry presence.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -57,8 +58,10 @@ def new_request_from_pb(msg: pb.AddRequestRequest) -> NewRequest:
         prompt_token_ids=list(msg.prompt_token_ids),
         cache_salt=msg.cache_salt or None,
         lora_name=msg.lora_name or None,
-        mm_features=tuple(
-            MultiModalFeature(f.identifier, f.offset, f.length) for f in msg.mm_features
+        mm_features=(
+            tuple(MultiModalFeature(f.identifier, f.offset, f.length) for f in msg.mm_features)
+            if msg.mm_features
+            else ()
         ),
         skip_reading_prefix_cache=msg.skip_reading_prefix_cache,
     )
@@ -69,11 +72,12 @@ def allocate_args_from_pb(msg: pb.AllocateSlotsRequest) -> AllocateArgs:
     argument sets over and over (one new token per decode step), so those without a
     hit (``new_computed_block_ids``) are built once and shared: ``AllocateArgs`` is
     immutable, and a frozen dataclass costs more to build than to look up."""
-    key = tuple(
-        (field.number, value) for field, value in msg.ListFields() if field.number != _REQUEST_ID
-    )
-    if any(number == _NEW_COMPUTED_BLOCK_IDS for number, _ in key):
+    if msg.new_computed_block_ids:
         return _allocate_args(msg)
+    # Every scalar field but the request id, and the presence of the optional ones
+    # (an absent has_scheduled_reqs means True, an explicit false does not); read
+    # field by field, which costs less than ListFields on the hot path.
+    key = (_ALLOCATE_KEY_VALUES(msg), *[msg.HasField(name) for name in _ALLOCATE_OPTIONALS])
     args = _ALLOCATE_ARGS.get(key)
     if args is None:
         if len(_ALLOCATE_ARGS) >= _ALLOCATE_ARGS_CACHE_SIZE:
@@ -82,12 +86,20 @@ def allocate_args_from_pb(msg: pb.AllocateSlotsRequest) -> AllocateArgs:
     return args
 
 
-_ALLOCATE_FIELDS = pb.AllocateSlotsRequest.DESCRIPTOR.fields_by_name
-_REQUEST_ID = _ALLOCATE_FIELDS["request_id"].number
-_NEW_COMPUTED_BLOCK_IDS = _ALLOCATE_FIELDS["new_computed_block_ids"].number
+_ALLOCATE_FIELDS = pb.AllocateSlotsRequest.DESCRIPTOR.fields
+# Taken from the descriptor, so a scalar field added to the message joins the key by
+# itself (a repeated or message one would fail loudly: its value is unhashable).
+_ALLOCATE_KEY_FIELDS = tuple(
+    f.name for f in _ALLOCATE_FIELDS if f.name not in ("request_id", "new_computed_block_ids")
+)
+_ALLOCATE_KEY_VALUES = operator.attrgetter(*_ALLOCATE_KEY_FIELDS)
+# Any: HasField's stub accepts only literal names.
+_ALLOCATE_OPTIONALS: tuple[Any, ...] = tuple(
+    f.name for f in _ALLOCATE_FIELDS if f.has_presence and f.name in _ALLOCATE_KEY_FIELDS
+)
 _ALLOCATE_ARGS_CACHE_SIZE = 1024
-# (field number, value) of every set field but the request id -> the arguments.
-_ALLOCATE_ARGS: dict[tuple[tuple[int, Any], ...], AllocateArgs] = {}
+# (the key fields' values, then whether each optional one is set) -> the arguments.
+_ALLOCATE_ARGS: dict[tuple[Any, ...], AllocateArgs] = {}
 
 
 def _allocate_args(msg: pb.AllocateSlotsRequest) -> AllocateArgs:
@@ -138,19 +150,29 @@ def add_block_ids(field: Any, groups: Iterable[Sequence[int]]) -> None:
     """Append ``groups`` to a repeated ``BlockIds`` field in place (no message built
     to be copied)."""
     for ids in groups:
-        field.add(block_ids=ids)
+        # Most decode allocations hand out no block; an empty group skips the copy.
+        if ids:
+            field.add(block_ids=ids)
+        else:
+            field.add()
 
 
 def request_state_to_pb(request: Request) -> pb.RequestState:
-    return pb.RequestState(
-        request_id=request.request_id,
-        status=_STATUS_TO_PB[request.status],
-        num_tokens=request.num_tokens,
-        num_prompt_tokens=request.num_prompt_tokens,
-        num_computed_tokens=request.num_computed_tokens,
-        num_preemptions=request.num_preemptions,
-        num_block_hashes=len(request.block_hashes),
-    )
+    out = pb.RequestState()
+    fill_request_state(out, request)
+    return out
+
+
+def fill_request_state(out: pb.RequestState, request: Request) -> None:
+    """Write ``request`` into a fresh ``out`` field by field: on the Step path this
+    costs half of building a message and copying it in."""
+    out.request_id = request.request_id
+    out.status = _STATUS_TO_PB[request.status]
+    out.num_tokens = request.num_tokens
+    out.num_prompt_tokens = request.num_prompt_tokens
+    out.num_computed_tokens = request.num_computed_tokens
+    out.num_preemptions = request.num_preemptions
+    out.num_block_hashes = len(request.block_hashes)
 
 
 def fill_computed_blocks(out: pb.GetComputedBlocksResponse, hit: ComputedBlocks) -> None:
@@ -167,7 +189,14 @@ def fill_allocation(out: pb.AllocateSlotsResponse, allocation: Allocation) -> No
         add_block_ids(out.new_block_ids, allocation.new_block_ids)
         out.block_ids_to_zero.extend(allocation.block_ids_to_zero)
         out.block_ids_zeroed.extend(allocation.block_ids_zeroed)
-    out.request.CopyFrom(request_state_to_pb(allocation.request))
+        _add_copies(out.block_copies_to_apply, allocation.block_copies_to_apply)
+        _add_copies(out.block_copies_applied, allocation.block_copies_applied)
+    fill_request_state(out.request, allocation.request)
+
+
+def _add_copies(field: Any, copies: list[tuple[int, int]]) -> None:
+    for src, dst in copies:
+        field.add(src_block_id=src, dst_block_id=dst)
 
 
 def probe_to_pb(probe: AllocationProbe) -> pb.ProbeResponse:

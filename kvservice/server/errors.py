@@ -30,6 +30,23 @@ def status_code_of(error: KVCacheError) -> grpc.StatusCode:
     return code
 
 
+# grpc sends a status message percent-encoded in a trailer, and clients refuse
+# trailers over 8 KiB (answering RESOURCE_EXHAUSTED instead of the real status): a
+# message echoing a huge field (a 2,000-character request id) is cut to this many
+# characters, at most 12 bytes each once encoded.
+MAX_STATUS_MESSAGE_CHARS = 512
+
+
+def status_message_of(error: KVCacheError) -> str:
+    """The error's message as a status (or step result) carries it: cut to
+    ``MAX_STATUS_MESSAGE_CHARS``, saying how long it was."""
+    message = str(error)
+    if len(message) <= MAX_STATUS_MESSAGE_CHARS:
+        return message
+    suffix = f"... (cut from {len(message)} characters)"
+    return message[: MAX_STATUS_MESSAGE_CHARS - len(suffix)] + suffix
+
+
 class RuntimeUnavailableError(KVCacheError):
     """``--runtime torch`` cannot run here: PyTorch missing, the device absent, or too
     little memory for the KV tensors. Raised at startup only (``kvservice serve`` exits

@@ -23,9 +23,10 @@ from typing import Any
 
 import grpc
 import structlog
+from google.protobuf.message import DecodeError
 
-from kvservice.core.errors import KVCacheError
-from kvservice.server.errors import status_code_of
+from kvservice.core.errors import InvalidArgumentError, KVCacheError
+from kvservice.server.errors import status_code_of, status_message_of
 from kvservice.server.metrics import ClientTracker, KVCacheMetrics, RpcInstruments
 
 log = structlog.get_logger("kvservice.rpc")
@@ -70,16 +71,62 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc 
                 _unary_call(
                     handler.unary_unary, method, instruments, self._clients, _debug_enabled()
                 ),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_stream is not None:
             return grpc.stream_stream_rpc_method_handler(
                 _stream_call(handler.stream_stream, method, instruments, self._clients),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_tolerant(handler.request_deserializer),
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _refusing_malformed(handler.unary_stream),
+                request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler
+
+
+class MalformedMessage:
+    """What a request's bytes became when they did not parse. grpc answers a
+    deserializer's exception with UNKNOWN (INTERNAL on a stream), which blames the
+    server; the wrappers below turn this into INVALID_ARGUMENT instead."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+    def refusal(self) -> InvalidArgumentError:
+        return InvalidArgumentError(f"malformed request message: {self.error}")
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except DecodeError as err:
+            return MalformedMessage(str(err))
+
+    return deserialize
+
+
+def _refusing_malformed(behavior: StreamBehavior) -> StreamBehavior:
+    """A server-streaming handler (SubscribeEvents, which answers its own errors)
+    that ends INVALID_ARGUMENT for request bytes that did not parse."""
+
+    async def stream(request: Any, context: Any) -> AsyncIterator[Any]:
+        if type(request) is MalformedMessage:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(request.refusal()))
+        async for response in behavior(request, context):
+            yield response
+
+    return stream
 
 
 def _identity(context: Any) -> tuple[str | None, str]:
@@ -142,11 +189,13 @@ def _unary_call(
         in_flight.inc()
         start = perf_counter()
         try:
+            if type(request) is MalformedMessage:
+                raise request.refusal()
             response = await behavior(request, context)
         except KVCacheError as err:
             code = status_code_of(err)
             log.info("rpc refused", **fields, status=code.name, error=str(err), ms=_ms(start))
-            await context.abort(code, str(err))
+            await context.abort(code, status_message_of(err))
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise  # an abort's status stands; a cancelled call has nobody to answer
         except Exception:
@@ -177,6 +226,9 @@ class _TimedRequests:
 
     async def __anext__(self) -> Any:
         message = await self._requests.__anext__()
+        if type(message) is MalformedMessage:
+            # Raised through the handler's loop: the stream ends INVALID_ARGUMENT.
+            raise message.refusal()
         self.last_arrival = time.perf_counter()
         self.count += 1
         return message
@@ -201,7 +253,7 @@ def _stream_call(
             code = status_code_of(err)
             status = code.name
             line.info("stream refused", status=status, error=str(err))
-            await context.abort(code, str(err))
+            await context.abort(code, status_message_of(err))
         except asyncio.CancelledError:
             status = "CANCELLED"
             raise

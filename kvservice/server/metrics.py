@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -120,6 +120,8 @@ class KVCacheMetrics:
         self._declare_vllm_series()
         self._declare_pool_series()
         self._declare_rpc_series()
+        self._declare_lifecycle_series()
+        self._declare_security_series()
         self._export_cache_config(manager)
 
     def _counter(self, name: str, doc: str) -> Counter:
@@ -181,6 +183,58 @@ class KVCacheMetrics:
         )
         self._rpc_instruments: dict[str, RpcInstruments] = {}
 
+    def _declare_lifecycle_series(self) -> None:
+        """Sessions, idempotent retries and the self-check (``sessions``,
+        ``idempotency``, ``audit``); public, those modules write them."""
+        self.sessions_active = self._gauge("kvservice_sessions_active", "Open client sessions.")
+        expirations = Counter(
+            "kvservice_session_expirations",
+            "Sessions ended by the server: ttl (the lease ran out), stream_broken (a "
+            "StepStream opened under it broke).",
+            (*_LABELS, "reason"),
+            registry=self.registry,
+        )
+        self.session_expirations = {
+            reason: expirations.labels(**self.labels, reason=reason)
+            for reason in ("ttl", "stream_broken")
+        }
+        self.requests_reclaimed = self._counter(
+            "kvservice_requests_reclaimed",
+            "Requests freed because the session owning them expired or its stream broke.",
+        )
+        self.idempotent_replays = self._counter(
+            "kvservice_idempotent_replays",
+            "Retried calls answered from the operation-id cache, without running again.",
+        )
+        self.audit_runs = self._counter("kvservice_audit_runs", "Pool invariant audits run.")
+        self.audit_failures = self._counter(
+            "kvservice_audit_failures", "Pool invariant audits that found a violation."
+        )
+        self.audit_last_success = self._gauge(
+            "kvservice_audit_last_success_timestamp_seconds",
+            "Unix time of the last audit that found the pool consistent.",
+        )
+
+    def _declare_security_series(self) -> None:
+        """Refused calls by tenant and reason (``auth``, quotas in ``allocator``);
+        tenant names come from the tokens file, so the label set stays bounded."""
+        self._refusals = Counter(
+            "kvservice_refusals",
+            "Calls refused for security reasons: unauthenticated (no or wrong token; "
+            "tenant empty), permission_denied (an admin-only call), rate_limited, quota "
+            "(an allocation past the tenant's max_blocks).",
+            (*_LABELS, "tenant", "reason"),
+            registry=self.registry,
+        )
+
+    def record_refusal(self, tenant: str, reason: str) -> None:
+        """A call of ``tenant`` ("" when unauthenticated) was refused for ``reason``."""
+        self._refusals.labels(**self.labels, tenant=tenant, reason=reason).inc()
+
+    def watch_tenants(self, blocks: Callable[[], Mapping[str, int]]) -> None:
+        """Export ``blocks()`` (tenant -> blocks held) at scrape time."""
+        self.registry.register(_TenantCollector(blocks, self.labels))
+
     def _export_cache_config(self, manager: KVCacheManager) -> None:
         config = manager.kv_cache_config
         info = {
@@ -230,6 +284,32 @@ class KVCacheMetrics:
         if stats is not None:
             self._queries.inc(stats.queries)
             self._hits.inc(stats.hits)
+
+
+class _TenantCollector:
+    """``kvservice_tenant_blocks``: blocks held per tenant, read at scrape time (the
+    allocator hands a copy, so the exposition thread never iterates a live dict)."""
+
+    def __init__(self, blocks: Callable[[], Mapping[str, int]], labels: dict[str, str]) -> None:
+        self._blocks = blocks
+        self._label_values = [labels[name] for name in _LABELS]
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        for tenant, num_blocks in sorted(self._blocks().items()):
+            family.add_metric([*self._label_values, tenant], num_blocks)
+        yield family
+
+    @staticmethod
+    def _family() -> GaugeMetricFamily:
+        return GaugeMetricFamily(
+            "kvservice_tenant_blocks",
+            "KV cache blocks held by each tenant's requests (the default tenant: empty).",
+            labels=(*_LABELS, "tenant"),
+        )
 
 
 class _ScrapeTimeCollector:

@@ -13,6 +13,7 @@ from typing import Any
 
 from kvservice.server import converters
 from kvservice.server.allocator import Allocator
+from kvservice.server.caller import CURRENT_CALLER
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 
 # (allocator, request message, response message to fill) -> None; protobuf messages
@@ -24,57 +25,71 @@ from kvservice.server.gen import kv_cache_service_pb2 as pb
 Operation = Callable[[Allocator, Any, Any], None]
 
 
+def _tenant() -> str:
+    # The tenant the auth interceptor set for this call ("" without tokens); read per
+    # operation, so a Step's operations act for the tenant of the call carrying them.
+    return CURRENT_CALLER.get().tenant
+
+
+def _fill_state(out: pb.RequestState, request: Any, request_id: str) -> None:
+    converters.fill_request_state(out, request)
+    # A named tenant's request is stored under a longer core key; answer with the id
+    # the client knows it by.
+    out.request_id = request_id
+
+
 def add_request(
     allocator: Allocator, msg: pb.AddRequestRequest, out: pb.AddRequestResponse
 ) -> None:
-    added = allocator.add_request(converters.new_request_from_pb(msg))
-    out.request.CopyFrom(converters.request_state_to_pb(added))
+    added = allocator.add_request(converters.new_request_from_pb(msg), _tenant())
+    _fill_state(out.request, added, msg.request_id)
 
 
 def append_tokens(
     allocator: Allocator, msg: pb.AppendTokensRequest, out: pb.AppendTokensResponse
 ) -> None:
-    updated = allocator.append_tokens(msg.request_id, list(msg.token_ids))
-    out.request.CopyFrom(converters.request_state_to_pb(updated))
+    updated = allocator.append_tokens(msg.request_id, list(msg.token_ids), _tenant())
+    _fill_state(out.request, updated, msg.request_id)
 
 
 def get_computed_blocks(
     allocator: Allocator, msg: pb.GetComputedBlocksRequest, out: pb.GetComputedBlocksResponse
 ) -> None:
-    converters.fill_computed_blocks(out, allocator.get_computed_blocks(msg.request_id))
+    converters.fill_computed_blocks(out, allocator.get_computed_blocks(msg.request_id, _tenant()))
 
 
 def allocate_slots(
     allocator: Allocator, msg: pb.AllocateSlotsRequest, out: pb.AllocateSlotsResponse
 ) -> None:
     args = converters.allocate_args_from_pb(msg)
-    converters.fill_allocation(out, allocator.allocate_slots(msg.request_id, args))
+    converters.fill_allocation(out, allocator.allocate_slots(msg.request_id, args, _tenant()))
+    out.request.request_id = msg.request_id
 
 
 def free_request(
     allocator: Allocator, msg: pb.FreeRequestRequest, out: pb.FreeRequestResponse
 ) -> None:
-    freed = allocator.free(msg.request_id, converters.free_mode_from_pb(msg.mode))
-    out.request.CopyFrom(converters.request_state_to_pb(freed))
+    freed = allocator.free(msg.request_id, converters.free_mode_from_pb(msg.mode), _tenant())
+    _fill_state(out.request, freed, msg.request_id)
     out.num_free_blocks = allocator.manager.block_pool.get_num_free_blocks()
 
 
 def probe(allocator: Allocator, msg: pb.ProbeRequest, out: pb.ProbeResponse) -> None:
     args = converters.probe_args_from_pb(msg)
-    out.CopyFrom(converters.probe_to_pb(allocator.probe(msg.request_id, args)))
+    out.CopyFrom(converters.probe_to_pb(allocator.probe(msg.request_id, args, _tenant())))
 
 
 def get_request(
     allocator: Allocator, msg: pb.GetRequestRequest, out: pb.GetRequestResponse
 ) -> None:
-    found = allocator.get_request(msg.request_id)
-    out.request.CopyFrom(converters.request_state_to_pb(found))
+    found = allocator.get_request(msg.request_id, _tenant())
+    _fill_state(out.request, found, msg.request_id)
 
 
 def get_block_ids(
     allocator: Allocator, msg: pb.GetBlockIdsRequest, out: pb.GetBlockIdsResponse
 ) -> None:
-    converters.add_block_ids(out.block_ids, allocator.get_block_ids(msg.request_id))
+    converters.add_block_ids(out.block_ids, allocator.get_block_ids(msg.request_id, _tenant()))
 
 
 def get_usage(allocator: Allocator, msg: pb.GetUsageRequest, out: pb.GetUsageResponse) -> None:

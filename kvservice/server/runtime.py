@@ -14,6 +14,7 @@ imports it.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from kvservice.core.errors import InvalidArgumentError
-from kvservice.core.kv_cache_interface import KVCacheConfig
+from kvservice.core.kv_cache_interface import AttentionSpec, KVCacheConfig
 from kvservice.server.config import ServerConfig
 from kvservice.server.errors import RuntimeUnavailableError
 
@@ -116,6 +117,7 @@ def build_runtime(config: ServerConfig, kv_cache_config: KVCacheConfig) -> KVCac
         _check_cuda(torch)
     from gpu_runtime.runtime import KVCacheRuntime  # noqa: PLC0415 (imports torch)
 
+    kv_cache_config = attention_groups_only(kv_cache_config)
     try:
         runtime = KVCacheRuntime(kv_cache_config, config.device)
     except RuntimeError as err:  # torch.OutOfMemoryError included
@@ -134,6 +136,18 @@ def build_runtime(config: ServerConfig, kv_cache_config: KVCacheConfig) -> KVCac
         num_blocks=kv_cache_config.num_blocks,
     )
     return runtime
+
+
+def attention_groups_only(kv_cache_config: KVCacheConfig) -> KVCacheConfig:
+    """The part of the pool the runtime stores: the attention layers. A Mamba state
+    group (``mamba_block_size``) draws block ids from the same pool but has no tensors
+    here; zeroing or copying a block of it touches attention pages nothing reads."""
+    groups = [
+        g for g in kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, AttentionSpec)
+    ]
+    if len(groups) == len(kv_cache_config.kv_cache_groups):
+        return kv_cache_config
+    return dataclasses.replace(kv_cache_config, kv_cache_groups=groups)
 
 
 def _import_torch() -> ModuleType:

@@ -16,9 +16,12 @@ import grpc
 
 from kvservice.server import converters, operations
 from kvservice.server.allocator import Allocator
+from kvservice.server.audit import Auditor
+from kvservice.server.caller import current_caller
 from kvservice.server.events import EventLog, SubscriberDroppedError
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.server.sessions import SessionPolicy, SessionRegistry
 from kvservice.server.step import StepRunner
 
 # grpc is untyped: the servicer context is Any.
@@ -35,8 +38,14 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         max_step_ops: int,
         runtime_device: str = "",
         events: EventLog | None = None,
+        sessions: SessionRegistry | None = None,
+        auditor: Auditor | None = None,
     ) -> None:
         self._allocator = allocator
+        # Client sessions and the audit (``sessions``, ``audit``); the server passes
+        # its own, shared with the reaper and the self-check.
+        self._sessions = sessions or SessionRegistry(allocator, SessionPolicy())
+        self._auditor = auditor or Auditor(allocator, self._sessions)
         self._model_name = model_name
         # Where the co-located runtime's KV tensors live; "" without a runtime.
         self._runtime_device = runtime_device
@@ -127,10 +136,12 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     async def GetCacheConfig(  # noqa: N802
         self, request: pb.GetCacheConfigRequest, context: Context
     ) -> pb.GetCacheConfigResponse:
-        """The pool layout and hashing parameters."""
-        return converters.cache_config_to_pb(
+        """The pool layout and hashing parameters, and the caller's scheduler epoch."""
+        response = converters.cache_config_to_pb(
             self._allocator.manager, self._model_name, self._runtime_device
         )
+        response.scheduler_epoch = self._sessions.current_epoch(current_caller().tenant)
+        return response
 
     async def Probe(  # noqa: N802
         self, request: pb.ProbeRequest, context: Context
@@ -156,7 +167,11 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self, request_iterator: AsyncIterator[pb.StepStreamRequest], context: Context
     ) -> AsyncIterator[pb.StepStreamResponse]:
         """A scheduler session: each inbound step answered by one message, in order.
-        Ends with INVALID_ARGUMENT on a step over the limit."""
+        Ends with INVALID_ARGUMENT on a step over the limit. Opened under a client
+        session (x-kvservice-session), the stream holds its lease and each message
+        renews it; a stream the client cancels or drops ends the session at once,
+        freeing its requests (``SessionInterceptor``); FAILED_PRECONDITION once the
+        session's epoch is superseded."""
         async for message in request_iterator:
             response = pb.StepStreamResponse()
             self._steps.run(message.step, response.step)
@@ -183,3 +198,59 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 yield message
         except SubscriberDroppedError as err:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(err))
+
+    async def OpenSession(  # noqa: N802
+        self, request: pb.OpenSessionRequest, context: Context
+    ) -> pb.OpenSessionResponse:
+        """Open a session of the caller's tenant (see ``sessions``). INVALID_ARGUMENT
+        for a ttl_seconds outside the server's bounds, a negative epoch or an
+        over-long client_name; FAILED_PRECONDITION for an epoch older than the
+        current one."""
+        tenant = current_caller().tenant
+        lease = self._sessions.open(tenant, request.ttl_seconds, request.client_name, request.epoch)
+        return pb.OpenSessionResponse(
+            session_id=lease.session.session_id,
+            ttl_seconds=lease.session.ttl_s,
+            lease_expires_at=lease.expires_at_unix,
+            current_epoch=self._sessions.current_epoch(tenant),
+        )
+
+    async def KeepAlive(  # noqa: N802
+        self, request: pb.KeepAliveRequest, context: Context
+    ) -> pb.KeepAliveResponse:
+        """Renew a session's lease. NOT_FOUND for a session never opened by the
+        caller's tenant; FAILED_PRECONDITION for one that ended (expired, broken or
+        closed: open a new one) or whose epoch was superseded."""
+        lease = self._sessions.keep_alive(request.session_id, current_caller().tenant)
+        return pb.KeepAliveResponse(lease_expires_at=lease.expires_at_unix)
+
+    async def CloseSession(  # noqa: N802
+        self, request: pb.CloseSessionRequest, context: Context
+    ) -> pb.CloseSessionResponse:
+        """End a session, freeing (FINISH) its requests with free_requests, else
+        leaving them unowned. NOT_FOUND for a session never opened by the caller's
+        tenant; FAILED_PRECONDITION for one that already ended."""
+        freed = self._sessions.close(
+            request.session_id, current_caller().tenant, request.free_requests
+        )
+        return pb.CloseSessionResponse(num_requests_freed=freed)
+
+    async def Audit(  # noqa: N802
+        self, request: pb.AuditRequest, context: Context
+    ) -> pb.AuditResponse:
+        """Check every invariant of the pool and report (see ``audit``); a violation
+        is reported with ok = false, not as an error status. O(pool size); a large
+        pool is checked in a forked snapshot while calls go on being served."""
+        report = await self._auditor.run()
+        return pb.AuditResponse(
+            ok=report.ok,
+            violations=report.violations,
+            num_free_blocks=report.num_free_blocks,
+            num_held_blocks=report.num_held_blocks,
+            num_cached_blocks=report.num_cached_blocks,
+            num_requests=report.num_requests,
+            num_sessions=report.num_sessions,
+            num_owned_requests=report.num_owned_requests,
+            current_epoch=self._sessions.current_epoch(current_caller().tenant),
+            duration_seconds=report.duration_s,
+        )

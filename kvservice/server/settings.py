@@ -78,6 +78,20 @@ OPTIONS: tuple[Option, ...] = (
         "prefix hash chain seed (set one to share an xxhash cache across processes)",
         "none_hash_seed",
     ),
+    Option(
+        "hash_block_size",
+        int,
+        "tokens per prefix-cache hash (0: block_size); smaller than a Mamba 'align' "
+        "block it enables partial-block prefix hits with copy-on-write copies",
+        "hash_block_size",
+    ),
+    Option(
+        "mamba_block_size",
+        int,
+        "add a Mamba state group (mamba_cache_mode 'align') of this block size beside "
+        "the attention layers, a hybrid model (0: none)",
+        "mamba_block_size",
+    ),
     Option("enable_caching", bool, "prefix caching", "enable_caching"),
     Option(
         "zero_new_blocks",
@@ -132,6 +146,63 @@ OPTIONS: tuple[Option, ...] = (
         int,
         "KV events one subscriber may fall behind by before it is dropped (RESOURCE_EXHAUSTED)",
         "kv_events_queue_size",
+    ),
+    Option(
+        "session_ttl_min",
+        float,
+        "shortest session lease (seconds) OpenSession accepts",
+        "session_ttl_min_s",
+    ),
+    Option(
+        "session_ttl_max",
+        float,
+        "longest session lease (seconds) OpenSession accepts",
+        "session_ttl_max_s",
+    ),
+    Option(
+        "session_ttl_default",
+        float,
+        "session lease (seconds) granted when OpenSession asks for 0",
+        "session_ttl_default_s",
+    ),
+    Option(
+        "require_sessions",
+        bool,
+        "refuse mutating calls that carry no session (x-kvservice-session metadata)",
+        "require_sessions",
+    ),
+    Option(
+        "audit_interval",
+        float,
+        "seconds between the pool's invariant self-checks (0 disables them)",
+        "audit_interval_s",
+    ),
+    Option(
+        "idempotency_cache_size",
+        int,
+        "operation ids remembered for idempotent retries (x-kvservice-operation-id)",
+        "idempotency_cache_size",
+    ),
+    Option("tls_cert_file", str, "PEM server certificate chain: serve TLS", "tls_cert_file"),
+    Option("tls_key_file", str, "PEM private key of tls_cert_file", "tls_key_file"),
+    Option(
+        "tls_client_ca_file",
+        str,
+        "PEM CA bundle: turns on mutual TLS (clients must present a certificate it signed)",
+        "tls_client_ca_file",
+    ),
+    Option(
+        "auth_tokens_file",
+        str,
+        "TOML file of tenants ([tenants.NAME] tokens, max_blocks, rate_limit, burst, "
+        "admin): every call needs 'authorization: Bearer TOKEN' (see README, Security)",
+        "auth_tokens_file",
+    ),
+    Option(
+        "allow_insecure_bind",
+        bool,
+        "allow a non-loopback host without TLS plus tokens or mTLS (logs a warning)",
+        "allow_insecure_bind",
     ),
     Option("log_level", str, "log level", choices=LOG_LEVELS),
     Option(
@@ -193,6 +264,9 @@ def _settings(values: dict[str, Any]) -> Settings:
     fields["metrics_port"] = fields["metrics_port"] or None
     fields["kv_cache_memory_bytes"] = fields["kv_cache_memory_bytes"] or None
     fields["gpu_memory_utilization"] = fields["gpu_memory_utilization"] or None
+    for path in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file"):
+        # An empty value (KVSERVICE_TLS_CERT_FILE=) means unset, as for the others.
+        fields[path] = fields[path] or None
     return Settings(
         dataclasses.replace(ServerConfig(), **fields), values["log_level"], values["event_loop"]
     )

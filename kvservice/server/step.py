@@ -29,9 +29,9 @@ import structlog
 
 from kvservice.core.errors import InvalidArgumentError, KVCacheError
 from kvservice.server.allocator import Allocator
-from kvservice.server.errors import status_code_of
+from kvservice.server.errors import status_code_of, status_message_of
 from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.operations import STEP_OPERATIONS
+from kvservice.server.operations import STEP_OPERATIONS, Operation
 
 log = structlog.get_logger("kvservice.step")
 
@@ -67,39 +67,43 @@ class StepRunner:
             )
         response.step_id = step.step_id
         add_result = response.results.add
-        stop_on_error = step.stop_on_error
+        run_one = self._run_one
         failed: Counter[int] = Counter()
         # The pool is reported to the metrics once per step, not once per operation.
         with self.allocator.batched():
             for index, op in enumerate(step.ops):
-                result = add_result()
-                if failed and stop_on_error:
-                    _fail(result, _CANCELLED, _NOT_RUN)
-                    continue
-                code = self._run_one(op, result)
+                code = run_one(op, add_result())
                 if code:
                     failed[code] += 1
                     if code == _INTERNAL:
                         log.error("step operation failed", step_id=step.step_id, op_index=index)
+                    if step.stop_on_error:
+                        # Answered without running, outside the loop: the hot path
+                        # checks no flag per operation.
+                        for _ in range(index + 1, len(step.ops)):
+                            _fail(add_result(), _CANCELLED, _NOT_RUN)
+                        failed[_CANCELLED] += len(step.ops) - index - 1
+                        break
         if failed:
             # One line per step, never one per operation (a step may hold thousands).
-            codes = {_CODE_NAMES[c]: n for c, n in failed.items()}
+            codes = {_CODE_NAMES[c]: n for c, n in failed.items() if n}
             log.info("step refusals", step_id=step.step_id, num_ops=len(step.ops), codes=codes)
 
     def _run_one(self, op: pb.StepOperation, result: pb.StepResult) -> int:
         """Run ``op`` into ``result``; the status code number, 0 when it succeeded."""
         kind = op.WhichOneof("op")
-        if kind is None:
+        operation = _OPERATIONS.get(kind)
+        if kind is None or operation is None:
             _fail(result, _INVALID_ARGUMENT, "empty operation: set one field of StepOperation")
             return _INVALID_ARGUMENT
         # The operation answers straight into the result's field: no response message
         # built and then copied.
         out = getattr(result, kind)
         try:
-            STEP_OPERATIONS[kind](self.allocator, getattr(op, kind), out)
+            operation(self.allocator, getattr(op, kind), out)
         except KVCacheError as err:
             code = code_number(status_code_of(err))
-            _fail(result, code, str(err))
+            _fail(result, code, status_message_of(err))
             return code
         except Exception:
             log.exception("step operation crashed", op=kind)
@@ -109,6 +113,10 @@ class StepRunner:
         # select it in the oneof explicitly.
         out.SetInParent()
         return 0
+
+
+# Keyed by str | None, so that an empty operation (no oneof field set) looks up too.
+_OPERATIONS: dict[str | None, Operation] = {k: f for k, f in STEP_OPERATIONS.items()}
 
 
 def _fail(result: pb.StepResult, code: int, message: str) -> None:

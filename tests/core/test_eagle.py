@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 
 from kvservice.core.errors import InvalidArgumentError
-from kvservice.core.kv_cache_interface import KVCacheGroupSpec
+from kvservice.core.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 from kvservice.core.kv_cache_manager import KVCacheManager
 from tests.core.helpers import finish, ids, make_config, make_manager, prefill, tokens
 from tests.core.support import cached_hash_indices, chunked, evicted, full, sliding
@@ -134,3 +134,63 @@ class TestEagleHybrid:
         """A drafter cannot read chunked local attention: refused at construction."""
         with pytest.raises(InvalidArgumentError, match="EAGLE"):
             make_manager(10, chunked(16, 32), use_eagle=True)
+
+
+class TestEagleWindowGroupCatalogue:
+    """Catalogue 38-40 and 50: a sliding-window EAGLE group (block 8) beside full
+    attention (block 32), hash block 8."""
+
+    @staticmethod
+    def manager(*groups: KVCacheGroupSpec, retention: int | None = None) -> KVCacheManager:
+        config = KVCacheConfig(100, [], list(groups), prefix_cache_retention_interval=retention)
+        return KVCacheManager(config, 8192, use_eagle=True, hash_block_size=8)
+
+    @staticmethod
+    def two_groups() -> tuple[KVCacheGroupSpec, KVCacheGroupSpec]:
+        return (
+            KVCacheGroupSpec(["attn"], full(32, "float16")),
+            KVCacheGroupSpec(["draft"], sliding(8, 8), is_eagle_group=True),
+        )
+
+    def test_eagle_swa_alignment_caches_extra_block(self) -> None:
+        """38: a primed and freed 128-token prompt replays a hit that is nonzero and a
+        multiple of the 32-token scheduler block (96: the cap, then the drop)."""
+        m = self.manager(*self.two_groups())
+        req = m.new_request("0", list(range(128)))
+        prefill(m, req)
+        finish(m, req)
+        num_hit, _ = lookup(m, list(range(128)))
+        assert num_hit == 96
+
+    def test_eagle_swa_boundary_caches_post_boundary_block(self) -> None:
+        """39: 40 tokens: the window group caches hashes 3 and 4 (the block before the
+        32-token boundary and the one after it), so the prompt plus one token hits 32."""
+        m = self.manager(*self.two_groups())
+        req = m.new_request("0", list(range(40)))
+        prefill(m, req)
+        assert {3, 4} <= cached_hash_indices(m, req.block_hashes, 1)
+        assert lookup(m, [*range(40), 999]) == (32, [1, 4])
+
+    def test_eagle_grouped_swa_siblings_use_same_cache_mask(self) -> None:
+        """40: a main window group and an MTP drafter window group cache the same
+        hashes (4 and 8 among them); 72 tokens plus one hit 64."""
+        m = self.manager(
+            KVCacheGroupSpec(["attn"], full(32)),
+            KVCacheGroupSpec(["main"], sliding(8, 8)),
+            KVCacheGroupSpec(["mtp"], sliding(8, 8), is_eagle_group=True),
+        )
+        req = m.new_request("0", list(range(72)))
+        prefill(m, req)
+        main = cached_hash_indices(m, req.block_hashes, 1)
+        assert main == cached_hash_indices(m, req.block_hashes, 2)
+        assert {4, 8} <= main
+        assert lookup(m, [*range(72), 999])[0] == 64
+
+    def test_hybrid_local_kv_retention_mtp_reuses_latest_boundary(self) -> None:
+        """50: retention 0, 127 tokens: the drafter window group caches only hashes 7
+        and 8 (around the replay boundary 64); the same prompt hits 64, lists [2, 8]."""
+        m = self.manager(*self.two_groups(), retention=0)
+        req = m.new_request("0", list(range(127)))
+        prefill(m, req)
+        assert cached_hash_indices(m, req.block_hashes, 1) == {7, 8}
+        assert lookup(m, list(range(127))) == (64, [2, 8])

@@ -32,7 +32,11 @@ class TestMambaSpec:
     @pytest.mark.parametrize(
         ("kwargs", "message"),
         [
-            ({"mamba_cache_mode": "align"}, "mamba_cache_mode 'align' is not supported"),
+            (
+                {"mamba_cache_mode": "latest"},
+                r"mamba_cache_mode 'latest' is not supported; "
+                r"use one of \['none', 'align', 'all'\]",
+            ),
             ({"num_speculative_blocks": -1}, "num_speculative_blocks must be >= 0"),
             ({"dtypes": ("float32",)}, "one dtype"),
         ],
@@ -138,3 +142,85 @@ class TestMambaPrefixCaching:
             KVCacheManager(KVCacheConfig(20, [], groups), 4096, use_eagle=True)
         m = make_manager(20, full(16), mamba(16), use_eagle=True)
         assert [s.use_eagle for s in m.coordinator.single_type_managers] == [True, False]
+
+
+class TestMambaAlign:
+    """Mode "align": the state of a step goes to the block of its last token, the
+    positions before it are null, speculative blocks move along."""
+
+    def test_refused_without_prefix_caching(self) -> None:
+        """Align mode keeps prefix-cache states: without caching, refused naming the
+        field and the values allowed there."""
+        with pytest.raises(
+            InvalidArgumentError, match=r"mamba_cache_mode must be one of \['none'\]"
+        ):
+            make_manager(8, mamba(16, "align"), enable_caching=False)
+
+    def test_memory_is_two_states_plus_speculative(self) -> None:
+        """The state being written, the one it started from, and the draft states."""
+        spec = mamba(16, "align", num_speculative_blocks=2)
+        assert spec.max_memory_usage_bytes(4096, 512) == 4 * spec.page_size_bytes
+
+    def test_prefill_hybrid_model_mamba_align(self) -> None:
+        """Catalogue 7: [full, mamba_align], 30 blocks: 55 tokens get four attention
+        blocks and one state block, at the index of the last token's block."""
+        m = make_manager(30, full(16), mamba(16, "align"))
+        _, _, new = prefill(m, m.new_request("0", list(range(55))))
+        assert ids(new) == ([1, 2, 3, 4], [5])
+        assert m.get_block_ids("0") == ([1, 2, 3, 4], [0, 0, 0, 5])
+
+    def test_hybrid_cache_mamba_align_shared_prefix_detection(self) -> None:
+        """Catalogue 8: req0 (48 tokens) caches its state at 48; req1 (48 + 7) hits 48;
+        req2 (47 of them + 101) hits 0, but full attention matched 32 tokens: the
+        shared-prefix boundary is 32."""
+        m = make_manager(30, full(16), mamba(16, "align"))
+        prompt = list(range(48))
+        req0 = m.new_request("0", prompt)
+        assert m.get_computed_blocks(req0)[1:] == (0, 0)
+        prefill(m, req0)
+        assert m.get_computed_blocks(m.new_request("1", [*prompt, *range(7)]))[1:] == (48, 0)
+        assert m.get_computed_blocks(m.new_request("2", [*prompt[:-1], 101]))[1:] == (0, 32)
+
+    def test_dynamic_draft_tokens_allocate_nothing_within_the_block(self) -> None:
+        """Catalogue 9 (#39271), in our words: draft slots do not grow an align-mode
+        table; a decode step with one draft token inside the state's block allocates
+        nothing in either group."""
+        m = make_manager(30, full(16), mamba(16, "align", num_speculative_blocks=1))
+        req = m.new_request("0", list(range(20)))
+        _, _, new = prefill(m, req, num_lookahead_tokens=3)
+        assert ids(new) == ([1, 2], [3, 4])
+        assert m.get_block_ids("0") == ([1, 2], [0, 3, 4])
+        req.append_output_token_ids(7)
+        assert ids(m.allocate_slots(req, 1, num_lookahead_tokens=1)) == ([], [])
+
+    def test_speculative_blocks_move_to_the_end(self) -> None:
+        """Crossing into a new block takes one block for the state; the draft block is
+        moved behind it, and the state of two steps ago is freed (still cached)."""
+        m = make_manager(10, mamba(4, "align", num_speculative_blocks=1))
+        req = m.new_request("0", list(range(6)))
+        _, _, new = prefill(m, req)
+        assert ids(new) == ([1, 2],)
+        assert m.get_block_ids("0") == ([0, 1, 2],)
+        assert ids(decode(m, req, 6)) == ([],)
+        assert ids(decode(m, req, 7)) == ([],)  # 8 tokens: the state at 8 is cached
+        assert m.block_pool.blocks[1].block_hash_num_tokens == 8
+        assert ids(decode(m, req, 8)) == ([3],)
+        assert m.get_block_ids("0") == ([0, 1, 3, 2],)
+        decode(m, req, 9)
+        assert m.get_block_ids("0") == ([0, 0, 3, 2],)
+        assert m.block_pool.blocks[1].ref_cnt == 0
+        assert m.block_pool.blocks[1].block_hash is not None
+
+    def test_only_states_where_a_step_ended_are_cached(self) -> None:
+        """A chunk from 6 to 12 tokens leaves the state at 6 in block index 1, which
+        must not be cached as the state at 8; the state at 12 is."""
+        m = make_manager(10, mamba(4, "align"))
+        req = m.new_request("0", list(range(14)))
+        assert ids(m.allocate_slots(req, 6)) == ([1],)
+        req.num_computed_tokens = 6
+        assert ids(m.allocate_slots(req, 6)) == ([2],)
+        assert m.get_block_ids("0") == ([0, 1, 2],)
+        assert m.block_pool.blocks[1].block_hash is None
+        assert m.block_pool.blocks[2].block_hash_num_tokens == 12
+        hit, num_hit, _ = m.get_computed_blocks(m.new_request("1", list(range(14))))
+        assert (num_hit, ids(hit)) == (12, ([0, 0, 2],))

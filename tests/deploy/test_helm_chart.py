@@ -6,8 +6,10 @@ they are checked structurally here."""
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import re
+import tomllib
 from typing import Any
 
 import helm_python as helm
@@ -255,7 +257,21 @@ def test_tls_and_auth_secrets_mounted() -> None:
     assert volumes["client-ca"]["secret"]["secretName"] == "kv-ca"
     (secret,) = by_kind(docs, "Secret")
     assert volumes["auth"]["secret"]["secretName"] == secret["metadata"]["name"]
-    assert "kvservice serve` has no TLS or token flags yet" in notes(MATRIX["tls"])
+    # The server is told where each Secret is, so it serves TLS, mTLS and tokens; the
+    # chart-made Secret is a tokens file of one tenant.
+    assert {
+        "--tls-cert-file=/etc/kvservice/tls/tls.crt",
+        "--tls-key-file=/etc/kvservice/tls/tls.key",
+        "--tls-client-ca-file=/etc/kvservice/client-ca/ca.crt",
+        "--auth-tokens-file=/etc/kvservice/auth/token",
+    } <= set(main["args"])
+    assert "--allow-insecure-bind" not in main["args"]
+    tokens_file = tomllib.loads(base64.b64decode(secret["data"]["token"]).decode())
+    assert tokens_file == {"tenants": {"default": {"tokens": ["s3cret"]}}}
+    assert "Security: TLS with client certificates (mTLS), bearer tokens" in notes(MATRIX["tls"])
+    # Without TLS and client authentication the pod IP is bound only when told so.
+    assert "--allow-insecure-bind" in container(render({}))["args"]
+    assert "--allow-insecure-bind" in notes({})
     with pytest.raises(helm.HelmError, match=r"tls\.secretName is required"):
         render({"tls": {"enabled": True}})
     with pytest.raises(helm.HelmError, match=r"auth\.token"):

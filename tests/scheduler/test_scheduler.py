@@ -14,15 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from kvservice.client import KVClient
+from kvservice.client import KVClient, RequestNotFoundError
 from kvservice.scheduler import (
     Backend,
+    BatchingBackend,
     InProcessBackend,
     Policy,
     RemoteBackend,
     Scheduler,
     SchedulerConfig,
+    StepBackend,
     StepRecord,
+    StreamBackend,
     TraceMismatchError,
     TracingBackend,
     check_replay,
@@ -124,9 +127,31 @@ def run_in_process(specs: Sequence[RequestSpec], config: SchedulerConfig) -> lis
     return run(InProcessBackend(build_manager(TIGHT_POOL)), specs, config)
 
 
-def run_remote(specs: Sequence[RequestSpec], config: SchedulerConfig) -> list[StepRecord]:
+REMOTE_MODES = ("unary", "step", "stream")
+
+
+def run_remote(
+    specs: Sequence[RequestSpec], config: SchedulerConfig, mode: str = "unary"
+) -> list[StepRecord]:
+    """Run against a fresh server over one transport: one RPC per call (unary), one
+    ``Step`` RPC per step (step) or one ``StepStream`` message per step (stream)."""
     with remote_server(TIGHT_POOL) as target, KVClient(target) as client:
-        return run(RemoteBackend(client), specs, config)
+        if mode == "unary":
+            return run(RemoteBackend(client), specs, config)
+        if mode == "step":
+            return run_batched(StepBackend(client), specs, config)
+        with StreamBackend(client) as backend:
+            return run_batched(backend, specs, config)
+
+
+def run_batched(
+    backend: BatchingBackend, specs: Sequence[RequestSpec], config: SchedulerConfig
+) -> list[StepRecord]:
+    records = run(backend, specs, config)
+    # The point of batching: far fewer messages than allocator calls (a lookup is a
+    # sync point, so not exactly one per step).
+    assert len(records) <= backend.num_sends < 3 * len(records)
+    return records
 
 
 def num_preemptions(records: Sequence[StepRecord]) -> int:
@@ -152,11 +177,12 @@ def finished_order(records: Sequence[StepRecord]) -> list[str]:
 FCFS = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=128, seed=7)
 
 
+@pytest.mark.parametrize("mode", REMOTE_MODES)
 @pytest.mark.parametrize("kind", sorted(WORKLOADS))
-def test_same_decisions_in_process_and_remote(kind: str) -> None:
+def test_same_decisions_in_process_and_remote(kind: str, mode: str) -> None:
     specs = workload(kind)
     local = run_in_process(specs, FCFS)
-    assert run_remote(specs, FCFS) == local
+    assert run_remote(specs, FCFS, mode) == local
     assert sorted(finished_order(local)) == sorted(s.request_id for s in specs)
     # Only the no-sharing workload never hits the prefix cache.
     assert (first_admission_hit_tokens(local) == 0) == (kind == "no_sharing")
@@ -177,19 +203,21 @@ def test_tight_pool_preempts_and_re_prefills() -> None:
     assert readmitted, "no preempted request was re-admitted with a prefix hit"
 
 
-def test_priority_policy_and_lookahead_match_remote() -> None:
+@pytest.mark.parametrize("mode", REMOTE_MODES)
+def test_priority_policy_and_lookahead_match_remote(mode: str) -> None:
     specs = workload("shared_system_prompt", num_priorities=3)
     config = dataclasses.replace(FCFS, policy=Policy.PRIORITY, num_lookahead_tokens=2)
     local = run_in_process(specs, config)
     assert num_preemptions(local) > 0
-    assert run_remote(specs, config) == local
+    assert run_remote(specs, config, mode) == local
 
 
-def test_no_chunked_prefill_matches_remote() -> None:
+@pytest.mark.parametrize("mode", REMOTE_MODES)
+def test_no_chunked_prefill_matches_remote(mode: str) -> None:
     specs = workload("long_document_qa")
     config = dataclasses.replace(FCFS, enable_chunked_prefill=False, max_num_batched_tokens=256)
     local = run_in_process(specs, config)
-    assert run_remote(specs, config) == local
+    assert run_remote(specs, config, mode) == local
 
 
 def test_trace_replays_to_the_same_answers(tmp_path: Path) -> None:
@@ -249,3 +277,65 @@ def test_preemption_picks_the_policy_victim(policy: Policy, victim: str) -> None
     records = run_in_process(specs, config)
     first = next(r for r in records if r.preempted)
     assert first.preempted == (victim,)
+
+
+@pytest.mark.parametrize("mode", ["step", "stream"])
+def test_trace_crosses_batching_backends(mode: str) -> None:
+    """A run recorded over a batching backend (answers resolved at each send) replays
+    in-process, and an in-process recording replays over the batching backend."""
+    specs = workload("shared_system_prompt")
+    with (
+        remote_server(TIGHT_POOL) as target,
+        KVClient(target) as client,
+        contextlib.ExitStack() as stack,
+    ):
+        batching: BatchingBackend = (
+            StepBackend(client) if mode == "step" else stack.enter_context(StreamBackend(client))
+        )
+        tracer = TracingBackend(batching)
+        run(tracer, specs, FCFS)
+    recorded = tracer.trace()
+    allocations = [e for e in recorded.entries if e.op == "allocate_slots"]
+    assert allocations and all(e.result is not None for e in allocations[:5])
+    check_replay(recorded, InProcessBackend(build_manager(TIGHT_POOL)))
+
+    local = TracingBackend(InProcessBackend(build_manager(TIGHT_POOL)))
+    run(local, specs, FCFS)
+    with remote_server(TIGHT_POOL) as target, KVClient(target) as client:
+        assert check_replay(local.trace(), StepBackend(client)) == len(local.entries)
+
+
+def test_a_deferred_operation_fails_at_the_send_and_stops_the_rest() -> None:
+    with remote_server(TIGHT_POOL) as target, KVClient(target) as client:
+        backend = StepBackend(client)
+        backend.add_request("a", list(range(20)))
+        backend.append_tokens("ghost", [1])  # deferred; the server knows no "ghost"
+        backend.add_request("b", list(range(100, 120)))
+        with pytest.raises(RequestNotFoundError, match="ghost"):
+            backend.flush()
+        # Operations before the failure ran; the failed one and the rest did not.
+        assert client.get_request("a").num_tokens == 20
+        with pytest.raises(RequestNotFoundError):
+            client.get_request("b")
+        backend.add_request("b", list(range(100, 120)))
+        backend.flush()
+        assert client.get_request("b").num_tokens == 20
+
+
+def test_steady_decode_steps_are_one_message() -> None:
+    """Running requests whose allocations provably fit cost no round trip: a step
+    with no admission sends exactly one message."""
+    specs = [RequestSpec(f"r{i}", tuple(range(i * 100, i * 100 + 20)), 40) for i in range(4)]
+    config = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=512)
+    with remote_server(TIGHT_POOL) as target, KVClient(target) as client:
+        backend = StepBackend(client)
+        scheduler = Scheduler(backend, config, specs)
+        first = scheduler.step()  # admissions: a lookup each, so several messages
+        assert len(first.scheduled) == 4
+        for _ in range(10):
+            before = backend.num_sends
+            record = scheduler.step()
+            assert len(record.scheduled) == 4 and not record.preempted
+            assert backend.num_sends == before + 1
+        scheduler.abort_all()
+        assert backend.num_free_blocks() == TIGHT_POOL.num_blocks - 1

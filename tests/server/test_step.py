@@ -10,7 +10,9 @@ from typing import Any
 import grpc
 import pytest
 
-from kvservice.server import KVCacheServer, serve_in_background
+from kvservice.server import KVCacheServer, converters, serve_in_background
+from kvservice.server.allocator import AllocateArgs, Allocator, NewRequest
+from kvservice.server.config import build_manager
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 from tests.server.support import SMALL_POOL, Stub, expect_error, tokens
@@ -189,6 +191,35 @@ class TestStepSemantics:
             stub.GetRequest(pb.GetRequestRequest(request_id="a")), grpc.StatusCode.NOT_FOUND
         )
 
+    async def test_stop_on_error_mid_step(self, stub: Stub) -> None:
+        """The operations before the failure stay applied; every one after it answers
+        CANCELLED and none of them runs."""
+        response: pb.StepResponse = await stub.Step(
+            pb.StepRequest(
+                stop_on_error=True,
+                ops=[
+                    op(add_request=pb.AddRequestRequest(request_id="a", prompt_token_ids=[1])),
+                    op(allocate_slots=pb.AllocateSlotsRequest(request_id="a", num_new_tokens=0)),
+                    op(add_request=pb.AddRequestRequest(request_id="b", prompt_token_ids=[1])),
+                    op(allocate_slots=pb.AllocateSlotsRequest(request_id="a", num_new_tokens=1)),
+                    op(get_usage=pb.GetUsageRequest()),
+                ],
+            )
+        )
+        kinds = [r.WhichOneof("result") for r in response.results]
+        assert kinds == ["add_request", "error", "error", "error", "error"]
+        codes = [r.error.code for r in response.results[1:]]
+        cancelled = grpc.StatusCode.CANCELLED.value[0]
+        assert codes == [grpc.StatusCode.INVALID_ARGUMENT.value[0], *[cancelled] * 3]
+        state = await stub.GetRequest(pb.GetRequestRequest(request_id="a"))
+        assert (state.request.status, state.request.num_computed_tokens) == (
+            pb.REQUEST_STATUS_WAITING,
+            0,
+        )
+        await expect_error(
+            stub.GetRequest(pb.GetRequestRequest(request_id="b")), grpc.StatusCode.NOT_FOUND
+        )
+
     async def test_empty_operation_is_invalid(self, stub: Stub) -> None:
         """An operation with no field set is refused on its own."""
         response: pb.StepResponse = await stub.Step(pb.StepRequest(ops=[pb.StepOperation()]))
@@ -227,3 +258,76 @@ async def test_step_over_the_limit_runs_nothing() -> None:
             assert server.allocator.num_requests == 2
     finally:
         await server.stop(grace=0)
+
+
+class TestHotPathEncoding:
+    """The Step path's shortcuts answer what the plain protobuf code would."""
+
+    def test_allocate_args_cache_tells_every_argument_apart(self) -> None:
+        """Each scalar field, and the presence of each optional one, leads to its own
+        arguments; the request id does not."""
+        base = pb.AllocateSlotsRequest(request_id="a", num_new_tokens=1)
+        variants = [base]
+        for f in pb.AllocateSlotsRequest.DESCRIPTOR.fields:
+            if f.has_presence or f.name in (
+                "request_id",
+                "num_new_tokens",
+                "new_computed_block_ids",
+            ):
+                continue
+            changed = pb.AllocateSlotsRequest()
+            changed.CopyFrom(base)
+            value: Any = True if f.type == f.TYPE_BOOL else 3
+            setattr(changed, f.name, value)
+            variants.append(changed)
+        # Present but equal to the default: not the same as absent for the optionals.
+        variants.append(pb.AllocateSlotsRequest(num_new_tokens=1, has_scheduled_reqs=False))
+        variants.append(pb.AllocateSlotsRequest(num_new_tokens=1, num_computed_tokens=3))
+        variants.append(pb.AllocateSlotsRequest(num_new_tokens=1, num_computed_tokens=0))
+        args = [converters.allocate_args_from_pb(v) for v in variants]
+        assert len(set(args)) == len(variants)
+        assert args[-3].has_scheduled_reqs is False
+        assert args[-1].num_computed_tokens == 0
+        assert args[0].has_scheduled_reqs is True and args[0].num_computed_tokens is None
+        other_id = pb.AllocateSlotsRequest(request_id="zz", num_new_tokens=1)
+        assert converters.allocate_args_from_pb(other_id) == args[0]
+
+    def test_allocate_args_with_a_hit_are_read_whole(self) -> None:
+        msg = pb.AllocateSlotsRequest(
+            request_id="a",
+            num_new_tokens=1,
+            num_new_computed_tokens=48,
+            new_computed_block_ids=HIT_123,
+        )
+        args = converters.allocate_args_from_pb(msg)
+        assert (args.new_computed_block_ids, args.num_new_computed_tokens) == (((1, 2, 3),), 48)
+
+    def test_request_state_fill_matches_the_constructor(self) -> None:
+        """Written field by field, the state serializes to the bytes of the message
+        built in one go (zero fields included, which proto3 leaves out)."""
+        manager = build_manager(SMALL_POOL)
+        allocator = Allocator(manager)
+        request = allocator.add_request(NewRequest("r", tokens(20)))
+        allocator.allocate_slots("r", AllocateArgs(num_new_tokens=20))
+        expected = pb.RequestState(
+            request_id="r",
+            status=pb.REQUEST_STATUS_RUNNING,
+            num_tokens=20,
+            num_prompt_tokens=20,
+            num_computed_tokens=20,
+            num_preemptions=0,
+            num_block_hashes=1,
+        )
+        filled = pb.AllocateSlotsResponse()
+        converters.fill_request_state(filled.request, request)
+        assert filled.request.SerializeToString() == expected.SerializeToString()
+        assert converters.request_state_to_pb(request) == expected
+
+    def test_empty_block_groups_survive(self) -> None:
+        """An allocation that hands out no block still answers one (empty) group per KV
+        cache group, as the unary answer does."""
+        out = pb.AllocateSlotsResponse()
+        converters.add_block_ids(out.new_block_ids, ([], [7, 8]))
+        assert [list(g.block_ids) for g in out.new_block_ids] == [[], [7, 8]]
+        again = pb.AllocateSlotsResponse.FromString(out.SerializeToString())
+        assert len(again.new_block_ids) == 2

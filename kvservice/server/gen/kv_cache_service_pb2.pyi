@@ -512,6 +512,22 @@ class AllocateSlotsResponse(_message.Message):
                           answer is sent). Informational; nothing is left to do.
 
     Without zeroing both are empty.
+
+    Copy-on-write copies. A prefix hit that ends inside a block (partial-block hits:
+    a hash block smaller than a group's block) never writes the shared block: the
+    request gets a private block in its place (listed first in new_block_ids for its
+    group) that must first receive the shared block's content. Likewise the owner of
+    such a mid-block Mamba state moves the cache entry to a private copy before
+    overwriting its own block. Each copy is in exactly one of two fields:
+
+      block_copies_to_apply  no runtime in the server: a remote worker must copy each
+                             src block into its dst block after zeroing this answer's
+                             blocks and before the model writes, and before it zeroes
+                             the blocks of any later answer (the server may hand a
+                             copy's source out again once this answer is sent).
+      block_copies_applied   the co-located runtime applied them, after zeroing,
+                             before this answer (or its step's answer) was sent.
+                             Informational; nothing is left to do.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -521,6 +537,8 @@ class AllocateSlotsResponse(_message.Message):
     BLOCK_IDS_TO_ZERO_FIELD_NUMBER: _builtins.int
     REQUEST_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_ZEROED_FIELD_NUMBER: _builtins.int
+    BLOCK_COPIES_TO_APPLY_FIELD_NUMBER: _builtins.int
+    BLOCK_COPIES_APPLIED_FIELD_NUMBER: _builtins.int
     outcome: Global___AllocationOutcome.ValueType
     @_builtins.property
     def new_block_ids(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockIds]:
@@ -538,6 +556,14 @@ class AllocateSlotsResponse(_message.Message):
     def block_ids_zeroed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Blocks the server's co-located runtime zeroed before answering (see above)."""
 
+    @_builtins.property
+    def block_copies_to_apply(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockCopy]:
+        """Copies a remote worker must apply (no co-located runtime; see above)."""
+
+    @_builtins.property
+    def block_copies_applied(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockCopy]:
+        """Copies the server's co-located runtime applied before answering (see above)."""
+
     def __init__(
         self,
         *,
@@ -546,14 +572,40 @@ class AllocateSlotsResponse(_message.Message):
         block_ids_to_zero: _abc.Iterable[_builtins.int] | None = ...,
         request: Global___RequestState | None = ...,
         block_ids_zeroed: _abc.Iterable[_builtins.int] | None = ...,
+        block_copies_to_apply: _abc.Iterable[Global___BlockCopy] | None = ...,
+        block_copies_applied: _abc.Iterable[Global___BlockCopy] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids_to_zero", b"block_ids_to_zero", "block_ids_zeroed", b"block_ids_zeroed", "new_block_ids", b"new_block_ids", "outcome", b"outcome", "request", b"request"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_copies_applied", b"block_copies_applied", "block_copies_to_apply", b"block_copies_to_apply", "block_ids_to_zero", b"block_ids_to_zero", "block_ids_zeroed", b"block_ids_zeroed", "new_block_ids", b"new_block_ids", "outcome", b"outcome", "request", b"request"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AllocateSlotsResponse: _TypeAlias = AllocateSlotsResponse  # noqa: Y015
+
+@_typing.final
+class BlockCopy(_message.Message):
+    """One copy-on-write copy: the content of block src_block_id goes to dst_block_id."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SRC_BLOCK_ID_FIELD_NUMBER: _builtins.int
+    DST_BLOCK_ID_FIELD_NUMBER: _builtins.int
+    src_block_id: _builtins.int
+    dst_block_id: _builtins.int
+    def __init__(
+        self,
+        *,
+        src_block_id: _builtins.int = ...,
+        dst_block_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dst_block_id", b"dst_block_id", "src_block_id", b"src_block_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlockCopy: _TypeAlias = BlockCopy  # noqa: Y015
 
 @_typing.final
 class FreeRequestRequest(_message.Message):
@@ -868,6 +920,7 @@ class GetCacheConfigResponse(_message.Message):
     MODEL_NAME_FIELD_NUMBER: _builtins.int
     BLOCKS_ZEROED_BY_SERVER_FIELD_NUMBER: _builtins.int
     RUNTIME_DEVICE_FIELD_NUMBER: _builtins.int
+    SCHEDULER_EPOCH_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
     """The pool size, null block (id 0) included."""
     max_model_len: _builtins.int
@@ -894,6 +947,10 @@ class GetCacheConfigResponse(_message.Message):
     """The device holding the server's KV tensors ("cpu", "cuda"); empty without a
     runtime.
     """
+    scheduler_epoch: _builtins.int
+    """The caller's current scheduler epoch (the highest OpenSession epoch so far; 0
+    before any). Numbered apart from the layout fields above.
+    """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVCacheGroup]: ...
     def __init__(
@@ -911,10 +968,11 @@ class GetCacheConfigResponse(_message.Message):
         model_name: _builtins.str = ...,
         blocks_zeroed_by_server: _builtins.bool = ...,
         runtime_device: _builtins.str = ...,
+        scheduler_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_zeroed_by_server", b"blocks_zeroed_by_server", "enable_caching", b"enable_caching", "groups", b"groups", "hash_algo", b"hash_algo", "hash_block_size", b"hash_block_size", "max_model_len", b"max_model_len", "model_name", b"model_name", "needs_kv_cache_zeroing", b"needs_kv_cache_zeroing", "none_hash_seed_fingerprint", b"none_hash_seed_fingerprint", "num_blocks", b"num_blocks", "runtime_device", b"runtime_device", "scheduler_block_size", b"scheduler_block_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_zeroed_by_server", b"blocks_zeroed_by_server", "enable_caching", b"enable_caching", "groups", b"groups", "hash_algo", b"hash_algo", "hash_block_size", b"hash_block_size", "max_model_len", b"max_model_len", "model_name", b"model_name", "needs_kv_cache_zeroing", b"needs_kv_cache_zeroing", "none_hash_seed_fingerprint", b"none_hash_seed_fingerprint", "num_blocks", b"num_blocks", "runtime_device", b"runtime_device", "scheduler_block_size", b"scheduler_block_size", "scheduler_epoch", b"scheduler_epoch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1532,3 +1590,222 @@ class AllBlocksCleared(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AllBlocksCleared: _TypeAlias = AllBlocksCleared  # noqa: Y015
+
+@_typing.final
+class OpenSessionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    CLIENT_NAME_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    ttl_seconds: _builtins.float
+    """The lease, in seconds; 0 takes the server's default. Must lie within the
+    server's bounds (session_ttl_min .. session_ttl_max).
+    """
+    client_name: _builtins.str
+    """Who opens it (logged, reported); free text."""
+    epoch: _builtins.int
+    """The scheduler's fencing epoch: a restarted scheduler opens with a higher one,
+    after which sessions of lower epochs are refused.
+    """
+    def __init__(
+        self,
+        *,
+        ttl_seconds: _builtins.float = ...,
+        client_name: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "epoch", b"epoch", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenSessionRequest: _TypeAlias = OpenSessionRequest  # noqa: Y015
+
+@_typing.final
+class OpenSessionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    CURRENT_EPOCH_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    """Send it as the x-kvservice-session metadata of every call of the session."""
+    ttl_seconds: _builtins.float
+    """The lease granted, in seconds."""
+    lease_expires_at: _builtins.float
+    """When the lease runs out unless renewed (Unix time, seconds)."""
+    current_epoch: _builtins.int
+    """The current epoch (the highest opened so far, this session's included)."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        ttl_seconds: _builtins.float = ...,
+        lease_expires_at: _builtins.float = ...,
+        current_epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["current_epoch", b"current_epoch", "lease_expires_at", b"lease_expires_at", "session_id", b"session_id", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OpenSessionResponse: _TypeAlias = OpenSessionResponse  # noqa: Y015
+
+@_typing.final
+class KeepAliveRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeepAliveRequest: _TypeAlias = KeepAliveRequest  # noqa: Y015
+
+@_typing.final
+class KeepAliveResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    lease_expires_at: _builtins.float
+    """When the renewed lease runs out unless renewed again (Unix time, seconds)."""
+    def __init__(
+        self,
+        *,
+        lease_expires_at: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_expires_at", b"lease_expires_at"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KeepAliveResponse: _TypeAlias = KeepAliveResponse  # noqa: Y015
+
+@_typing.final
+class CloseSessionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    FREE_REQUESTS_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.str
+    free_requests: _builtins.bool
+    """Free (FINISH) every request the session owns; otherwise they stay, unowned."""
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.str = ...,
+        free_requests: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["free_requests", b"free_requests", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CloseSessionRequest: _TypeAlias = CloseSessionRequest  # noqa: Y015
+
+@_typing.final
+class CloseSessionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_REQUESTS_FREED_FIELD_NUMBER: _builtins.int
+    num_requests_freed: _builtins.int
+    """Requests freed by the close (0 without free_requests)."""
+    def __init__(
+        self,
+        *,
+        num_requests_freed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_requests_freed", b"num_requests_freed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CloseSessionResponse: _TypeAlias = CloseSessionResponse  # noqa: Y015
+
+@_typing.final
+class AuditRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuditRequest: _TypeAlias = AuditRequest  # noqa: Y015
+
+@_typing.final
+class AuditResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OK_FIELD_NUMBER: _builtins.int
+    VIOLATIONS_FIELD_NUMBER: _builtins.int
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_HELD_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_REQUESTS_FIELD_NUMBER: _builtins.int
+    NUM_SESSIONS_FIELD_NUMBER: _builtins.int
+    NUM_OWNED_REQUESTS_FIELD_NUMBER: _builtins.int
+    CURRENT_EPOCH_FIELD_NUMBER: _builtins.int
+    DURATION_SECONDS_FIELD_NUMBER: _builtins.int
+    ok: _builtins.bool
+    """True when no invariant is broken."""
+    num_free_blocks: _builtins.int
+    """Free blocks (cached-but-unreferenced ones included)."""
+    num_held_blocks: _builtins.int
+    """Blocks requests hold."""
+    num_cached_blocks: _builtins.int
+    """Free blocks that still hold a prefix cache entry."""
+    num_requests: _builtins.int
+    """Requests the server knows."""
+    num_sessions: _builtins.int
+    """Open sessions."""
+    num_owned_requests: _builtins.int
+    """Requests owned by a session."""
+    current_epoch: _builtins.int
+    """The caller's current scheduler epoch."""
+    duration_seconds: _builtins.float
+    """How long the check took, in seconds."""
+    @_builtins.property
+    def violations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """What is broken, one line each (empty when ok)."""
+
+    def __init__(
+        self,
+        *,
+        ok: _builtins.bool = ...,
+        violations: _abc.Iterable[_builtins.str] | None = ...,
+        num_free_blocks: _builtins.int = ...,
+        num_held_blocks: _builtins.int = ...,
+        num_cached_blocks: _builtins.int = ...,
+        num_requests: _builtins.int = ...,
+        num_sessions: _builtins.int = ...,
+        num_owned_requests: _builtins.int = ...,
+        current_epoch: _builtins.int = ...,
+        duration_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["current_epoch", b"current_epoch", "duration_seconds", b"duration_seconds", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_held_blocks", b"num_held_blocks", "num_owned_requests", b"num_owned_requests", "num_requests", b"num_requests", "num_sessions", b"num_sessions", "ok", b"ok", "violations", b"violations"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AuditResponse: _TypeAlias = AuditResponse  # noqa: Y015

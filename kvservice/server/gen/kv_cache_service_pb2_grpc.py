@@ -105,6 +105,26 @@ class KVCacheServiceStub:
                 request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.SubscribeEventsRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.SubscribeEventsResponse.FromString,
                 _registered_method=True)
+        self.OpenSession = channel.unary_unary(
+                '/kvservice.v1.KVCacheService/OpenSession',
+                request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.OpenSessionRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.OpenSessionResponse.FromString,
+                _registered_method=True)
+        self.KeepAlive = channel.unary_unary(
+                '/kvservice.v1.KVCacheService/KeepAlive',
+                request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.KeepAliveRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.KeepAliveResponse.FromString,
+                _registered_method=True)
+        self.CloseSession = channel.unary_unary(
+                '/kvservice.v1.KVCacheService/CloseSession',
+                request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.CloseSessionRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.CloseSessionResponse.FromString,
+                _registered_method=True)
+        self.Audit = channel.unary_unary(
+                '/kvservice.v1.KVCacheService/Audit',
+                request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.AuditRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.AuditResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServiceServicer:
@@ -210,7 +230,10 @@ class KVCacheServiceServicer:
         and never end the stream; it ends when the client half-closes (OK) or on a
         message over the operations-per-step limit (INVALID_ARGUMENT). If the client
         cancels, each step was applied entirely or not at all; reconcile with
-        GetRequest for the answer that may have been lost.
+        GetRequest for the answer that may have been lost. Opened under a session
+        (x-kvservice-session), the stream holds the session's lease; if the client
+        cancels or the connection drops, the session ends at once and its requests are
+        freed. It ends FAILED_PRECONDITION once a newer epoch has taken over.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -234,6 +257,44 @@ class KVCacheServiceServicer:
         A subscriber that falls behind by more than the server's per-subscriber queue
         is dropped with RESOURCE_EXHAUSTED (the server never waits for it); it
         resubscribes from the last sequence it saw.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenSession(self, request, context):
+        """Open a client session: a lease of ttl_seconds that every call carrying the
+        session id (metadata x-kvservice-session) renews, as KeepAlive does. Requests
+        added under a session are owned by it: when the lease runs out, or a StepStream
+        opened under it breaks, the server frees them all (FINISH). epoch fences
+        schedulers: the highest epoch opened is the current one, and sessions with an
+        older epoch are refused. INVALID_ARGUMENT for a ttl_seconds outside the
+        server's bounds; FAILED_PRECONDITION for an epoch older than the current one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KeepAlive(self, request, context):
+        """Renew a session's lease. NOT_FOUND for an unknown session; FAILED_PRECONDITION
+        for one that expired (open a new one) or whose epoch was superseded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseSession(self, request, context):
+        """End a session; free_requests frees (FINISH) every request it owns, otherwise
+        they stay, unowned. NOT_FOUND / FAILED_PRECONDITION as KeepAlive.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Audit(self, request, context):
+        """Check every invariant of the pool (reference counts against block tables, the
+        free queue, the prefix cache's hash map, request ownership) and report what
+        is wrong, if anything. O(pool size); changes nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -311,6 +372,26 @@ def add_KVCacheServiceServicer_to_server(servicer, server):
                     servicer.SubscribeEvents,
                     request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.SubscribeEventsRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.SubscribeEventsResponse.SerializeToString,
+            ),
+            'OpenSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenSession,
+                    request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.OpenSessionRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.OpenSessionResponse.SerializeToString,
+            ),
+            'KeepAlive': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepAlive,
+                    request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.KeepAliveRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.KeepAliveResponse.SerializeToString,
+            ),
+            'CloseSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseSession,
+                    request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.CloseSessionRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.CloseSessionResponse.SerializeToString,
+            ),
+            'Audit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Audit,
+                    request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.AuditRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.AuditResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -692,6 +773,114 @@ class KVCacheService:
             '/kvservice.v1.KVCacheService/SubscribeEvents',
             kvservice_dot_v1_dot_kv__cache__service__pb2.SubscribeEventsRequest.SerializeToString,
             kvservice_dot_v1_dot_kv__cache__service__pb2.SubscribeEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/OpenSession',
+            kvservice_dot_v1_dot_kv__cache__service__pb2.OpenSessionRequest.SerializeToString,
+            kvservice_dot_v1_dot_kv__cache__service__pb2.OpenSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepAlive(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/KeepAlive',
+            kvservice_dot_v1_dot_kv__cache__service__pb2.KeepAliveRequest.SerializeToString,
+            kvservice_dot_v1_dot_kv__cache__service__pb2.KeepAliveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/CloseSession',
+            kvservice_dot_v1_dot_kv__cache__service__pb2.CloseSessionRequest.SerializeToString,
+            kvservice_dot_v1_dot_kv__cache__service__pb2.CloseSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Audit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/Audit',
+            kvservice_dot_v1_dot_kv__cache__service__pb2.AuditRequest.SerializeToString,
+            kvservice_dot_v1_dot_kv__cache__service__pb2.AuditResponse.FromString,
             options,
             channel_credentials,
             insecure,

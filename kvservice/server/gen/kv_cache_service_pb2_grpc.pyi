@@ -85,7 +85,10 @@ class KVCacheServiceStub:
     and never end the stream; it ends when the client half-closes (OK) or on a
     message over the operations-per-step limit (INVALID_ARGUMENT). If the client
     cancels, each step was applied entirely or not at all; reconcile with
-    GetRequest for the answer that may have been lost.
+    GetRequest for the answer that may have been lost. Opened under a session
+    (x-kvservice-session), the stream holds the session's lease; if the client
+    cancels or the connection drops, the session ends at once and its requests are
+    freed. It ends FAILED_PRECONDITION once a newer epoch has taken over.
     """
     SubscribeEvents: _aio.UnaryStreamMultiCallable[_kv_cache_service_pb2.SubscribeEventsRequest, _kv_cache_service_pb2.SubscribeEventsResponse]
     """The pool's prefix cache changes, as vLLM's KV events, for a KV-aware router or
@@ -105,6 +108,28 @@ class KVCacheServiceStub:
     A subscriber that falls behind by more than the server's per-subscriber queue
     is dropped with RESOURCE_EXHAUSTED (the server never waits for it); it
     resubscribes from the last sequence it saw.
+    """
+    OpenSession: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.OpenSessionRequest, _kv_cache_service_pb2.OpenSessionResponse]
+    """Open a client session: a lease of ttl_seconds that every call carrying the
+    session id (metadata x-kvservice-session) renews, as KeepAlive does. Requests
+    added under a session are owned by it: when the lease runs out, or a StepStream
+    opened under it breaks, the server frees them all (FINISH). epoch fences
+    schedulers: the highest epoch opened is the current one, and sessions with an
+    older epoch are refused. INVALID_ARGUMENT for a ttl_seconds outside the
+    server's bounds; FAILED_PRECONDITION for an epoch older than the current one.
+    """
+    KeepAlive: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.KeepAliveRequest, _kv_cache_service_pb2.KeepAliveResponse]
+    """Renew a session's lease. NOT_FOUND for an unknown session; FAILED_PRECONDITION
+    for one that expired (open a new one) or whose epoch was superseded.
+    """
+    CloseSession: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.CloseSessionRequest, _kv_cache_service_pb2.CloseSessionResponse]
+    """End a session; free_requests frees (FINISH) every request it owns, otherwise
+    they stay, unowned. NOT_FOUND / FAILED_PRECONDITION as KeepAlive.
+    """
+    Audit: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.AuditRequest, _kv_cache_service_pb2.AuditResponse]
+    """Check every invariant of the pool (reference counts against block tables, the
+    free queue, the prefix cache's hash map, request ownership) and report what
+    is wrong, if anything. O(pool size); changes nothing.
     """
 
 class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -230,7 +255,10 @@ class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
         and never end the stream; it ends when the client half-closes (OK) or on a
         message over the operations-per-step limit (INVALID_ARGUMENT). If the client
         cancels, each step was applied entirely or not at all; reconcile with
-        GetRequest for the answer that may have been lost.
+        GetRequest for the answer that may have been lost. Opened under a session
+        (x-kvservice-session), the stream holds the session's lease; if the client
+        cancels or the connection drops, the session ends at once and its requests are
+        freed. It ends FAILED_PRECONDITION once a newer epoch has taken over.
         """
 
     @_abc_1.abstractmethod
@@ -256,6 +284,52 @@ class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
         A subscriber that falls behind by more than the server's per-subscriber queue
         is dropped with RESOURCE_EXHAUSTED (the server never waits for it); it
         resubscribes from the last sequence it saw.
+        """
+
+    @_abc_1.abstractmethod
+    def OpenSession(
+        self,
+        request: _kv_cache_service_pb2.OpenSessionRequest,
+        context: _aio.ServicerContext[_kv_cache_service_pb2.OpenSessionRequest, _abc.Awaitable[_kv_cache_service_pb2.OpenSessionResponse]],
+    ) -> _abc.Awaitable[_kv_cache_service_pb2.OpenSessionResponse]:
+        """Open a client session: a lease of ttl_seconds that every call carrying the
+        session id (metadata x-kvservice-session) renews, as KeepAlive does. Requests
+        added under a session are owned by it: when the lease runs out, or a StepStream
+        opened under it breaks, the server frees them all (FINISH). epoch fences
+        schedulers: the highest epoch opened is the current one, and sessions with an
+        older epoch are refused. INVALID_ARGUMENT for a ttl_seconds outside the
+        server's bounds; FAILED_PRECONDITION for an epoch older than the current one.
+        """
+
+    @_abc_1.abstractmethod
+    def KeepAlive(
+        self,
+        request: _kv_cache_service_pb2.KeepAliveRequest,
+        context: _aio.ServicerContext[_kv_cache_service_pb2.KeepAliveRequest, _abc.Awaitable[_kv_cache_service_pb2.KeepAliveResponse]],
+    ) -> _abc.Awaitable[_kv_cache_service_pb2.KeepAliveResponse]:
+        """Renew a session's lease. NOT_FOUND for an unknown session; FAILED_PRECONDITION
+        for one that expired (open a new one) or whose epoch was superseded.
+        """
+
+    @_abc_1.abstractmethod
+    def CloseSession(
+        self,
+        request: _kv_cache_service_pb2.CloseSessionRequest,
+        context: _aio.ServicerContext[_kv_cache_service_pb2.CloseSessionRequest, _abc.Awaitable[_kv_cache_service_pb2.CloseSessionResponse]],
+    ) -> _abc.Awaitable[_kv_cache_service_pb2.CloseSessionResponse]:
+        """End a session; free_requests frees (FINISH) every request it owns, otherwise
+        they stay, unowned. NOT_FOUND / FAILED_PRECONDITION as KeepAlive.
+        """
+
+    @_abc_1.abstractmethod
+    def Audit(
+        self,
+        request: _kv_cache_service_pb2.AuditRequest,
+        context: _aio.ServicerContext[_kv_cache_service_pb2.AuditRequest, _abc.Awaitable[_kv_cache_service_pb2.AuditResponse]],
+    ) -> _abc.Awaitable[_kv_cache_service_pb2.AuditResponse]:
+        """Check every invariant of the pool (reference counts against block tables, the
+        free queue, the prefix cache's hash map, request ownership) and report what
+        is wrong, if anything. O(pool size); changes nothing.
         """
 
 def add_KVCacheServiceServicer_to_server(servicer: KVCacheServiceServicer, server: _aio.Server) -> None: ...

@@ -1,0 +1,289 @@
+"""Remote backends that batch a scheduling step: ``StepBackend`` sends ``Step`` RPCs,
+``StreamBackend`` messages on one ``StepStream`` session.
+
+The scheduler reads two answers in the middle of a step: a prefix lookup (it sizes an
+admission) and whether an allocation fit (no room means preempting). Everything else
+(``add_request``, ``append_tokens``, ``free``) is deferred to the next send. An
+allocation is deferred too when the backend can prove it fits: it tracks each
+request's computed tokens and blocks, and a lower bound of the pool's free blocks
+(exact after every send, then lowered by each deferred allocation, never raised by a
+deferred free), so a deferred allocation cannot answer "no room" and every decision is
+the one the unary backend would make. A lookup, or an allocation it cannot prove,
+sends at once (a sync point). A decode step with no admission is one send.
+
+Admissions chain: the lookup of the next waiting request must follow the previous
+admission's allocation. ``prefetch_lookup`` names that next request; the backend
+puts its lookup in the same message as the allocation and answers the scheduler's
+next ``get_computed_blocks`` from it if nothing was queued in between, so an admission
+costs one round trip. When the allocation answers no room the prefetched lookup is
+unused: it changed no block, only the server's prefix cache query counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+
+from kvservice.client import (
+    AllocateOptions,
+    Allocation,
+    ComputedBlocks,
+    FreeMode,
+    KVClient,
+    OpHandle,
+    Session,
+    StepBuilder,
+    StepResults,
+)
+from kvservice.scheduler.backend import AllocatedIds, BlockIds, PendingBlockIds, PrefixHit
+
+# Sends one step (stop_on_error on) and answers its results.
+Send = Callable[[StepBuilder], StepResults]
+
+
+class PredictionError(RuntimeError):
+    """A deferred allocation was answered otherwise than proven: a bug in the block
+    accounting, raised rather than letting the decisions drift from the server."""
+
+
+@dataclass(slots=True)
+class _RequestBlocks:
+    """What the server holds for one request, as this backend counts it."""
+
+    num_computed_tokens: int
+    num_blocks: list[int]  # per KV cache group
+    # Admitted: the admission watermark no longer applies to its allocations.
+    running: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class _Deferred:
+    handle: OpHandle[Allocation | None]
+    pending: PendingBlockIds
+    num_new_blocks: tuple[int, ...]  # per group, as proven
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class BatchingBackend:
+    """A ``Backend`` over a kvservice server that defers what it can and sends the
+    rest of a step in one message (see the module docstring); ``send`` carries it."""
+
+    def __init__(self, client: KVClient, send: Send) -> None:
+        config = client.get_cache_config()
+        self._block_sizes = tuple(group.block_size for group in config.groups)
+        # Only full attention needs a plain function of the token count; other kinds
+        # (sliding windows release blocks as they go) always ask the server.
+        self._provable = all(group.kind == "full_attention" for group in config.groups)
+        self._max_model_len = config.max_model_len
+        self._send = send
+        self._builder = StepBuilder()
+        self._deferred: list[_Deferred] = []
+        self._requests: dict[str, _RequestBlocks] = {}
+        self._free_lower_bound = client.get_usage().num_free_blocks
+        self.num_sends = 0  # messages sent (Step RPCs or stream messages)
+        # The lookup to send with the next unproven allocation, and the one sent last.
+        self._lookup_next: str | None = None
+        self._prefetched: tuple[str, ComputedBlocks] | None = None
+
+    # -- the Backend protocol -----------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+        self._builder.add_request(request_id, prompt_token_ids)
+        self._requests[request_id] = self._empty()
+
+    def get_computed_blocks(self, request_id: str) -> PrefixHit:
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and prefetched[0] == request_id and not len(self._builder):
+            # Sent right after the last operation the server ran: the answer is current.
+            hit = prefetched[1]
+        else:
+            handle = self._builder.get_computed_blocks(request_id)
+            hit = self._send_now()[handle]
+        return PrefixHit(hit.block_ids, hit.num_computed_tokens, hit.shared_prefix_boundary)
+
+    def prefetch_lookup(self, request_id: str) -> None:
+        """The scheduler's next lookup, should the next allocation succeed."""
+        self._lookup_next = request_id
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        hit: PrefixHit | None = None,
+        num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+    ) -> AllocatedIds | None:
+        computed = (
+            None
+            if hit is None
+            else ComputedBlocks(hit.block_ids, hit.num_computed_tokens, hit.shared_prefix_boundary)
+        )
+        # No options (the defaults) for a plain decode allocation: nothing to encode.
+        options = (
+            None
+            if not (num_lookahead_tokens or full_sequence_must_fit)
+            else AllocateOptions(
+                num_lookahead_tokens=num_lookahead_tokens,
+                full_sequence_must_fit=full_sequence_must_fit,
+            )
+        )
+        handle = self._builder.allocate_slots(request_id, num_new_tokens, computed, options)
+        lookup_next, self._lookup_next = self._lookup_next, None
+        state = self._requests.get(request_id)
+        if state is not None and state.running and hit is None and not full_sequence_must_fit:
+            proven = self._proven_new_blocks(state, num_new_tokens + num_lookahead_tokens)
+            if proven is not None:
+                return self._defer(handle, state, num_new_tokens, proven)
+        lookup = None if lookup_next is None else self._builder.get_computed_blocks(lookup_next)
+        results = self._send_now()
+        allocation = results[handle]
+        if allocation is None:
+            return None
+        if lookup_next is not None and lookup is not None:
+            self._prefetched = (lookup_next, results[lookup])
+        if state is not None:
+            num_hit = 0 if hit is None else hit.num_computed_tokens
+            hit_blocks = () if hit is None else tuple(len(group) for group in hit.block_ids)
+            self._advance(state, num_hit + num_new_tokens, allocation.new_block_ids, hit_blocks)
+        return allocation.new_block_ids
+
+    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self._builder.append_tokens(request_id, token_ids)
+
+    def free(self, request_id: str, preempt: bool = False) -> None:
+        self._builder.free(request_id, FreeMode.PREEMPT if preempt else FreeMode.FINISH)
+        # A preempted request re-prefills from nothing; a finished one is forgotten.
+        if preempt:
+            self._requests[request_id] = self._empty()
+        else:
+            self._requests.pop(request_id, None)
+
+    def num_free_blocks(self) -> int:
+        self._send_now()
+        return self._free_lower_bound
+
+    @property
+    def free_blocks_at_last_send(self) -> int:
+        """The pool's free blocks as the last message left them (after ``flush``:
+        as the step left them), without a round trip."""
+        if self._deferred:
+            raise RuntimeError("allocations are deferred: flush before reading free blocks")
+        return self._free_lower_bound
+
+    def flush(self) -> None:
+        """Send whatever the step deferred (nothing when nothing was)."""
+        if len(self._builder):
+            self._send_now()
+
+    # -- block accounting ---------------------------------------------------------------
+
+    def _empty(self) -> _RequestBlocks:
+        return _RequestBlocks(0, [0] * len(self._block_sizes))
+
+    def _proven_new_blocks(
+        self, state: _RequestBlocks, num_slot_tokens: int
+    ) -> tuple[int, ...] | None:
+        """The blocks per group an allocation without a hit takes (as the manager
+        counts them), when they certainly fit; None when only the server can tell."""
+        if not self._provable:
+            return None
+        end = min(state.num_computed_tokens + num_slot_tokens, self._max_model_len)
+        if len(self._block_sizes) == 1:
+            # The common single-group pool, on every decode allocation: no generator.
+            need = max(_cdiv(end, self._block_sizes[0]) - state.num_blocks[0], 0)
+            return (need,) if need <= self._free_lower_bound else None
+        needed = tuple(
+            max(_cdiv(end, size) - held, 0)
+            for size, held in zip(self._block_sizes, state.num_blocks, strict=True)
+        )
+        return needed if sum(needed) <= self._free_lower_bound else None
+
+    def _defer(
+        self,
+        handle: OpHandle[Allocation | None],
+        state: _RequestBlocks,
+        num_new_tokens: int,
+        new_blocks: tuple[int, ...],
+    ) -> PendingBlockIds:
+        pending = PendingBlockIds()
+        self._deferred.append(_Deferred(handle, pending, new_blocks))
+        self._free_lower_bound -= sum(new_blocks)
+        state.num_computed_tokens += num_new_tokens
+        for group, count in enumerate(new_blocks):
+            state.num_blocks[group] += count
+        return pending
+
+    @staticmethod
+    def _advance(
+        state: _RequestBlocks, num_tokens: int, new_ids: BlockIds, hit_blocks: tuple[int, ...]
+    ) -> None:
+        state.num_computed_tokens += num_tokens
+        state.running = True
+        for group, ids in enumerate(new_ids):
+            state.num_blocks[group] += len(ids) + (hit_blocks[group] if hit_blocks else 0)
+
+    # -- sending ------------------------------------------------------------------------
+
+    def _send_now(self) -> StepResults:
+        """Send every queued operation and a usage read; raise the first operation
+        error (stop_on_error: nothing after it ran); resolve deferred allocations."""
+        usage = self._builder.get_usage()
+        self._prefetched = None
+        builder, self._builder = self._builder, StepBuilder()
+        deferred, self._deferred = self._deferred, []
+        results = self._send(builder)
+        self.num_sends += 1
+        errors = results.errors
+        if errors:
+            raise errors[min(errors)]
+        for item in deferred:
+            self._resolve(item, results[item.handle])
+        self._free_lower_bound = results[usage].num_free_blocks
+        return results
+
+    @staticmethod
+    def _resolve(item: _Deferred, allocation: Allocation | None) -> None:
+        counts = None if allocation is None else tuple(len(g) for g in allocation.new_block_ids)
+        if allocation is None or counts != item.num_new_blocks:
+            raise PredictionError(
+                f"a deferred allocation (op {item.handle.index}) took {counts} blocks, "
+                f"proven {item.num_new_blocks}"
+            )
+        item.pending.set(allocation.new_block_ids)
+
+
+class StepBackend(BatchingBackend):
+    """Batched steps over unary ``Step`` RPCs."""
+
+    def __init__(self, client: KVClient) -> None:
+        super().__init__(client, lambda builder: client.step(builder, stop_on_error=True))
+
+
+class StreamBackend(BatchingBackend):
+    """Batched steps over one ``StepStream`` session; ``close`` (or ``with``) ends it."""
+
+    def __init__(self, client: KVClient) -> None:
+        self._session: Session = client.session()
+        session = self._session
+        super().__init__(client, lambda builder: session.step(builder, stop_on_error=True))
+
+    def close(self) -> None:
+        self._session.close()
+
+    def __enter__(self) -> StreamBackend:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self._session.cancel()

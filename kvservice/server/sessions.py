@@ -1,0 +1,579 @@
+"""Client sessions: leases that own requests, and the scheduler epoch that fences them.
+
+A client opens a session (``OpenSession``) with a TTL and sends its id as the
+``x-kvservice-session`` metadata of every later call; each such call renews the lease,
+as ``KeepAlive`` does, and an open ``StepStream`` holds it for as long as the stream
+lives. Every request added under a session is owned by it. When the lease runs out
+(the reaper, ``SessionReaper``, finds it) or a stream opened under it breaks (the
+client vanished mid-stream), the session ends and every request it owns is freed with
+FINISH, so no block outlives its owner's lease.
+
+Fencing: each session carries its scheduler's epoch; the highest epoch a tenant has
+opened is current, and a call under an older one is refused FAILED_PRECONDITION, so a
+restarted scheduler (which opens with a higher epoch) cannot be confused with its
+stale predecessor. The stale session is not ended by the refusal: it cannot renew
+either, so its lease runs out and its requests are freed like any other.
+
+Epochs are kept per tenant: with authentication, one tenant's scheduler must not be
+able to fence another's. Without it there is one tenant, hence one epoch per pool.
+
+``SessionInterceptor`` resolves the metadata at the RPC boundary and fills
+``session_id`` and ``epoch`` of the call's ``Caller``; no servicer method reads the
+metadata itself. Like the allocator, nothing here is thread safe: it all runs on the
+server's loop, and no method awaits while it changes state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import math
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+
+from kvservice.core.errors import (
+    InvalidArgumentError,
+    KVCacheError,
+    RequestNotFoundError,
+)
+from kvservice.server.allocator import Allocator, FreeMode
+from kvservice.server.caller import CURRENT_CALLER, Caller, current_caller
+from kvservice.server.config import ServerConfig
+from kvservice.server.metrics import KVCacheMetrics
+
+log = structlog.get_logger("kvservice.sessions")
+
+SESSION_KEY = "x-kvservice-session"
+# Methods that take the session in their message and manage it themselves.
+SESSION_METHODS = frozenset({"OpenSession", "KeepAlive", "CloseSession"})
+# Methods that change the pool: refused without a session under ``require_sessions``.
+MUTATING_METHODS = frozenset(
+    {
+        "AddRequest",
+        "AppendTokens",
+        "GetComputedBlocks",
+        "AllocateSlots",
+        "FreeRequest",
+        "ResetPrefixCache",
+        "Step",
+        "StepStream",
+    }
+)
+# Ended sessions remembered, so a late call learns why its session is gone.
+ENDED_SESSIONS_KEPT = 10_000
+MAX_CLIENT_NAME_LENGTH = 256
+# How long a stream that ended waits for a cancellation before counting as closed
+# cleanly (a cancellation missed by this only delays the reclaim to the lease's end).
+STREAM_CLOSE_GRACE_S = 0.1
+
+
+class SessionNotFoundError(KVCacheError):
+    """The session id was never opened here (or belongs to another tenant)."""
+
+    status = "NOT_FOUND"
+
+
+class SessionEndedError(KVCacheError):
+    """The session expired, broke or was closed; the client must open a new one."""
+
+    status = "FAILED_PRECONDITION"
+
+
+class StaleEpochError(KVCacheError):
+    """A newer scheduler epoch has taken over the pool."""
+
+    status = "FAILED_PRECONDITION"
+
+
+class SessionRequiredError(KVCacheError):
+    """A mutating call without a session on a server run with ``require_sessions``."""
+
+    status = "FAILED_PRECONDITION"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionPolicy:
+    """The lease bounds and whether sessions are mandatory."""
+
+    ttl_min_s: float = 1.0
+    ttl_max_s: float = 3600.0
+    ttl_default_s: float = 30.0
+    require_sessions: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 < self.ttl_min_s <= self.ttl_default_s <= self.ttl_max_s < math.inf:
+            raise InvalidArgumentError(
+                f"session TTLs must satisfy 0 < session_ttl_min ({self.ttl_min_s}) <= "
+                f"session_ttl_default ({self.ttl_default_s}) <= session_ttl_max "
+                f"({self.ttl_max_s}) < inf"
+            )
+
+    @classmethod
+    def of(cls, config: ServerConfig) -> SessionPolicy:
+        return cls(
+            config.session_ttl_min_s,
+            config.session_ttl_max_s,
+            config.session_ttl_default_s,
+            config.require_sessions,
+        )
+
+    def ttl(self, requested: float) -> float:
+        """The lease to grant for ``requested`` seconds (0: the default)."""
+        if requested == 0:
+            return self.ttl_default_s
+        if not self.ttl_min_s <= requested <= self.ttl_max_s:  # NaN fails this too
+            raise InvalidArgumentError(
+                f"ttl_seconds must be 0 (the server's default, {self.ttl_default_s}) or "
+                f"within [{self.ttl_min_s}, {self.ttl_max_s}] seconds, got {requested}"
+            )
+        return requested
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    """One client's lease and the requests it owns."""
+
+    session_id: str
+    tenant: str
+    client_name: str
+    epoch: int
+    ttl_s: float
+    # On the registry's monotonic clock.
+    expires_at: float
+    requests: set[str] = field(default_factory=set)
+    # StepStreams open under the session: while one is, the lease cannot run out.
+    open_streams: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """What OpenSession and KeepAlive answer."""
+
+    session: Session
+    # Unix time (seconds) at which the lease runs out unless renewed.
+    expires_at_unix: float
+
+
+class SessionRegistry:
+    """The open sessions of one pool, who owns which request, and the epochs.
+
+    It is the allocator's ``RequestOwnership``: a request added while the call's
+    ``Caller`` names a session is owned by that session until it is finished.
+    """
+
+    def __init__(
+        self,
+        allocator: Allocator,
+        policy: SessionPolicy,
+        metrics: KVCacheMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.policy = policy
+        self._allocator = allocator
+        self._metrics = metrics
+        self._clock = clock
+        self._sessions: dict[str, Session] = {}
+        # (tenant, request id) -> the owning session's id.
+        self._owners: dict[tuple[str, str], str] = {}
+        self._epochs: dict[str, int] = {}
+        # Ended sessions: id -> (tenant, why it ended).
+        self._ended: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        allocator.ownership = self
+
+    # -- the RPCs ------------------------------------------------------------------------
+
+    def open(self, tenant: str, ttl_seconds: float, client_name: str, epoch: int) -> Lease:
+        """A new session of ``tenant``; its epoch becomes current if it is the highest.
+        INVALID_ARGUMENT for a bad TTL, name or epoch; FAILED_PRECONDITION (nothing
+        opened) for an epoch older than the current one."""
+        ttl = self.policy.ttl(ttl_seconds)
+        if len(client_name) > MAX_CLIENT_NAME_LENGTH:
+            raise InvalidArgumentError(
+                f"client_name is {len(client_name)} characters; at most "
+                f"{MAX_CLIENT_NAME_LENGTH} are accepted"
+            )
+        if epoch < 0:
+            raise InvalidArgumentError(f"epoch must be >= 0, got {epoch}")
+        current = self.current_epoch(tenant)
+        if epoch < current:
+            raise StaleEpochError(
+                f"epoch {epoch} is older than the pool's current epoch {current}: a newer "
+                f"scheduler has taken over; open the session with epoch >= {current}"
+            )
+        self._epochs[tenant] = epoch
+        session = Session(
+            secrets.token_urlsafe(16), tenant, client_name, epoch, ttl, self._clock() + ttl
+        )
+        self._sessions[session.session_id] = session
+        self._record_active()
+        log.info(
+            "session opened",
+            session_id=session.session_id,
+            client_name=client_name,
+            epoch=epoch,
+            ttl_s=ttl,
+            tenant=tenant or "-",
+        )
+        return self._lease(session)
+
+    def keep_alive(self, session_id: str, tenant: str) -> Lease:
+        """Renew the lease (``resolve``'s checks and errors)."""
+        return self._lease(self.resolve(session_id, tenant))
+
+    def close(self, session_id: str, tenant: str, free_requests: bool) -> int:
+        """End the session; with ``free_requests`` free what it owns (else the
+        requests stay, unowned). Allowed under a superseded epoch, so a stale
+        scheduler can still clean up. Returns the number of requests freed."""
+        session = self._get(session_id, tenant)
+        if not free_requests:
+            for rid in session.requests:
+                del self._owners[(tenant, rid)]
+            session.requests.clear()
+        freed = self._end(session, "closed by the client")
+        log.info("session closed", session_id=session_id, num_requests_freed=freed)
+        return freed
+
+    def resolve(self, session_id: str, tenant: str) -> Session:
+        """The caller's live session, its lease renewed. NOT_FOUND for an id never
+        opened by this tenant; FAILED_PRECONDITION for one that ended (an expired
+        lease is ended here if the reaper has not got to it yet) or whose epoch is
+        older than the current one (the lease is then not renewed)."""
+        session = self._get(session_id, tenant)
+        now = self._clock()
+        if not session.open_streams and session.expires_at <= now:
+            self._expire(session, "ttl")
+            raise self._ended_error(session_id)
+        current = self.current_epoch(tenant)
+        if session.epoch < current:
+            raise StaleEpochError(
+                f"session {session_id!r} has epoch {session.epoch}, older than the pool's "
+                f"current epoch {current}: a newer scheduler has taken over; this client "
+                f"must stop (or open a new session with epoch >= {current})"
+            )
+        session.expires_at = now + session.ttl_s
+        return session
+
+    def current_epoch(self, tenant: str) -> int:
+        """The highest epoch ``tenant`` has opened a session with (0 before any)."""
+        return self._epochs.get(tenant, 0)
+
+    # -- streams and the reaper ----------------------------------------------------------
+
+    def stream_opened(self, session: Session) -> None:
+        session.open_streams += 1
+
+    def stream_closed(self, session: Session, broken: bool) -> None:
+        """A stream under ``session`` ended: a broken one ends the session at once
+        (its client is gone), a clean one restarts the lease from now."""
+        session.open_streams -= 1
+        if self._sessions.get(session.session_id) is not session:
+            return  # ended meanwhile (closed, or another of its streams broke)
+        if broken:
+            self._expire(session, "stream_broken")
+        else:
+            session.expires_at = self._clock() + session.ttl_s
+
+    def reap(self) -> int:
+        """End every session whose lease has run out; returns how many."""
+        now = self._clock()
+        due = [s for s in self._sessions.values() if not s.open_streams and s.expires_at <= now]
+        for session in due:
+            self._expire(session, "ttl")
+        return len(due)
+
+    def next_expiry_in(self) -> float | None:
+        """Seconds until the earliest lease runs out (None with no session that can)."""
+        expiries = [s.expires_at for s in self._sessions.values() if not s.open_streams]
+        return max(0.0, min(expiries) - self._clock()) if expiries else None
+
+    # -- RequestOwnership ----------------------------------------------------------------
+
+    def adopt(self, request_id: str) -> None:
+        caller = current_caller()
+        session = self._sessions.get(caller.session_id) if caller.session_id else None
+        if session is not None:
+            session.requests.add(request_id)
+            self._owners[(caller.tenant, request_id)] = session.session_id
+
+    def release(self, request_id: str) -> None:
+        owner = self._owners.pop((current_caller().tenant, request_id), None)
+        if owner is not None:
+            self._sessions[owner].requests.discard(request_id)
+
+    # -- audit ---------------------------------------------------------------------------
+
+    @property
+    def num_sessions(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def num_owned_requests(self) -> int:
+        return len(self._owners)
+
+    def violations(self) -> list[str]:
+        """Where the ownership records disagree with each other or with the allocator."""
+        found: list[str] = []
+        for (tenant, rid), owner in self._owners.items():
+            session = self._sessions.get(owner)
+            if session is None or rid not in session.requests or session.tenant != tenant:
+                found.append(f"request {rid!r} is owned by session {owner!r}, which lacks it")
+        for session in self._sessions.values():
+            with _as_caller(session):
+                for rid in session.requests:
+                    if self._owners.get((session.tenant, rid)) != session.session_id:
+                        found.append(f"session {session.session_id!r} lists {rid!r} unrecorded")
+                    elif not self._known(rid):
+                        found.append(
+                            f"session {session.session_id!r} owns request {rid!r}, which the "
+                            f"allocator does not know"
+                        )
+        return found
+
+    def _known(self, request_id: str) -> bool:
+        try:
+            self._allocator.get_request(request_id)
+        except RequestNotFoundError:
+            return False
+        return True
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _get(self, session_id: str, tenant: str) -> Session:
+        session = self._sessions.get(session_id)
+        # Another tenant's session is reported as unknown: its id is none of the
+        # caller's business.
+        if session is not None and session.tenant == tenant:
+            return session
+        ended = self._ended.get(session_id)
+        if ended is not None and ended[0] == tenant:
+            raise self._ended_error(session_id)
+        raise SessionNotFoundError(
+            f"session {session_id!r} is not known (never opened on this server, or ended "
+            f"long ago); open a new session with OpenSession"
+        )
+
+    def _ended_error(self, session_id: str) -> SessionEndedError:
+        return SessionEndedError(
+            f"session {session_id!r} has ended ({self._ended[session_id][1]}) and the "
+            f"requests it owned were freed; open a new session with OpenSession"
+        )
+
+    def _expire(self, session: Session, reason: str) -> None:
+        freed = self._end(session, "its lease ran out" if reason == "ttl" else "its stream broke")
+        if self._metrics is not None:
+            self._metrics.session_expirations[reason].inc()
+            self._metrics.requests_reclaimed.inc(freed)
+        log.info(
+            "session expired",
+            session_id=session.session_id,
+            client_name=session.client_name,
+            reason=reason,
+            num_requests_freed=freed,
+        )
+
+    def _end(self, session: Session, why: str) -> int:
+        """Forget the session and free (FINISH) every request it still owns."""
+        freed = self._free_owned(session)
+        del self._sessions[session.session_id]
+        self._ended[session.session_id] = (session.tenant, why)
+        while len(self._ended) > ENDED_SESSIONS_KEPT:
+            self._ended.popitem(last=False)
+        self._record_active()
+        return freed
+
+    def _free_owned(self, session: Session) -> int:
+        freed = 0
+        # Freed as the session itself would free them: under its tenant, so the
+        # allocator's checks and the ownership records see the owner.
+        with _as_caller(session), self._allocator.batched():
+            for rid in sorted(session.requests):
+                try:
+                    self._allocator.free(rid, FreeMode.FINISH)
+                except RequestNotFoundError:
+                    self._owners.pop((session.tenant, rid), None)
+                    continue
+                freed += 1
+        session.requests.clear()
+        return freed
+
+    def _lease(self, session: Session) -> Lease:
+        return Lease(session, time.time() + (session.expires_at - self._clock()))
+
+    def _record_active(self) -> None:
+        if self._metrics is not None:
+            self._metrics.sessions_active.set(len(self._sessions))
+
+
+@contextmanager
+def _as_caller(session: Session) -> Iterator[None]:
+    token = CURRENT_CALLER.set(Caller(session.tenant, session.session_id, session.epoch))
+    try:
+        yield
+    finally:
+        CURRENT_CALLER.reset(token)
+
+
+class SessionReaper:
+    """A task on the server's loop that ends sessions whose lease ran out.
+
+    It wakes at the earliest expiry (at most ``max_sleep_s`` apart, so a session opened
+    meanwhile with a shorter lease is not missed by more than that), so a lease ends
+    within about a tick of its TTL.
+    """
+
+    def __init__(self, registry: SessionRegistry, max_sleep_s: float = 1.0) -> None:
+        self._registry = registry
+        # A tenth of the shortest lease: a lease is never overrun by more than that.
+        self._max_sleep_s = min(max_sleep_s, registry.policy.ttl_min_s / 10)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="session-reaper")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(self) -> None:
+        while True:
+            wait = self._registry.next_expiry_in()
+            await asyncio.sleep(self._max_sleep_s if wait is None else min(wait, self._max_sleep_s))
+            try:
+                self._registry.reap()
+            except Exception:  # a bug: log it, keep reaping the others
+                log.exception("session reaper failed")
+
+
+# -- the RPC boundary --------------------------------------------------------------------
+
+UnaryBehavior = Callable[[Any, Any], Awaitable[Any]]
+StreamBehavior = Callable[[Any, Any], AsyncIterator[Any]]
+
+
+def metadata_value(context: Any, key: str) -> str | None:
+    """The value of metadata ``key`` of the call, None when absent."""
+    for k, value in context.invocation_metadata() or ():
+        if k == key:
+            return str(value)
+    return None
+
+
+class SessionInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+    """Resolves ``x-kvservice-session`` for every KVCacheService call: renews the
+    lease, applies fencing and ``require_sessions``, and fills the call's ``Caller``.
+    Registered inside ``RpcInterceptor`` (which turns its refusals into statuses) and
+    the authentication interceptor (which sets the tenant it reads)."""
+
+    def __init__(self, service_name: str, registry: SessionRegistry) -> None:
+        self._prefix = f"/{service_name}/"
+        self._registry = registry
+        self._wrapped: dict[str, Any] = {}
+
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: Any
+    ) -> Any:
+        handler = await continuation(handler_call_details)
+        path: str = handler_call_details.method
+        if handler is None or not path.startswith(self._prefix):
+            return handler
+        method = path.removeprefix(self._prefix)
+        if method in SESSION_METHODS:
+            return handler
+        wrapped = self._wrapped.get(path)
+        if wrapped is None:
+            wrapped = self._wrap(handler, method)
+            self._wrapped[path] = wrapped
+        return wrapped
+
+    def _wrap(self, handler: Any, method: str) -> Any:
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._stream(handler.stream_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler  # server streaming (SubscribeEvents): touches no request
+
+    def _enter(self, context: Any, method: str) -> Session | None:
+        """Resolve the call's session and make it the caller's; None without one."""
+        session_id = metadata_value(context, SESSION_KEY)
+        if session_id is None:
+            if self._registry.policy.require_sessions and method in MUTATING_METHODS:
+                raise SessionRequiredError(
+                    f"{method} needs a session on this server (require_sessions): open one "
+                    f"with OpenSession and send its id as {SESSION_KEY} metadata"
+                )
+            return None
+        caller = current_caller()
+        session = self._registry.resolve(session_id, caller.tenant)
+        CURRENT_CALLER.set(dataclasses.replace(caller, session_id=session_id, epoch=session.epoch))
+        return session
+
+    def _unary(self, behavior: UnaryBehavior, method: str) -> UnaryBehavior:
+        async def call(request: Any, context: Any) -> Any:
+            # Each call runs in a task of its own: the caller set here is this call's.
+            self._enter(context, method)
+            return await behavior(request, context)
+
+        return call
+
+    def _stream(self, behavior: StreamBehavior, method: str) -> StreamBehavior:
+        registry = self._registry
+
+        async def stream(requests: Any, context: Any) -> AsyncIterator[Any]:
+            session = self._enter(context, method)
+            if session is None:
+                async for response in behavior(requests, context):
+                    yield response
+                return
+            registry.stream_opened(session)
+            broken = False
+            try:
+                async for response in behavior(_Renewing(requests, registry, session), context):
+                    yield response
+                # A client that cancels or vanishes ends the request iterator just as a
+                # half-close does; its cancellation reaches this task a moment later.
+                # Wait that moment before calling the stream finished.
+                await asyncio.sleep(STREAM_CLOSE_GRACE_S)
+            except (asyncio.CancelledError, GeneratorExit):
+                broken = True
+                raise
+            finally:
+                registry.stream_closed(session, broken)
+
+        return stream
+
+
+class _Renewing:
+    """A stream's inbound messages, each one renewing (and re-fencing) the session."""
+
+    def __init__(self, requests: AsyncIterator[Any], registry: SessionRegistry, session: Session):
+        self._requests = requests
+        self._registry = registry
+        self._session = session
+
+    def __aiter__(self) -> _Renewing:
+        return self
+
+    async def __anext__(self) -> Any:
+        message = await self._requests.__anext__()
+        self._registry.resolve(self._session.session_id, self._session.tenant)
+        return message

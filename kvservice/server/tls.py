@@ -1,0 +1,103 @@
+"""Transport security at startup: TLS/mTLS server credentials and the bind check.
+
+Both run before the server binds, so a bad certificate path or an unsafe bind fails
+``kvservice serve`` with exit code 2 and a message naming the setting.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Any
+
+import grpc
+import structlog
+
+from kvservice.core.errors import InvalidArgumentError
+from kvservice.server.config import ServerConfig
+
+log = structlog.get_logger("kvservice.security")
+
+ALLOW_INSECURE_BIND_FLAG = "--allow-insecure-bind"
+
+
+class SecurityConfigError(InvalidArgumentError):
+    """A TLS, token or bind setting that cannot be used; raised at startup only."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` only accepts connections from this machine. Wildcards
+    (``0.0.0.0``, ``::``, ``[::]``) and names other than ``localhost`` do not."""
+    name = host.strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _read(path: str, setting: str) -> bytes:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise SecurityConfigError(f"{setting} {path}: {err.strerror}") from None
+    if not data.strip():
+        raise SecurityConfigError(f"{setting} {path}: the file is empty")
+    return data
+
+
+def server_credentials(config: ServerConfig) -> Any:
+    """``grpc.ServerCredentials`` for the configured TLS files, or None for plaintext.
+
+    ``tls_client_ca_file`` turns on mutual TLS: a client must present a certificate
+    signed by that CA or its handshake fails (the client sees UNAVAILABLE).
+    """
+    cert, key, client_ca = config.tls_cert_file, config.tls_key_file, config.tls_client_ca_file
+    if (cert is None) != (key is None):
+        raise SecurityConfigError(
+            "tls_cert_file and tls_key_file go together: set both (TLS) or neither "
+            f"(plaintext); got tls_cert_file={cert!r}, tls_key_file={key!r}"
+        )
+    if cert is None or key is None:
+        if client_ca is not None:
+            raise SecurityConfigError(
+                f"tls_client_ca_file={client_ca!r} needs tls_cert_file and tls_key_file: "
+                f"mutual TLS is TLS with client certificates"
+            )
+        return None
+    pair = (_read(key, "tls_key_file"), _read(cert, "tls_cert_file"))
+    roots = _read(client_ca, "tls_client_ca_file") if client_ca is not None else None
+    return grpc.ssl_server_credentials(
+        [pair], root_certificates=roots, require_client_auth=roots is not None
+    )
+
+
+def check_bind(config: ServerConfig, has_tokens: bool) -> None:
+    """Refuse to serve a non-loopback address unprotected.
+
+    Safe off loopback means TLS plus a way to tell clients apart: bearer tokens or
+    client certificates (mTLS). Tokens without TLS would cross the network in clear
+    text, and TLS alone lets anyone who reaches the port in. Anything less needs
+    ``allow_insecure_bind`` and is logged as a warning.
+    """
+    if is_loopback(config.host):
+        return
+    has_tls = config.tls_cert_file is not None
+    has_client_auth = has_tokens or config.tls_client_ca_file is not None
+    if has_tls and has_client_auth:
+        return
+    missing = "TLS" if not has_tls else "client authentication (auth_tokens_file or mTLS)"
+    if not config.allow_insecure_bind:
+        raise SecurityConfigError(
+            f"refusing to serve gRPC on non-loopback address {config.host!r} without "
+            f"{missing}: set tls_cert_file/tls_key_file and auth_tokens_file (or "
+            f"tls_client_ca_file), or pass {ALLOW_INSECURE_BIND_FLAG} "
+            f"(KVSERVICE_ALLOW_INSECURE_BIND=1) to accept the risk"
+        )
+    log.warning(
+        "insecure bind",
+        host=config.host,
+        missing=missing,
+        detail=f"anyone who can reach this address can use the pool ({ALLOW_INSECURE_BIND_FLAG})",
+    )

@@ -1,0 +1,397 @@
+"""Shared by the fuzz, load and fault tests: which status each RPC may answer, a
+fingerprint of the allocator's whole state (to prove a refused call changed nothing),
+hypothesis strategies for well-formed and malformed messages, and cleanup that proves
+no block was lost.
+
+Everything here talks to a real server over loopback; the fingerprint and the audit
+run on the server's own loop (``ThreadedServer.call``), never from another thread.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import grpc
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+from kvservice.server.allocator import Allocator
+from kvservice.server.gen import kv_cache_service_pb2 as pb
+from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.server.servicer import KVCacheServicer
+from tests.server.support import ThreadedServer
+
+Code = grpc.StatusCode
+SERVICE = pb.DESCRIPTOR.services_by_name["KVCacheService"]
+# A safety net only: every call answers in milliseconds unless the server is stuck.
+CALL_TIMEOUT_S = 30.0
+
+
+def fuzz_settings(default_examples: int) -> settings:
+    """Small example counts by default (the suite runs on 2 cores);
+    ``KVSERVICE_FUZZ_EXAMPLES`` scales every fuzz test up for a manual run."""
+    examples = int(os.environ.get("KVSERVICE_FUZZ_EXAMPLES", default_examples))
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        print_blob=True,
+    )
+
+
+# -- the statuses each RPC documents (proto/kvservice/v1/kv_cache_service.proto) -------
+
+_PER_REQUEST = frozenset({Code.OK, Code.NOT_FOUND})
+_ALLOCATION = _PER_REQUEST | {
+    Code.INVALID_ARGUMENT,
+    Code.OUT_OF_RANGE,
+    Code.FAILED_PRECONDITION,
+    Code.ABORTED,
+}
+ALLOWED_CODES: dict[str, frozenset[grpc.StatusCode]] = {
+    "AddRequest": frozenset(
+        {Code.OK, Code.ALREADY_EXISTS, Code.INVALID_ARGUMENT, Code.OUT_OF_RANGE}
+    ),
+    "AppendTokens": _PER_REQUEST | {Code.INVALID_ARGUMENT, Code.OUT_OF_RANGE},
+    "GetComputedBlocks": _PER_REQUEST | {Code.FAILED_PRECONDITION},
+    "AllocateSlots": _ALLOCATION,
+    "FreeRequest": _PER_REQUEST | {Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION},
+    "GetRequest": _PER_REQUEST,
+    "GetBlockIds": _PER_REQUEST,
+    "ResetPrefixCache": frozenset({Code.OK}),
+    "GetUsage": frozenset({Code.OK}),
+    "GetCacheConfig": frozenset({Code.OK}),
+    "Probe": _ALLOCATION - {Code.ABORTED},
+    # Over the operations-per-step limit only; per-operation refusals are results.
+    "Step": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
+    "StepStream": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
+    "SubscribeEvents": frozenset({Code.FAILED_PRECONDITION}),
+    # Sessions and the audit (fuzzed once the server has them).
+    "OpenSession": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION}),
+    "KeepAlive": frozenset({Code.OK, Code.NOT_FOUND, Code.FAILED_PRECONDITION}),
+    "CloseSession": frozenset({Code.OK, Code.NOT_FOUND, Code.FAILED_PRECONDITION}),
+    "Audit": frozenset({Code.OK}),
+}
+# A StepOperation's field -> the unary RPC whose statuses its result may carry.
+STEP_OP_RPC = {
+    op.name: op.message_type.name.removesuffix("Request")
+    for op in pb.StepOperation.DESCRIPTOR.fields
+    if op.message_type is not None
+}
+# RPCs that never change state, whatever they answer.
+READ_ONLY = frozenset({"GetRequest", "GetBlockIds", "GetUsage", "GetCacheConfig", "Probe", "Audit"})
+
+
+def implemented(rpc: str) -> bool:
+    """Whether this tree's server has ``rpc`` (other helpers add RPCs as they go)."""
+    if rpc not in SERVICE.methods_by_name:
+        return False
+    return getattr(KVCacheServicer, rpc) is not getattr(pb_grpc.KVCacheServiceServicer, rpc)
+
+
+# The unary RPCs fuzzed with raw bytes: those whose statuses are listed above (RPCs
+# added since are fuzzed once their statuses are).
+UNARY_METHODS = sorted(
+    m.name
+    for m in SERVICE.methods
+    if m.name in ALLOWED_CODES
+    and implemented(m.name)
+    and not m.client_streaming
+    and not m.server_streaming
+)
+
+
+def method_path(name: str) -> str:
+    return f"/{SERVICE.full_name}/{name}"
+
+
+def request_type(name: str) -> Any:
+    return getattr(pb, SERVICE.methods_by_name[name].input_type.name)
+
+
+def response_type(name: str) -> Any:
+    return getattr(pb, SERVICE.methods_by_name[name].output_type.name)
+
+
+def code_of_number(number: int) -> grpc.StatusCode:
+    code: grpc.StatusCode = next(c for c in Code if c.value[0] == number)
+    return code
+
+
+@dataclass
+class Tally:
+    """How many inputs a test sent and how the server answered them, for the report."""
+
+    codes: Counter[str] = field(default_factory=Counter)
+
+    def add(self, code: grpc.StatusCode) -> None:
+        self.codes[code.name] += 1
+
+    def line(self, what: str) -> str:
+        total = sum(self.codes.values())
+        return f"{what}: {total} calls, answers {dict(self.codes.most_common())}"
+
+
+# -- state -----------------------------------------------------------------------------
+
+
+def allocator_state(allocator: Allocator) -> tuple[Any, ...]:
+    """Everything a call could change: each request, each remembered prefix hit, every
+    block's reference count and hash, the free queue's order, the hash map, the block
+    tables and the allocation checker's history. Run it on the server's loop."""
+    manager = allocator.manager
+    pool = manager.block_pool
+    requests = {
+        rid: (
+            r.status,
+            tuple(r.all_token_ids),
+            r.num_computed_tokens,
+            r.num_preemptions,
+            len(r.block_hashes),
+        )
+        for rid, r in allocator._requests.items()  # test-only peek
+    }
+    hits = {rid: hit.block_ids for rid, hit in allocator._hits.items()}
+    blocks = tuple((b.ref_cnt, b.block_hash) for b in pool.blocks)
+    free_queue = tuple(b.block_id for b in pool.free_block_queue.get_all_free_blocks())
+    cached = tuple(
+        (key, tuple(b.block_id for b in pool.cached_block_hash_to_block.blocks_of(key)))
+        for key in pool.cached_block_hash_to_block
+    )
+    tables = tuple(
+        (
+            {rid: tuple(b.block_id for b in bs) for rid, bs in single.req_to_blocks.items()},
+            dict(single.num_cached_block),
+        )
+        for single in manager.coordinator.single_type_managers
+    )
+    checker = dict(manager.checker.num_computed_at_last_allocation)
+    counters = (allocator._prefix_cache_queries, allocator._prefix_cache_hits)
+    return (requests, hits, blocks, free_queue, cached, tables, checker, counters)
+
+
+def finish_everything(server: ThreadedServer, stub: pb_grpc.KVCacheServiceStub) -> None:
+    """FINISH every request the server knows, over RPC, then prove the pool is whole:
+    no request left, no block held, every usable block free, the audit passing."""
+    known = server.call(lambda: sorted(server.server.allocator._requests))
+    for rid in known:
+        stub.FreeRequest(
+            pb.FreeRequestRequest(request_id=rid, mode=pb.FREE_MODE_FINISH),
+            timeout=CALL_TIMEOUT_S,
+        )
+    usage: pb.GetUsageResponse = stub.GetUsage(pb.GetUsageRequest(), timeout=CALL_TIMEOUT_S)
+    assert usage.num_requests == 0, usage
+    assert usage.num_used_blocks == 0, usage
+    assert usage.num_free_blocks == usage.num_blocks - 1, usage
+    server.call(server.server.audit)
+
+
+# -- strategies ------------------------------------------------------------------------
+
+# A few ids most operations name, so sequences reach every state of a request; plus
+# the empty id and arbitrary (unicode, long) ones nobody added.
+ID_POOL = ("a", "b", "c")
+request_ids = st.one_of(
+    st.sampled_from(ID_POOL),
+    st.sampled_from(ID_POOL),
+    st.just(""),
+    st.text(max_size=12),
+    st.text(min_size=300, max_size=2000),
+)
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+EDGE_INTS = (
+    -1,
+    INT64_MIN,
+    INT64_MIN + 1,
+    -(2**31),
+    2**31 - 1,
+    2**31,
+    2**32,
+    2**53 + 1,
+    2**62,
+    INT64_MAX - 1,
+    INT64_MAX,
+)
+# Counts: mostly plausible, sometimes negative, huge or at the int64 edges.
+counts = st.one_of(
+    st.integers(0, 40),
+    st.integers(0, 200),
+    st.integers(-5, -1),
+    st.sampled_from(EDGE_INTS),
+    st.integers(INT64_MIN, INT64_MAX),
+)
+small_counts = st.one_of(st.just(0), st.just(0), counts)
+# Prompts share leading blocks (so lookups hit) and sometimes carry bad token ids or
+# run past max_model_len.
+_SHARED_PREFIXES: tuple[list[int], ...] = (
+    [],
+    list(range(16)),
+    list(range(32)),
+    list(range(1000, 1048)),
+)
+token_ids = st.one_of(
+    st.builds(
+        lambda prefix, tail: prefix + tail,
+        st.sampled_from(_SHARED_PREFIXES),
+        st.lists(st.integers(0, 50_000), max_size=40),
+    ),
+    st.lists(st.one_of(st.integers(0, 100), st.sampled_from(EDGE_INTS)), max_size=20),
+    st.lists(st.integers(0, 10), min_size=100, max_size=200),
+)
+enum_values = st.one_of(st.integers(0, 3), st.integers(-3, 100), st.sampled_from((2**31 - 1,)))
+block_id_lists = st.lists(
+    st.builds(
+        lambda ids: pb.BlockIds(block_ids=ids),
+        st.lists(st.one_of(st.integers(0, 12), st.sampled_from(EDGE_INTS)), max_size=4),
+    ),
+    max_size=2,
+)
+
+
+M = TypeVar("M")
+
+
+def _with_optional(message: M, **optional: Any) -> M:
+    """Set the proto3 ``optional`` fields whose drawn value is not None."""
+    for name, value in optional.items():
+        if value is not None:
+            setattr(message, name, value)
+    return message
+
+
+def _allocate(**fields: Any) -> pb.AllocateSlotsRequest:
+    has_scheduled, computed = fields.pop("has_scheduled_reqs"), fields.pop("num_computed_tokens")
+    message = pb.AllocateSlotsRequest(**fields)
+    return _with_optional(message, has_scheduled_reqs=has_scheduled, num_computed_tokens=computed)
+
+
+def _probe(**fields: Any) -> pb.ProbeRequest:
+    has_scheduled, new = fields.pop("has_scheduled_reqs"), fields.pop("num_new_tokens")
+    message = pb.ProbeRequest(**fields)
+    return _with_optional(message, has_scheduled_reqs=has_scheduled, num_new_tokens=new)
+
+
+MESSAGES: dict[str, st.SearchStrategy[Any]] = {
+    "AddRequest": st.builds(
+        pb.AddRequestRequest,
+        request_id=request_ids,
+        prompt_token_ids=token_ids,
+        cache_salt=st.one_of(st.just(""), st.text(max_size=8)),
+        lora_name=st.one_of(st.just(""), st.text(max_size=8)),
+        mm_features=st.lists(
+            st.builds(
+                pb.MultiModalFeature,
+                identifier=st.one_of(st.just(""), st.text(min_size=1, max_size=8)),
+                offset=small_counts,
+                length=small_counts,
+            ),
+            max_size=2,
+        ),
+        skip_reading_prefix_cache=st.booleans(),
+    ),
+    "AppendTokens": st.builds(pb.AppendTokensRequest, request_id=request_ids, token_ids=token_ids),
+    "GetComputedBlocks": st.builds(pb.GetComputedBlocksRequest, request_id=request_ids),
+    "AllocateSlots": st.builds(
+        _allocate,
+        request_id=request_ids,
+        num_new_tokens=counts,
+        num_new_computed_tokens=small_counts,
+        new_computed_block_ids=block_id_lists,
+        num_lookahead_tokens=small_counts,
+        num_external_computed_tokens=small_counts,
+        delay_cache_blocks=st.booleans(),
+        num_encoder_tokens=small_counts,
+        full_sequence_must_fit=st.booleans(),
+        reserved_blocks=small_counts,
+        has_scheduled_reqs=st.none() | st.booleans(),
+        num_computed_tokens=st.none() | counts,
+    ),
+    "FreeRequest": st.builds(pb.FreeRequestRequest, request_id=request_ids, mode=enum_values),
+    "GetRequest": st.builds(pb.GetRequestRequest, request_id=request_ids),
+    "GetBlockIds": st.builds(pb.GetBlockIdsRequest, request_id=request_ids),
+    "ResetPrefixCache": st.just(pb.ResetPrefixCacheRequest()),
+    "GetUsage": st.just(pb.GetUsageRequest()),
+    "GetCacheConfig": st.just(pb.GetCacheConfigRequest()),
+    "Probe": st.builds(
+        _probe,
+        request_id=request_ids,
+        num_new_tokens=st.none() | counts,
+        num_lookahead_tokens=small_counts,
+        num_external_computed_tokens=small_counts,
+        num_encoder_tokens=small_counts,
+        full_sequence_must_fit=st.booleans(),
+        reserved_blocks=small_counts,
+        has_scheduled_reqs=st.none() | st.booleans(),
+    ),
+}
+
+
+if implemented("OpenSession"):
+    # Leases of every kind: NaN, infinities, negative, zero (the default), in and out
+    # of the server's bounds; epochs up to the int64 edges; over-long names.
+    ttls = st.one_of(
+        st.sampled_from((0.0, 1.0, 60.0, 3600.0, 3600.5, 0.5, -1.0)),
+        st.floats(allow_nan=True, allow_infinity=True),
+    )
+    MESSAGES["OpenSession"] = st.builds(
+        pb.OpenSessionRequest,
+        ttl_seconds=ttls,
+        client_name=st.one_of(st.text(max_size=10), st.text(min_size=250, max_size=300)),
+        epoch=st.one_of(st.just(0), st.integers(0, 3), counts),
+    )
+    MESSAGES["KeepAlive"] = st.builds(pb.KeepAliveRequest, session_id=request_ids)
+    MESSAGES["CloseSession"] = st.builds(
+        pb.CloseSessionRequest, session_id=request_ids, free_requests=st.booleans()
+    )
+if implemented("Audit"):
+    MESSAGES["Audit"] = st.just(pb.AuditRequest())
+
+
+def _step_op(kind: str | None, message: Any) -> pb.StepOperation:
+    op = pb.StepOperation()
+    if kind is not None:
+        getattr(op, kind).CopyFrom(message)
+    return op
+
+
+# One StepOperation of any kind, or an empty one (no field of the oneof set).
+step_ops = st.one_of(
+    *(
+        st.builds(_step_op, st.just(kind), MESSAGES[rpc])
+        for kind, rpc in sorted(STEP_OP_RPC.items())
+    ),
+    st.builds(_step_op, st.none(), st.none()),
+)
+MESSAGES["Step"] = st.builds(
+    pb.StepRequest,
+    step_id=counts,
+    ops=st.lists(step_ops, max_size=8),
+    stop_on_error=st.booleans(),
+)
+
+
+@st.composite
+def wire_bytes(draw: st.DrawFn, name: str) -> bytes:
+    """Bytes for ``name``'s request: random garbage, or a valid message truncated,
+    with bytes flipped, or with another message's bytes appended."""
+    if name == "StepStream":
+        strategy: st.SearchStrategy[Any] = st.builds(pb.StepStreamRequest, step=MESSAGES["Step"])
+    else:
+        strategy = MESSAGES.get(name, st.just(request_type(name)()))
+    valid: bytes = draw(strategy).SerializeToString()
+    how = draw(st.sampled_from(("garbage", "truncated", "flipped", "spliced", "valid")))
+    if how == "garbage":
+        return draw(st.binary(max_size=300))
+    if how == "truncated":
+        return valid[: draw(st.integers(0, max(len(valid) - 1, 0)))]
+    if how == "flipped" and valid:
+        data = bytearray(valid)
+        for _ in range(draw(st.integers(1, 4))):
+            data[draw(st.integers(0, len(data) - 1))] = draw(st.integers(0, 255))
+        return bytes(data)
+    if how == "spliced":
+        return valid + draw(st.binary(min_size=1, max_size=40))
+    return valid
