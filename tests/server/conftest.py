@@ -10,7 +10,7 @@ import pytest
 from kvservice.client import AsyncKVClient
 from kvservice.server import KVCacheServer, ServerHandle, serve_in_background
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
-from tests.server.support import SMALL_POOL
+from tests.server.support import SMALL_POOL, running_server
 
 
 @pytest.fixture
@@ -33,12 +33,8 @@ def stub(channel: grpc.aio.Channel) -> pb_grpc.KVCacheServiceStub:
 @pytest.fixture
 async def kv_server() -> AsyncIterator[KVCacheServer]:
     """A started server object (for ``audit()`` and its metrics registry)."""
-    server = KVCacheServer(SMALL_POOL)
-    await server.start()
-    try:
+    async with running_server(SMALL_POOL) as server:
         yield server
-    finally:
-        await server.stop(grace=0)
 
 
 @pytest.fixture

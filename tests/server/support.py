@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import threading
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -36,6 +36,24 @@ SMALL_POOL = ServerConfig(
     model_name="test-model",
     shutdown_grace_s=0,
 )
+
+
+@contextlib.asynccontextmanager
+async def running_server(config: ServerConfig = SMALL_POOL) -> AsyncIterator[KVCacheServer]:
+    """A started server on this test's loop, stopped (no grace) on exit."""
+    server = KVCacheServer(config)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop(grace=0)
+
+
+@contextlib.asynccontextmanager
+async def raw_stub(server: KVCacheServer) -> AsyncIterator[Stub]:
+    """The generated stub on a plaintext channel to ``server``."""
+    async with grpc.aio.insecure_channel(server.handle.target) as channel:
+        yield pb_grpc.KVCacheServiceStub(channel)
 
 
 def tokens(n: int, start: int = 0) -> list[int]:

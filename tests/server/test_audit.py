@@ -18,9 +18,8 @@ from kvservice.server.allocator import AllocateArgs, Allocator, FreeMode, NewReq
 from kvservice.server.audit import Auditor, AuditReport
 from kvservice.server.config import build_manager
 from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server.sessions import SessionPolicy, SessionRegistry
-from tests.server.support import SMALL_POOL, Stub, tokens, usage
+from tests.server.support import SMALL_POOL, Stub, raw_stub, running_server, tokens, usage
 from tests.server.test_sessions import LEASE_POOL, metric, open_session, session_md, wait_until
 
 
@@ -32,17 +31,14 @@ async def start(audit_interval_s: float = 0) -> KVCacheServer:
 
 @pytest.fixture
 async def aserver() -> AsyncIterator[KVCacheServer]:
-    server = await start()
-    try:
+    async with running_server(LEASE_POOL) as server:
         yield server
-    finally:
-        await server.stop(grace=0)
 
 
 @pytest.fixture
 async def astub(aserver: KVCacheServer) -> AsyncIterator[Stub]:
-    async with grpc.aio.insecure_channel(aserver.handle.target) as channel:
-        yield pb_grpc.KVCacheServiceStub(channel)
+    async with raw_stub(aserver) as stub:
+        yield stub
 
 
 async def audit(stub: Stub) -> pb.AuditResponse:

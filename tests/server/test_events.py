@@ -32,7 +32,13 @@ from kvservice.core.kv_cache_block import get_block_hash, get_group_id
 from kvservice.server import KVCacheServer
 from kvservice.server.events import EventLog
 from kvservice.server.settings import load_settings
-from tests.server.support import SMALL_POOL, THREAD_TIMEOUT_S, server_in_thread, tokens
+from tests.server.support import (
+    SMALL_POOL,
+    THREAD_TIMEOUT_S,
+    running_server,
+    server_in_thread,
+    tokens,
+)
 
 EVENTS_POOL = dataclasses.replace(SMALL_POOL, kv_events=True)
 LABELS = {"model_name": "test-model", "engine": "0"}
@@ -85,12 +91,8 @@ async def churn(client: AsyncKVClient, tag: str) -> None:
 
 @pytest.fixture
 async def events_server() -> AsyncIterator[KVCacheServer]:
-    server = KVCacheServer(EVENTS_POOL)
-    await server.start()
-    try:
+    async with running_server(EVENTS_POOL) as server:
         yield server
-    finally:
-        await server.stop(grace=0)
 
 
 @pytest.fixture

@@ -12,8 +12,15 @@ import pytest
 from kvservice.client import AsyncKVClient, FailedPreconditionError
 from kvservice.server import KVCacheServer
 from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
-from tests.server.support import Stub, expect_error, snapshot, tokens, usage
+from tests.server.support import (
+    Stub,
+    expect_error,
+    raw_stub,
+    running_server,
+    snapshot,
+    tokens,
+    usage,
+)
 from tests.server.test_sessions import (
     LEASE_POOL,
     SHORT_TTL_S,
@@ -27,18 +34,14 @@ from tests.server.test_sessions import (
 
 @pytest.fixture
 async def fserver() -> AsyncIterator[KVCacheServer]:
-    server = KVCacheServer(LEASE_POOL)
-    await server.start()
-    try:
+    async with running_server(LEASE_POOL) as server:
         yield server
-    finally:
-        await server.stop(grace=0)
 
 
 @pytest.fixture
 async def fstub(fserver: KVCacheServer) -> AsyncIterator[Stub]:
-    async with grpc.aio.insecure_channel(fserver.handle.target) as channel:
-        yield pb_grpc.KVCacheServiceStub(channel)
+    async with raw_stub(fserver) as stub:
+        yield stub
 
 
 async def epoch_of(stub: Stub) -> int:

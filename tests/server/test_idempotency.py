@@ -16,7 +16,16 @@ from kvservice.server import KVCacheServer
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server.idempotency import OPERATION_ID_KEY, OperationCache, Outcome
-from tests.server.support import Stub, expect_error, lookup, snapshot, tokens, usage
+from tests.server.support import (
+    Stub,
+    expect_error,
+    lookup,
+    raw_stub,
+    running_server,
+    snapshot,
+    tokens,
+    usage,
+)
 from tests.server.test_sessions import LEASE_POOL, metric, open_session, session_md
 
 Metadata = tuple[tuple[str, str], ...]
@@ -35,17 +44,14 @@ async def start(config: Any = LEASE_POOL) -> KVCacheServer:
 
 @pytest.fixture
 async def iserver() -> AsyncIterator[KVCacheServer]:
-    server = await start()
-    try:
+    async with running_server(LEASE_POOL) as server:
         yield server
-    finally:
-        await server.stop(grace=0)
 
 
 @pytest.fixture
 async def istub(iserver: KVCacheServer) -> AsyncIterator[Stub]:
-    async with grpc.aio.insecure_channel(iserver.handle.target) as channel:
-        yield pb_grpc.KVCacheServiceStub(channel)
+    async with raw_stub(iserver) as stub:
+        yield stub
 
 
 def admit_step(request_id: str, num_tokens: int) -> pb.StepRequest:

@@ -35,6 +35,8 @@ from tests.server.support import (
     Stub,
     admit,
     expect_error,
+    raw_stub,
+    running_server,
     server_in_thread,
     tokens,
     usage,
@@ -104,18 +106,14 @@ async def audit_ok(stub: Stub) -> pb.AuditResponse:
 
 @pytest.fixture
 async def lease_server() -> AsyncIterator[KVCacheServer]:
-    server = KVCacheServer(LEASE_POOL)
-    await server.start()
-    try:
+    async with running_server(LEASE_POOL) as server:
         yield server
-    finally:
-        await server.stop(grace=0)
 
 
 @pytest.fixture
 async def lstub(lease_server: KVCacheServer) -> AsyncIterator[Stub]:
-    async with grpc.aio.insecure_channel(lease_server.handle.target) as channel:
-        yield pb_grpc.KVCacheServiceStub(channel)
+    async with raw_stub(lease_server) as stub:
+        yield stub
 
 
 class TestExpiry:

@@ -31,7 +31,7 @@ from kvservice.server.tenancy import (
     core_request_id,
     tenant_cache_salt,
 )
-from tests.server.support import SMALL_POOL, snapshot, tokens
+from tests.server.support import SMALL_POOL, raw_stub, running_server, snapshot, tokens
 
 BLOCK = SMALL_POOL.block_size
 TOKENS = {name: secrets.token_urlsafe(24) for name in ("alpha", "beta", "gamma")}
@@ -69,18 +69,16 @@ async def tenant_server(tmp_path: Path) -> AsyncIterator[KVCacheServer]:
             "gamma": {"tokens": [TOKENS["gamma"]], "max_blocks": GAMMA_QUOTA},
         },
     )
-    server = KVCacheServer(dataclasses.replace(SMALL_POOL, auth_tokens_file=tokens_file))
-    await server.start()
-    try:
+    async with running_server(
+        dataclasses.replace(SMALL_POOL, auth_tokens_file=tokens_file)
+    ) as server:
         yield server
-    finally:
-        await server.stop(grace=0)
 
 
 @pytest.fixture
 async def stub(tenant_server: KVCacheServer) -> AsyncIterator[pb_grpc.KVCacheServiceStub]:
-    async with grpc.aio.insecure_channel(tenant_server.handle.target) as channel:
-        yield pb_grpc.KVCacheServiceStub(channel)
+    async with raw_stub(tenant_server) as stub:
+        yield stub
 
 
 async def refused(call: Any, code: grpc.StatusCode) -> str:
