@@ -63,20 +63,17 @@ class FlexAttentionBackend(AttentionBackend):
         num_seqs, num_q_heads = metadata.num_seqs, query.shape[1]
         q_len = metadata.max_query_len
         device = query.device
+        block_mask, dest = _step_plan(metadata, num_blocks, device)
         # Queries padded per sequence to [B, Hq, max_query_len, D]; decode needs no padding.
-        dest: torch.Tensor | None = None
-        if metadata.is_decode:
+        if dest is None:
             q = query.view(num_seqs, 1, num_q_heads, head_size)
         else:
-            rows = [b * q_len + j for b, n in enumerate(metadata.query_lens) for j in range(n)]
-            dest = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
             q = query.new_zeros(num_seqs * q_len, num_q_heads, head_size)
             q.index_copy_(0, dest, query)
             q = q.view(num_seqs, q_len, num_q_heads, head_size)
         pool = num_blocks * block_size
         k = kv_cache[0].view(1, pool, num_kv_heads, head_size).transpose(1, 2)
         v = kv_cache[1].view(1, pool, num_kv_heads, head_size).transpose(1, 2)
-        block_mask = build_block_mask(metadata, num_blocks, q_len)
         flex: Callable[..., Any] = flex_attention
         if self.compile:
             flex = _compiled()
@@ -85,6 +82,26 @@ class FlexAttentionBackend(AttentionBackend):
         )
         out = out.transpose(1, 2).reshape(num_seqs * q_len, num_q_heads, head_size)
         return out if dest is None else out.index_select(0, dest)
+
+
+def _step_plan(
+    metadata: AttentionMetadata, num_blocks: int, device: torch.device
+) -> tuple[BlockMask, torch.Tensor | None]:
+    """The step's ``BlockMask`` and, for prefill, each query's row in the padded batch;
+    built by the first layer and kept on the metadata for the others (the mask costs
+    a dozen small kernels, per layer otherwise)."""
+    key = ("flex", num_blocks, device)
+    plan = metadata.plans.get(key)
+    if plan is None:
+        q_len = metadata.max_query_len
+        dest = None
+        if not metadata.is_decode:
+            rows = [b * q_len + j for b, n in enumerate(metadata.query_lens) for j in range(n)]
+            dest = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
+        plan = metadata.plans[key] = (build_block_mask(metadata, num_blocks, q_len), dest)
+    block_mask, dest = plan
+    assert isinstance(block_mask, BlockMask)
+    return block_mask, dest
 
 
 def build_block_mask(metadata: AttentionMetadata, num_blocks: int, q_len: int) -> BlockMask:

@@ -14,7 +14,7 @@ from gpu_runtime.attention import (
     select_backend,
 )
 from kvservice.core.errors import InvalidArgumentError
-from tests.gpu_runtime.cases import TOLERANCES, random_case
+from tests.gpu_runtime.cases import TOLERANCES, Case, random_case
 from tests.gpu_runtime.reference import ref_paged_attention
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -54,6 +54,69 @@ def test_torch_backend_decode_in_chunks(seed: int) -> None:
     # A one-byte budget forces one sequence per chunk; 4 KiB mixes chunk widths.
     for budget in (1, 4096):
         check_against_reference(TorchAttentionBackend(budget), seed, torch.float32, decode=True)
+
+
+@pytest.mark.parametrize("matmul", [True, False], ids=["matmul", "sdpa"])
+@pytest.mark.parametrize("budget", [None, 1, 4096])
+@pytest.mark.parametrize("seed", range(6))
+def test_fp32_decode_paths_match_the_reference(seed: int, budget: int | None, matmul: bool) -> None:
+    # fp32 on the CPU decodes with matmuls by default; SDPA stays reachable (CUDA's and
+    # the half types' path). Longer sequences than the other tests: chunks then hold
+    # from one sequence (budget 1) to all of them.
+    case = random_case(seed, torch.float32, decode=True, gqa_ratios=(1, 2, 3, 4), max_seq_len=300)
+    backend = TorchAttentionBackend(budget, matmul_decode=matmul)
+    out = backend.forward(case.query, case.kv_cache, case.metadata, case.scale)
+    expected = ref_paged_attention(
+        case.query, case.kv_cache, case.metadata, case.tables, case.scale
+    )
+    torch.testing.assert_close(out.double(), expected, atol=1e-3, rtol=1e-3)
+
+
+def _ragged_decode_case(num_kv_heads: int) -> tuple[Case, list[list[int]]]:
+    """Five sequences of different lengths (one a block plus one token): more sequences
+    than KV heads, so one chunk batches the matmuls per KV head with a length mask."""
+    block_size, head_size, seq_lens = 4, 16, [9, 1, 30, 17, 5]
+    ids = iter(range(1, 100))
+    tables = [[next(ids) for _ in range(-(-n // block_size))] for n in seq_lens]
+    gen = torch.Generator().manual_seed(7)
+    kv_cache = torch.randn(2, 100, block_size, num_kv_heads, head_size, generator=gen) * 3
+    metadata = AttentionMetadata.build([1] * 5, seq_lens, tables, block_size, 100)
+    query = torch.randn(5, 2 * num_kv_heads, head_size, generator=gen)
+    return Case(query, kv_cache, metadata, tables, head_size**-0.5), tables
+
+
+@pytest.mark.parametrize("budget", [None, 1], ids=["per-head", "per-sequence"])
+def test_matmul_decode_groupings(budget: int | None) -> None:
+    case, tables = _ragged_decode_case(num_kv_heads=2)
+    backend = TorchAttentionBackend(budget, matmul_decode=True)
+    out = backend.forward(case.query, case.kv_cache, case.metadata, case.scale)
+    expected = ref_paged_attention(case.query, case.kv_cache, case.metadata, tables, case.scale)
+    torch.testing.assert_close(out.double(), expected, atol=1e-3, rtol=1e-3)
+    # The grouping the budget implies, masked only where lengths differ in a batch.
+    groups = [g for step in case.metadata.plans[backend].steps for g in step.groups]
+    if budget is None:
+        assert len(groups) == 2 and all(g.bias is not None for g in groups)
+    else:
+        assert len(groups) == 5 and all(g.bias is None for g in groups)
+
+
+def test_matmul_decode_outputs_are_not_aliased() -> None:
+    # The step's output buffer is reused by every layer: each call must return its
+    # own tensor, untouched by the next layer's call.
+    case, tables = _ragged_decode_case(num_kv_heads=1)
+    backend = TorchAttentionBackend(matmul_decode=True)
+    first = backend.forward(case.query, case.kv_cache, case.metadata, case.scale)
+    kept = first.clone()
+    other = torch.randn_like(case.kv_cache)
+    second = backend.forward(-case.query, other, case.metadata, case.scale)
+    assert torch.equal(first, kept)
+    expected = ref_paged_attention(-case.query, other, case.metadata, tables, case.scale)
+    torch.testing.assert_close(second.double(), expected, atol=1e-3, rtol=1e-3)
+    # Another query head count on the same step rebuilds the setup rather than reuse it.
+    wider = case.query.repeat_interleave(2, dim=1)
+    out = backend.forward(wider, case.kv_cache, case.metadata, case.scale)
+    expected = ref_paged_attention(wider, case.kv_cache, case.metadata, tables, case.scale)
+    torch.testing.assert_close(out.double(), expected, atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -78,7 +78,9 @@ class Driver:
         return True
 
 
-def run_workload(backend: AttentionBackend, dtype: torch.dtype, seed: int) -> Driver:
+def run_workload(
+    backend: AttentionBackend, dtype: torch.dtype, seed: int, device: str = "cpu"
+) -> Driver:
     spec = MODEL.kv_cache_spec(BLOCK_SIZE, str(dtype).removeprefix("torch."))
     config = KVCacheConfig(
         num_blocks=14,  # small: admissions evict cached prefixes, decode preempts
@@ -87,9 +89,9 @@ def run_workload(backend: AttentionBackend, dtype: torch.dtype, seed: int) -> Dr
         needs_kv_cache_zeroing=True,
     )
     manager = KVCacheManager(config, max_model_len=64)
-    model = TinyTransformer(MODEL, dtype=dtype, backend=backend)
+    model = TinyTransformer(MODEL, dtype=dtype, device=device, backend=backend)
     rng = random.Random(seed)
-    driver = Driver(manager, KVCacheRuntime(config), model, TOLERANCES[dtype], rng)
+    driver = Driver(manager, KVCacheRuntime(config, device), model, TOLERANCES[dtype], rng)
     prefixes = [
         [rng.randrange(MODEL.vocab_size) for _ in range(rng.choice([5, 8, 11]))] for _ in range(3)
     ]
