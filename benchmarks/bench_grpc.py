@@ -493,13 +493,16 @@ def _builder_adders(workload: Workload) -> list[Callable[[StepBuilder], OpHandle
     return adders
 
 
-def client_step_ops(meter: Meter, client: KVClient, workload: Workload, size: int) -> Sample:
+def client_step_ops(
+    meter: Meter, client: KVClient, workload: Workload, size: int, omit_state: bool = False
+) -> Sample:
     """What a scheduler pays: build each step with ``StepBuilder``, send it with
-    ``KVClient.step``, and read every operation's result back as Python values."""
+    ``KVClient.step``, and read every operation's result back as Python values
+    (``omit_state``: without the allocations' request states, as ``StepBackend``)."""
     adders = _builder_adders(workload)
     meter.start()
     for first in range(0, len(adders), size):
-        builder = StepBuilder()
+        builder = StepBuilder(omit_request_state=omit_state)
         handles = [add(builder) for add in adders[first : first + size]]
         results = client.step(builder)
         for handle in handles:
@@ -609,6 +612,13 @@ def _ways(
             "Step 256 via KVClient+StepBuilder",
             num_requests,
             partial(client_step_ops, meter, client, size=256),
+        )
+    )
+    ways.append(
+        Way(
+            "Step 256 KVClient+omit_request_state",
+            num_requests,
+            partial(client_step_ops, meter, client, size=256, omit_state=True),
         )
     )
     for size in (1, 64, 256):

@@ -59,7 +59,9 @@ Columns: steps/s and ops/s (allocator operations per second), p50/p99 step
 latency, "p99 full" over the steps that scheduled --max-running requests, messages
 per step, CPU ms per step (this process plus the server it started: steadier than
 the wall clock on a busy machine), and steps/s as a ratio to in-process and to the
-first --num-blocks pool. Exit status 1 if any mode made different decisions from the
+first --num-blocks pool; then each step split in two, p50/p99 of the time inside the KV
+backend ("kv": the service's calls, RPCs included) and of the rest ("sched": the
+scheduler's own Python). Exit status 1 if any mode made different decisions from the
 in-process reference.
 """
 

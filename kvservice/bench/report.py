@@ -38,6 +38,12 @@ def mode_summary(
         "p50_ms": percentile(result.latencies_ns, 0.50),
         "p99_ms": percentile(result.latencies_ns, 0.99),
         "p99_full_batch_ms": percentile(result.full_latencies_ns, 0.99),
+        # A step split in two: the time inside the KV backend (RPCs included), and the
+        # scheduler's own Python around it.
+        "backend_p50_ms": percentile(result.backend_latencies_ns, 0.50),
+        "backend_p99_ms": percentile(result.backend_latencies_ns, 0.99),
+        "scheduler_p50_ms": percentile(result.scheduler_latencies_ns, 0.50),
+        "scheduler_p99_ms": percentile(result.scheduler_latencies_ns, 0.99),
         "messages_per_step": (
             None if result.num_sends is None else result.num_sends / max(result.num_steps, 1)
         ),
@@ -98,7 +104,8 @@ def _fmt(value: float | None, spec: str) -> str:
 
 _HEADER = (
     f"{'blocks':>9}  {'mode':<10} {'steps/s':>9} {'ops/s':>10} {'p50 ms':>8} {'p99 ms':>8} "
-    f"{'p99 full':>8} {'msg/step':>8} {'cpu ms':>8} {'vs in-proc':>10} {'vs pool 1':>9}"
+    f"{'p99 full':>8} {'msg/step':>8} {'cpu ms':>8} {'vs in-proc':>10} {'vs pool 1':>9} "
+    f"{'kv p50':>7} {'kv p99':>7} {'sched p50':>9} {'sched p99':>9}"
 )
 
 
@@ -128,12 +135,16 @@ def table(document: dict[str, Any]) -> str:
                 f"{row['ops_per_s']:>10.0f} {_fmt(row['p50_ms'], '8.3f')} "
                 f"{_fmt(row['p99_ms'], '8.3f')} {_fmt(row['p99_full_batch_ms'], '8.3f')} "
                 f"{_fmt(row['messages_per_step'], '8.2f')} {row['cpu_ms_per_step']:8.2f} "
-                f"{_fmt(row['vs_in_process'], '10.2f')} {_fmt(row['vs_first_pool'], '9.2f')}"
+                f"{_fmt(row['vs_in_process'], '10.2f')} {_fmt(row['vs_first_pool'], '9.2f')} "
+                f"{_fmt(row['backend_p50_ms'], '7.3f')} {_fmt(row['backend_p99_ms'], '7.3f')} "
+                f"{_fmt(row['scheduler_p50_ms'], '9.3f')} {_fmt(row['scheduler_p99_ms'], '9.3f')}"
             )
     lines.append(
         "p99 full: p99 over the steps that scheduled max_running requests; msg/step: "
         "messages sent per step (lookups and unproven allocations are sync points); cpu ms: "
-        "CPU time per step, this process plus a server it started"
+        "CPU time per step, this process plus a server it started; kv p50/p99: time per "
+        "step inside the KV backend (service calls, RPCs included); sched p50/p99: the "
+        "rest of the step (the scheduler's own Python)"
     )
     return "\n".join(lines)
 

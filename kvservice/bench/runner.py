@@ -174,6 +174,73 @@ class CountingBackend:
         self.inner.prefetch_lookup(request_id)
 
 
+class TimedBackend:
+    """A ``Backend`` that forwards every call and adds up the time spent inside them
+    (the KV service's part of a step, RPCs included; the rest is the scheduler's own
+    Python). Every mode runs behind it, so its own small cost is in all of them."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.elapsed_ns = 0
+
+    def take_elapsed_ns(self) -> int:
+        """The time inside the backend since the last call."""
+        elapsed, self.elapsed_ns = self.elapsed_ns, 0
+        return elapsed
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+        start = time.perf_counter_ns()
+        self.inner.add_request(request_id, prompt_token_ids)
+        self.elapsed_ns += time.perf_counter_ns() - start
+
+    def get_computed_blocks(self, request_id: str) -> PrefixHit:
+        start = time.perf_counter_ns()
+        hit = self.inner.get_computed_blocks(request_id)
+        self.elapsed_ns += time.perf_counter_ns() - start
+        return hit
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        hit: PrefixHit | None = None,
+        num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+    ) -> AllocatedIds | None:
+        start = time.perf_counter_ns()
+        ids = self.inner.allocate_slots(
+            request_id, num_new_tokens, hit, num_lookahead_tokens, full_sequence_must_fit
+        )
+        self.elapsed_ns += time.perf_counter_ns() - start
+        return ids
+
+    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        start = time.perf_counter_ns()
+        self.inner.append_tokens(request_id, token_ids)
+        self.elapsed_ns += time.perf_counter_ns() - start
+
+    def free(self, request_id: str, preempt: bool = False) -> None:
+        start = time.perf_counter_ns()
+        self.inner.free(request_id, preempt)
+        self.elapsed_ns += time.perf_counter_ns() - start
+
+    def num_free_blocks(self) -> int:
+        start = time.perf_counter_ns()
+        num_free = self.inner.num_free_blocks()
+        self.elapsed_ns += time.perf_counter_ns() - start
+        return num_free
+
+    def flush(self) -> None:
+        start = time.perf_counter_ns()
+        self.inner.flush()
+        self.elapsed_ns += time.perf_counter_ns() - start
+
+    def prefetch_lookup(self, request_id: str) -> None:
+        start = time.perf_counter_ns()
+        self.inner.prefetch_lookup(request_id)
+        self.elapsed_ns += time.perf_counter_ns() - start
+
+
 @dataclass(slots=True)
 class Reference:
     """The untimed in-process run: decisions and what they did to the pool, per step."""
@@ -239,6 +306,10 @@ class ModeResult:
     mode: str
     latencies_ns: list[int] = field(default_factory=list)
     full_latencies_ns: list[int] = field(default_factory=list)  # steps at max_running
+    # Per step: the time inside the backend (the KV service, RPCs included), and the
+    # rest of the step (the scheduler's own Python).
+    backend_latencies_ns: list[int] = field(default_factory=list)
+    scheduler_latencies_ns: list[int] = field(default_factory=list)
     last_round_ms: list[float] = field(default_factory=list)
     num_steps: int = 0
     num_ops: int = 0
@@ -287,14 +358,19 @@ def _timed(
     result: ModeResult,
     progress: Progress,
 ) -> None:
-    scheduler = Scheduler(backend, config.scheduler_config(), specs)
+    timed = TimedBackend(backend)
+    scheduler = Scheduler(timed, config.scheduler_config(), specs)
     round_ms: list[float] = []
     label = f"{result.mode} ({result.num_blocks} blocks)"
+    timed.take_elapsed_ns()  # the scheduler's construction is not a step
     for index, expected in enumerate(reference.decisions):
         start = time.perf_counter_ns()
         record = scheduler.step()
         elapsed = time.perf_counter_ns() - start
+        in_backend = timed.take_elapsed_ns()
         result.latencies_ns.append(elapsed)
+        result.backend_latencies_ns.append(in_backend)
+        result.scheduler_latencies_ns.append(elapsed - in_backend)
         round_ms.append(elapsed / 1e6)
         if reference.num_scheduled[index] >= config.max_running:
             result.full_latencies_ns.append(elapsed)

@@ -48,6 +48,7 @@ from kvservice.client.types import (
     ProbeOptions,
     ProbeResult,
     RequestState,
+    RequestStateOmittedError,
     RequestStatus,
     Usage,
 )
@@ -87,6 +88,7 @@ __all__ = [
     "RequestExistsError",
     "RequestNotFoundError",
     "RequestState",
+    "RequestStateOmittedError",
     "RequestStatus",
     "ServiceUnavailableError",
     "Session",

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Generic, TypeVar
 
 from kvservice.client.types import (
+    OMITTED_REQUEST_STATE,
     AllocateOptions,
     Allocation,
     BlockIds,
@@ -23,6 +25,7 @@ from kvservice.client.types import (
     RequestState,
     RequestStatus,
     Usage,
+    lazy_request_state,
 )
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 
@@ -53,7 +56,18 @@ class Op(Generic[T]):
 
 
 def block_ids(groups: Iterable[pb.BlockIds]) -> BlockIds:
-    return tuple(tuple(g.block_ids) for g in groups)
+    return tuple([tuple(g.block_ids) for g in groups])
+
+
+_NO_BLOCKS: BlockIds = ((),)
+
+
+def _new_block_ids(groups: Any) -> BlockIds:
+    # The common answer, a decode step of a one-group pool, allocates nothing: one
+    # empty group, answered with a shared tuple.
+    if len(groups) == 1 and not groups[0].block_ids:
+        return _NO_BLOCKS
+    return block_ids(groups)
 
 
 def request_state(msg: pb.RequestState) -> RequestState:
@@ -81,13 +95,25 @@ def _computed_blocks(msg: pb.GetComputedBlocksResponse) -> ComputedBlocks:
 def _allocation(msg: pb.AllocateSlotsResponse) -> Allocation | None:
     if msg.outcome == pb.ALLOCATION_OUTCOME_NO_SPACE:
         return None
+    # The request state is decoded when first read (most schedulers never do), or is
+    # absent when the step asked the server to omit it.
+    request = (
+        lazy_request_state(partial(request_state, msg.request))
+        if msg.HasField("request")
+        else OMITTED_REQUEST_STATE
+    )
+    new_block_ids = _new_block_ids(msg.new_block_ids)
+    zero, zeroed = msg.block_ids_to_zero, msg.block_ids_zeroed
+    to_apply, applied = msg.block_copies_to_apply, msg.block_copies_applied
+    if not (zero or zeroed or to_apply or applied):
+        return Allocation(new_block_ids, (), request)
     return Allocation(
-        block_ids(msg.new_block_ids),
-        tuple(msg.block_ids_to_zero),
-        request_state(msg.request),
-        tuple(msg.block_ids_zeroed),
-        tuple((c.src_block_id, c.dst_block_id) for c in msg.block_copies_to_apply),
-        tuple((c.src_block_id, c.dst_block_id) for c in msg.block_copies_applied),
+        new_block_ids,
+        tuple(zero),
+        request,
+        tuple(zeroed),
+        tuple((c.src_block_id, c.dst_block_id) for c in to_apply),
+        tuple((c.src_block_id, c.dst_block_id) for c in applied),
     )
 
 

@@ -47,13 +47,21 @@ class OpHandle(Generic[T]):
 
 
 class StepBuilder:
-    """Collects one step's operations, in order; each method returns a handle."""
+    """Collects one step's operations, in order; each method returns a handle.
 
-    def __init__(self) -> None:
+    ``omit_request_state`` asks the server to leave the request state out of the
+    step's allocation answers (``Allocation.request`` then raises
+    ``RequestStateOmittedError``): less to encode, send and decode per allocation, for
+    a scheduler that counts its requests' tokens itself.
+    """
+
+    def __init__(self, *, omit_request_state: bool = False) -> None:
         # Built inside the stream's wrapper message, so a session sends it without a
         # copy; ``Step`` sends the inner message.
         self._wrapper = pb.StepStreamRequest()
         self._request = self._wrapper.step
+        if omit_request_state:
+            self._request.omit_request_state = True
 
     def __len__(self) -> int:
         return len(self._request.ops)

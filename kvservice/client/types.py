@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 # Block ids per KV cache group, in block-table order: ``block_ids[group][i]``.
 BlockIds = tuple[tuple[int, ...], ...]
@@ -56,7 +59,12 @@ class ComputedBlocks:
     shared_prefix_boundary: int
 
 
-@dataclass(frozen=True, slots=True)
+class RequestStateOmittedError(LookupError):
+    """``Allocation.request`` read from a step sent with ``omit_request_state``: the
+    server did not send it."""
+
+
+@dataclass(frozen=True, slots=True, repr=False, eq=False)
 class Allocation:
     """A successful ``allocate_slots`` (no room is ``None``, as in vLLM).
 
@@ -68,6 +76,10 @@ class Allocation:
     ``(src_block_id, dst_block_id)`` are in ``block_copies_to_apply`` (the worker
     copies after zeroing, before the model writes) or ``block_copies_applied`` (the
     server's runtime already did).
+
+    ``request`` (the request after the call) is decoded when first read; a step sent
+    with ``omit_request_state`` has none, and reading it raises
+    ``RequestStateOmittedError``.
     """
 
     new_block_ids: BlockIds
@@ -76,6 +88,88 @@ class Allocation:
     block_ids_zeroed: tuple[int, ...] = ()
     block_copies_to_apply: tuple[tuple[int, int], ...] = ()
     block_copies_applied: tuple[tuple[int, int], ...] = ()
+
+    def _values(self) -> tuple[object, ...]:
+        # ``request`` as stored: an omitted state compares equal to another omitted one
+        # and shows in a repr instead of raising.
+        stored = _REQUEST_SLOT.__get__(self, Allocation)
+        request = stored if stored is OMITTED_REQUEST_STATE else self.request
+        return (
+            self.new_block_ids,
+            self.block_ids_to_zero,
+            request,
+            self.block_ids_zeroed,
+            self.block_copies_to_apply,
+            self.block_copies_applied,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        assert isinstance(other, Allocation)
+        return self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        names = [f.name for f in dataclasses.fields(self)]
+        shown = ", ".join(f"{n}={v!r}" for n, v in zip(names, self._values(), strict=True))
+        return f"Allocation({shown})"
+
+
+class _Deferred:
+    """A value computed when first read, by the slot that holds it (``_LazySlot``)."""
+
+    __slots__ = ("compute", "label")
+
+    def __init__(self, compute: Callable[[], Any], label: str) -> None:
+        self.compute = compute
+        self.label = label
+
+    def __repr__(self) -> str:
+        return self.label
+
+
+class _LazySlot:
+    """A dataclass slot that may hold a ``_Deferred``: computed on the first read and
+    stored in place of it, so the cost of decoding is paid only by readers."""
+
+    def __init__(self, slot: Any) -> None:
+        self._slot = slot
+
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        value = self._slot.__get__(obj, owner)
+        if value.__class__ is _Deferred:
+            value = value.compute()
+            self._slot.__set__(obj, value)
+        return value
+
+    def __set__(self, obj: object, value: object) -> None:
+        self._slot.__set__(obj, value)
+
+
+def _omitted() -> RequestState:
+    raise RequestStateOmittedError(
+        "the server omitted this allocation's request state: the step was sent with "
+        "omit_request_state (read the request with get_request instead)"
+    )
+
+
+_REQUEST_SLOT: Any = Allocation.__dict__["request"]
+# Swapped in after the class is made: dataclass's __init__ stores through it
+# (object.__setattr__ finds this descriptor), so the constructor is unchanged.
+setattr(Allocation, "request", _LazySlot(_REQUEST_SLOT))  # noqa: B010
+# Stands for the request state of a step sent with omit_request_state.
+OMITTED_REQUEST_STATE = cast(RequestState, _Deferred(_omitted, "<omitted>"))
+
+
+def lazy_request_state(decode: Callable[[], RequestState]) -> RequestState:
+    """A stand-in for ``Allocation.request`` that ``decode`` turns into the state on
+    first read (for the client's wire layer, which decodes protobuf lazily)."""
+    return cast(RequestState, _Deferred(decode, "<not yet decoded>"))
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,7 +80,7 @@ class BatchingBackend:
         self._provable = all(group.kind == "full_attention" for group in config.groups)
         self._max_model_len = config.max_model_len
         self._send = send
-        self._builder = StepBuilder()
+        self._builder = self._new_builder()
         self._deferred: list[_Deferred] = []
         self._requests: dict[str, _RequestBlocks] = {}
         self._free_lower_bound = client.get_usage().num_free_blocks
@@ -228,12 +228,18 @@ class BatchingBackend:
 
     # -- sending ------------------------------------------------------------------------
 
+    @staticmethod
+    def _new_builder() -> StepBuilder:
+        # The backend counts each request's tokens and blocks itself: the server need
+        # not answer the request state with every allocation.
+        return StepBuilder(omit_request_state=True)
+
     def _send_now(self) -> StepResults:
         """Send every queued operation and a usage read; raise the first operation
         error (stop_on_error: nothing after it ran); resolve deferred allocations."""
         usage = self._builder.get_usage()
         self._prefetched = None
-        builder, self._builder = self._builder, StepBuilder()
+        builder, self._builder = self._builder, self._new_builder()
         deferred, self._deferred = self._deferred, []
         results = self._send(builder)
         self.num_sends += 1

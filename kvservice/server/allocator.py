@@ -184,7 +184,7 @@ class RequestOwnership(Protocol):
 class AllocatorObserver(Protocol):
     """Receives what the metrics need, on the loop that owns the allocator."""
 
-    def record_allocation(self, result: AllocationResult) -> None: ...
+    def record_allocation(self, result: AllocationResult, count: int = 1) -> None: ...
 
     def record_pool(self, usage: PoolUsage, stats: PrefixCacheStats | None) -> None: ...
 
@@ -251,8 +251,16 @@ class Allocator:
         # Who owns each request (set by the server when sessions are on).
         self.ownership: RequestOwnership | None = None
         self._hits: dict[str, _PrefixHit] = {}
-        # Blocks held per tenant, against ``quotas`` (tenant -> max_blocks).
+        # Blocks held per tenant, against ``quotas`` (tenant -> max_blocks). The
+        # default tenant is charged only when it has a quota: otherwise its count is
+        # what the named tenants do not hold (``tenant_blocks``), and the hot path of a
+        # server without tenants does no ledger work at all.
         self.tenants = TenantLedger(quotas)
+        self._charge_default = self.tenants.has_quota(DEFAULT_TENANT)
+        # Read on every allocation: the groups' managers (whether copies are queued)
+        # and whether the core records fresh blocks (only when zeroing is on).
+        self._singles = tuple(manager.coordinator.single_type_managers)
+        self._records_fresh = manager.kv_cache_config.needs_kv_cache_zeroing
         # The named tenant of each request (the default tenant's are not listed).
         self._tenant_of: dict[str, str] = {}
         self._on_refusal = on_refusal
@@ -263,6 +271,8 @@ class Allocator:
         self._batch_depth = 0
         self._pending: PrefixCacheStats | None = None
         self._pending_change = False
+        # Allocation outcomes counted inside a batch, reported when it ends.
+        self._pending_results: dict[AllocationResult, int] = {}
         self._after_change()
 
     # -- requests -------------------------------------------------------------------
@@ -314,8 +324,10 @@ class Allocator:
     ) -> None:
         if not token_ids:
             raise InvalidArgumentError(f"request {rid!r}: {name} must hold at least one token")
-        negative = next((i for i, t in enumerate(token_ids) if t < 0), None)
-        if negative is not None:
+        # min() runs in C; the generator that names the first bad index runs only when
+        # there is one (a decode step appends one token per request per step).
+        if min(token_ids) < 0:
+            negative = next(i for i, t in enumerate(token_ids) if t < 0)
             raise InvalidArgumentError(
                 f"request {rid!r}: {name}[{negative}] = {token_ids[negative]}; token ids "
                 f"must be >= 0"
@@ -376,30 +388,30 @@ class Allocator:
         ok = allocation.new_block_ids is not None
         self._record(AllocationResult.OK if ok else AllocationResult.NO_SPACE)
         # Even NO_SPACE may have released blocks that slid out of a sliding window.
-        self._after_change()
+        self._after_pool_change()
         return allocation
 
     def _allocate(self, request_id: str, args: AllocateArgs, tenant: str | None) -> Allocation:
         request = self._get(request_id, tenant)
         key = request.request_id
-        self._check_num_computed_tokens(request_id, args.num_computed_tokens)
-        hit = self._hit_to_attach(request_id, args.new_computed_block_ids, key)
         previous = request.num_computed_tokens
+        hit = None
+        # The checks below are skipped inline for the common decode call (no count to
+        # set, no hit to attach): each is a Python call per operation otherwise.
+        if args.num_computed_tokens is not None:
+            self._check_num_computed_tokens(request_id, args.num_computed_tokens)
+        if args.new_computed_block_ids:
+            hit = self._hit_to_attach(request_id, args.new_computed_block_ids, key)
         if args.num_computed_tokens is not None:
             request.num_computed_tokens = args.num_computed_tokens
         owner = self._owner(key)
-        pool = self.manager.block_pool
-        free_before = pool.get_num_free_blocks()
-        try:
-            if self.tenants.has_quota(owner):
-                self._check_quota(request, request_id, owner, args, hit, previous)
-            new_blocks = self._call_allocate_slots(request, args, hit, previous)
-        except KVCacheError as err:
-            raise _renamed(err, key, request_id) from None
-        finally:
-            # Tenants never share a block, so the pool's loss is exactly the owner's gain
-            # (negative when blocks slid out of a window).
-            self.tenants.charge(owner, free_before - pool.get_num_free_blocks())
+        if owner == DEFAULT_TENANT and not self._charge_default:
+            try:
+                new_blocks = self._call_allocate_slots(request, args, hit, previous)
+            except KVCacheError as err:
+                raise _renamed(err, key, request_id) from None
+        else:
+            new_blocks = self._allocate_charged(request, request_id, owner, args, hit, previous)
         if new_blocks is None:
             # No room changes nothing, the value set for this call included.
             request.num_computed_tokens = previous
@@ -411,10 +423,10 @@ class Allocator:
             args.num_new_computed_tokens + args.num_external_computed_tokens + args.num_new_tokens
         )
         request.status = RequestStatus.RUNNING
-        fresh = self.manager.take_new_block_ids()
-        copies = self._take_copies(owner)
+        fresh = self.manager.take_new_block_ids() if self._records_fresh else []
+        copies = self._take_copies(owner) if self._copies_pending() else []
         if self._runtime is None:
-            if not self._batch_depth:
+            if self._retained and not self._batch_depth:
                 self._release_retained()
             return Allocation(
                 request,
@@ -429,6 +441,40 @@ class Allocator:
         return Allocation(
             request, new_blocks.get_block_ids(), block_ids_zeroed=fresh, block_copies_applied=copies
         )
+
+    def _allocate_charged(
+        self,
+        request: Request,
+        request_id: str,
+        owner: str,
+        args: AllocateArgs,
+        hit: KVCacheBlocks | None,
+        previous: int,
+    ) -> KVCacheBlocks | None:
+        """The core call for a tenant the ledger counts: its quota checked first, and
+        the blocks it took charged to it."""
+        key = request.request_id
+        pool = self.manager.block_pool
+        free_before = pool.get_num_free_blocks()
+        try:
+            if self.tenants.has_quota(owner):
+                self._check_quota(request, request_id, owner, args, hit, previous)
+            return self._call_allocate_slots(request, args, hit, previous)
+        except KVCacheError as err:
+            raise _renamed(err, key, request_id) from None
+        finally:
+            # Tenants never share a block, so the pool's loss is exactly the owner's gain
+            # (negative when blocks slid out of a window).
+            self.tenants.charge(owner, free_before - pool.get_num_free_blocks())
+
+    def _charges(self, owner: str) -> bool:
+        """Whether the ledger counts ``owner``'s blocks (see ``__init__``)."""
+        return owner != DEFAULT_TENANT or self._charge_default
+
+    def _copies_pending(self) -> bool:
+        """Whether the core queued copy-on-write copies (rare: a partial-block hit);
+        checked so that an allocation without one skips taking them."""
+        return any(single.pending_cow_copies for single in self._singles)
 
     def _take_copies(self, owner: str) -> list[tuple[int, int]]:
         """The allocation's copy-on-write copies; the blocks held for them wait in
@@ -448,7 +494,8 @@ class Allocator:
         for owner, blocks in retained:
             free_before = pool.get_num_free_blocks()
             self.manager.free_retained_blocks(blocks)
-            self.tenants.charge(owner, free_before - pool.get_num_free_blocks())
+            if self._charges(owner):
+                self.tenants.charge(owner, free_before - pool.get_num_free_blocks())
 
     def probe(self, request_id: str, args: ProbeArgs, tenant: str | None = None) -> AllocationProbe:
         """What a lookup plus ``allocate_slots`` would do now; changes nothing (no
@@ -609,14 +656,17 @@ class Allocator:
             self._tenant_of.pop(key, None)
             if self.ownership is not None:
                 self.ownership.release(request_id)
-        free_before = self.manager.block_pool.get_num_free_blocks()
-        self.manager.free(request)
-        self.tenants.charge(owner, free_before - self.manager.block_pool.get_num_free_blocks())
+        if self._charges(owner):
+            free_before = self.manager.block_pool.get_num_free_blocks()
+            self.manager.free(request)
+            self.tenants.charge(owner, free_before - self.manager.block_pool.get_num_free_blocks())
+        else:
+            self.manager.free(request)
         if mode is FreeMode.PREEMPT:
             request.preempt()
             if self._observer is not None:
                 self._observer.record_preemption()
-        self._after_change()
+        self._after_pool_change()
         return request
 
     def get_request(self, request_id: str, tenant: str | None = None) -> Request:
@@ -682,7 +732,7 @@ class Allocator:
         counted: dict[str, int] = {}
         for owner in holders.values():
             counted[owner] = counted.get(owner, 0) + 1
-        ledger = {t: n for t, n in self.tenants.snapshot().items() if n}
+        ledger = {t: n for t, n in self.tenant_blocks().items() if n}
         if counted != ledger:
             raise InvariantViolationError(
                 f"blocks held per tenant {counted} do not match the quota ledger {ledger}"
@@ -693,8 +743,19 @@ class Allocator:
         return self._tenant_of.get(key, DEFAULT_TENANT)
 
     def tenant_blocks(self) -> dict[str, int]:
-        """Blocks held per tenant (a copy; safe to read from the metrics thread)."""
-        return self.tenants.snapshot()
+        """Blocks held per tenant (a copy; safe to read from the metrics thread). An
+        uncharged default tenant holds every used block no named tenant holds: each
+        change of the pool's free count is some tenant's, and tenants share no block."""
+        held = self.tenants.snapshot()
+        if self._charge_default:
+            return held
+        num_blocks = self.manager.kv_cache_config.num_blocks
+        # Block 0 (the null block) is never free and held by no one.
+        used = num_blocks - 1 - self.manager.block_pool.get_num_free_blocks()
+        default = used - sum(held.values())
+        if default:
+            held[DEFAULT_TENANT] = default
+        return held
 
     def usage(self) -> PoolUsage:
         manager = self.manager
@@ -734,6 +795,11 @@ class Allocator:
                     self._report_batch()
 
     def _report_batch(self) -> None:
+        if self._pending_results:
+            results, self._pending_results = self._pending_results, {}
+            if self._observer is not None:
+                for result, count in results.items():
+                    self._observer.record_allocation(result, count)
         if self._pending_change:
             stats, self._pending, self._pending_change = self._pending, None, False
             if self._observer is not None:
@@ -786,8 +852,27 @@ class Allocator:
                 pending.preempted_queries += stats.preempted_queries
                 pending.preempted_hits += stats.preempted_hits
 
+    def _after_pool_change(self) -> None:
+        """``_after_change`` for a change that records no prefix cache stats (only
+        lookups and resets do, and each takes its own right away): the pool is
+        reported without asking the core for an empty stats window."""
+        if self._events is not None:
+            self.publish_events()
+        if self._observer is None:
+            return
+        if self._batch_depth:
+            self._pending_change = True
+        else:
+            self._observer.record_pool(self.usage(), None)
+
     def _record(self, result: AllocationResult) -> None:
-        if self._observer is not None:
+        if self._observer is None:
+            return
+        if self._batch_depth:
+            # Counted once per batch: a Step's allocations add up to one inc per result.
+            pending = self._pending_results
+            pending[result] = pending.get(result, 0) + 1
+        else:
             self._observer.record_allocation(result)
 
 

@@ -181,17 +181,28 @@ def fill_computed_blocks(out: pb.GetComputedBlocksResponse, hit: ComputedBlocks)
     out.shared_prefix_boundary = hit.shared_prefix_boundary
 
 
-def fill_allocation(out: pb.AllocateSlotsResponse, allocation: Allocation) -> None:
+def fill_allocation(
+    out: pb.AllocateSlotsResponse, allocation: Allocation, with_request: bool = True
+) -> None:
+    """Write ``allocation`` into ``out``; ``with_request`` False leaves ``request``
+    unset (``StepRequest.omit_request_state``)."""
     if allocation.new_block_ids is None:
         out.outcome = pb.ALLOCATION_OUTCOME_NO_SPACE
     else:
         out.outcome = pb.ALLOCATION_OUTCOME_OK
         add_block_ids(out.new_block_ids, allocation.new_block_ids)
-        out.block_ids_to_zero.extend(allocation.block_ids_to_zero)
-        out.block_ids_zeroed.extend(allocation.block_ids_zeroed)
-        _add_copies(out.block_copies_to_apply, allocation.block_copies_to_apply)
-        _add_copies(out.block_copies_applied, allocation.block_copies_applied)
-    fill_request_state(out.request, allocation.request)
+        # Most allocations (decodes) have none of these: reaching a repeated field of
+        # a message costs even when nothing is added to it.
+        if allocation.block_ids_to_zero:
+            out.block_ids_to_zero.extend(allocation.block_ids_to_zero)
+        if allocation.block_ids_zeroed:
+            out.block_ids_zeroed.extend(allocation.block_ids_zeroed)
+        if allocation.block_copies_to_apply:
+            _add_copies(out.block_copies_to_apply, allocation.block_copies_to_apply)
+        if allocation.block_copies_applied:
+            _add_copies(out.block_copies_applied, allocation.block_copies_applied)
+    if with_request:
+        fill_request_state(out.request, allocation.request)
 
 
 def _add_copies(field: Any, copies: list[tuple[int, int]]) -> None:

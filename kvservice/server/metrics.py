@@ -271,8 +271,8 @@ class KVCacheMetrics:
 
     # -- AllocatorObserver ------------------------------------------------------------
 
-    def record_allocation(self, result: AllocationResult) -> None:
-        self._allocations[result].inc()
+    def record_allocation(self, result: AllocationResult, count: int = 1) -> None:
+        self._allocations[result].inc(count)
 
     def record_preemption(self) -> None:
         self._preemptions.inc()

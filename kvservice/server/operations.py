@@ -8,26 +8,38 @@ them awaits: each runs to completion on the loop that owns the allocator.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from kvservice.server import converters
 from kvservice.server.allocator import Allocator
 from kvservice.server.caller import CURRENT_CALLER
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 
-# (allocator, request message, response message to fill) -> None; protobuf messages
-# are untyped at this level because the table below mixes every kind. Each operation
-# writes its answer into the given message in place (a fresh response for a unary
-# call, the StepResult's field for a step), so a step builds no message it then
-# copies; it writes only once the allocator has answered, so a refusal leaves the
-# message untouched.
-Operation = Callable[[Allocator, Any, Any], None]
+
+class Operation(Protocol):
+    """(allocator, request message, response message to fill, tenant) -> None.
+
+    Protobuf messages are untyped at this level because the tables below mix every
+    kind. Each operation writes its answer into the given message in place (a fresh
+    response for a unary call, the StepResult's field for a step), so a step builds no
+    message it then copies; it writes only once the allocator has answered, so a
+    refusal leaves the message untouched. ``tenant`` None reads the current caller's;
+    a Step resolves it once for all its operations.
+    """
+
+    def __call__(
+        self, allocator: Allocator, msg: Any, out: Any, tenant: str | None = None, /
+    ) -> None: ...
 
 
-def _tenant() -> str:
-    # The tenant the auth interceptor set for this call ("" without tokens); read per
-    # operation, so a Step's operations act for the tenant of the call carrying them.
+def _tenant(tenant: str | None) -> str:
+    # The tenant the auth interceptor set for this call ("" without tokens).
+    return CURRENT_CALLER.get().tenant if tenant is None else tenant
+
+
+def current_tenant() -> str:
+    """The tenant of the call running in this task, which a Step's operations act
+    for: resolved once per Step rather than once per operation."""
     return CURRENT_CALLER.get().tenant
 
 
@@ -39,60 +51,117 @@ def _fill_state(out: pb.RequestState, request: Any, request_id: str) -> None:
 
 
 def add_request(
-    allocator: Allocator, msg: pb.AddRequestRequest, out: pb.AddRequestResponse
+    allocator: Allocator,
+    msg: pb.AddRequestRequest,
+    out: pb.AddRequestResponse,
+    tenant: str | None = None,
+    /,
 ) -> None:
-    added = allocator.add_request(converters.new_request_from_pb(msg), _tenant())
+    added = allocator.add_request(converters.new_request_from_pb(msg), _tenant(tenant))
     _fill_state(out.request, added, msg.request_id)
 
 
 def append_tokens(
-    allocator: Allocator, msg: pb.AppendTokensRequest, out: pb.AppendTokensResponse
+    allocator: Allocator,
+    msg: pb.AppendTokensRequest,
+    out: pb.AppendTokensResponse,
+    tenant: str | None = None,
+    /,
 ) -> None:
-    updated = allocator.append_tokens(msg.request_id, list(msg.token_ids), _tenant())
+    updated = allocator.append_tokens(msg.request_id, list(msg.token_ids), _tenant(tenant))
     _fill_state(out.request, updated, msg.request_id)
 
 
 def get_computed_blocks(
-    allocator: Allocator, msg: pb.GetComputedBlocksRequest, out: pb.GetComputedBlocksResponse
+    allocator: Allocator,
+    msg: pb.GetComputedBlocksRequest,
+    out: pb.GetComputedBlocksResponse,
+    tenant: str | None = None,
+    /,
 ) -> None:
-    converters.fill_computed_blocks(out, allocator.get_computed_blocks(msg.request_id, _tenant()))
+    hit = allocator.get_computed_blocks(msg.request_id, _tenant(tenant))
+    converters.fill_computed_blocks(out, hit)
 
 
 def allocate_slots(
-    allocator: Allocator, msg: pb.AllocateSlotsRequest, out: pb.AllocateSlotsResponse
+    allocator: Allocator,
+    msg: pb.AllocateSlotsRequest,
+    out: pb.AllocateSlotsResponse,
+    tenant: str | None = None,
+    /,
 ) -> None:
     args = converters.allocate_args_from_pb(msg)
-    converters.fill_allocation(out, allocator.allocate_slots(msg.request_id, args, _tenant()))
+    converters.fill_allocation(out, allocator.allocate_slots(msg.request_id, args, _tenant(tenant)))
     out.request.request_id = msg.request_id
 
 
-def free_request(
-    allocator: Allocator, msg: pb.FreeRequestRequest, out: pb.FreeRequestResponse
+def allocate_slots_without_state(
+    allocator: Allocator,
+    msg: pb.AllocateSlotsRequest,
+    out: pb.AllocateSlotsResponse,
+    tenant: str | None = None,
+    /,
 ) -> None:
-    freed = allocator.free(msg.request_id, converters.free_mode_from_pb(msg.mode), _tenant())
+    """``allocate_slots`` answering no ``request`` (``StepRequest.omit_request_state``):
+    for a scheduler that counts its requests' tokens itself."""
+    args = converters.allocate_args_from_pb(msg)
+    allocation = allocator.allocate_slots(msg.request_id, args, _tenant(tenant))
+    converters.fill_allocation(out, allocation, with_request=False)
+
+
+def free_request(
+    allocator: Allocator,
+    msg: pb.FreeRequestRequest,
+    out: pb.FreeRequestResponse,
+    tenant: str | None = None,
+    /,
+) -> None:
+    mode = converters.free_mode_from_pb(msg.mode)
+    freed = allocator.free(msg.request_id, mode, _tenant(tenant))
     _fill_state(out.request, freed, msg.request_id)
     out.num_free_blocks = allocator.manager.block_pool.get_num_free_blocks()
 
 
-def probe(allocator: Allocator, msg: pb.ProbeRequest, out: pb.ProbeResponse) -> None:
+def probe(
+    allocator: Allocator,
+    msg: pb.ProbeRequest,
+    out: pb.ProbeResponse,
+    tenant: str | None = None,
+    /,
+) -> None:
     args = converters.probe_args_from_pb(msg)
-    out.CopyFrom(converters.probe_to_pb(allocator.probe(msg.request_id, args, _tenant())))
+    out.CopyFrom(converters.probe_to_pb(allocator.probe(msg.request_id, args, _tenant(tenant))))
 
 
 def get_request(
-    allocator: Allocator, msg: pb.GetRequestRequest, out: pb.GetRequestResponse
+    allocator: Allocator,
+    msg: pb.GetRequestRequest,
+    out: pb.GetRequestResponse,
+    tenant: str | None = None,
+    /,
 ) -> None:
-    found = allocator.get_request(msg.request_id, _tenant())
+    found = allocator.get_request(msg.request_id, _tenant(tenant))
     _fill_state(out.request, found, msg.request_id)
 
 
 def get_block_ids(
-    allocator: Allocator, msg: pb.GetBlockIdsRequest, out: pb.GetBlockIdsResponse
+    allocator: Allocator,
+    msg: pb.GetBlockIdsRequest,
+    out: pb.GetBlockIdsResponse,
+    tenant: str | None = None,
+    /,
 ) -> None:
-    converters.add_block_ids(out.block_ids, allocator.get_block_ids(msg.request_id, _tenant()))
+    block_ids = allocator.get_block_ids(msg.request_id, _tenant(tenant))
+    converters.add_block_ids(out.block_ids, block_ids)
 
 
-def get_usage(allocator: Allocator, msg: pb.GetUsageRequest, out: pb.GetUsageResponse) -> None:
+def get_usage(
+    allocator: Allocator,
+    msg: pb.GetUsageRequest,
+    out: pb.GetUsageResponse,
+    tenant: str | None = None,
+    /,
+) -> None:
     out.CopyFrom(converters.usage_to_pb(allocator.usage()))
 
 
@@ -108,4 +177,9 @@ STEP_OPERATIONS: dict[str, Operation] = {
     "get_request": get_request,
     "get_block_ids": get_block_ids,
     "get_usage": get_usage,
+}
+# The same, for a step that set ``omit_request_state``.
+STEP_OPERATIONS_WITHOUT_STATE: dict[str, Operation] = {
+    **STEP_OPERATIONS,
+    "allocate_slots": allocate_slots_without_state,
 }

@@ -31,7 +31,12 @@ from kvservice.core.errors import InvalidArgumentError, KVCacheError
 from kvservice.server.allocator import Allocator
 from kvservice.server.errors import status_code_of, status_message_of
 from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.operations import STEP_OPERATIONS, Operation
+from kvservice.server.operations import (
+    STEP_OPERATIONS,
+    STEP_OPERATIONS_WITHOUT_STATE,
+    Operation,
+    current_tenant,
+)
 
 log = structlog.get_logger("kvservice.step")
 
@@ -68,11 +73,14 @@ class StepRunner:
         response.step_id = step.step_id
         add_result = response.results.add
         run_one = self._run_one
+        table = _OPERATIONS_WITHOUT_STATE if step.omit_request_state else _OPERATIONS
+        # Every operation of a step acts for the tenant of the call carrying it.
+        tenant = current_tenant()
         failed: Counter[int] = Counter()
         # The pool is reported to the metrics once per step, not once per operation.
         with self.allocator.batched():
             for index, op in enumerate(step.ops):
-                code = run_one(op, add_result())
+                code = run_one(op, add_result(), table, tenant)
                 if code:
                     failed[code] += 1
                     if code == _INTERNAL:
@@ -89,10 +97,16 @@ class StepRunner:
             codes = {_CODE_NAMES[c]: n for c, n in failed.items() if n}
             log.info("step refusals", step_id=step.step_id, num_ops=len(step.ops), codes=codes)
 
-    def _run_one(self, op: pb.StepOperation, result: pb.StepResult) -> int:
+    def _run_one(
+        self,
+        op: pb.StepOperation,
+        result: pb.StepResult,
+        table: dict[str | None, Operation],
+        tenant: str,
+    ) -> int:
         """Run ``op`` into ``result``; the status code number, 0 when it succeeded."""
         kind = op.WhichOneof("op")
-        operation = _OPERATIONS.get(kind)
+        operation = table.get(kind)
         if kind is None or operation is None:
             _fail(result, _INVALID_ARGUMENT, "empty operation: set one field of StepOperation")
             return _INVALID_ARGUMENT
@@ -100,7 +114,7 @@ class StepRunner:
         # built and then copied.
         out = getattr(result, kind)
         try:
-            operation(self.allocator, getattr(op, kind), out)
+            operation(self.allocator, getattr(op, kind), out, tenant)
         except KVCacheError as err:
             code = code_number(status_code_of(err))
             _fail(result, code, status_message_of(err))
@@ -117,6 +131,9 @@ class StepRunner:
 
 # Keyed by str | None, so that an empty operation (no oneof field set) looks up too.
 _OPERATIONS: dict[str | None, Operation] = {k: f for k, f in STEP_OPERATIONS.items()}
+_OPERATIONS_WITHOUT_STATE: dict[str | None, Operation] = {
+    k: f for k, f in STEP_OPERATIONS_WITHOUT_STATE.items()
+}
 
 
 def _fail(result: pb.StepResult, code: int, message: str) -> None:

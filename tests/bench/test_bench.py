@@ -40,6 +40,11 @@ def test_smoke_compares_every_mode_on_the_same_decisions(
         assert row["steps"] == pool["steps"] > 0
         assert row["steps_per_s"] > 0
         assert row["p50_ms"] <= row["p99_ms"]
+        # A step splits into time inside the backend and the scheduler's own; each
+        # part of a step is at most the whole step, so each quantile is too.
+        for part in ("backend", "scheduler"):
+            assert 0 < row[f"{part}_p50_ms"] <= row[f"{part}_p99_ms"] <= row["p99_ms"]
+            assert row[f"{part}_p50_ms"] <= row["p50_ms"]
     # Batching: a handful of messages per step against one RPC per operation.
     for mode in ("step", "stream"):
         assert 1 <= rows[mode]["messages_per_step"] < pool["ops_per_step"]

@@ -1221,12 +1221,18 @@ class StepRequest(_message.Message):
     STEP_ID_FIELD_NUMBER: _builtins.int
     OPS_FIELD_NUMBER: _builtins.int
     STOP_ON_ERROR_FIELD_NUMBER: _builtins.int
+    OMIT_REQUEST_STATE_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """The client's step counter, echoed in the response (for logs and correlation)."""
     stop_on_error: _builtins.bool
     """Do not run the operations after the first failure (they answer CANCELLED).
     Off by default: later operations still run, as vLLM's scheduler expects when
     one request's call is refused.
+    """
+    omit_request_state: _builtins.bool
+    """AllocateSlots results leave `request` unset (the RequestState after the call):
+    for a scheduler that counts its requests' tokens itself, this saves encoding and
+    decoding it once per allocation. Off by default.
     """
     @_builtins.property
     def ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepOperation]:
@@ -1238,10 +1244,11 @@ class StepRequest(_message.Message):
         step_id: _builtins.int = ...,
         ops: _abc.Iterable[Global___StepOperation] | None = ...,
         stop_on_error: _builtins.bool = ...,
+        omit_request_state: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ops", b"ops", "step_id", b"step_id", "stop_on_error", b"stop_on_error"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["omit_request_state", b"omit_request_state", "ops", b"ops", "step_id", b"step_id", "stop_on_error", b"stop_on_error"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,129 @@
+"""The cheaper Step path: ``omit_request_state``, the client's lazy request state, and
+the allocator's fast paths (no ledger work for an uncharged default tenant), each
+checked against the full path it stands in for."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvservice.client import (
+    AsyncKVClient,
+    RequestStateOmittedError,
+    RequestStatus,
+    StepBuilder,
+)
+from kvservice.core.kv_cache_manager import KVCacheManager
+from kvservice.server.allocator import AllocateArgs, Allocator, FreeMode, NewRequest
+from kvservice.server.config import build_manager
+from kvservice.server.gen import kv_cache_service_pb2 as pb
+from kvservice.server.tenancy import QuotaExceededError
+from tests.server.support import SMALL_POOL, raw_stub, running_server, tokens
+from tests.server.test_step import result_outcome, scenario
+
+BLOCK = SMALL_POOL.block_size
+
+
+async def step_results(ops: list[pb.StepOperation], omit: bool) -> list[pb.StepResult]:
+    async with running_server() as server, raw_stub(server) as stub:
+        response: pb.StepResponse = await stub.Step(
+            pb.StepRequest(ops=ops, omit_request_state=omit)
+        )
+        return list(response.results)
+
+
+async def test_omit_request_state_leaves_out_only_the_allocations_state() -> None:
+    """The same scenario on two fresh servers: with the flag, every AllocateSlots
+    answer is the full one less its ``request``; every other answer (errors, other
+    operations' request states) is byte-identical."""
+    ops = scenario()
+    full = await step_results(ops, omit=False)
+    lean = await step_results(ops, omit=True)
+    assert len(full) == len(lean) == len(ops)
+    num_allocations = 0
+    for with_state, without in zip(full, lean, strict=True):
+        if with_state.WhichOneof("result") == "allocate_slots":
+            num_allocations += 1
+            assert with_state.allocate_slots.HasField("request")
+            assert not without.allocate_slots.HasField("request")
+            with_state.allocate_slots.ClearField("request")
+        assert result_outcome(without) == result_outcome(with_state)
+    assert num_allocations >= 4
+
+
+async def test_client_decodes_the_request_state_on_first_read() -> None:
+    """Without the flag, ``Allocation.request`` is the server's state of the request
+    (as GetRequest answers it), equal across two reads and two decodings."""
+    async with running_server() as server, AsyncKVClient(server.handle.target) as client:
+        step = StepBuilder()
+        step.add_request("a", tokens(2 * BLOCK))
+        first = step.allocate_slots("a", 2 * BLOCK)
+        second = step.allocate_slots("a", 1)
+        results = await client.step(step)
+        allocation = results[first]
+        assert allocation is not None
+        state = allocation.request
+        assert (state.request_id, state.status) == ("a", RequestStatus.RUNNING)
+        assert state.num_computed_tokens == 2 * BLOCK
+        assert allocation.request is state  # decoded once, then kept
+        assert results[first] == allocation
+        assert hash(results[first]) == hash(allocation)
+        later = results[second]
+        assert later is not None and later != allocation
+        assert later.request == await client.get_request("a")
+
+
+async def test_client_raises_on_an_omitted_request_state() -> None:
+    """With ``omit_request_state`` the blocks still arrive; reading ``request`` raises
+    a clear error, and the allocation still compares and prints."""
+    async with running_server() as server, AsyncKVClient(server.handle.target) as client:
+        step = StepBuilder(omit_request_state=True)
+        step.add_request("a", tokens(BLOCK + 1))
+        handle = step.allocate_slots("a", BLOCK + 1)
+        results = await client.step(step)
+        allocation = results[handle]
+        assert allocation is not None
+        assert allocation.new_block_ids == ((1, 2),)
+        with pytest.raises(RequestStateOmittedError, match="omit_request_state"):
+            _ = allocation.request
+        assert "request=<omitted>" in repr(allocation)
+        assert allocation == results[handle]
+        # The server kept the state all the same.
+        assert (await client.get_request("a")).num_computed_tokens == BLOCK + 1
+
+
+def two_tenants(quotas: dict[str, int] | None = None) -> tuple[KVCacheManager, Allocator]:
+    manager = build_manager(SMALL_POOL)
+    allocator = Allocator(manager, quotas=quotas)
+    allocator.add_request(NewRequest("d", tokens(3 * BLOCK)), tenant="")
+    allocator.add_request(NewRequest("n", tokens(2 * BLOCK, start=500)), tenant="t")
+    return manager, allocator
+
+
+def test_uncharged_default_tenant_counts_what_named_tenants_do_not_hold() -> None:
+    """No quota for the default tenant: its blocks are derived from the pool, and the
+    per-tenant counts still match the blocks each tenant's requests hold."""
+    manager, allocator = two_tenants(quotas={"t": 5})
+    allocator.allocate_slots("d", AllocateArgs(num_new_tokens=3 * BLOCK), tenant="")
+    allocator.allocate_slots("n", AllocateArgs(num_new_tokens=2 * BLOCK), tenant="t")
+    assert allocator.tenant_blocks() == {"": 3, "t": 2}
+    allocator.audit()
+    allocator.free("d", FreeMode.FINISH, tenant="")
+    assert allocator.tenant_blocks() == {"t": 2}
+    allocator.free("n", FreeMode.PREEMPT, tenant="t")
+    assert allocator.tenant_blocks() == {"t": 0}
+    assert manager.block_pool.get_num_free_blocks() == SMALL_POOL.num_blocks - 1
+    allocator.audit()
+
+
+def test_default_tenant_with_a_quota_is_charged_and_refused() -> None:
+    """A quota for the default tenant puts it back on the ledger: an allocation past
+    it is refused and changes nothing."""
+    manager, allocator = two_tenants(quotas={"": 2})
+    free_before = manager.block_pool.get_num_free_blocks()
+    with pytest.raises(QuotaExceededError, match="quota of 2"):
+        allocator.allocate_slots("d", AllocateArgs(num_new_tokens=3 * BLOCK), tenant="")
+    assert manager.block_pool.get_num_free_blocks() == free_before
+    allocator.allocate_slots("d", AllocateArgs(num_new_tokens=2 * BLOCK), tenant="")
+    allocator.allocate_slots("n", AllocateArgs(num_new_tokens=BLOCK), tenant="t")
+    assert allocator.tenant_blocks() == {"": 2, "t": 1}
+    allocator.audit()
