@@ -21,7 +21,6 @@ from hypothesis import strategies as st
 from kvservice.server.allocator import Allocator
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
-from kvservice.server.servicer import KVCacheServicer
 from tests.server.support import ThreadedServer
 
 Code = grpc.StatusCode
@@ -69,7 +68,7 @@ ALLOWED_CODES: dict[str, frozenset[grpc.StatusCode]] = {
     "Step": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
     "StepStream": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
     "SubscribeEvents": frozenset({Code.FAILED_PRECONDITION}),
-    # Sessions and the audit (fuzzed once the server has them).
+    # Sessions and the audit.
     "OpenSession": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION}),
     "KeepAlive": frozenset({Code.OK, Code.NOT_FOUND, Code.FAILED_PRECONDITION}),
     "CloseSession": frozenset({Code.OK, Code.NOT_FOUND, Code.FAILED_PRECONDITION}),
@@ -85,22 +84,10 @@ STEP_OP_RPC = {
 READ_ONLY = frozenset({"GetRequest", "GetBlockIds", "GetUsage", "GetCacheConfig", "Probe", "Audit"})
 
 
-def implemented(rpc: str) -> bool:
-    """Whether this tree's server has ``rpc`` (other helpers add RPCs as they go)."""
-    if rpc not in SERVICE.methods_by_name:
-        return False
-    return getattr(KVCacheServicer, rpc) is not getattr(pb_grpc.KVCacheServiceServicer, rpc)
-
-
 # The unary RPCs fuzzed with raw bytes: those whose statuses are listed above (RPCs
 # added since are fuzzed once their statuses are).
 UNARY_METHODS = sorted(
-    m.name
-    for m in SERVICE.methods
-    if m.name in ALLOWED_CODES
-    and implemented(m.name)
-    and not m.client_streaming
-    and not m.server_streaming
+    m.name for m in SERVICE.methods if not m.client_streaming and not m.server_streaming
 )
 
 
@@ -329,25 +316,23 @@ MESSAGES: dict[str, st.SearchStrategy[Any]] = {
 }
 
 
-if implemented("OpenSession"):
-    # Leases of every kind: NaN, infinities, negative, zero (the default), in and out
-    # of the server's bounds; epochs up to the int64 edges; over-long names.
-    ttls = st.one_of(
-        st.sampled_from((0.0, 1.0, 60.0, 3600.0, 3600.5, 0.5, -1.0)),
-        st.floats(allow_nan=True, allow_infinity=True),
-    )
-    MESSAGES["OpenSession"] = st.builds(
-        pb.OpenSessionRequest,
-        ttl_seconds=ttls,
-        client_name=st.one_of(st.text(max_size=10), st.text(min_size=250, max_size=300)),
-        epoch=st.one_of(st.just(0), st.integers(0, 3), counts),
-    )
-    MESSAGES["KeepAlive"] = st.builds(pb.KeepAliveRequest, session_id=request_ids)
-    MESSAGES["CloseSession"] = st.builds(
-        pb.CloseSessionRequest, session_id=request_ids, free_requests=st.booleans()
-    )
-if implemented("Audit"):
-    MESSAGES["Audit"] = st.just(pb.AuditRequest())
+# Leases of every kind: NaN, infinities, negative, zero (the default), in and out
+# of the server's bounds; epochs up to the int64 edges; over-long names.
+ttls = st.one_of(
+    st.sampled_from((0.0, 1.0, 60.0, 3600.0, 3600.5, 0.5, -1.0)),
+    st.floats(allow_nan=True, allow_infinity=True),
+)
+MESSAGES["OpenSession"] = st.builds(
+    pb.OpenSessionRequest,
+    ttl_seconds=ttls,
+    client_name=st.one_of(st.text(max_size=10), st.text(min_size=250, max_size=300)),
+    epoch=st.one_of(st.just(0), st.integers(0, 3), counts),
+)
+MESSAGES["KeepAlive"] = st.builds(pb.KeepAliveRequest, session_id=request_ids)
+MESSAGES["CloseSession"] = st.builds(
+    pb.CloseSessionRequest, session_id=request_ids, free_requests=st.booleans()
+)
+MESSAGES["Audit"] = st.just(pb.AuditRequest())
 
 
 def _step_op(kind: str | None, message: Any) -> pb.StepOperation:

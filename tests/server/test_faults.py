@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import json
 import signal
 import subprocess
@@ -28,7 +27,6 @@ from kvservice.client import AsyncKVClient, KVServiceError, StepBuilder
 from kvservice.server.app import SERVICE_NAME
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
-from kvservice.server.servicer import KVCacheServicer
 from tests.server.fuzz_support import allocator_state
 from tests.server.support import SMALL_POOL, ThreadedServer, server_in_thread, tokens
 from tests.server.test_cli import kvservice_command
@@ -328,14 +326,6 @@ LEASE_S = 2.0
 LEASE_SLACK_S = 5.0
 
 
-def require_rpc(rpc: str, feature: str) -> None:
-    """Skip, naming the missing feature, unless the server implements ``rpc``."""
-    if rpc not in pb.DESCRIPTOR.services_by_name["KVCacheService"].methods_by_name:
-        pytest.skip(f"{feature} is not built yet: no {rpc} RPC in kvservice/server/gen")
-    if getattr(KVCacheServicer, rpc) is getattr(pb_grpc.KVCacheServiceServicer, rpc):
-        pytest.skip(f"{feature} is not built yet: KVCacheServicer does not implement {rpc}")
-
-
 def counter_total(server: ThreadedServer, name: str) -> float:
     registry = server.server.metrics.registry
     return server.call(
@@ -379,7 +369,6 @@ def test_killed_client_blocks_return_within_the_lease(mode: str) -> None:
     """A client holding blocks under a session is SIGKILLed (with its StepStream
     open, or between unary calls): its requests are freed, counted as reclaimed,
     before the lease (plus the reaper's slack) has run out, and the pool is whole."""
-    require_rpc("OpenSession", "client sessions and leases")
     with server_in_thread(FAULT_POOL) as server:
         reclaimed_before = counter_total(server, "kvservice_requests_reclaimed")
         expired_before = expirations(server, "stream_broken" if mode == "stream" else "ttl")
@@ -410,11 +399,6 @@ def test_killed_client_blocks_return_within_the_lease(mode: str) -> None:
 OPERATION_ID_KEY = "x-kvservice-operation-id"
 
 
-def require_idempotency() -> None:
-    if importlib.util.find_spec("kvservice.server.idempotency") is None:
-        pytest.skip("idempotent retries are not built yet: no kvservice.server.idempotency")
-
-
 def with_id(operation_id: str) -> tuple[tuple[str, str], ...]:
     return ((OPERATION_ID_KEY, operation_id),)
 
@@ -423,7 +407,6 @@ def test_retried_call_is_applied_once() -> None:
     """A mutating call sent again with its operation id gets the first answer back
     and changes nothing: AddRequest does not answer ALREADY_EXISTS, AllocateSlots
     does not allocate twice; the same id on another request is refused."""
-    require_idempotency()
     with server_in_thread(FAULT_POOL) as server, grpc.insecure_channel(server.target) as ch:
         stub = pb_grpc.KVCacheServiceStub(ch)
         add = pb.AddRequestRequest(request_id="r", prompt_token_ids=tokens(40))
@@ -458,7 +441,6 @@ def test_call_cancelled_in_flight_then_retried_is_applied_once() -> None:
     """The real fault: a Step is cancelled in flight (its answer lost; it may or may
     not have run) and retried with the same operation id until it answers. Each
     request ends admitted exactly once, holding exactly its blocks."""
-    require_idempotency()
     with server_in_thread(FAULT_POOL) as server, grpc.insecure_channel(server.target) as ch:
         stub = pb_grpc.KVCacheServiceStub(ch)
         for i in range(4):

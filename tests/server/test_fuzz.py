@@ -39,7 +39,6 @@ from tests.server.fuzz_support import (
     code_of_number,
     finish_everything,
     fuzz_settings,
-    implemented,
     method_path,
     response_type,
     step_ops,
@@ -69,11 +68,10 @@ class Live:
         return self.server.call(lambda: allocator_state(self.server.server.allocator))
 
     def audit(self) -> None:
-        """The in-process audit and, once the server has it, the Audit RPC."""
+        """The in-process audit and the Audit RPC."""
         self.server.call(self.server.server.audit)
-        if implemented("Audit"):
-            report = self.stub.Audit(pb.AuditRequest(), timeout=CALL_TIMEOUT_S)
-            assert report.ok and not report.violations, report
+        report = self.stub.Audit(pb.AuditRequest(), timeout=CALL_TIMEOUT_S)
+        assert report.ok and not report.violations, report
 
 
 @pytest.fixture(scope="module")
@@ -221,9 +219,9 @@ def draw_message(live: Live, data: st.DataObject, name: str) -> Any:
 
 @contextlib.contextmanager
 def maybe_in_session(live: Live, in_session: bool) -> Iterator[None]:
-    """Run the block's calls under a fresh session (when the server has them and
-    ``in_session``), so ownership follows every request the sequence adds."""
-    if not (in_session and implemented("OpenSession")):
+    """Run the block's calls under a fresh session (when ``in_session``), so
+    ownership follows every request the sequence adds."""
+    if not in_session:
         yield
         return
     # The current epoch: earlier examples may have opened sessions with any epoch.

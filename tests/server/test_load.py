@@ -42,7 +42,6 @@ from kvservice.client import (
 )
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
-from tests.server.fuzz_support import implemented
 from tests.server.support import SMALL_POOL, ThreadedServer, server_in_thread
 
 NUM_CLIENTS = 16
@@ -323,8 +322,7 @@ async def test_sixteen_clients_under_load(load_server: ThreadedServer) -> None:
     assert (usage.num_requests, usage.num_used_blocks) == (0, 0), usage
     assert usage.num_free_blocks == usage.num_blocks - 1
     load_server.call(load_server.server.audit)
-    if implemented("Audit"):
-        async with grpc.aio.insecure_channel(load_server.target) as channel:
-            report = await pb_grpc.KVCacheServiceStub(channel).Audit(pb.AuditRequest())
-        assert report.ok and not report.violations, report
-        assert (report.num_requests, report.num_held_blocks) == (0, 0), report
+    async with grpc.aio.insecure_channel(load_server.target) as channel:
+        report = await pb_grpc.KVCacheServiceStub(channel).Audit(pb.AuditRequest())
+    assert report.ok and not report.violations, report
+    assert (report.num_requests, report.num_held_blocks) == (0, 0), report
