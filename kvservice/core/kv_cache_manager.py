@@ -462,9 +462,6 @@ class KVCacheManager:
             reserved_blocks,
         )
         total_computed_tokens = num_computed_tokens + num_hit_tokens + num_external_computed_tokens
-        num_tokens_need_slot = min(
-            total_computed_tokens + num_new_tokens + num_lookahead_tokens, self.max_model_len
-        )
         watermark_blocks = self._watermark_blocks_for(request, has_scheduled_reqs)
         fits = not full_sequence_must_fit or self._full_sequence_fits(
             request, hits, num_encoder_tokens, total_computed_tokens, watermark_blocks
@@ -472,18 +469,82 @@ class KVCacheManager:
         num_free = self.block_pool.get_num_free_blocks() + (
             self.coordinator.get_num_blocks_freed_by_skipping(request_id, total_computed_tokens)
         )
-        num_required = self.coordinator.get_num_blocks_to_allocate(
+        num_required = self._num_required(
             request_id,
-            num_tokens_need_slot,
             hits,
-            num_encoder_tokens,
+            num_computed_tokens + num_hit_tokens,
             total_computed_tokens,
-            num_local_computed_tokens=num_computed_tokens + num_hit_tokens,
-            num_tokens_main_model=total_computed_tokens + num_new_tokens,
+            num_new_tokens,
+            num_lookahead_tokens,
+            num_encoder_tokens,
         )
         fits = fits and num_required + watermark_blocks <= num_free - reserved_blocks
         fits = fits and not (hits and self._hits_await_copy(hits))
         return AllocationProbe(num_hit_tokens, num_new_tokens, num_required, num_free, fits)
+
+    def num_blocks_needed(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        num_encoder_tokens: int = 0,
+        reserved_blocks: int = 0,
+    ) -> int:
+        """Free blocks ``allocate_slots`` with these arguments would consume, net of
+        those it first releases because they slid out of view: what a cap on one
+        owner's blocks must admit. Checks the arguments as ``allocate_slots`` does;
+        changes nothing."""
+        hits = new_computed_blocks.blocks if new_computed_blocks is not None else ()
+        num_computed_tokens = request.num_computed_tokens
+        self.checker.check_allocation(
+            request,
+            num_computed_tokens,
+            num_new_tokens,
+            num_new_computed_tokens,
+            hits,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            num_encoder_tokens,
+            reserved_blocks,
+        )
+        num_local_computed_tokens = num_computed_tokens + num_new_computed_tokens
+        total_computed_tokens = num_local_computed_tokens + num_external_computed_tokens
+        request_id = request.request_id
+        return self._num_required(
+            request_id,
+            hits,
+            num_local_computed_tokens,
+            total_computed_tokens,
+            num_new_tokens,
+            num_lookahead_tokens,
+            num_encoder_tokens,
+        ) - self.coordinator.get_num_blocks_freed_by_skipping(request_id, total_computed_tokens)
+
+    def _num_required(
+        self,
+        request_id: str,
+        hits: tuple[Sequence[KVCacheBlock], ...],
+        num_local_computed_tokens: int,
+        total_computed_tokens: int,
+        num_new_tokens: int,
+        num_lookahead_tokens: int,
+        num_encoder_tokens: int,
+    ) -> int:
+        """The predictor's count for an allocation (``allocate_slots`` inlines it on
+        its hot path)."""
+        num_tokens_main_model = total_computed_tokens + num_new_tokens
+        return self.coordinator.get_num_blocks_to_allocate(
+            request_id,
+            min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len),
+            hits,
+            num_encoder_tokens,
+            total_computed_tokens,
+            num_local_computed_tokens=num_local_computed_tokens,
+            num_tokens_main_model=num_tokens_main_model,
+        )
 
     # -- freeing and bookkeeping --------------------------------------------------------
 

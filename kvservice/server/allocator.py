@@ -537,33 +537,17 @@ class Allocator:
         ``tenant`` past its quota, counted with the core's own predictor: the blocks
         it would take from the free queue, less those sliding out of view. The core's
         argument checks run first, so a malformed call still answers its own status."""
-        manager = self.manager
-        hits = hit.blocks if hit is not None else ()
         try:
-            manager.checker.check_allocation(
+            needed = self.manager.num_blocks_needed(
                 request,
-                request.num_computed_tokens,
                 args.num_new_tokens,
                 args.num_new_computed_tokens,
-                hits,
+                hit,
                 args.num_lookahead_tokens,
                 args.num_external_computed_tokens,
                 args.num_encoder_tokens,
                 args.reserved_blocks,
             )
-            total_computed = (
-                request.num_computed_tokens
-                + args.num_new_computed_tokens
-                + args.num_external_computed_tokens
-            )
-            num_tokens = min(
-                total_computed + args.num_new_tokens + args.num_lookahead_tokens,
-                manager.max_model_len,
-            )
-            coordinator = manager.coordinator
-            needed = coordinator.get_num_blocks_to_allocate(
-                request.request_id, num_tokens, hits, args.num_encoder_tokens, total_computed
-            ) - coordinator.get_num_blocks_freed_by_skipping(request.request_id, total_computed)
             self.tenants.check(tenant, request_id, needed)
         except QuotaExceededError:
             request.num_computed_tokens = previous

@@ -119,3 +119,39 @@ def decode_without_append(m: KVCacheManager, req: Request) -> object:
         req.num_computed_tokens += 1
         req.status = RequestStatus.RUNNING
     return new
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), windowed=st.booleans())
+def test_num_blocks_needed_is_the_net_free_count_drop(seed: int, windowed: bool) -> None:
+    """``num_blocks_needed`` (what a per-owner block quota admits against) equals the
+    drop of the free count across the allocation that follows, window releases
+    included, and changes nothing itself."""
+    rng = random.Random(seed)
+    spec = sliding(4, 8) if windowed else full(4)
+    m = make_manager(16, spec, max_model_len=256)
+    running: list[Request] = []
+    for step in range(40):
+        if running and rng.random() < 0.6:
+            req = rng.choice(running)
+            req.append_output_token_ids(rng.randrange(4))
+            before = snapshot(m)
+            needed = m.num_blocks_needed(req, 1)
+            assert snapshot(m) == before
+            free_before = m.block_pool.get_num_free_blocks()
+            new = decode_without_append(m, req)
+        else:
+            req = m.new_request(f"r{step}", [rng.randrange(3) for _ in range(rng.randint(1, 20))])
+            hit, num_hit, _ = m.get_computed_blocks(req)
+            num_new = req.num_tokens - num_hit
+            needed = m.num_blocks_needed(req, num_new, num_hit, hit)
+            free_before = m.block_pool.get_num_free_blocks()
+            new = m.allocate_slots(req, num_new, num_hit, hit)
+            if new is not None:
+                req.num_computed_tokens = req.num_tokens
+                req.status = RequestStatus.RUNNING
+                running.append(req)
+        if new is not None:
+            assert free_before - m.block_pool.get_num_free_blocks() == needed
+        if running and rng.random() < 0.2:
+            finish(m, running.pop(rng.randrange(len(running))))
