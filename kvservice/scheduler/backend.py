@@ -27,6 +27,13 @@ class PrefixHit:
     shared_prefix_boundary: int = 0
 
 
+def as_computed_blocks(hit: PrefixHit | None) -> ComputedBlocks | None:
+    """The client's form of a lookup the scheduler kept (None: nothing to attach)."""
+    if hit is None:
+        return None
+    return ComputedBlocks(hit.block_ids, hit.num_computed_tokens, hit.shared_prefix_boundary)
+
+
 class PendingBlockIds:
     """Block ids a batching backend will know once it sends the step (``flush``).
 
@@ -191,11 +198,7 @@ class RemoteBackend:
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
     ) -> BlockIds | None:
-        computed = (
-            None
-            if hit is None
-            else ComputedBlocks(hit.block_ids, hit.num_computed_tokens, hit.shared_prefix_boundary)
-        )
+        computed = as_computed_blocks(hit)
         options = AllocateOptions(
             num_lookahead_tokens=num_lookahead_tokens,
             full_sequence_must_fit=full_sequence_must_fit,

@@ -36,7 +36,13 @@ from kvservice.client import (
     StepBuilder,
     StepResults,
 )
-from kvservice.scheduler.backend import AllocatedIds, BlockIds, PendingBlockIds, PrefixHit
+from kvservice.scheduler.backend import (
+    AllocatedIds,
+    BlockIds,
+    PendingBlockIds,
+    PrefixHit,
+    as_computed_blocks,
+)
 
 # Sends one step (stop_on_error on) and answers its results.
 Send = Callable[[StepBuilder], StepResults]
@@ -117,11 +123,7 @@ class BatchingBackend:
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
     ) -> AllocatedIds | None:
-        computed = (
-            None
-            if hit is None
-            else ComputedBlocks(hit.block_ids, hit.num_computed_tokens, hit.shared_prefix_boundary)
-        )
+        computed = as_computed_blocks(hit)
         # No options (the defaults) for a plain decode allocation: nothing to encode.
         options = (
             None
