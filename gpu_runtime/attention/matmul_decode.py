@@ -1,4 +1,4 @@
-"""fp32 decode on the CPU as batched matmuls over the gathered pages.
+"""Decode on the CPU as batched fp32 matmuls over the gathered pages.
 
 Measured on the 2-core CI VM (one thread): ``scaled_dot_product_attention`` decode
 on the gathered pages (keys of one token for all heads side by side) took 1.4-1.7x
@@ -6,8 +6,10 @@ its time on contiguous K/V, and even on contiguous K/V it took 1.0-1.9x the time
 the two matmuls below. Here the query heads of one KV head are the rows of one
 matrix: ``scores = q @ K^T`` and ``out = softmax(scores) @ V`` are ``bmm`` calls that
 read every key and value once, straight from the gather workspace through strided
-views (no second copy). Half types stay on SDPA: its fp32 accumulation keeps them
-within tolerance, where bf16 scores from ``bmm`` would not.
+views (no second copy). Half types compute in fp32 too: their chunk is gathered in
+the cache's dtype (``index_select`` writes only its own dtype) and converted with one
+``copy_`` into an fp32 buffer of the same layout, which the views here then read; bf16
+scores out of ``bmm`` would miss the half types' tolerance.
 
 A chunk's matmuls are batched one of two ways, whichever needs fewer calls:
 
@@ -18,8 +20,8 @@ A chunk's matmuls are batched one of two ways, whichever needs fewer calls:
 
 Every view (query, keys, values, output rows) is built once per step and cached with
 the chunk: queries are first copied into a per-step buffer and outputs land in
-another, so a layer's call is one copy, one ``index_select`` per chunk and two
-matmuls plus a ``softmax`` per group.
+another, so a layer's call is one copy, one ``index_select`` per chunk (plus the
+conversion for half types) and two matmuls plus a ``softmax`` per group.
 """
 
 from __future__ import annotations

@@ -9,9 +9,10 @@ every call, and the chunking keeps the gathered copy in cache so DRAM sees the K
 bytes about once. The chunk plan (block ids, masks, workspace views) depends only on
 the step's batch, so the first layer builds it and caches it on the metadata; the
 other layers' calls are one ``index_select`` and one SDPA with no host-side work
-beyond a few identity checks. fp32 on the CPU replaces the SDPA by batched matmuls
+beyond a few identity checks. On the CPU, decode replaces the SDPA by batched matmuls
 over the same workspace (``matmul_decode``: SDPA's CPU decode is ~1.4x slower on the
-gathered layout than on contiguous K/V, which alone broke the 1.5x target). Prefill
+gathered layout than on contiguous K/V, which alone broke the 1.5x target); half types
+gather in their own dtype and convert each chunk to an fp32 buffer first. Prefill
 loops over sequences (it is compute bound; the gather is small next to the
 attention) and masks causally with the cached prefix in front.
 """
@@ -30,9 +31,12 @@ from kvservice.core.kv_cache_interface import cdiv
 
 # Gathered pages per decode chunk on CPU: fits a core's L2/L3 share on the CI VM.
 CPU_WORKSPACE_BYTES = 4 << 20
-# The same for the fp32 matmul decode, whose matmuls re-read the chunk right after the
+# The same for the matmul decode, whose matmuls re-read the chunk right after the
 # gather: 1 MiB measured best on the 2-core VM (0.5 MiB L2 per core) against 0.25 and 4.
+# It counts the fp32 chunk the matmuls read, also for half types (their gather is half).
 CPU_MATMUL_WORKSPACE_BYTES = 1 << 20
+# Cache dtypes the matmul decode takes; they compute in fp32.
+MATMUL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # On CUDA the gather is not cache bound; one chunk for any realistic batch.
 CUDA_WORKSPACE_BYTES = 1 << 30
 
@@ -151,15 +155,20 @@ class _MatmulStep:
 
     ids: torch.Tensor
     gathered: torch.Tensor  # [2, len(ids), block_size, Hkv, D] over the workspace
+    # The same over the fp32 compute buffer the groups read, for half types (the
+    # gather's ``out`` must have the cache's dtype); None for fp32, which needs no copy.
+    converted: torch.Tensor | None
     groups: tuple[MatmulGroup, ...]
 
 
 @dataclass(frozen=True, slots=True)
 class _MatmulDecode:
     """The matmul decode setup of one step (see ``matmul_decode``), valid under the same
-    conditions as ``_FastDecode``; ``queries``/``outs`` are its ``[B, Hq, D]`` buffers."""
+    conditions as ``_FastDecode``; ``queries``/``outs`` are its ``[B, Hq, D]`` fp32
+    buffers and ``compute`` is the fp32 buffer the matmuls read (``workspace`` for fp32)."""
 
     workspace: torch.Tensor
+    compute: torch.Tensor
     cache_shape: torch.Size
     dtype: torch.dtype
     device: torch.device
@@ -174,25 +183,31 @@ def _prepare_matmul_decode(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     workspace: torch.Tensor,
+    compute: torch.Tensor,
 ) -> _MatmulDecode:
+    """``compute`` is the fp32 buffer the matmuls read: ``workspace`` itself for fp32,
+    else one as large into which each gathered chunk is converted."""
     num_seqs, num_q_heads, head_size = query.shape
     num_kv_heads = kv_cache.shape[3]
-    queries = workspace.new_empty(query.shape)
+    queries = compute.new_empty(query.shape)
     outs = torch.empty_like(queries)
     grouped = (num_seqs, num_kv_heads, num_q_heads // num_kv_heads, head_size)
     steps = []
     for chunk in plan.chunks:
+        shape = (2, chunk.ids.numel(), *kv_cache.shape[2:])
         numel = chunk.ids.numel() * kv_cache.shape[2:].numel()
-        gathered = workspace[: 2 * numel].view(2, chunk.ids.numel(), *kv_cache.shape[2:])
+        gathered = workspace[: 2 * numel].view(shape)
+        converted = None if compute is workspace else compute[: 2 * numel].view(shape)
         layout = ChunkLayout(
-            chunk.start, chunk.end, chunk.span, int(workspace.storage_offset()), numel
+            chunk.start, chunk.end, chunk.span, int(compute.storage_offset()), numel
         )
         groups = build_groups(
-            layout, metadata.seq_lens, workspace, queries.view(grouped), outs.view(grouped)
+            layout, metadata.seq_lens, compute, queries.view(grouped), outs.view(grouped)
         )
-        steps.append(_MatmulStep(chunk.ids, gathered, groups))
+        steps.append(_MatmulStep(chunk.ids, gathered, converted, groups))
     return _MatmulDecode(
         workspace,
+        compute,
         kv_cache.shape,
         kv_cache.dtype,
         kv_cache.device,
@@ -208,14 +223,18 @@ def _run_matmul_decode(
     fast.queries.copy_(query)
     for step in fast.steps:
         torch.index_select(kv_cache, 1, step.ids, out=step.gathered)
+        if step.converted is not None:
+            step.converted.copy_(step.gathered)
         run_groups(step.groups, scale)
-    # A copy: the next layer's call overwrites the step's output buffer.
-    return fast.outs.clone()
+    # A copy: the next layer's call overwrites the step's output buffer (half types'
+    # conversion back to the query's dtype is that copy).
+    outs = fast.outs
+    return outs.clone() if outs.dtype == query.dtype else outs.to(query.dtype)
 
 
 class TorchAttentionBackend(AttentionBackend):
     """Gather-then-attend paged attention (no compile, any device): SDPA, or batched
-    matmuls for fp32 decode on the CPU (``matmul_decode``)."""
+    fp32 matmuls for decode on the CPU (``matmul_decode``)."""
 
     name = "torch"
 
@@ -223,10 +242,11 @@ class TorchAttentionBackend(AttentionBackend):
         self, workspace_bytes: int | None = None, matmul_decode: bool | None = None
     ) -> None:
         self.workspace_bytes = workspace_bytes
-        # None: matmul decode for fp32 on the CPU, SDPA otherwise; a bool forces it on
-        # or off for fp32 on any device (half types always take SDPA).
+        # None: matmul decode on the CPU, SDPA otherwise; a bool forces it on or off on
+        # any device.
         self.matmul_decode = matmul_decode
         self._workspace: torch.Tensor | None = None
+        self._compute: torch.Tensor | None = None  # half types' fp32 matmul input
 
     def _buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """The reused workspace, grown (reallocated) when ``numel`` does not fit."""
@@ -235,6 +255,17 @@ class TorchAttentionBackend(AttentionBackend):
             ws = torch.empty(numel, dtype=like.dtype, device=like.device)
             self._workspace = ws
         return ws
+
+    def _compute_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """The matmul decode's fp32 input: the workspace for fp32, else its own buffer
+        (grown like the workspace), which a half-type gather is converted into."""
+        if like.dtype == torch.float32:
+            return self._buffer(numel, like)
+        buf = self._compute
+        if buf is None or buf.device != like.device or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=torch.float32, device=like.device)
+            self._compute = buf
+        return buf
 
     def _forward(
         self,
@@ -277,9 +308,11 @@ class TorchAttentionBackend(AttentionBackend):
         return o.squeeze(2)
 
     def _uses_matmul(self, kv_cache: torch.Tensor) -> bool:
-        # Half types never: bf16 scores out of ``bmm`` missed the 1.5e-2 tolerance in 25
-        # of 60 random bf16/fp16 cases; SDPA accumulates them in fp32.
-        if kv_cache.dtype != torch.float32:
+        # Half types compute in fp32 (their chunk converted after the gather): bf16
+        # matmuls were rejected, as bf16 scores out of ``bmm`` missed the 1.5e-2
+        # tolerance in 25 of 60 random bf16/fp16 cases, but fp32 compute on half inputs
+        # is more accurate than SDPA's half-type decode.
+        if kv_cache.dtype not in MATMUL_DTYPES:
             return False
         if self.matmul_decode is not None:
             return self.matmul_decode
@@ -289,7 +322,10 @@ class TorchAttentionBackend(AttentionBackend):
         self, fast: _FastDecode | _MatmulDecode, query: torch.Tensor, kv_cache: torch.Tensor
     ) -> bool:
         """Whether a cached setup still fits this call (another layer may differ)."""
-        if isinstance(fast, _MatmulDecode) and fast.queries.shape != query.shape:
+        if isinstance(fast, _MatmulDecode) and (
+            fast.queries.shape != query.shape
+            or (fast.compute is not fast.workspace and fast.compute is not self._compute)
+        ):
             return False
         return (
             fast.workspace is self._workspace
@@ -310,10 +346,14 @@ class TorchAttentionBackend(AttentionBackend):
             if matmul
             else CPU_WORKSPACE_BYTES
         )
-        plan = _decode_plan(metadata, budget, 2 * page_shape.numel() * kv_cache.element_size())
-        workspace = self._buffer(2 * plan.max_pages * page_shape.numel(), kv_cache)
+        # The matmul chunk is sized by the fp32 copy its matmuls read.
+        element_size = 4 if matmul else kv_cache.element_size()
+        plan = _decode_plan(metadata, budget, 2 * page_shape.numel() * element_size)
+        numel = 2 * plan.max_pages * page_shape.numel()
+        workspace = self._buffer(numel, kv_cache)
         if matmul:
-            setup = _prepare_matmul_decode(plan, metadata, query, kv_cache, workspace)
+            compute = self._compute_buffer(numel, kv_cache)
+            setup = _prepare_matmul_decode(plan, metadata, query, kv_cache, workspace, compute)
             metadata.plans[self] = setup
             return setup
         single = len(plan.chunks) == 1

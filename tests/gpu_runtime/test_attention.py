@@ -13,6 +13,7 @@ from gpu_runtime.attention import (
     TorchAttentionBackend,
     select_backend,
 )
+from gpu_runtime.attention.torch_backend import _MatmulDecode
 from kvservice.core.errors import InvalidArgumentError
 from tests.gpu_runtime.cases import TOLERANCES, Case, random_case
 from tests.gpu_runtime.reference import ref_paged_attention
@@ -60,8 +61,8 @@ def test_torch_backend_decode_in_chunks(seed: int) -> None:
 @pytest.mark.parametrize("budget", [None, 1, 4096])
 @pytest.mark.parametrize("seed", range(6))
 def test_fp32_decode_paths_match_the_reference(seed: int, budget: int | None, matmul: bool) -> None:
-    # fp32 on the CPU decodes with matmuls by default; SDPA stays reachable (CUDA's and
-    # the half types' path). Longer sequences than the other tests: chunks then hold
+    # fp32 on the CPU decodes with matmuls by default; SDPA stays reachable (CUDA's
+    # path). Longer sequences than the other tests: chunks then hold
     # from one sequence (budget 1) to all of them.
     case = random_case(seed, torch.float32, decode=True, gqa_ratios=(1, 2, 3, 4), max_seq_len=300)
     backend = TorchAttentionBackend(budget, matmul_decode=matmul)
@@ -72,7 +73,31 @@ def test_fp32_decode_paths_match_the_reference(seed: int, budget: int | None, ma
     torch.testing.assert_close(out.double(), expected, atol=1e-3, rtol=1e-3)
 
 
-def _ragged_decode_case(num_kv_heads: int) -> tuple[Case, list[list[int]]]:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("budget", [None, 1, 4096])
+@pytest.mark.parametrize("seed", range(8))
+def test_half_decode_computes_in_fp32_matmuls(
+    seed: int, budget: int | None, dtype: torch.dtype
+) -> None:
+    # Half types on the CPU gather in their own dtype, convert each chunk to fp32 and
+    # run the fp32 matmuls; the answer comes back in the query's dtype.
+    case = random_case(seed, dtype, decode=True, gqa_ratios=(1, 2, 3, 4), max_seq_len=300)
+    backend = TorchAttentionBackend(budget)
+    out = backend.forward(case.query, case.kv_cache, case.metadata, case.scale)
+    setup = case.metadata.plans[backend]
+    assert isinstance(setup, _MatmulDecode)
+    assert all(step.converted is not None for step in setup.steps)
+    expected = ref_paged_attention(
+        case.query, case.kv_cache, case.metadata, case.tables, case.scale
+    )
+    assert out.dtype == dtype and out.shape == case.query.shape
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=rtol)
+
+
+def _ragged_decode_case(
+    num_kv_heads: int, dtype: torch.dtype = torch.float32
+) -> tuple[Case, list[list[int]]]:
     """Five sequences of different lengths (one a block plus one token): more sequences
     than KV heads, so one chunk batches the matmuls per KV head with a length mask."""
     block_size, head_size, seq_lens = 4, 16, [9, 1, 30, 17, 5]
@@ -82,18 +107,28 @@ def _ragged_decode_case(num_kv_heads: int) -> tuple[Case, list[list[int]]]:
     kv_cache = torch.randn(2, 100, block_size, num_kv_heads, head_size, generator=gen) * 3
     metadata = AttentionMetadata.build([1] * 5, seq_lens, tables, block_size, 100)
     query = torch.randn(5, 2 * num_kv_heads, head_size, generator=gen)
-    return Case(query, kv_cache, metadata, tables, head_size**-0.5), tables
+    case = Case(query.to(dtype), kv_cache.to(dtype), metadata, tables, head_size**-0.5)
+    return case, tables
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("budget", [None, 1], ids=["per-head", "per-sequence"])
-def test_matmul_decode_groupings(budget: int | None) -> None:
-    case, tables = _ragged_decode_case(num_kv_heads=2)
+def test_matmul_decode_groupings(budget: int | None, dtype: torch.dtype) -> None:
+    case, tables = _ragged_decode_case(num_kv_heads=2, dtype=dtype)
     backend = TorchAttentionBackend(budget, matmul_decode=True)
     out = backend.forward(case.query, case.kv_cache, case.metadata, case.scale)
     expected = ref_paged_attention(case.query, case.kv_cache, case.metadata, tables, case.scale)
-    torch.testing.assert_close(out.double(), expected, atol=1e-3, rtol=1e-3)
+    assert out.dtype == dtype
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=rtol)
+    setup = case.metadata.plans[backend]
+    assert isinstance(setup, _MatmulDecode)
+    # fp32 reads the gather workspace itself; half types a converted fp32 copy of it.
+    half = dtype != torch.float32
+    assert all((step.converted is not None) == half for step in setup.steps)
     # The grouping the budget implies, masked only where lengths differ in a batch.
-    groups = [g for step in case.metadata.plans[backend].steps for g in step.groups]
+    groups = [g for step in setup.steps for g in step.groups]
+    assert all(g.key.dtype == torch.float32 for g in groups)
     if budget is None:
         assert len(groups) == 2 and all(g.bias is not None for g in groups)
     else:
