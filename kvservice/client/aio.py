@@ -419,6 +419,9 @@ class AsyncLease:
         self._client = client
         self._task: asyncio.Task[None] | None = None
 
+    def __repr__(self) -> str:
+        return f"AsyncLease(session_id={self.session_id!r}, epoch={self.epoch}, ttl_s={self.ttl_s})"
+
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._renew())
 

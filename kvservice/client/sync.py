@@ -321,6 +321,9 @@ class Lease:
             target=self._renew, name=f"kvservice-lease-{session_id[:8]}", daemon=True
         )
 
+    def __repr__(self) -> str:
+        return f"Lease(session_id={self.session_id!r}, epoch={self.epoch}, ttl_s={self.ttl_s})"
+
     def start(self) -> None:
         self._thread.start()
 
