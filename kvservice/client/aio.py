@@ -31,6 +31,13 @@ from kvservice.client.types import (
     RequestState,
     Usage,
 )
+from kvservice.protocol import (
+    AUTHORIZATION_KEY,
+    CLIENT_ID_KEY,
+    MUTATING_UNARY_METHODS,
+    OPERATION_ID_KEY,
+    SESSION_KEY,
+)
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 
@@ -39,21 +46,6 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 
 
 Metadata = tuple[tuple[str, str], ...]
-SESSION_KEY = "x-kvservice-session"
-OPERATION_ID_KEY = "x-kvservice-operation-id"
-# Calls that change the pool: with retries on, each carries an operation id, so the
-# server applies a retried one once.
-MUTATING_RPCS = frozenset(
-    {
-        "AddRequest",
-        "AppendTokens",
-        "GetComputedBlocks",
-        "AllocateSlots",
-        "FreeRequest",
-        "ResetPrefixCache",
-        "Step",
-    }
-)
 # Failures after which the call may or may not have run: retried with the same id.
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 RETRY_BACKOFF_S = 0.05
@@ -65,13 +57,13 @@ LEASE_LOST_CODES = frozenset({grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_
 
 def call_metadata(client_id: str | None) -> Metadata:
     """The metadata sent with every call: ``x-client-id`` names the scheduler."""
-    return (("x-client-id", client_id),) if client_id else ()
+    return ((CLIENT_ID_KEY, client_id),) if client_id else ()
 
 
 def bearer_metadata(token: str | None) -> Metadata:
     """``authorization: Bearer <token>`` for a server with a tokens file; sent with
     every call, streams included. Over plaintext only on loopback: use TLS elsewhere."""
-    return (("authorization", f"Bearer {token}"),) if token else ()
+    return ((AUTHORIZATION_KEY, f"Bearer {token}"),) if token else ()
 
 
 def channel_credentials(
@@ -94,7 +86,9 @@ def channel_credentials(
 def with_operation_id(metadata: Metadata, rpc: str, retries: int) -> Metadata:
     """``metadata`` plus a fresh operation id for a mutating call when retries are on
     (the id is the same on every attempt of the call)."""
-    if retries and rpc in MUTATING_RPCS:
+    # With retries on, each mutating call carries an operation id, so the server
+    # applies a retried one once.
+    if retries and rpc in MUTATING_UNARY_METHODS:
         return (*metadata, (OPERATION_ID_KEY, uuid.uuid4().hex))
     return metadata
 

@@ -18,7 +18,6 @@ from kvservice.client.aio import (
     LEASE_LOST_CODES,
     RENEWALS_PER_TTL,
     RETRYABLE_CODES,
-    SESSION_KEY,
     audit_report,
     bearer_metadata,
     call_metadata,
@@ -44,6 +43,7 @@ from kvservice.client.types import (
     RequestState,
     Usage,
 )
+from kvservice.protocol import SESSION_KEY
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 

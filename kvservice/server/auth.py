@@ -37,6 +37,7 @@ import grpc
 import structlog
 from google.protobuf import descriptor_pool
 
+from kvservice.protocol import AUTHORIZATION_KEY, RETRY_AFTER_KEY
 from kvservice.server.caller import CURRENT_CALLER
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.tenancy import check_tenant_name
@@ -44,8 +45,6 @@ from kvservice.server.tls import SecurityConfigError
 
 log = structlog.get_logger("kvservice.auth")
 
-AUTHORIZATION_KEY = "authorization"
-RETRY_AFTER_KEY = "x-kvservice-retry-after-ms"
 MIN_TOKEN_LENGTH = 16
 # Calls that need no token: kubelet and load balancer probes carry none.
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)

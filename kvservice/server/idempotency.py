@@ -30,24 +30,11 @@ import grpc
 from google.protobuf.message import Message
 
 from kvservice.core.errors import InvalidArgumentError, KVCacheError
+from kvservice.protocol import MUTATING_UNARY_METHODS, OPERATION_ID_KEY
 from kvservice.server.caller import current_caller
 from kvservice.server.metrics import KVCacheMetrics
 from kvservice.server.sessions import metadata_value
 
-OPERATION_ID_KEY = "x-kvservice-operation-id"
-# The calls whose effect a retry could repeat (GetComputedBlocks remembers the hit
-# and counts prefix cache stats).
-IDEMPOTENT_METHODS = frozenset(
-    {
-        "AddRequest",
-        "AppendTokens",
-        "GetComputedBlocks",
-        "AllocateSlots",
-        "FreeRequest",
-        "ResetPrefixCache",
-        "Step",
-    }
-)
 MAX_OPERATION_ID_LENGTH = 128
 # Remembered answers, in bytes, across all scopes.
 MAX_CACHED_BYTES = 64 * 1024 * 1024
@@ -157,7 +144,7 @@ class IdempotencyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc] 
         handler = await continuation(handler_call_details)
         path: str = handler_call_details.method
         method = path.removeprefix(self._prefix)
-        if handler is None or handler.unary_unary is None or method not in IDEMPOTENT_METHODS:
+        if handler is None or handler.unary_unary is None or method not in MUTATING_UNARY_METHODS:
             return handler
         if not path.startswith(self._prefix):
             return handler

@@ -26,6 +26,7 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from kvservice.core.errors import InvalidArgumentError, KVCacheError
+from kvservice.protocol import CALL_ID_KEY, CLIENT_ID_KEY
 from kvservice.server.errors import status_code_of, status_message_of
 from kvservice.server.metrics import ClientTracker, KVCacheMetrics, RpcInstruments
 
@@ -33,8 +34,6 @@ log = structlog.get_logger("kvservice.rpc")
 
 UnaryBehavior = Callable[[Any, Any], Awaitable[Any]]
 StreamBehavior = Callable[[Any, Any], AsyncIterator[Any]]
-CLIENT_ID_KEY = "x-client-id"
-CALL_ID_KEY = "x-request-id"
 
 # Generated call ids: unique per process and cheap (no uuid per call on the hot path).
 _CALL_PREFIX = f"{os.getpid():x}-"

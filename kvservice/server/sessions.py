@@ -45,6 +45,7 @@ from kvservice.core.errors import (
     KVCacheError,
     RequestNotFoundError,
 )
+from kvservice.protocol import MUTATING_METHODS, SESSION_KEY
 from kvservice.server.allocator import Allocator, FreeMode
 from kvservice.server.caller import CURRENT_CALLER, Caller, current_caller
 from kvservice.server.config import ServerConfig
@@ -52,22 +53,8 @@ from kvservice.server.metrics import KVCacheMetrics
 
 log = structlog.get_logger("kvservice.sessions")
 
-SESSION_KEY = "x-kvservice-session"
 # Methods that take the session in their message and manage it themselves.
 SESSION_METHODS = frozenset({"OpenSession", "KeepAlive", "CloseSession"})
-# Methods that change the pool: refused without a session under ``require_sessions``.
-MUTATING_METHODS = frozenset(
-    {
-        "AddRequest",
-        "AppendTokens",
-        "GetComputedBlocks",
-        "AllocateSlots",
-        "FreeRequest",
-        "ResetPrefixCache",
-        "Step",
-        "StepStream",
-    }
-)
 # Ended sessions remembered, so a late call learns why its session is gone.
 ENDED_SESSIONS_KEPT = 10_000
 MAX_CLIENT_NAME_LENGTH = 256

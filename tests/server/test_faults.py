@@ -24,6 +24,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvservice.client import AsyncKVClient, KVServiceError, StepBuilder
+from kvservice.protocol import OPERATION_ID_KEY
 from kvservice.server.app import SERVICE_NAME
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
@@ -395,8 +396,6 @@ def test_killed_client_blocks_return_within_the_lease(mode: str) -> None:
 
 
 # -- idempotent retries ----------------------------------------------------------------
-
-OPERATION_ID_KEY = "x-kvservice-operation-id"
 
 
 def with_id(operation_id: str) -> tuple[tuple[str, str], ...]:

@@ -23,6 +23,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvservice.protocol import OPERATION_ID_KEY
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 from tests.server.fuzz_support import (
@@ -188,7 +189,6 @@ def admit(live: Live, request_id: str) -> None:
 
 
 SESSION_CODES = frozenset({Code.NOT_FOUND, Code.FAILED_PRECONDITION})
-OPERATION_ID_KEY = "x-kvservice-operation-id"
 # Mostly none; else a few ids reused across calls (a retry, or an id clash), or an
 # arbitrary, possibly over-long one (metadata values must be printable ASCII).
 operation_ids = st.one_of(

@@ -22,9 +22,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvservice.cli import build_parser
 from kvservice.client import AsyncKVClient, KVClient, StepBuilder
 from kvservice.client.errors import KVServiceError
+from kvservice.protocol import RETRY_AFTER_KEY
 from kvservice.server import KVCacheServer, ServerConfig
 from kvservice.server.auth import (
-    RETRY_AFTER_KEY,
     TokenBucket,
     load_tokens_file,
     parse_tokens,

@@ -17,6 +17,7 @@ import pytest
 
 from kvservice.client import AsyncKVClient, FailedPreconditionError, KVClient
 from kvservice.core.errors import InvalidArgumentError, RequestNotFoundError
+from kvservice.protocol import SESSION_KEY
 from kvservice.server import KVCacheServer
 from kvservice.server.allocator import Allocator, FreeMode, NewRequest
 from kvservice.server.caller import CURRENT_CALLER, Caller
@@ -24,7 +25,6 @@ from kvservice.server.config import build_manager
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server.sessions import (
-    SESSION_KEY,
     SessionEndedError,
     SessionNotFoundError,
     SessionPolicy,
