@@ -24,6 +24,7 @@ from kvservice.server.allocator import Allocator
 from kvservice.server.audit import Auditor, SelfCheck
 from kvservice.server.auth import AuthInterceptor, TokenTable, load_tokens_file
 from kvservice.server.config import ServerConfig, build_kv_cache_config, build_manager
+from kvservice.server.drain import Drain
 from kvservice.server.events import EventLog
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
@@ -151,6 +152,7 @@ class KVCacheServer:
         self._server: Any = None
         self._metrics_endpoint: MetricsEndpoint | None = None
         self._handle: ServerHandle | None = None
+        self._drain = Drain()
 
     @property
     def handle(self) -> ServerHandle:
@@ -164,7 +166,7 @@ class KVCacheServer:
         # Outermost first: RpcInterceptor turns the inner ones' refusals into statuses;
         # sessions resolve the caller before idempotency scopes operation ids by it.
         interceptors = [
-            RpcInterceptor(SERVICE_NAME, self.metrics, self.clients),
+            RpcInterceptor(SERVICE_NAME, self.metrics, self.clients, self._drain),
             SessionInterceptor(SERVICE_NAME, self.sessions),
             IdempotencyInterceptor(SERVICE_NAME, self._operations, self.metrics),
         ]
@@ -221,15 +223,21 @@ class KVCacheServer:
         self.allocator.audit()
 
     async def stop(self, grace: float | None = None) -> None:
-        """Report NOT_SERVING, let in-flight RPCs finish for ``grace`` seconds (the
-        config's by default), then close the metrics endpoint. Idempotent."""
+        """Report NOT_SERVING, refuse new calls with UNAVAILABLE, let the calls and
+        streams already in a handler finish for up to ``grace`` seconds (the config's by
+        default), then stop grpc and close the metrics endpoint. Idempotent."""
         grace = self.config.shutdown_grace_s if grace is None else grace
         await self._health.enter_graceful_shutdown()
         await self._reaper.stop()
         if self._self_check is not None:
             await self._self_check.stop()
         if self._server is not None:
-            await self._server.stop(grace)
+            self._drain.begin()
+            if not await self._drain.wait_idle(grace):
+                log.warning("grace period over; cancelling the calls still running", grace_s=grace)
+            # Whatever is left (health watches, reflection, calls past the grace) is
+            # cancelled; see kvservice/server/drain.py for why grpc's grace is not used.
+            await self._server.stop(0)
             self._server = None
         if self._metrics_endpoint is not None:
             await self._metrics_endpoint.stop()

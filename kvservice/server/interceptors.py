@@ -27,6 +27,7 @@ from google.protobuf.message import DecodeError
 
 from kvservice.core.errors import InvalidArgumentError, KVCacheError
 from kvservice.protocol import CALL_ID_KEY, CLIENT_ID_KEY
+from kvservice.server.drain import SHUTTING_DOWN, Drain
 from kvservice.server.errors import status_code_of, status_message_of
 from kvservice.server.metrics import ClientTracker, KVCacheMetrics, RpcInstruments
 
@@ -44,10 +45,17 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc 
     """Wraps the unary and bidi-stream handlers of one service; the wrapped handler of
     each method is built once and reused."""
 
-    def __init__(self, service_name: str, metrics: KVCacheMetrics, clients: ClientTracker) -> None:
+    def __init__(
+        self,
+        service_name: str,
+        metrics: KVCacheMetrics,
+        clients: ClientTracker,
+        drain: Drain | None = None,
+    ) -> None:
         self._prefix = f"/{service_name}/"
         self._metrics = metrics
         self._clients = clients
+        self._drain = Drain() if drain is None else drain
         self._wrapped: dict[str, Any] = {}
 
     async def intercept_service(
@@ -68,14 +76,21 @@ class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc 
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 _unary_call(
-                    handler.unary_unary, method, instruments, self._clients, _debug_enabled()
+                    handler.unary_unary,
+                    method,
+                    instruments,
+                    self._clients,
+                    self._drain,
+                    _debug_enabled(),
                 ),
                 request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_stream is not None:
             return grpc.stream_stream_rpc_method_handler(
-                _stream_call(handler.stream_stream, method, instruments, self._clients),
+                _stream_call(
+                    handler.stream_stream, method, instruments, self._clients, self._drain
+                ),
                 request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
@@ -167,6 +182,7 @@ def _unary_call(
     method: str,
     instruments: RpcInstruments,
     clients: ClientTracker,
+    drain: Drain,
     log_ok: bool,
 ) -> UnaryBehavior:
     # OK calls are the hot path: their one line is at debug, so info stays readable
@@ -181,11 +197,14 @@ def _unary_call(
     # A closure, not a callable object: grpc.aio tells coroutine handlers apart with
     # inspect.iscoroutinefunction.
     async def call(request: Any, context: Any) -> Any:
+        if drain.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         client_id, call_id = _identity(context)
         fields = _fields(method, getattr(request, "request_id", ""), client_id, call_id)
         # Bound for whatever the handler logs; each RPC runs in a fresh context.
         bind_contextvars(**fields)
         in_flight.inc()
+        drain.enter()
         start = perf_counter()
         try:
             if type(request) is MalformedMessage:
@@ -203,6 +222,7 @@ def _unary_call(
         finally:
             observe(perf_counter() - start)
             in_flight.dec()
+            drain.exit()
             seen(client_id)
         if log_ok:
             log.debug("rpc", **fields, status="OK", ms=_ms(start))
@@ -234,13 +254,20 @@ class _TimedRequests:
 
 
 def _stream_call(
-    behavior: StreamBehavior, method: str, instruments: RpcInstruments, clients: ClientTracker
+    behavior: StreamBehavior,
+    method: str,
+    instruments: RpcInstruments,
+    clients: ClientTracker,
+    drain: Drain,
 ) -> StreamBehavior:
     async def stream(requests: Any, context: Any) -> AsyncIterator[Any]:
+        if drain.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         client_id, call_id = _identity(context)
         line = _bind(method, "", client_id, call_id)
         timed = _TimedRequests(requests)
         instruments.in_flight.inc()
+        drain.enter()
         clients.open_stream(client_id)
         line.info("stream opened")
         status = "OK"
@@ -265,6 +292,7 @@ def _stream_call(
             await context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
         finally:
             instruments.in_flight.dec()
+            drain.exit()
             clients.close_stream(client_id)
             line.info("stream closed", status=status, num_messages=timed.count)
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -22,12 +23,14 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvservice.client import AsyncKVClient, KVServiceError, StepBuilder
 from kvservice.protocol import OPERATION_ID_KEY
 from kvservice.server.app import SERVICE_NAME
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from tests.deploy.support import free_port
 from tests.server.fuzz_support import allocator_state
 from tests.server.support import SMALL_POOL, ThreadedServer, server_in_thread, tokens
 from tests.server.test_cli import kvservice_command
@@ -35,8 +38,8 @@ from tests.server.test_cli import kvservice_command
 # Safety nets only: each wait ends as soon as its event happens.
 TIMEOUT_S = 120
 Code = grpc.StatusCode
-# How grpc refuses a call once shutdown began: UNAVAILABLE when the connection is
-# going away, CANCELLED when the call reached the server but no handler took it.
+# How a call is refused once shutdown began: UNAVAILABLE from the draining server (or
+# a connection going away), CANCELLED when grpc stopped before a handler took it.
 REFUSED_AT_SHUTDOWN = (Code.UNAVAILABLE, Code.CANCELLED)
 
 
@@ -114,8 +117,8 @@ def admit_ops(step: StepBuilder, request_id: str, num_tokens: int) -> None:
 
 
 def heavy_step(request_id: str) -> StepBuilder:
-    """A step that admits one request and then does enough read-only work to still
-    be running when the signal lands (it need not be: either way it is checked)."""
+    """A step that admits one request and then does enough read-only work to keep the
+    server's loop busy for a while (tens of milliseconds)."""
     step = StepBuilder()
     admit_ops(step, request_id, 20)
     for _ in range(2000):
@@ -123,49 +126,78 @@ def heavy_step(request_id: str) -> StepBuilder:
     return step
 
 
+def steps_in_a_handler(metrics_url: str) -> float:
+    """The server's ``kvservice_rpc_in_flight{method="Step"}``, read from its metrics
+    endpoint (a thread of its own: it answers while a Step holds the event loop)."""
+    with urllib.request.urlopen(metrics_url, timeout=TIMEOUT_S) as response:
+        text = response.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvservice_rpc_in_flight" and sample.labels["method"] == "Step":
+                return float(sample.value)
+    return 0.0
+
+
 async def test_sigterm_finishes_in_flight_calls_and_refuses_new_ones() -> None:
     """SIGTERM while a StepStream is open and Step calls are in flight: every call
-    that reached the server completes in full (a refused one left no trace), the open
-    stream keeps being served until it closes, new calls are refused (UNAVAILABLE or
-    CANCELLED, never run), and the process exits 0."""
+    whose handler had started completes in full (at least one, seen in a handler
+    through the metrics endpoint before the signal), every later one is refused having
+    changed nothing, the open stream keeps being served until it closes, new calls are
+    refused (UNAVAILABLE), and the process exits 0."""
     async with (
-        kvservice_serve("--shutdown-grace=60") as server,
+        kvservice_serve("--shutdown-grace=60", f"--metrics-port={free_port()}") as server,
         AsyncKVClient(server.target, client_id="sigterm") as client,
     ):
+        serving = await server.log.wait_for("serving")
         session = client.session()
         step = StepBuilder()
         admit_ops(step, "stream-0", 40)
         assert (await session.step(step)).ok
-        in_flight = [asyncio.ensure_future(client.step(heavy_step(f"unary-{i}"))) for i in range(8)]
-        await asyncio.sleep(0)  # let them be sent
+        in_flight: list[asyncio.Future[Any]] = []
+        while len(in_flight) < 24:  # the pool holds 64 blocks
+            in_flight += [
+                asyncio.ensure_future(client.step(heavy_step(f"unary-{len(in_flight) + i}")))
+                for i in range(8)
+            ]
+            caught = False
+            while not caught and not all(call.done() for call in in_flight):
+                caught = await asyncio.to_thread(steps_in_a_handler, serving["metrics_url"]) > 0
+            if caught:
+                break
+        assert caught, "no Step was ever seen in a handler"
         server.process.send_signal(signal.SIGTERM)
         await server.log.wait_for("shutting down")
         outcomes = await asyncio.gather(*in_flight, return_exceptions=True)
         applied = set()
         for i, outcome in enumerate(outcomes):
             if isinstance(outcome, BaseException):
-                # Arrived after the signal: refused before it ran (checked below).
+                # Not yet in a handler when the drain began: refused before it ran
+                # (checked below through the stream).
                 assert isinstance(outcome, KVServiceError), outcome
                 assert outcome.code in REFUSED_AT_SHUTDOWN, outcome
             else:
                 assert outcome.ok and len(outcome) == 2002
                 applied.add(f"unary-{i}")
+        # The Step seen in a handler before the signal was not cut short.
+        assert applied
 
-        # A new call, on a new connection or on the open one, is refused.
+        # A new call, on a new connection or on the open one, is refused by the
+        # draining server, saying so.
         async with AsyncKVClient(server.target, timeout=TIMEOUT_S) as late:
             with pytest.raises(KVServiceError) as refused:
                 await late.get_usage()
-            assert refused.value.code in REFUSED_AT_SHUTDOWN
+            assert refused.value.code is Code.UNAVAILABLE
+            assert "shutting down" in str(refused.value)
         with pytest.raises(KVServiceError) as refused:
             await client.get_usage()
-        assert refused.value.code in REFUSED_AT_SHUTDOWN
+        assert refused.value.code is Code.UNAVAILABLE
 
         # The stream opened before the signal is still served: it decodes, and it
         # sees exactly the unary steps that answered OK.
         step = StepBuilder()
         step.append_tokens("stream-0", [7])
         decode = step.allocate_slots("stream-0", 1)
-        states = {f"unary-{i}": step.get_request(f"unary-{i}") for i in range(8)}
+        states = {f"unary-{i}": step.get_request(f"unary-{i}") for i in range(len(in_flight))}
         results = await session.step(step)
         assert results[decode] is not None
         found = {rid for rid, handle in states.items() if results.error(handle) is None}
