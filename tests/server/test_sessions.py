@@ -50,7 +50,11 @@ LEASE_POOL = dataclasses.replace(
 LABELS = {"model_name": "test-model", "engine": "0"}
 # Safety net only: every wait ends as soon as its condition holds.
 WAIT_TIMEOUT_S = 30.0
-SHORT_TTL_S = 0.3
+# Short enough that expiry tests end quickly, long enough that a stall of a loaded
+# CI machine between two calls of a test's setup does not end the lease early.
+SHORT_TTL_S = 1.5
+# The client tests wait for six renewals (one every third of the TTL): two TTLs.
+CLIENT_TTL_S = 1.2
 
 
 async def wait_until(condition: Callable[[], Awaitable[bool]], what: str) -> None:
@@ -390,7 +394,7 @@ class TestClients:
         """The client renews in the background past several TTLs; closing the lease
         frees what the session owns."""
         async with AsyncKVClient(lease_server.handle.target) as client:
-            lease = await client.open_session(0.6, client_name="aio")
+            lease = await client.open_session(CLIENT_TTL_S, client_name="aio")
             await client.add_request("r", tokens(20))
             assert await client.allocate_slots("r", 20) is not None
 
@@ -421,7 +425,7 @@ class TestClients:
 
     def test_sync_client_keeps_its_lease_alive(self) -> None:
         with server_in_thread(LEASE_POOL) as threaded, KVClient(threaded.target) as client:
-            lease = client.open_session(0.6, client_name="sync")
+            lease = client.open_session(CLIENT_TTL_S, client_name="sync")
             client.add_request("r", tokens(20))
             assert client.allocate_slots("r", 20) is not None
             server = threaded.server
