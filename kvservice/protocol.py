@@ -20,6 +20,7 @@ MUTATING_UNARY_METHODS = frozenset(
         "AppendTokens",
         "GetComputedBlocks",
         "AllocateSlots",
+        "Admit",
         "FreeRequest",
         "ResetPrefixCache",
         "Step",

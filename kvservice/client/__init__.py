@@ -35,6 +35,9 @@ from kvservice.client.events import (
 from kvservice.client.step import OpHandle, StepBuilder, StepResults
 from kvservice.client.sync import KVClient, Lease, Session
 from kvservice.client.types import (
+    AdmitResult,
+    AdmitStopReason,
+    Admitted,
     AllocateOptions,
     Allocation,
     AuditReport,
@@ -54,6 +57,9 @@ from kvservice.client.types import (
 )
 
 __all__ = [
+    "AdmitResult",
+    "AdmitStopReason",
+    "Admitted",
     "AllBlocksCleared",
     "AllocateOptions",
     "Allocation",

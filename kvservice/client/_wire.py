@@ -11,6 +11,9 @@ from typing import Any, Generic, TypeVar
 
 from kvservice.client.types import (
     OMITTED_REQUEST_STATE,
+    AdmitResult,
+    AdmitStopReason,
+    Admitted,
     AllocateOptions,
     Allocation,
     BlockIds,
@@ -115,6 +118,29 @@ def _allocation(msg: pb.AllocateSlotsResponse) -> Allocation | None:
         tuple((c.src_block_id, c.dst_block_id) for c in to_apply),
         tuple((c.src_block_id, c.dst_block_id) for c in applied),
     )
+
+
+_ADMIT_STOPS = {
+    pb.ADMIT_STOP_REASON_ALL_ADMITTED: AdmitStopReason.ALL_ADMITTED,
+    pb.ADMIT_STOP_REASON_BUDGET_SPENT: AdmitStopReason.BUDGET_SPENT,
+    pb.ADMIT_STOP_REASON_NO_SPACE: AdmitStopReason.NO_SPACE,
+    pb.ADMIT_STOP_REASON_NEEDS_CHUNKING: AdmitStopReason.NEEDS_CHUNKING,
+    pb.ADMIT_STOP_REASON_QUOTA: AdmitStopReason.QUOTA,
+}
+
+
+def _admit_result(request_ids: Sequence[str]) -> Callable[[pb.AdmitResponse], AdmitResult]:
+    def decode(msg: pb.AdmitResponse) -> AdmitResult:
+        admitted = []
+        for request_id, one in zip(request_ids, msg.admitted, strict=False):
+            allocation = _allocation(one.allocation)
+            assert allocation is not None  # an admitted request's allocation fitted
+            admitted.append(
+                Admitted(request_id, _computed_blocks(one.hit), one.num_new_tokens, allocation)
+            )
+        return AdmitResult(tuple(admitted), _ADMIT_STOPS[msg.stop_reason], msg.stop_message)
+
+    return decode
 
 
 def _free_result(msg: pb.FreeRequestResponse) -> FreeResult:
@@ -229,6 +255,24 @@ def allocate_slots(
     if options is not None:
         _set_allocate_options(message, options)
     return Op("AllocateSlots", "allocate_slots", message, _allocation)
+
+
+def admit(
+    request_ids: Sequence[str],
+    token_budget: int,
+    enable_chunked_prefill: bool,
+    num_lookahead_tokens: int,
+    full_sequence_must_fit: bool,
+) -> Op[AdmitResult]:
+    ids = list(request_ids)
+    message = pb.AdmitRequest(
+        request_ids=ids,
+        token_budget=token_budget,
+        enable_chunked_prefill=enable_chunked_prefill,
+        num_lookahead_tokens=num_lookahead_tokens,
+        full_sequence_must_fit=full_sequence_must_fit,
+    )
+    return Op("Admit", "admit", message, _admit_result(ids))
 
 
 def _set_allocate_options(message: pb.AllocateSlotsRequest, options: AllocateOptions) -> None:

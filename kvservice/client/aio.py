@@ -17,6 +17,7 @@ from kvservice.client.errors import KVServiceError, error_for, error_from_rpc
 from kvservice.client.events import EventStreamItem, StreamDecoder
 from kvservice.client.step import StepBuilder, StepResults
 from kvservice.client.types import (
+    AdmitResult,
     AllocateOptions,
     Allocation,
     AuditReport,
@@ -235,6 +236,29 @@ class AsyncKVClient:
     ) -> Allocation | None:
         """vLLM's allocate_slots; None when there is no room (nothing changed)."""
         return await self._call(_wire.allocate_slots(request_id, num_new_tokens, hit, options))
+
+    async def admit(
+        self,
+        request_ids: Sequence[str],
+        token_budget: int,
+        *,
+        enable_chunked_prefill: bool = True,
+        num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+    ) -> AdmitResult:
+        """Admit waiting requests in order within ``token_budget``, as vLLM's
+        scheduler does: for each, the prefix lookup, its share of the budget, then
+        allocate_slots with the hit; stops at the first that does not fit (see
+        ``AdmitResult.stop_reason``). One call for what takes two per request."""
+        return await self._call(
+            _wire.admit(
+                request_ids,
+                token_budget,
+                enable_chunked_prefill,
+                num_lookahead_tokens,
+                full_sequence_must_fit,
+            )
+        )
 
     async def free(self, request_id: str, mode: FreeMode = FreeMode.FINISH) -> FreeResult:
         """Release the request's blocks; PREEMPT keeps it for re-prefill."""

@@ -21,6 +21,7 @@ from typing import Any, Generic, TypeVar
 from kvservice.client import _wire
 from kvservice.client.errors import KVServiceError, error_for_number
 from kvservice.client.types import (
+    AdmitResult,
     AllocateOptions,
     Allocation,
     BlockIds,
@@ -118,6 +119,25 @@ class StepBuilder:
         options: AllocateOptions | None = None,
     ) -> OpHandle[Allocation | None]:
         return self._add(_wire.allocate_slots(request_id, num_new_tokens, hit, options))
+
+    def admit(
+        self,
+        request_ids: Sequence[str],
+        token_budget: int,
+        *,
+        enable_chunked_prefill: bool = True,
+        num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+    ) -> OpHandle[AdmitResult]:
+        return self._add(
+            _wire.admit(
+                request_ids,
+                token_budget,
+                enable_chunked_prefill,
+                num_lookahead_tokens,
+                full_sequence_must_fit,
+            )
+        )
 
     def free(self, request_id: str, mode: FreeMode = FreeMode.FINISH) -> OpHandle[FreeResult]:
         return self._add(_wire.free(request_id, mode))

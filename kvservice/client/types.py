@@ -213,6 +213,38 @@ class ProbeResult:
     would_fit: bool
 
 
+class AdmitStopReason(enum.Enum):
+    """Why an ``admit`` stopped."""
+
+    ALL_ADMITTED = "all_admitted"
+    BUDGET_SPENT = "budget_spent"  # no token budget left for the next request
+    NO_SPACE = "no_space"  # the next request did not fit (vLLM's None)
+    NEEDS_CHUNKING = "needs_chunking"  # chunked prefill off, prompt over the budget left
+    QUOTA = "quota"  # the next request would pass its tenant's block quota
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """One admitted request: the prefix hit it was admitted with, its share of the
+    token budget (the hit excluded) and its allocation."""
+
+    request_id: str
+    hit: ComputedBlocks
+    num_new_tokens: int
+    allocation: Allocation
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitResult:
+    """The requests ``admit`` admitted (the first ``len(admitted)`` of those it was
+    given, in order) and why it stopped."""
+
+    admitted: tuple[Admitted, ...]
+    stop_reason: AdmitStopReason
+    # For QUOTA: the refusal the allocation would have answered.
+    stop_message: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class FreeResult:
     """The request after ``free`` and the pool's free blocks."""

@@ -38,3 +38,10 @@ class FailedPreconditionError(KVCacheError):
     """The call is well formed but the request is in the wrong state for it."""
 
     status = "FAILED_PRECONDITION"
+
+
+class QuotaExceededError(KVCacheError):
+    """A share of the pool set above the core (a tenant's block quota) is full;
+    nothing changed. Admission stops on it as it does on no room."""
+
+    status = "RESOURCE_EXHAUSTED"

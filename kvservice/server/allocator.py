@@ -29,6 +29,7 @@ from kvservice.core.errors import (
     InvalidArgumentError,
     KVCacheError,
     OutOfRangeError,
+    QuotaExceededError,
     RequestNotFoundError,
 )
 from kvservice.core.invariants import InvariantViolationError, check_invariants
@@ -40,7 +41,6 @@ from kvservice.core.stats import PrefixCacheStats
 from kvservice.server.caller import DEFAULT_TENANT, current_caller
 from kvservice.server.errors import AlreadyExistsError, StaleHitError
 from kvservice.server.tenancy import (
-    QuotaExceededError,
     TenantLedger,
     core_request_id,
     tenant_cache_salt,

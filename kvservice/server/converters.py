@@ -10,6 +10,7 @@ import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvservice.core.admission import AdmitStop
 from kvservice.core.block_hashing import MultiModalFeature
 from kvservice.core.errors import InvalidArgumentError
 from kvservice.core.kv_cache_interface import (
@@ -272,3 +273,16 @@ def cache_config_to_pb(
         blocks_zeroed_by_server=bool(runtime_device),
         runtime_device=runtime_device,
     )
+
+
+_ADMIT_STOPS = {
+    AdmitStop.ALL_ADMITTED: pb.ADMIT_STOP_REASON_ALL_ADMITTED,
+    AdmitStop.BUDGET_SPENT: pb.ADMIT_STOP_REASON_BUDGET_SPENT,
+    AdmitStop.NO_SPACE: pb.ADMIT_STOP_REASON_NO_SPACE,
+    AdmitStop.NEEDS_CHUNKING: pb.ADMIT_STOP_REASON_NEEDS_CHUNKING,
+    AdmitStop.QUOTA: pb.ADMIT_STOP_REASON_QUOTA,
+}
+
+
+def admit_stop_to_pb(stop: AdmitStop) -> pb.AdmitStopReason.ValueType:
+    return _ADMIT_STOPS[stop]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from kvservice.server import converters
+from kvservice.server import admission, converters
 from kvservice.server.allocator import Allocator
 from kvservice.server.caller import CURRENT_CALLER
 from kvservice.server.gen import kv_cache_service_pb2 as pb
@@ -165,6 +165,53 @@ def get_usage(
     out.CopyFrom(converters.usage_to_pb(allocator.usage()))
 
 
+def admit(
+    allocator: Allocator,
+    msg: pb.AdmitRequest,
+    out: pb.AdmitResponse,
+    tenant: str | None = None,
+    /,
+) -> None:
+    _fill_admission(out, admission.admit(allocator, _admit_args(msg), _tenant(tenant)), True)
+
+
+def admit_without_state(
+    allocator: Allocator,
+    msg: pb.AdmitRequest,
+    out: pb.AdmitResponse,
+    tenant: str | None = None,
+    /,
+) -> None:
+    """``admit`` whose allocations answer no ``request`` (``omit_request_state``)."""
+    _fill_admission(out, admission.admit(allocator, _admit_args(msg), _tenant(tenant)), False)
+
+
+def _admit_args(msg: pb.AdmitRequest) -> admission.AdmitArgs:
+    return admission.AdmitArgs(
+        request_ids=list(msg.request_ids),
+        token_budget=msg.token_budget,
+        enable_chunked_prefill=msg.enable_chunked_prefill,
+        num_lookahead_tokens=msg.num_lookahead_tokens,
+        full_sequence_must_fit=msg.full_sequence_must_fit,
+    )
+
+
+def _fill_admission(
+    out: pb.AdmitResponse, result: admission.ServerAdmission, with_request: bool
+) -> None:
+    for one in result.admitted:
+        admitted = out.admitted.add()
+        converters.fill_computed_blocks(admitted.hit, one.hit)
+        admitted.num_new_tokens = one.num_new_tokens
+        converters.fill_allocation(admitted.allocation, one.allocation, with_request)
+        if with_request:
+            # The id the client knows, not a named tenant's longer core key.
+            admitted.allocation.request.request_id = one.request_id
+    out.stop_reason = converters.admit_stop_to_pb(result.stop)
+    if result.stop_error is not None:
+        out.stop_message = str(result.stop_error)
+
+
 # The StepOperation oneof field name -> the operation. StepResult's oneof uses the same
 # names, so a result is filed under the name of the operation that produced it.
 STEP_OPERATIONS: dict[str, Operation] = {
@@ -177,9 +224,11 @@ STEP_OPERATIONS: dict[str, Operation] = {
     "get_request": get_request,
     "get_block_ids": get_block_ids,
     "get_usage": get_usage,
+    "admit": admit,
 }
 # The same, for a step that set ``omit_request_state``.
 STEP_OPERATIONS_WITHOUT_STATE: dict[str, Operation] = {
     **STEP_OPERATIONS,
     "allocate_slots": allocate_slots_without_state,
+    "admit": admit_without_state,
 }

@@ -93,6 +93,17 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         operations.allocate_slots(self._allocator, request, response)
         return response
 
+    async def Admit(  # noqa: N802
+        self, request: pb.AdmitRequest, context: Context
+    ) -> pb.AdmitResponse:
+        """Admit waiting requests in order within a token budget: a lookup and an
+        AllocateSlots each, stopping where vLLM's scheduler would. NOT_FOUND;
+        FAILED_PRECONDITION (a running request); INVALID_ARGUMENT (no ids, a repeated
+        id, a negative budget or lookahead); all checked before anything runs."""
+        response = pb.AdmitResponse()
+        operations.admit(self._allocator, request, response)
+        return response
+
     async def FreeRequest(  # noqa: N802
         self, request: pb.FreeRequestRequest, context: Context
     ) -> pb.FreeRequestResponse:

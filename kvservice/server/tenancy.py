@@ -18,18 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvservice.core.errors import KVCacheError
+from kvservice.core.errors import QuotaExceededError
 from kvservice.server.caller import DEFAULT_TENANT
 
 # Separates the tenant from the request id in a core key; tenant names may not hold it.
 _SEPARATOR = "\x00"
 _SALT_PREFIX = "kvservice-tenant"
-
-
-class QuotaExceededError(KVCacheError):
-    """An allocation would take the tenant past its ``max_blocks``; nothing changed."""
-
-    status = "RESOURCE_EXHAUSTED"
 
 
 def check_tenant_name(name: str) -> None:

@@ -64,6 +64,8 @@ ALLOWED_CODES: dict[str, frozenset[grpc.StatusCode]] = {
     "GetUsage": frozenset({Code.OK}),
     "GetCacheConfig": frozenset({Code.OK}),
     "Probe": _ALLOCATION - {Code.ABORTED},
+    # Every id is checked before anything runs; no room or a quota is a stop reason.
+    "Admit": _PER_REQUEST | {Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION},
     # Over the operations-per-step limit only; per-operation refusals are results.
     "Step": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
     "StepStream": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
@@ -312,6 +314,14 @@ MESSAGES: dict[str, st.SearchStrategy[Any]] = {
         full_sequence_must_fit=st.booleans(),
         reserved_blocks=small_counts,
         has_scheduled_reqs=st.none() | st.booleans(),
+    ),
+    "Admit": st.builds(
+        pb.AdmitRequest,
+        request_ids=st.lists(request_ids, max_size=4),
+        token_budget=counts,
+        enable_chunked_prefill=st.booleans(),
+        num_lookahead_tokens=small_counts,
+        full_sequence_must_fit=st.booleans(),
     ),
 }
 

@@ -28,6 +28,7 @@ RPC_OF = {
     "get_request": "GetRequest",
     "get_block_ids": "GetBlockIds",
     "get_usage": "GetUsage",
+    "admit": "Admit",
 }
 PREFIX = [0] * 16 + [1] * 16 + [2] * 16
 HIT_123 = [pb.BlockIds(block_ids=[1, 2, 3])]

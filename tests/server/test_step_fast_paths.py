@@ -12,11 +12,11 @@ from kvservice.client import (
     RequestStatus,
     StepBuilder,
 )
+from kvservice.core.errors import QuotaExceededError
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.server.allocator import AllocateArgs, Allocator, FreeMode, NewRequest
 from kvservice.server.config import build_manager
 from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.tenancy import QuotaExceededError
 from tests.server.support import SMALL_POOL, raw_stub, running_server, tokens
 from tests.server.test_step import result_outcome, scenario
 

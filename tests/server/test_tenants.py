@@ -18,6 +18,7 @@ import pytest
 
 from kvservice.client import AsyncKVClient, FreeMode, StepBuilder
 from kvservice.client.errors import KVServiceError
+from kvservice.core.errors import QuotaExceededError
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.request import Request
 from kvservice.server import KVCacheServer
@@ -26,7 +27,6 @@ from kvservice.server.config import build_manager
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server.tenancy import (
-    QuotaExceededError,
     check_tenant_name,
     core_request_id,
     tenant_cache_salt,

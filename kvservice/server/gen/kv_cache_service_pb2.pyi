@@ -149,6 +149,40 @@ KV_CACHE_SPEC_KIND_CHUNKED_LOCAL_ATTENTION: KVCacheSpecKind.ValueType  # 3
 KV_CACHE_SPEC_KIND_CROSS_ATTENTION: KVCacheSpecKind.ValueType  # 4
 Global___KVCacheSpecKind: _TypeAlias = KVCacheSpecKind  # noqa: Y015
 
+class _AdmitStopReason:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _AdmitStopReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_AdmitStopReason.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ADMIT_STOP_REASON_UNSPECIFIED: _AdmitStopReason.ValueType  # 0
+    ADMIT_STOP_REASON_ALL_ADMITTED: _AdmitStopReason.ValueType  # 1
+    """Every request was admitted."""
+    ADMIT_STOP_REASON_BUDGET_SPENT: _AdmitStopReason.ValueType  # 2
+    """The token budget was spent before the next request."""
+    ADMIT_STOP_REASON_NO_SPACE: _AdmitStopReason.ValueType  # 3
+    """The next request did not fit (AllocateSlots answered NO_SPACE; vLLM's None)."""
+    ADMIT_STOP_REASON_NEEDS_CHUNKING: _AdmitStopReason.ValueType  # 4
+    """Chunked prefill is off and the next request's uncached tokens exceed the budget."""
+    ADMIT_STOP_REASON_QUOTA: _AdmitStopReason.ValueType  # 5
+    """The next request would take its tenant past its block quota (stop_message says)."""
+
+class AdmitStopReason(_AdmitStopReason, metaclass=_AdmitStopReasonEnumTypeWrapper):
+    """Why an Admit stopped."""
+
+ADMIT_STOP_REASON_UNSPECIFIED: AdmitStopReason.ValueType  # 0
+ADMIT_STOP_REASON_ALL_ADMITTED: AdmitStopReason.ValueType  # 1
+"""Every request was admitted."""
+ADMIT_STOP_REASON_BUDGET_SPENT: AdmitStopReason.ValueType  # 2
+"""The token budget was spent before the next request."""
+ADMIT_STOP_REASON_NO_SPACE: AdmitStopReason.ValueType  # 3
+"""The next request did not fit (AllocateSlots answered NO_SPACE; vLLM's None)."""
+ADMIT_STOP_REASON_NEEDS_CHUNKING: AdmitStopReason.ValueType  # 4
+"""Chunked prefill is off and the next request's uncached tokens exceed the budget."""
+ADMIT_STOP_REASON_QUOTA: AdmitStopReason.ValueType  # 5
+"""The next request would take its tenant past its block quota (stop_message says)."""
+Global___AdmitStopReason: _TypeAlias = AdmitStopReason  # noqa: Y015
+
 @_typing.final
 class MultiModalFeature(_message.Message):
     """One multimodal item of a prompt: `length` placeholder tokens from `offset`.
@@ -1070,6 +1104,108 @@ class ProbeResponse(_message.Message):
 Global___ProbeResponse: _TypeAlias = ProbeResponse  # noqa: Y015
 
 @_typing.final
+class AdmitRequest(_message.Message):
+    """Waiting (or preempted) requests to admit, in the order the scheduler tries them."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    TOKEN_BUDGET_FIELD_NUMBER: _builtins.int
+    ENABLE_CHUNKED_PREFILL_FIELD_NUMBER: _builtins.int
+    NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _builtins.int
+    FULL_SEQUENCE_MUST_FIT_FIELD_NUMBER: _builtins.int
+    token_budget: _builtins.int
+    """Tokens the step has left: each admission takes its share, and admission stops
+    when none are left.
+    """
+    enable_chunked_prefill: _builtins.bool
+    """On: a request whose uncached tokens exceed the budget left gets the budget left
+    (a chunk). Off: such a request stops the admission (vLLM without chunked prefill).
+    """
+    num_lookahead_tokens: _builtins.int
+    """Passed to every AllocateSlots, meaning what they mean there."""
+    full_sequence_must_fit: _builtins.bool
+    @_builtins.property
+    def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        token_budget: _builtins.int = ...,
+        enable_chunked_prefill: _builtins.bool = ...,
+        num_lookahead_tokens: _builtins.int = ...,
+        full_sequence_must_fit: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enable_chunked_prefill", b"enable_chunked_prefill", "full_sequence_must_fit", b"full_sequence_must_fit", "num_lookahead_tokens", b"num_lookahead_tokens", "request_ids", b"request_ids", "token_budget", b"token_budget"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdmitRequest: _TypeAlias = AdmitRequest  # noqa: Y015
+
+@_typing.final
+class AdmittedRequest(_message.Message):
+    """One admitted request: its prefix hit, its share of the budget and its allocation."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HIT_FIELD_NUMBER: _builtins.int
+    NUM_NEW_TOKENS_FIELD_NUMBER: _builtins.int
+    ALLOCATION_FIELD_NUMBER: _builtins.int
+    num_new_tokens: _builtins.int
+    """Tokens scheduled for it this step (the hit excluded)."""
+    @_builtins.property
+    def hit(self) -> Global___GetComputedBlocksResponse: ...
+    @_builtins.property
+    def allocation(self) -> Global___AllocateSlotsResponse: ...
+    def __init__(
+        self,
+        *,
+        hit: Global___GetComputedBlocksResponse | None = ...,
+        num_new_tokens: _builtins.int = ...,
+        allocation: Global___AllocateSlotsResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["allocation", b"allocation", "hit", b"hit"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocation", b"allocation", "hit", b"hit", "num_new_tokens", b"num_new_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdmittedRequest: _TypeAlias = AdmittedRequest  # noqa: Y015
+
+@_typing.final
+class AdmitResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADMITTED_FIELD_NUMBER: _builtins.int
+    STOP_REASON_FIELD_NUMBER: _builtins.int
+    STOP_MESSAGE_FIELD_NUMBER: _builtins.int
+    stop_reason: Global___AdmitStopReason.ValueType
+    stop_message: _builtins.str
+    """For ADMIT_STOP_REASON_QUOTA, the refusal AllocateSlots would have answered."""
+    @_builtins.property
+    def admitted(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdmittedRequest]:
+        """The admitted requests: the first len(admitted) of request_ids, in that order.
+        The one after them (if any) was looked up but changed no block.
+        """
+
+    def __init__(
+        self,
+        *,
+        admitted: _abc.Iterable[Global___AdmittedRequest] | None = ...,
+        stop_reason: Global___AdmitStopReason.ValueType = ...,
+        stop_message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admitted", b"admitted", "stop_message", b"stop_message", "stop_reason", b"stop_reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdmitResponse: _TypeAlias = AdmitResponse  # noqa: Y015
+
+@_typing.final
 class StepOperation(_message.Message):
     """One operation of a step: the request message of the matching unary RPC."""
 
@@ -1084,6 +1220,7 @@ class StepOperation(_message.Message):
     GET_REQUEST_FIELD_NUMBER: _builtins.int
     GET_BLOCK_IDS_FIELD_NUMBER: _builtins.int
     GET_USAGE_FIELD_NUMBER: _builtins.int
+    ADMIT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def add_request(self) -> Global___AddRequestRequest: ...
     @_builtins.property
@@ -1102,6 +1239,8 @@ class StepOperation(_message.Message):
     def get_block_ids(self) -> Global___GetBlockIdsRequest: ...
     @_builtins.property
     def get_usage(self) -> Global___GetUsageRequest: ...
+    @_builtins.property
+    def admit(self) -> Global___AdmitRequest: ...
     def __init__(
         self,
         *,
@@ -1114,12 +1253,13 @@ class StepOperation(_message.Message):
         get_request: Global___GetRequestRequest | None = ...,
         get_block_ids: Global___GetBlockIdsRequest | None = ...,
         get_usage: Global___GetUsageRequest | None = ...,
+        admit: Global___AdmitRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "allocate_slots", b"allocate_slots", "append_tokens", b"append_tokens", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "op", b"op", "probe", b"probe"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "append_tokens", b"append_tokens", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "op", b"op", "probe", b"probe"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "allocate_slots", b"allocate_slots", "append_tokens", b"append_tokens", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "op", b"op", "probe", b"probe"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "append_tokens", b"append_tokens", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "op", b"op", "probe", b"probe"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage"]  # noqa: Y015
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 
@@ -1165,6 +1305,7 @@ class StepResult(_message.Message):
     GET_REQUEST_FIELD_NUMBER: _builtins.int
     GET_BLOCK_IDS_FIELD_NUMBER: _builtins.int
     GET_USAGE_FIELD_NUMBER: _builtins.int
+    ADMIT_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def add_request(self) -> Global___AddRequestResponse: ...
@@ -1185,6 +1326,8 @@ class StepResult(_message.Message):
     @_builtins.property
     def get_usage(self) -> Global___GetUsageResponse: ...
     @_builtins.property
+    def admit(self) -> Global___AdmitResponse: ...
+    @_builtins.property
     def error(self) -> Global___OperationError:
         """The operation was refused (and changed nothing), or was not run because an
         earlier one failed under stop_on_error (code CANCELLED).
@@ -1202,13 +1345,14 @@ class StepResult(_message.Message):
         get_request: Global___GetRequestResponse | None = ...,
         get_block_ids: Global___GetBlockIdsResponse | None = ...,
         get_usage: Global___GetUsageResponse | None = ...,
+        admit: Global___AdmitResponse | None = ...,
         error: Global___OperationError | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "allocate_slots", b"allocate_slots", "append_tokens", b"append_tokens", "error", b"error", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "probe", b"probe", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "append_tokens", b"append_tokens", "error", b"error", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "probe", b"probe", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "allocate_slots", b"allocate_slots", "append_tokens", b"append_tokens", "error", b"error", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "probe", b"probe", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "append_tokens", b"append_tokens", "error", b"error", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "probe", b"probe", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "error"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "error"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 

@@ -90,6 +90,11 @@ class KVCacheServiceStub:
                 request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.ProbeRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.ProbeResponse.FromString,
                 _registered_method=True)
+        self.Admit = channel.unary_unary(
+                '/kvservice.v1.KVCacheService/Admit',
+                request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.AdmitRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.AdmitResponse.FromString,
+                _registered_method=True)
         self.Step = channel.unary_unary(
                 '/kvservice.v1.KVCacheService/Step',
                 request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.StepRequest.SerializeToString,
@@ -208,6 +213,19 @@ class KVCacheServiceServicer:
         tokens that would hit, the blocks the allocation would take and whether it
         would fit. Side-effect free: no references, no eviction, LRU order and prefix
         cache counters untouched. Errors as AllocateSlots would raise them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Admit(self, request, context):
+        """vLLM's scheduler admitting waiting requests, run next to the pool: for each
+        request in order, GetComputedBlocks, its share of the token budget, then
+        AllocateSlots with the hit; stops at the first that does not fit or when the
+        budget is spent. What the scheduler's loop does in two calls per request, in
+        one. NOT_FOUND, FAILED_PRECONDITION (a running request), INVALID_ARGUMENT (no
+        ids, a repeated id, a negative budget or lookahead): checked for every id before
+        anything runs, so a refusal changes nothing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -357,6 +375,11 @@ def add_KVCacheServiceServicer_to_server(servicer, server):
                     servicer.Probe,
                     request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.ProbeRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.ProbeResponse.SerializeToString,
+            ),
+            'Admit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Admit,
+                    request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.AdmitRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.AdmitResponse.SerializeToString,
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
@@ -692,6 +715,33 @@ class KVCacheService:
             '/kvservice.v1.KVCacheService/Probe',
             kvservice_dot_v1_dot_kv__cache__service__pb2.ProbeRequest.SerializeToString,
             kvservice_dot_v1_dot_kv__cache__service__pb2.ProbeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Admit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/Admit',
+            kvservice_dot_v1_dot_kv__cache__service__pb2.AdmitRequest.SerializeToString,
+            kvservice_dot_v1_dot_kv__cache__service__pb2.AdmitResponse.FromString,
             options,
             channel_credentials,
             insecure,

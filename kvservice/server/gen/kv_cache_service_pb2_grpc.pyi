@@ -72,6 +72,15 @@ class KVCacheServiceStub:
     would fit. Side-effect free: no references, no eviction, LRU order and prefix
     cache counters untouched. Errors as AllocateSlots would raise them.
     """
+    Admit: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.AdmitRequest, _kv_cache_service_pb2.AdmitResponse]
+    """vLLM's scheduler admitting waiting requests, run next to the pool: for each
+    request in order, GetComputedBlocks, its share of the token budget, then
+    AllocateSlots with the hit; stops at the first that does not fit or when the
+    budget is spent. What the scheduler's loop does in two calls per request, in
+    one. NOT_FOUND, FAILED_PRECONDITION (a running request), INVALID_ARGUMENT (no
+    ids, a repeated id, a negative budget or lookahead): checked for every id before
+    anything runs, so a refusal changes nothing.
+    """
     Step: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.StepRequest, _kv_cache_service_pb2.StepResponse]
     """One scheduling step's operations, run in order; each gets its own result (its
     success payload or its error). A failed operation changes nothing and later
@@ -229,6 +238,21 @@ class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
         tokens that would hit, the blocks the allocation would take and whether it
         would fit. Side-effect free: no references, no eviction, LRU order and prefix
         cache counters untouched. Errors as AllocateSlots would raise them.
+        """
+
+    @_abc_1.abstractmethod
+    def Admit(
+        self,
+        request: _kv_cache_service_pb2.AdmitRequest,
+        context: _aio.ServicerContext[_kv_cache_service_pb2.AdmitRequest, _abc.Awaitable[_kv_cache_service_pb2.AdmitResponse]],
+    ) -> _abc.Awaitable[_kv_cache_service_pb2.AdmitResponse]:
+        """vLLM's scheduler admitting waiting requests, run next to the pool: for each
+        request in order, GetComputedBlocks, its share of the token budget, then
+        AllocateSlots with the hit; stops at the first that does not fit or when the
+        budget is spent. What the scheduler's loop does in two calls per request, in
+        one. NOT_FOUND, FAILED_PRECONDITION (a running request), INVALID_ARGUMENT (no
+        ids, a repeated id, a negative budget or lookahead): checked for every id before
+        anything runs, so a refusal changes nothing.
         """
 
     @_abc_1.abstractmethod

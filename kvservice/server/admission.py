@@ -1,0 +1,92 @@
+"""The ``Admit`` operation: the core's admission rule over the server's allocator.
+
+Every id is checked before anything runs, so a refused ``Admit`` changes nothing;
+after that each admission is the same ``get_computed_blocks`` + ``allocate_slots``
+pair a scheduler would send, and stops exactly where its loop would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvservice.core.admission import AdmissionResult, admit_in_order
+from kvservice.core.errors import FailedPreconditionError, InvalidArgumentError
+from kvservice.core.request import RequestStatus
+from kvservice.server.allocator import AllocateArgs, Allocation, Allocator, ComputedBlocks
+
+ServerAdmission = AdmissionResult[ComputedBlocks, Allocation]
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitArgs:
+    """The fields of an ``AdmitRequest``."""
+
+    request_ids: Sequence[str]
+    token_budget: int
+    enable_chunked_prefill: bool = True
+    num_lookahead_tokens: int = 0
+    full_sequence_must_fit: bool = False
+
+
+def admit(allocator: Allocator, args: AdmitArgs, tenant: str) -> ServerAdmission:
+    """Admit ``args.request_ids`` in order (see ``kvservice.core.admission``)."""
+    _check(allocator, args, tenant)
+
+    def num_tokens(request_id: str) -> int:
+        return allocator.get_request(request_id, tenant).num_tokens
+
+    def lookup(request_id: str) -> tuple[ComputedBlocks, int]:
+        hit = allocator.get_computed_blocks(request_id, tenant)
+        return hit, hit.num_computed_tokens
+
+    def allocate(
+        request_id: str, hit: ComputedBlocks, num_hit_tokens: int, num_new_tokens: int
+    ) -> Allocation | None:
+        allocation = allocator.allocate_slots(
+            request_id,
+            AllocateArgs(
+                num_new_tokens=num_new_tokens,
+                num_new_computed_tokens=num_hit_tokens,
+                new_computed_block_ids=(
+                    tuple(tuple(group) for group in hit.block_ids) if num_hit_tokens else ()
+                ),
+                num_lookahead_tokens=args.num_lookahead_tokens,
+                full_sequence_must_fit=args.full_sequence_must_fit,
+            ),
+            tenant,
+        )
+        return allocation if allocation.new_block_ids is not None else None
+
+    return admit_in_order(
+        args.request_ids,
+        args.token_budget,
+        args.enable_chunked_prefill,
+        num_tokens=num_tokens,
+        lookup=lookup,
+        allocate=allocate,
+    )
+
+
+def _check(allocator: Allocator, args: AdmitArgs, tenant: str) -> None:
+    if not args.request_ids:
+        raise InvalidArgumentError("request_ids is empty; name at least one waiting request")
+    if args.token_budget < 0:
+        raise InvalidArgumentError(f"token_budget = {args.token_budget}; it must be >= 0")
+    if args.num_lookahead_tokens < 0:
+        raise InvalidArgumentError(
+            f"num_lookahead_tokens = {args.num_lookahead_tokens}; it must be >= 0"
+        )
+    seen: set[str] = set()
+    for index, request_id in enumerate(args.request_ids):
+        if request_id in seen:
+            raise InvalidArgumentError(
+                f"request_ids[{index}] = {request_id!r} is named twice; a request is admitted once"
+            )
+        seen.add(request_id)
+        # NOT_FOUND for an unknown id (or another tenant's), as every call answers.
+        if allocator.get_request(request_id, tenant).status == RequestStatus.RUNNING:
+            raise FailedPreconditionError(
+                f"request_ids[{index}] = {request_id!r} is running; admit waiting or "
+                f"preempted requests (free it with PREEMPT to re-admit it)"
+            )

@@ -1,0 +1,228 @@
+"""``Admit``: a whole step's admissions in one call, deciding exactly what a scheduler
+deciding them one ``GetComputedBlocks`` + ``AllocateSlots`` pair at a time would."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvservice.client import AdmitStopReason, AsyncKVClient, StepBuilder
+from kvservice.core.admission import AdmitStop
+from kvservice.server.admission import AdmitArgs, admit
+from kvservice.server.allocator import AllocateArgs, Allocator, FreeMode, NewRequest
+from kvservice.server.config import build_manager
+from kvservice.server.gen import kv_cache_service_pb2 as pb
+from tests.server.fuzz_support import allocator_state
+from tests.server.support import (
+    SMALL_POOL,
+    add,
+    allocate,
+    expect_error,
+    raw_stub,
+    running_server,
+    tokens,
+)
+
+BLOCK = SMALL_POOL.block_size
+TENANT = ""
+
+
+def fresh_allocator(quotas: dict[str, int] | None = None) -> Allocator:
+    return Allocator(build_manager(SMALL_POOL), quotas=quotas)
+
+
+def one_by_one(allocator: Allocator, args: AdmitArgs, tenant: str = TENANT) -> tuple[Any, ...]:
+    """The oracle: the scheduler's loop (vLLM's ``schedule`` for waiting requests),
+    one lookup and one allocate_slots per request."""
+    budget = args.token_budget
+    admitted: list[tuple[Any, ...]] = []
+    for request_id in args.request_ids:
+        if budget <= 0:
+            return tuple(admitted), AdmitStop.BUDGET_SPENT
+        hit = allocator.get_computed_blocks(request_id, tenant)
+        remaining = allocator.get_request(request_id, tenant).num_tokens - hit.num_computed_tokens
+        if not args.enable_chunked_prefill and remaining > budget:
+            return tuple(admitted), AdmitStop.NEEDS_CHUNKING
+        num_new_tokens = min(remaining, budget)
+        allocation = allocator.allocate_slots(
+            request_id,
+            AllocateArgs(
+                num_new_tokens=num_new_tokens,
+                num_new_computed_tokens=hit.num_computed_tokens,
+                new_computed_block_ids=tuple(tuple(g) for g in hit.block_ids)
+                if hit.num_computed_tokens
+                else (),
+                num_lookahead_tokens=args.num_lookahead_tokens,
+                full_sequence_must_fit=args.full_sequence_must_fit,
+            ),
+            tenant,
+        )
+        if allocation.new_block_ids is None:
+            return tuple(admitted), AdmitStop.NO_SPACE
+        admitted.append((request_id, hit, num_new_tokens, allocation.new_block_ids))
+        budget -= num_new_tokens
+    return tuple(admitted), AdmitStop.ALL_ADMITTED
+
+
+def in_one_call(allocator: Allocator, args: AdmitArgs, tenant: str = TENANT) -> tuple[Any, ...]:
+    result = admit(allocator, args, tenant)
+    admitted = tuple(
+        (a.request_id, a.hit, a.num_new_tokens, a.allocation.new_block_ids) for a in result.admitted
+    )
+    return admitted, result.stop
+
+
+# Prompts built from a few shared 16-token blocks, so lookups hit.
+prompts = st.lists(st.integers(0, 3), min_size=1, max_size=5).map(
+    lambda blocks: [t for b in blocks for t in tokens(BLOCK, start=100 * b)]
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    cached=st.lists(prompts, max_size=3),
+    waiting=st.lists(prompts, min_size=1, max_size=5),
+    token_budget=st.integers(0, 120),
+    enable_chunked_prefill=st.booleans(),
+    num_lookahead_tokens=st.integers(0, 20),
+    full_sequence_must_fit=st.booleans(),
+)
+def test_admit_decides_as_the_scheduler_loop_does(
+    cached: list[list[int]],
+    waiting: list[list[int]],
+    token_budget: int,
+    enable_chunked_prefill: bool,
+    num_lookahead_tokens: int,
+    full_sequence_must_fit: bool,
+) -> None:
+    """Two identical pools: one admits in one call, the other one request at a time.
+    Same admissions (hits, token shares, block ids), same stop, and the same pool
+    afterwards, down to the free queue's order and the prefix cache counters."""
+    twins = fresh_allocator(), fresh_allocator()
+    for allocator in twins:
+        # Earlier requests, finished: their blocks stay cached for the lookups.
+        for i, prompt in enumerate(cached):
+            allocator.add_request(NewRequest(f"old-{i}", prompt), TENANT)
+            allocator.allocate_slots(f"old-{i}", AllocateArgs(num_new_tokens=len(prompt)))
+            allocator.free(f"old-{i}", FreeMode.FINISH, TENANT)
+        for i, prompt in enumerate(waiting):
+            allocator.add_request(NewRequest(f"w-{i}", prompt), TENANT)
+    args = AdmitArgs(
+        [f"w-{i}" for i in range(len(waiting))],
+        token_budget,
+        enable_chunked_prefill,
+        num_lookahead_tokens,
+        full_sequence_must_fit,
+    )
+    assert in_one_call(twins[0], args) == one_by_one(twins[1], args)
+    assert allocator_state(twins[0]) == allocator_state(twins[1])
+    for allocator in twins:
+        allocator.audit()
+
+
+def test_each_stop_reason() -> None:
+    allocator = fresh_allocator()
+    for name, n in (("a", 40), ("b", 40), ("c", 100), ("d", 30)):
+        allocator.add_request(NewRequest(name, tokens(n, start=1000 * ord(name))), TENANT)
+    # Budget for a and most of b: b gets a chunk, then nothing is left for c.
+    result = admit(allocator, AdmitArgs(["a", "b", "c"], 70), TENANT)
+    assert [(a.request_id, a.num_new_tokens) for a in result.admitted] == [("a", 40), ("b", 30)]
+    assert result.stop is AdmitStop.BUDGET_SPENT
+    # Without chunked prefill, c (100 tokens) does not fit a budget of 64.
+    result = admit(allocator, AdmitArgs(["c"], 64, enable_chunked_prefill=False), TENANT)
+    assert (result.admitted, result.stop) == ([], AdmitStop.NEEDS_CHUNKING)
+    # c needs 7 blocks; a and b hold 3 + 2 of the 10.
+    result = admit(allocator, AdmitArgs(["c", "d"], 500), TENANT)
+    assert (result.admitted, result.stop) == ([], AdmitStop.NO_SPACE)
+    result = admit(allocator, AdmitArgs(["d"], 500), TENANT)
+    assert [a.request_id for a in result.admitted] == ["d"]
+    assert result.stop is AdmitStop.ALL_ADMITTED
+    allocator.audit()
+
+
+def test_a_tenants_quota_stops_admission_with_its_refusal() -> None:
+    allocator = fresh_allocator(quotas={"t": 4})
+    allocator.add_request(NewRequest("a", tokens(48)), "t")
+    allocator.add_request(NewRequest("b", tokens(48, start=500)), "t")
+    result = admit(allocator, AdmitArgs(["a", "b"], 500), "t")
+    assert [a.request_id for a in result.admitted] == ["a"]
+    assert result.stop is AdmitStop.QUOTA
+    assert result.stop_error is not None and "quota of 4" in str(result.stop_error)
+    assert allocator.get_request("b", "t").num_computed_tokens == 0
+    allocator.audit()
+
+
+@pytest.mark.parametrize(
+    ("request_ids", "budget", "lookahead", "code", "words"),
+    [
+        ([], 10, 0, grpc.StatusCode.INVALID_ARGUMENT, "request_ids is empty"),
+        (["w", "w"], 10, 0, grpc.StatusCode.INVALID_ARGUMENT, "named twice"),
+        (["w"], -1, 0, grpc.StatusCode.INVALID_ARGUMENT, "token_budget = -1"),
+        (["w"], 10, -2, grpc.StatusCode.INVALID_ARGUMENT, "num_lookahead_tokens = -2"),
+        (["w", "ghost"], 10, 0, grpc.StatusCode.NOT_FOUND, "'ghost' is not known"),
+        (["w", "r"], 10, 0, grpc.StatusCode.FAILED_PRECONDITION, "request_ids[1] = 'r' is running"),
+    ],
+)
+async def test_a_refused_admit_changes_nothing(
+    request_ids: list[str], budget: int, lookahead: int, code: grpc.StatusCode, words: str
+) -> None:
+    """Every id is checked before the first lookup: the refusal names the field and
+    the value, and no request, block or prefix cache counter moved."""
+    async with running_server() as server, raw_stub(server) as stub:
+        await add(stub, "w", tokens(20))
+        await add(stub, "r", tokens(20, start=50))
+        await allocate(stub, "r", 20)
+        before = allocator_state(server.allocator)
+        message = await expect_error(
+            stub.Admit(
+                pb.AdmitRequest(
+                    request_ids=request_ids, token_budget=budget, num_lookahead_tokens=lookahead
+                )
+            ),
+            code,
+        )
+        assert words in message
+        assert allocator_state(server.allocator) == before
+
+
+async def test_unary_and_step_admit_answer_alike_and_the_client_decodes_them() -> None:
+    """``KVClient.admit`` over the unary RPC and ``StepBuilder.admit`` inside a Step
+    (with ``omit_request_state``) on twin servers: the same admissions."""
+    answers = []
+    for via_step in (False, True):
+        async with (
+            running_server() as server,
+            AsyncKVClient(server.handle.target) as client,
+        ):
+            await client.add_request("sys", tokens(32))
+            assert await client.allocate_slots("sys", 32) is not None
+            await client.free("sys")
+            for name in ("x", "y", "z"):
+                await client.add_request(name, tokens(32) + tokens(8, start=ord(name) * 10))
+            if via_step:
+                step = StepBuilder(omit_request_state=True)
+                handle = step.admit(["x", "y", "z"], 90, full_sequence_must_fit=True)
+                result = (await client.step(step))[handle]
+            else:
+                result = await client.admit(["x", "y", "z"], 90, full_sequence_must_fit=True)
+                assert result.admitted[0].allocation.request.num_computed_tokens == 40
+            answers.append(
+                [
+                    (
+                        a.request_id,
+                        a.hit.num_computed_tokens,
+                        a.num_new_tokens,
+                        a.allocation.new_block_ids,
+                    )
+                    for a in result.admitted
+                ]
+            )
+            assert result.stop_reason is AdmitStopReason.ALL_ADMITTED
+    unary, stepped = answers
+    assert unary == stepped
+    # Each hits the 32-token system prompt and computes its own 8 tokens.
+    assert [(rid, hit, n) for rid, hit, n, _ in unary] == [("x", 32, 8), ("y", 32, 8), ("z", 32, 8)]
