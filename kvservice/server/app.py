@@ -28,13 +28,13 @@ from kvservice.server.drain import Drain
 from kvservice.server.events import EventLog
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
-from kvservice.server.idempotency import IdempotencyInterceptor, OperationCache
-from kvservice.server.interceptors import RpcInterceptor
+from kvservice.server.idempotency import IdempotencyLayer, OperationCache
+from kvservice.server.interceptors import BoundaryInterceptor, RpcLayer
 from kvservice.server.metrics import ClientTracker, KVCacheMetrics, MetricsEndpoint
 from kvservice.server.runtime import build_runtime, kv_cache_budget
 from kvservice.server.servicer import KVCacheServicer
 from kvservice.server.sessions import (
-    SessionInterceptor,
+    SessionLayer,
     SessionPolicy,
     SessionReaper,
     SessionRegistry,
@@ -163,12 +163,17 @@ class KVCacheServer:
     async def start(self) -> ServerHandle:
         """Bind, start serving and report SERVING; returns where it listens."""
         config = self.config
-        # Outermost first: RpcInterceptor turns the inner ones' refusals into statuses;
+        # Outermost first: RpcLayer turns the inner ones' refusals into statuses;
         # sessions resolve the caller before idempotency scopes operation ids by it.
-        interceptors = [
-            RpcInterceptor(SERVICE_NAME, self.metrics, self.clients, self._drain),
-            SessionInterceptor(SERVICE_NAME, self.sessions),
-            IdempotencyInterceptor(SERVICE_NAME, self._operations, self.metrics),
+        interceptors: list[Any] = [
+            BoundaryInterceptor(
+                SERVICE_NAME,
+                [
+                    RpcLayer(self.metrics, self.clients, self._drain),
+                    SessionLayer(self.sessions),
+                    IdempotencyLayer(self._operations, self.metrics),
+                ],
+            )
         ]
         if self.tokens is not None:
             # Before all others: it sets the tenant they read, and a call it refuses

@@ -3,7 +3,7 @@ answered from memory and changes nothing.
 
 A client that did not hear back (a timeout, a dropped connection) cannot tell whether
 its call took effect; sending it again must not allocate twice. Mutating calls may carry
-``x-kvservice-operation-id`` metadata; ``IdempotencyInterceptor`` remembers, per caller
+``x-kvservice-operation-id`` metadata; ``IdempotencyLayer`` remembers, per caller
 scope (tenant and session), each id's method, a digest of the request and the outcome:
 the serialized response, or the refusal's status and message (a refused call retried is
 refused the same way; it changed nothing the first time either). A retry with the same
@@ -125,38 +125,23 @@ def check_operation_id(operation_id: str) -> None:
         )
 
 
-class IdempotencyInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
-    """Answers retried mutating calls from the ``OperationCache``. Registered inside
-    ``SessionInterceptor`` (ids are scoped by the session it resolves) and
-    ``RpcInterceptor`` (which turns the refusals raised here into statuses)."""
+class IdempotencyLayer:
+    """Answers retried mutating calls from the ``OperationCache``. Inside
+    ``SessionLayer`` (ids are scoped by the session it resolves) and ``RpcLayer``
+    (which turns the refusals raised here into statuses)."""
 
-    def __init__(
-        self, service_name: str, cache: OperationCache, metrics: KVCacheMetrics | None = None
-    ) -> None:
-        self._prefix = f"/{service_name}/"
+    def __init__(self, cache: OperationCache, metrics: KVCacheMetrics | None = None) -> None:
         self._cache = cache
         self._metrics = metrics
-        self._wrapped: dict[str, Any] = {}
 
-    async def intercept_service(
-        self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: Any
-    ) -> Any:
-        handler = await continuation(handler_call_details)
-        path: str = handler_call_details.method
-        method = path.removeprefix(self._prefix)
-        if handler is None or handler.unary_unary is None or method not in MUTATING_UNARY_METHODS:
+    def wrap(self, handler: Any, method: str) -> Any:
+        if handler.unary_unary is None or method not in MUTATING_UNARY_METHODS:
             return handler
-        if not path.startswith(self._prefix):
-            return handler
-        wrapped = self._wrapped.get(path)
-        if wrapped is None:
-            wrapped = grpc.unary_unary_rpc_method_handler(
-                self._unary(handler.unary_unary, method),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-            self._wrapped[path] = wrapped
-        return wrapped
+        return grpc.unary_unary_rpc_method_handler(
+            self._unary(handler.unary_unary, method),
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
 
     def _unary(self, behavior: UnaryBehavior, method: str) -> UnaryBehavior:
         async def call(request: Any, context: Any) -> Any:

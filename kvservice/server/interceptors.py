@@ -18,8 +18,8 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 import grpc
 import structlog
@@ -41,37 +41,60 @@ _CALL_PREFIX = f"{os.getpid():x}-"
 _call_numbers = itertools.count(1)
 
 
-class RpcInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
-    """Wraps the unary and bidi-stream handlers of one service; the wrapped handler of
-    each method is built once and reused."""
+class BoundaryInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+    """The one grpc interceptor of a service: composes its layers (outermost first)
+    around each method's handler once, then hands grpc the composed handler on every
+    call without asking grpc to look the method up again. Other services (health,
+    reflection) pass untouched.
 
-    def __init__(
-        self,
-        service_name: str,
-        metrics: KVCacheMetrics,
-        clients: ClientTracker,
-        drain: Drain | None = None,
-    ) -> None:
+    One interceptor, not one per layer: grpc.aio awaits every interceptor's
+    ``intercept_service`` on every call, a cost paid per layer."""
+
+    def __init__(self, service_name: str, layers: Sequence[Layer]) -> None:
         self._prefix = f"/{service_name}/"
-        self._metrics = metrics
-        self._clients = clients
-        self._drain = Drain() if drain is None else drain
-        self._wrapped: dict[str, Any] = {}
+        self._layers = tuple(reversed(layers))  # innermost first, as they wrap
+        self._composed: dict[str, Any] = {}
 
     async def intercept_service(
         self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: Any
     ) -> Any:
+        path: str = handler_call_details.method
+        composed = self._composed.get(path)
+        if composed is not None:
+            return composed
         handler = await continuation(handler_call_details)
-        method_path: str = handler_call_details.method
-        if handler is None or not method_path.startswith(self._prefix):
+        if handler is None or not path.startswith(self._prefix):
             return handler
-        wrapped = self._wrapped.get(method_path)
-        if wrapped is None:
-            wrapped = self._wrap_handler(handler, method_path.removeprefix(self._prefix))
-            self._wrapped[method_path] = wrapped
-        return wrapped
+        method = path.removeprefix(self._prefix)
+        for layer in self._layers:
+            handler = layer.wrap(handler, method)
+        self._composed[path] = handler
+        return handler
 
-    def _wrap_handler(self, handler: Any, method: str) -> Any:
+
+class Layer(Protocol):
+    """One concern of the RPC boundary, as a handler wrapper built once per method."""
+
+    def wrap(self, handler: Any, method: str) -> Any:
+        """``handler`` with this layer around it (or unchanged where it does not apply)."""
+        ...
+
+
+class RpcLayer:
+    """Logging, RPC metrics, client tracking, draining, and errors as statuses: the
+    outermost layer, so it answers for the refusals of the layers inside it."""
+
+    def __init__(
+        self,
+        metrics: KVCacheMetrics,
+        clients: ClientTracker,
+        drain: Drain | None = None,
+    ) -> None:
+        self._metrics = metrics
+        self._clients = clients
+        self._drain = Drain() if drain is None else drain
+
+    def wrap(self, handler: Any, method: str) -> Any:
         instruments = self._metrics.rpc(method)
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(

@@ -1,7 +1,7 @@
 """``KVCacheService``: each RPC hands its message to an operation and returns the answer.
 
 The per-request operations live in ``operations`` (shared with ``Step``), batched steps
-in ``step``. Errors are raised, never handled here: ``RpcInterceptor`` turns them into
+in ``step``. Errors are raised, never handled here: ``RpcLayer`` turns them into
 statuses. The methods are ``async`` because grpc.aio wants coroutines, but none awaits
 while it touches the allocator: each runs to completion on the loop that owns it, which
 is what makes the allocator safe without locks.
@@ -181,7 +181,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         Ends with INVALID_ARGUMENT on a step over the limit. Opened under a client
         session (x-kvservice-session), the stream holds its lease and each message
         renews it; a stream the client cancels or drops ends the session at once,
-        freeing its requests (``SessionInterceptor``); FAILED_PRECONDITION once the
+        freeing its requests (``SessionLayer``); FAILED_PRECONDITION once the
         session's epoch is superseded."""
         async for message in request_iterator:
             response = pb.StepStreamResponse()

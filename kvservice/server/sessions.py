@@ -17,7 +17,7 @@ either, so its lease runs out and its requests are freed like any other.
 Epochs are kept per tenant: with authentication, one tenant's scheduler must not be
 able to fence another's. Without it there is one tenant, hence one epoch per pool.
 
-``SessionInterceptor`` resolves the metadata at the RPC boundary and fills
+``SessionLayer`` resolves the metadata at the RPC boundary and fills
 ``session_id`` and ``epoch`` of the call's ``Caller``; no servicer method reads the
 metadata itself. Like the allocator, nothing here is thread safe: it all runs on the
 server's loop, and no method awaits while it changes state.
@@ -457,32 +457,19 @@ def metadata_value(context: Any, key: str) -> str | None:
     return None
 
 
-class SessionInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+class SessionLayer:
     """Resolves ``x-kvservice-session`` for every KVCacheService call: renews the
     lease, applies fencing and ``require_sessions``, and fills the call's ``Caller``.
-    Registered inside ``RpcInterceptor`` (which turns its refusals into statuses) and
-    the authentication interceptor (which sets the tenant it reads)."""
+    Inside ``RpcLayer`` (which turns its refusals into statuses) and after the
+    authentication interceptor (which sets the tenant it reads)."""
 
-    def __init__(self, service_name: str, registry: SessionRegistry) -> None:
-        self._prefix = f"/{service_name}/"
+    def __init__(self, registry: SessionRegistry) -> None:
         self._registry = registry
-        self._wrapped: dict[str, Any] = {}
 
-    async def intercept_service(
-        self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: Any
-    ) -> Any:
-        handler = await continuation(handler_call_details)
-        path: str = handler_call_details.method
-        if handler is None or not path.startswith(self._prefix):
-            return handler
-        method = path.removeprefix(self._prefix)
+    def wrap(self, handler: Any, method: str) -> Any:
         if method in SESSION_METHODS:
             return handler
-        wrapped = self._wrapped.get(path)
-        if wrapped is None:
-            wrapped = self._wrap(handler, method)
-            self._wrapped[path] = wrapped
-        return wrapped
+        return self._wrap(handler, method)
 
     def _wrap(self, handler: Any, method: str) -> Any:
         if handler.unary_unary is not None:
