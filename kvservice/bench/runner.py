@@ -23,6 +23,7 @@ from kvservice.bench.server import ChildServer, process_cpu_seconds
 from kvservice.client import KVClient
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.scheduler import (
+    AdmittedIds,
     AllocatedIds,
     Backend,
     InProcessBackend,
@@ -129,7 +130,15 @@ def build_workload(config: BenchConfig) -> list[RequestSpec]:
 
 
 class CountingBackend:
-    """A ``Backend`` that forwards every call and counts the allocator operations."""
+    """A ``Backend`` that forwards every call and counts the allocator operations.
+
+    ``admit`` counts as the operations it stands for, so that ops/s still counts
+    allocator work, not calls: a lookup and an allocation per admitted request, and
+    for the request it stopped at (when the budget was not spent) a lookup, plus the
+    allocation that answered no room when chunked prefill lets every request reach
+    it (without chunked prefill a too-long request stops before allocating, and the
+    answer does not say which it was: its lookup alone is counted).
+    """
 
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
@@ -156,6 +165,27 @@ class CountingBackend:
             request_id, num_new_tokens, hit, num_lookahead_tokens, full_sequence_must_fit
         )
 
+    def admit(
+        self,
+        request_ids: Sequence[str],
+        token_budget: int,
+        *,
+        enable_chunked_prefill: bool,
+        num_lookahead_tokens: int,
+        full_sequence_must_fit: bool,
+    ) -> list[AdmittedIds]:
+        admitted = self.inner.admit(
+            request_ids,
+            token_budget,
+            enable_chunked_prefill=enable_chunked_prefill,
+            num_lookahead_tokens=num_lookahead_tokens,
+            full_sequence_must_fit=full_sequence_must_fit,
+        )
+        self.num_ops += admit_ops(
+            len(request_ids), admitted, token_budget, enable_chunked_prefill=enable_chunked_prefill
+        )
+        return admitted
+
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         self.num_ops += 1
         self.inner.append_tokens(request_id, token_ids)
@@ -170,8 +200,20 @@ class CountingBackend:
     def flush(self) -> None:
         self.inner.flush()
 
-    def prefetch_lookup(self, request_id: str) -> None:
-        self.inner.prefetch_lookup(request_id)
+
+def admit_ops(
+    num_candidates: int,
+    admitted: Sequence[AdmittedIds],
+    token_budget: int,
+    *,
+    enable_chunked_prefill: bool,
+) -> int:
+    """The allocator operations one ``admit`` stands for (see ``CountingBackend``)."""
+    num_ops = 2 * len(admitted)
+    budget_left = token_budget - sum(item.num_new_tokens for item in admitted)
+    if len(admitted) < num_candidates and budget_left > 0:
+        num_ops += 2 if enable_chunked_prefill else 1
+    return num_ops
 
 
 class TimedBackend:
@@ -214,6 +256,26 @@ class TimedBackend:
         self.elapsed_ns += time.perf_counter_ns() - start
         return ids
 
+    def admit(
+        self,
+        request_ids: Sequence[str],
+        token_budget: int,
+        *,
+        enable_chunked_prefill: bool,
+        num_lookahead_tokens: int,
+        full_sequence_must_fit: bool,
+    ) -> list[AdmittedIds]:
+        start = time.perf_counter_ns()
+        admitted = self.inner.admit(
+            request_ids,
+            token_budget,
+            enable_chunked_prefill=enable_chunked_prefill,
+            num_lookahead_tokens=num_lookahead_tokens,
+            full_sequence_must_fit=full_sequence_must_fit,
+        )
+        self.elapsed_ns += time.perf_counter_ns() - start
+        return admitted
+
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         start = time.perf_counter_ns()
         self.inner.append_tokens(request_id, token_ids)
@@ -233,11 +295,6 @@ class TimedBackend:
     def flush(self) -> None:
         start = time.perf_counter_ns()
         self.inner.flush()
-        self.elapsed_ns += time.perf_counter_ns() - start
-
-    def prefetch_lookup(self, request_id: str) -> None:
-        start = time.perf_counter_ns()
-        self.inner.prefetch_lookup(request_id)
         self.elapsed_ns += time.perf_counter_ns() - start
 
 

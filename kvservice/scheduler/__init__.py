@@ -3,6 +3,7 @@ remote unary, remote batched ``Step`` or ``StepStream``), and run traces that re
 its allocator calls."""
 
 from kvservice.scheduler.backend import (
+    AdmittedIds,
     AllocatedIds,
     Backend,
     BlockIds,
@@ -37,6 +38,7 @@ from kvservice.scheduler.trace import (
 )
 
 __all__ = [
+    "AdmittedIds",
     "AllocatedIds",
     "Backend",
     "BatchingBackend",

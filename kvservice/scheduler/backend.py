@@ -1,6 +1,10 @@
 """The scheduler's view of KV memory: a small ``Backend`` protocol with plain-data
 answers, and its two implementations, in-process (``KVCacheManager``) and remote
-(the blocking ``KVClient``). The scheduler cannot tell them apart."""
+(the blocking ``KVClient``). The scheduler cannot tell them apart.
+
+A step's admissions are one ``admit`` call: every backend applies the same rule
+(``kvservice.core.admission.admit_in_order``), in-process over its own lookups and
+allocations, remotely next to the server's pool in one RPC."""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvservice.client import KVClient
-from kvservice.client.types import AllocateOptions, ComputedBlocks, FreeMode
+from kvservice.client.types import AdmitResult, AllocateOptions, ComputedBlocks, FreeMode
+from kvservice.core.admission import admit_in_order
 from kvservice.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvservice.core.request import Request, RequestStatus
 
@@ -64,14 +69,45 @@ def resolve_ids(ids: AllocatedIds) -> BlockIds:
     return ids.get() if isinstance(ids, PendingBlockIds) else ids
 
 
+@dataclass(frozen=True, slots=True)
+class AdmittedIds:
+    """One request ``admit`` let in: the tokens its prefix hit covered, its share of
+    the step's budget (the hit excluded) and the blocks it was given."""
+
+    request_id: str
+    num_hit_tokens: int
+    num_new_tokens: int
+    new_block_ids: AllocatedIds
+
+
+def admitted_from_result(result: AdmitResult) -> list[AdmittedIds]:
+    """The client's ``admit`` answer in the protocol's form.
+
+    A tenant quota stop ends admission as no room does: the scheduler runs no
+    tenants, and vLLM's scheduler never skips past a request that did not fit.
+    """
+    return [
+        AdmittedIds(
+            item.request_id,
+            item.hit.num_computed_tokens,
+            item.num_new_tokens,
+            item.allocation.new_block_ids,
+        )
+        for item in result.admitted
+    ]
+
+
 class Backend(Protocol):
     """The allocator calls vLLM's scheduler makes, by request id.
 
     ``allocate_slots`` answers the new block ids (possibly pending until ``flush``),
     or None for no room (nothing changed); on success the backend advances the
     request's computed tokens by the hit plus ``num_new_tokens``, as vLLM's
-    scheduler does right after scheduling. ``flush`` ends a scheduling step: a
-    batching backend sends what it deferred; the others have nothing to do.
+    scheduler does right after scheduling. ``admit`` admits waiting requests in the
+    order given (``admit_in_order``: lookup, then ``allocate_slots`` with the hit,
+    until the budget is spent or one does not fit) and answers the admitted prefix of
+    ``request_ids``. ``flush`` ends a scheduling step: a batching backend sends what
+    it deferred; the others have nothing to do.
     """
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None: ...
@@ -87,6 +123,16 @@ class Backend(Protocol):
         full_sequence_must_fit: bool = False,
     ) -> AllocatedIds | None: ...
 
+    def admit(
+        self,
+        request_ids: Sequence[str],
+        token_budget: int,
+        *,
+        enable_chunked_prefill: bool,
+        num_lookahead_tokens: int,
+        full_sequence_must_fit: bool,
+    ) -> list[AdmittedIds]: ...
+
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None: ...
 
     def free(self, request_id: str, preempt: bool = False) -> None: ...
@@ -94,10 +140,6 @@ class Backend(Protocol):
     def num_free_blocks(self) -> int: ...
 
     def flush(self) -> None: ...
-
-    def prefetch_lookup(self, request_id: str) -> None:
-        """A hint: the scheduler's next call is this request's lookup if the next
-        allocation succeeds (a batching backend sends both together)."""
 
 
 def _ids(blocks: KVCacheBlocks) -> BlockIds:
@@ -152,6 +194,70 @@ class InProcessBackend:
         request.status = RequestStatus.RUNNING
         return _ids(new_blocks)
 
+    def admit(
+        self,
+        request_ids: Sequence[str],
+        token_budget: int,
+        *,
+        enable_chunked_prefill: bool,
+        num_lookahead_tokens: int,
+        full_sequence_must_fit: bool,
+    ) -> list[AdmittedIds]:
+        """``admit_in_order`` over this backend's own lookup and allocation, so the
+        request bookkeeping stays in one place. Checks every id before admitting any:
+        a refused call changes nothing."""
+        self._check_admissible(request_ids, token_budget, num_lookahead_tokens)
+
+        def lookup(request_id: str) -> tuple[PrefixHit, int]:
+            hit = self.get_computed_blocks(request_id)
+            return hit, hit.num_computed_tokens
+
+        def allocate(
+            request_id: str, hit: PrefixHit, num_hit_tokens: int, num_new_tokens: int
+        ) -> BlockIds | None:
+            # An empty hit is no hit: nothing to attach (as a lone allocation is asked).
+            return self.allocate_slots(
+                request_id,
+                num_new_tokens,
+                hit if num_hit_tokens else None,
+                num_lookahead_tokens,
+                full_sequence_must_fit,
+            )
+
+        result = admit_in_order(
+            request_ids,
+            token_budget,
+            enable_chunked_prefill,
+            num_tokens=lambda request_id: self._requests[request_id].num_tokens,
+            lookup=lookup,
+            allocate=allocate,
+        )
+        return [
+            AdmittedIds(a.request_id, a.num_hit_tokens, a.num_new_tokens, a.allocation)
+            for a in result.admitted
+        ]
+
+    def _check_admissible(
+        self, request_ids: Sequence[str], token_budget: int, num_lookahead_tokens: int
+    ) -> None:
+        """The server's checks of an ``Admit``, with Python's error types."""
+        if not request_ids:
+            raise ValueError("request_ids: empty; admit needs at least one request")
+        if token_budget < 0:
+            raise ValueError(f"token_budget: {token_budget} is negative")
+        if num_lookahead_tokens < 0:
+            raise ValueError(f"num_lookahead_tokens: {num_lookahead_tokens} is negative")
+        seen: set[str] = set()
+        for request_id in request_ids:
+            if request_id in seen:
+                raise ValueError(f"request_ids: {request_id!r} is listed twice")
+            seen.add(request_id)
+            request = self._requests.get(request_id)
+            if request is None:
+                raise KeyError(f"request_ids: no request {request_id!r}")
+            if request.status == RequestStatus.RUNNING:
+                raise ValueError(f"request_ids: {request_id!r} is already running")
+
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         self._requests[request_id].append_output_token_ids(token_ids)
 
@@ -172,9 +278,6 @@ class InProcessBackend:
 
     def flush(self) -> None:
         """Nothing is deferred in-process."""
-
-    def prefetch_lookup(self, request_id: str) -> None:
-        """Nothing to gain in-process."""
 
 
 class RemoteBackend:
@@ -206,6 +309,25 @@ class RemoteBackend:
         allocation = self.client.allocate_slots(request_id, num_new_tokens, computed, options)
         return None if allocation is None else allocation.new_block_ids
 
+    def admit(
+        self,
+        request_ids: Sequence[str],
+        token_budget: int,
+        *,
+        enable_chunked_prefill: bool,
+        num_lookahead_tokens: int,
+        full_sequence_must_fit: bool,
+    ) -> list[AdmittedIds]:
+        """One ``Admit`` RPC: the server runs the admissions next to its pool."""
+        result = self.client.admit(
+            request_ids,
+            token_budget,
+            enable_chunked_prefill=enable_chunked_prefill,
+            num_lookahead_tokens=num_lookahead_tokens,
+            full_sequence_must_fit=full_sequence_must_fit,
+        )
+        return admitted_from_result(result)
+
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         self.client.append_tokens(request_id, token_ids)
 
@@ -217,6 +339,3 @@ class RemoteBackend:
 
     def flush(self) -> None:
         """Every call was already sent."""
-
-    def prefetch_lookup(self, request_id: str) -> None:
-        """One RPC per call: nothing to batch."""

@@ -1,22 +1,16 @@
 """Remote backends that batch a scheduling step: ``StepBackend`` sends ``Step`` RPCs,
 ``StreamBackend`` messages on one ``StepStream`` session.
 
-The scheduler reads two answers in the middle of a step: a prefix lookup (it sizes an
-admission) and whether an allocation fit (no room means preempting). Everything else
-(``add_request``, ``append_tokens``, ``free``) is deferred to the next send. An
-allocation is deferred too when the backend can prove it fits: it tracks each
-request's computed tokens and blocks, and a lower bound of the pool's free blocks
-(exact after every send, then lowered by each deferred allocation, never raised by a
-deferred free), so a deferred allocation cannot answer "no room" and every decision is
-the one the unary backend would make. A lookup, or an allocation it cannot prove,
-sends at once (a sync point). A decode step with no admission is one send.
-
-Admissions chain: the lookup of the next waiting request must follow the previous
-admission's allocation. ``prefetch_lookup`` names that next request; the backend
-puts its lookup in the same message as the allocation and answers the scheduler's
-next ``get_computed_blocks`` from it if nothing was queued in between, so an admission
-costs one round trip. When the allocation answers no room the prefetched lookup is
-unused: it changed no block, only the server's prefix cache query counters.
+The scheduler reads two answers in the middle of a step: whether a running request's
+allocation fit (no room means preempting) and which waiting requests ``admit`` let
+in. Everything else (``add_request``, ``append_tokens``, ``free``) is deferred to the
+next send. An allocation is deferred too when the backend can prove it fits: it
+tracks each request's computed tokens and blocks, and a lower bound of the pool's free
+blocks (exact after every send, then lowered by each deferred allocation, never raised
+by a deferred free), so a deferred allocation cannot answer "no room" and every
+decision is the one the unary backend would make. An allocation it cannot prove, or an
+``admit``, sends at once (a sync point) with everything deferred before it: a decode
+step with no admission is one send, and a step's admissions, however many, add one.
 """
 
 from __future__ import annotations
@@ -28,7 +22,6 @@ from types import TracebackType
 from kvservice.client import (
     AllocateOptions,
     Allocation,
-    ComputedBlocks,
     FreeMode,
     KVClient,
     OpHandle,
@@ -37,10 +30,12 @@ from kvservice.client import (
     StepResults,
 )
 from kvservice.scheduler.backend import (
+    AdmittedIds,
     AllocatedIds,
     BlockIds,
     PendingBlockIds,
     PrefixHit,
+    admitted_from_result,
     as_computed_blocks,
 )
 
@@ -91,9 +86,6 @@ class BatchingBackend:
         self._requests: dict[str, _RequestBlocks] = {}
         self._free_lower_bound = client.get_usage().num_free_blocks
         self.num_sends = 0  # messages sent (Step RPCs or stream messages)
-        # The lookup to send with the next unproven allocation, and the one sent last.
-        self._lookup_next: str | None = None
-        self._prefetched: tuple[str, ComputedBlocks] | None = None
 
     # -- the Backend protocol -----------------------------------------------------------
 
@@ -102,18 +94,9 @@ class BatchingBackend:
         self._requests[request_id] = self._empty()
 
     def get_computed_blocks(self, request_id: str) -> PrefixHit:
-        prefetched, self._prefetched = self._prefetched, None
-        if prefetched is not None and prefetched[0] == request_id and not len(self._builder):
-            # Sent right after the last operation the server ran: the answer is current.
-            hit = prefetched[1]
-        else:
-            handle = self._builder.get_computed_blocks(request_id)
-            hit = self._send_now()[handle]
+        handle = self._builder.get_computed_blocks(request_id)
+        hit = self._send_now()[handle]
         return PrefixHit(hit.block_ids, hit.num_computed_tokens, hit.shared_prefix_boundary)
-
-    def prefetch_lookup(self, request_id: str) -> None:
-        """The scheduler's next lookup, should the next allocation succeed."""
-        self._lookup_next = request_id
 
     def allocate_slots(
         self,
@@ -134,24 +117,52 @@ class BatchingBackend:
             )
         )
         handle = self._builder.allocate_slots(request_id, num_new_tokens, computed, options)
-        lookup_next, self._lookup_next = self._lookup_next, None
         state = self._requests.get(request_id)
         if state is not None and state.running and hit is None and not full_sequence_must_fit:
             proven = self._proven_new_blocks(state, num_new_tokens + num_lookahead_tokens)
             if proven is not None:
                 return self._defer(handle, state, num_new_tokens, proven)
-        lookup = None if lookup_next is None else self._builder.get_computed_blocks(lookup_next)
-        results = self._send_now()
-        allocation = results[handle]
+        allocation = self._send_now()[handle]
         if allocation is None:
             return None
-        if lookup_next is not None and lookup is not None:
-            self._prefetched = (lookup_next, results[lookup])
         if state is not None:
             num_hit = 0 if hit is None else hit.num_computed_tokens
             hit_blocks = () if hit is None else tuple(len(group) for group in hit.block_ids)
             self._advance(state, num_hit + num_new_tokens, allocation.new_block_ids, hit_blocks)
         return allocation.new_block_ids
+
+    def admit(
+        self,
+        request_ids: Sequence[str],
+        token_budget: int,
+        *,
+        enable_chunked_prefill: bool,
+        num_lookahead_tokens: int,
+        full_sequence_must_fit: bool,
+    ) -> list[AdmittedIds]:
+        """The step's admissions in the message that carries everything deferred so
+        far (the running requests' allocations included): one round trip."""
+        handle = self._builder.admit(
+            request_ids,
+            token_budget,
+            enable_chunked_prefill=enable_chunked_prefill,
+            num_lookahead_tokens=num_lookahead_tokens,
+            full_sequence_must_fit=full_sequence_must_fit,
+        )
+        # The usage read _send_now appends runs after the admissions: the free lower
+        # bound it sets already counts their blocks.
+        result = self._send_now()[handle]
+        for item in result.admitted:
+            state = self._requests.get(item.request_id)
+            if state is not None:
+                hit_blocks = tuple(len(group) for group in item.hit.block_ids)
+                self._advance(
+                    state,
+                    item.hit.num_computed_tokens + item.num_new_tokens,
+                    item.allocation.new_block_ids,
+                    hit_blocks,
+                )
+        return admitted_from_result(result)
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         self._builder.append_tokens(request_id, token_ids)
@@ -240,7 +251,6 @@ class BatchingBackend:
         """Send every queued operation and a usage read; raise the first operation
         error (stop_on_error: nothing after it ran); resolve deferred allocations."""
         usage = self._builder.get_usage()
-        self._prefetched = None
         builder, self._builder = self._builder, self._new_builder()
         deferred, self._deferred = self._deferred, []
         results = self._send(builder)

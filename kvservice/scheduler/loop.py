@@ -5,7 +5,8 @@ One step: requests that have arrived join the waiting queue; running requests ar
 scheduled first, each for its remaining tokens within the step's token budget,
 preempting the lowest-priority running request while ``allocate_slots`` has no room;
 if nothing was preempted, waiting requests are admitted in queue order (prefix lookup,
-then ``allocate_slots`` with ``full_sequence_must_fit``) until one does not fit. Then
+then ``allocate_slots`` with ``full_sequence_must_fit``) until one does not fit, all in
+one ``Backend.admit`` call (a remote backend runs them next to the pool). Then
 each request whose prompt is fully computed samples one token from a seeded RNG and
 finishes at its ``max_output_tokens``.
 """
@@ -264,53 +265,39 @@ class Scheduler:
 
     # -- waiting requests ---------------------------------------------------------------
 
-    def _peek_waiting(self) -> _Tracked:
+    def _admission_order(self, limit: int) -> list[_Tracked]:
+        """The first ``limit`` waiting requests in the order admission tries them."""
         if self.config.policy is Policy.PRIORITY:
-            return min(self.waiting, key=lambda r: r.preemption_key)
-        return self.waiting[0]
+            # Unique keys: the order repeatedly taking the smallest key would give.
+            return sorted(self.waiting, key=lambda r: r.preemption_key)[:limit]
+        return self.waiting[:limit]
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
-        while self.waiting and plan.token_budget > 0:
-            if len(self.running) >= self.config.max_num_running_reqs:
-                break
-            request = self._peek_waiting()
-            scheduled = self._try_admit(request, plan.token_budget)
-            if scheduled is None:
-                break  # the head does not fit; vLLM does not skip ahead of it
-            self.waiting.remove(request)
-            self.running.append(request)
-            plan.scheduled[request.request_id] = scheduled
-            plan.token_budget -= scheduled.num_new_tokens
-
-    def _try_admit(self, request: _Tracked, token_budget: int) -> _Planned | None:
-        hit = self.backend.get_computed_blocks(request.request_id)
-        remaining = request.num_tokens - hit.num_computed_tokens
-        if not self.config.enable_chunked_prefill and remaining > token_budget:
-            return None
-        num_new_tokens = min(remaining, token_budget)
-        self._hint_next_lookup(request, token_budget - num_new_tokens)
-        new_block_ids = self.backend.allocate_slots(
-            request.request_id,
-            num_new_tokens,
-            hit if hit.num_computed_tokens else None,
+        num_slots = self.config.max_num_running_reqs - len(self.running)
+        if not self.waiting or plan.token_budget <= 0 or num_slots <= 0:
+            return
+        candidates = self._admission_order(num_slots)
+        admitted = self.backend.admit(
+            [request.request_id for request in candidates],
+            plan.token_budget,
+            enable_chunked_prefill=self.config.enable_chunked_prefill,
             num_lookahead_tokens=self.config.num_lookahead_tokens,
             full_sequence_must_fit=self.config.full_sequence_must_fit,
         )
-        if new_block_ids is None:
-            return None
-        request.num_computed_tokens = hit.num_computed_tokens
-        return _Planned(request.request_id, num_new_tokens, hit.num_computed_tokens, new_block_ids)
-
-    def _hint_next_lookup(self, admitting: _Tracked, budget_left: int) -> None:
-        """Name the request ``_schedule_waiting`` looks up next if ``admitting`` gets in."""
-        if budget_left <= 0 or len(self.running) + 1 >= self.config.max_num_running_reqs:
-            return
-        if self.config.policy is Policy.PRIORITY:
-            others = [r for r in self.waiting if r is not admitting]
-            if others:
-                self.backend.prefetch_lookup(min(others, key=lambda r: r.preemption_key).request_id)
-        elif len(self.waiting) > 1:
-            self.backend.prefetch_lookup(self.waiting[1].request_id)
+        if [item.request_id for item in admitted] != [
+            request.request_id for request in candidates[: len(admitted)]
+        ]:
+            raise RuntimeError("admit answered requests other than a prefix of those asked")
+        for request, item in zip(candidates, admitted, strict=False):
+            self.running.append(request)
+            request.num_computed_tokens = item.num_hit_tokens
+            plan.scheduled[request.request_id] = _Planned(
+                request.request_id, item.num_new_tokens, item.num_hit_tokens, item.new_block_ids
+            )
+            plan.token_budget -= item.num_new_tokens
+        if admitted:
+            taken = {request.request_id for request in candidates[: len(admitted)]}
+            self.waiting = [r for r in self.waiting if r.request_id not in taken]
 
     # -- after the forward pass ---------------------------------------------------------
 

@@ -4,17 +4,21 @@
 store it (a header line, then one line per call); ``replay`` issues the same calls
 against another backend and ``check_replay`` fails at the first answer that differs.
 A trace replays without the scheduler, so it pins the allocator's behaviour alone.
+
+Version 2 added ``admit`` (a step's admissions in one call); a version 1 trace holds
+only the other calls, which replay as before, so it is still read.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvservice.scheduler.backend import (
+    AdmittedIds,
     AllocatedIds,
     Backend,
     BlockIds,
@@ -24,7 +28,9 @@ from kvservice.scheduler.backend import (
 )
 
 TRACE_FORMAT = "kvservice-trace"
-TRACE_VERSION = 1
+TRACE_VERSION = 2
+# Versions read_trace accepts: every call of an older one replays as it did.
+READABLE_VERSIONS = (1, 2)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,14 +85,59 @@ def _hit_from_json(value: Any) -> PrefixHit | None:
     )
 
 
+def _admitted_to_json(admitted: Sequence[AdmittedIds]) -> list[dict[str, Any]]:
+    """``admit``'s answer; its block ids must be resolved (after ``flush``)."""
+    return [
+        {
+            "request_id": item.request_id,
+            "num_hit_tokens": item.num_hit_tokens,
+            "num_new_tokens": item.num_new_tokens,
+            "new_block_ids": _ids_to_json(resolve_ids(item.new_block_ids)),
+        }
+        for item in admitted
+    ]
+
+
+def _admit_args(
+    request_ids: Sequence[str],
+    token_budget: int,
+    enable_chunked_prefill: bool,
+    num_lookahead_tokens: int,
+    full_sequence_must_fit: bool,
+) -> dict[str, Any]:
+    return {
+        "request_ids": list(request_ids),
+        "token_budget": token_budget,
+        "enable_chunked_prefill": enable_chunked_prefill,
+        "num_lookahead_tokens": num_lookahead_tokens,
+        "full_sequence_must_fit": full_sequence_must_fit,
+    }
+
+
+def _admit(backend: Backend, args: dict[str, Any]) -> list[AdmittedIds]:
+    """A recorded ``admit`` issued again."""
+    return backend.admit(
+        [str(request_id) for request_id in args["request_ids"]],
+        int(args["token_budget"]),
+        enable_chunked_prefill=bool(args["enable_chunked_prefill"]),
+        num_lookahead_tokens=int(args["num_lookahead_tokens"]),
+        full_sequence_must_fit=bool(args["full_sequence_must_fit"]),
+    )
+
+
+def _any_pending(admitted: Sequence[AdmittedIds]) -> bool:
+    return any(isinstance(item.new_block_ids, PendingBlockIds) for item in admitted)
+
+
 class TracingBackend:
     """A ``Backend`` that forwards every call to ``inner`` and records it."""
 
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
         self.entries: list[TraceEntry] = []
-        # Entries whose answer a batching backend gives only at the next flush.
-        self._unresolved: list[tuple[int, PendingBlockIds]] = []
+        # Entries whose answer a batching backend gives only at the next flush: the
+        # entry's index and how to write its answer then.
+        self._unresolved: list[tuple[int, Callable[[], Any]]] = []
 
     def _record(self, op: str, args: dict[str, Any], result: Any = None) -> None:
         self.entries.append(TraceEntry(op, args, result))
@@ -121,11 +172,42 @@ class TracingBackend:
             "full_sequence_must_fit": full_sequence_must_fit,
         }
         if isinstance(new_block_ids, PendingBlockIds):
-            self._unresolved.append((len(self.entries), new_block_ids))
+            pending = new_block_ids
+            self._unresolved.append((len(self.entries), lambda: _ids_to_json(pending.get())))
             self._record("allocate_slots", args)
         else:
             self._record("allocate_slots", args, _ids_to_json(new_block_ids))
         return new_block_ids
+
+    def admit(
+        self,
+        request_ids: Sequence[str],
+        token_budget: int,
+        *,
+        enable_chunked_prefill: bool,
+        num_lookahead_tokens: int,
+        full_sequence_must_fit: bool,
+    ) -> list[AdmittedIds]:
+        args = _admit_args(
+            request_ids,
+            token_budget,
+            enable_chunked_prefill,
+            num_lookahead_tokens,
+            full_sequence_must_fit,
+        )
+        admitted = self.inner.admit(
+            request_ids,
+            token_budget,
+            enable_chunked_prefill=enable_chunked_prefill,
+            num_lookahead_tokens=num_lookahead_tokens,
+            full_sequence_must_fit=full_sequence_must_fit,
+        )
+        if _any_pending(admitted):
+            self._unresolved.append((len(self.entries), lambda: _admitted_to_json(admitted)))
+            self._record("admit", args)
+        else:
+            self._record("admit", args, _admitted_to_json(admitted))
+        return admitted
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         self.inner.append_tokens(request_id, token_ids)
@@ -140,14 +222,11 @@ class TracingBackend:
         self._record("num_free_blocks", {}, num_free)
         return num_free
 
-    def prefetch_lookup(self, request_id: str) -> None:
-        self.inner.prefetch_lookup(request_id)  # a hint, not a call: not recorded
-
     def flush(self) -> None:
         self.inner.flush()
-        for index, pending in self._unresolved:
+        for index, answer in self._unresolved:
             entry = self.entries[index]
-            self.entries[index] = TraceEntry(entry.op, entry.args, _ids_to_json(pending.get()))
+            self.entries[index] = TraceEntry(entry.op, entry.args, answer())
         self._unresolved.clear()
 
     def trace(self, meta: dict[str, Any] | None = None) -> Trace:
@@ -168,8 +247,12 @@ def read_trace(path: Path) -> Trace:
     if not lines:
         raise ValueError(f"{path}: empty trace")
     header = json.loads(lines[0])
-    if header.get("format") != TRACE_FORMAT or header.get("version") != TRACE_VERSION:
-        raise ValueError(f"{path}: not a {TRACE_FORMAT} v{TRACE_VERSION} file")
+    version = header.get("version")
+    if header.get("format") != TRACE_FORMAT or version not in READABLE_VERSIONS:
+        raise ValueError(
+            f"{path}: not a {TRACE_FORMAT} file of version {READABLE_VERSIONS} "
+            f"(format {header.get('format')!r}, version {version!r})"
+        )
     entries = []
     for line in lines[1:]:
         raw = json.loads(line)
@@ -197,6 +280,11 @@ def _apply(backend: Backend, entry: TraceEntry) -> Any:
             if isinstance(new_block_ids, PendingBlockIds):
                 backend.flush()  # a batching backend: its answer comes with the send
             return None if new_block_ids is None else _ids_to_json(resolve_ids(new_block_ids))
+        case "admit":
+            admitted = _admit(backend, args)
+            if _any_pending(admitted):
+                backend.flush()  # a batching backend: its answer comes with the send
+            return _admitted_to_json(admitted)
         case "append_tokens":
             backend.append_tokens(str(args["request_id"]), [int(t) for t in args["token_ids"]])
             return None
@@ -214,6 +302,11 @@ def replay(entries: Iterable[TraceEntry], backend: Backend) -> list[Any]:
     return [_apply(backend, entry) for entry in entries]
 
 
+def _subject(entry: TraceEntry) -> Any:
+    """The request(s) a call is about, for an error message."""
+    return entry.args.get("request_id", entry.args.get("request_ids", ""))
+
+
 def check_replay(trace: Trace, backend: Backend) -> int:
     """Replay ``trace`` against ``backend``, raising ``TraceMismatchError`` at the first
     answer that differs from the recording; the number of calls replayed."""
@@ -221,7 +314,7 @@ def check_replay(trace: Trace, backend: Backend) -> int:
         result = _apply(backend, entry)
         if result != entry.result:
             raise TraceMismatchError(
-                f"call {index} ({entry.op} {entry.args.get('request_id', '')!r}): recorded "
+                f"call {index} ({entry.op} {_subject(entry)!r}): recorded "
                 f"{entry.result!r}, replayed {result!r}"
             )
     return len(trace.entries)

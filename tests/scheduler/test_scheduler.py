@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -148,9 +149,11 @@ def run_batched(
     backend: BatchingBackend, specs: Sequence[RequestSpec], config: SchedulerConfig
 ) -> list[StepRecord]:
     records = run(backend, specs, config)
-    # The point of batching: far fewer messages than allocator calls (a lookup is a
-    # sync point, so not exactly one per step).
-    assert len(records) <= backend.num_sends < 3 * len(records)
+    # The point of batching: far fewer messages than allocator calls. A step that
+    # admits sends twice (the admissions with everything deferred before them, then
+    # the rest at the flush); these workloads measure 1.5-1.9 messages per step, where
+    # one lookup round trip per admission (the old path) measured 2.0-2.8.
+    assert len(records) <= backend.num_sends < 2 * len(records)
     return records
 
 
@@ -228,6 +231,9 @@ def test_trace_replays_to_the_same_answers(tmp_path: Path) -> None:
     write_trace(path, tracer.trace({"workload": "multi_turn_chat", "seed": 1}))
     trace = read_trace(path)
     assert trace.entries == tuple(tracer.entries)
+    # A step's admissions are one recorded call, not a lookup and an allocation each.
+    ops = {entry.op for entry in trace.entries}
+    assert "admit" in ops and "get_computed_blocks" not in ops
     assert trace.meta == {"workload": "multi_turn_chat", "seed": 1}
 
     assert check_replay(trace, InProcessBackend(build_manager(TIGHT_POOL))) == len(trace.entries)
@@ -330,8 +336,9 @@ def test_steady_decode_steps_are_one_message() -> None:
     with remote_server(TIGHT_POOL) as target, KVClient(target) as client:
         backend = StepBackend(client)
         scheduler = Scheduler(backend, config, specs)
-        first = scheduler.step()  # admissions: a lookup each, so several messages
+        first = scheduler.step()  # the admissions, then the step's end: two messages
         assert len(first.scheduled) == 4
+        assert backend.num_sends == 2
         for _ in range(10):
             before = backend.num_sends
             record = scheduler.step()
@@ -339,3 +346,104 @@ def test_steady_decode_steps_are_one_message() -> None:
             assert backend.num_sends == before + 1
         scheduler.abort_all()
         assert backend.num_free_blocks() == TIGHT_POOL.num_blocks - 1
+
+
+def test_a_version_1_trace_still_replays(tmp_path: Path) -> None:
+    """Traces from before ``admit`` hold lookups and allocations: still read and
+    replayed; a version this code does not know is refused."""
+    tracer = TracingBackend(InProcessBackend(build_manager(TIGHT_POOL)))
+    tracer.add_request("a", list(range(40)))
+    hit = tracer.get_computed_blocks("a")
+    assert tracer.allocate_slots("a", 40, None, 0, True) is not None
+    tracer.add_request("b", list(range(40)))
+    hit = tracer.get_computed_blocks("b")
+    assert hit.num_computed_tokens == 32  # two full blocks of a's
+    assert tracer.allocate_slots("b", 8, hit, 0, True) is not None
+    path = tmp_path / "v1.jsonl"
+    write_trace(path, tracer.trace())
+    lines = path.read_text(encoding="utf-8").splitlines()
+    header = json.loads(lines[0])
+    path.write_text("\n".join([json.dumps({**header, "version": 1}), *lines[1:]]) + "\n")
+    assert check_replay(read_trace(path), InProcessBackend(build_manager(TIGHT_POOL))) == 6
+
+    path.write_text("\n".join([json.dumps({**header, "version": 99}), *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match="version 99"):
+        read_trace(path)
+
+
+def test_in_process_admit_refuses_bad_ids_and_changes_nothing() -> None:
+    backend = InProcessBackend(build_manager(TIGHT_POOL))
+    backend.add_request("a", list(range(40)))
+    backend.add_request("b", list(range(100, 140)))
+    free = backend.num_free_blocks()
+
+    def admit(request_ids: list[str], token_budget: int) -> list[tuple[str, int]]:
+        admitted = backend.admit(
+            request_ids,
+            token_budget,
+            enable_chunked_prefill=True,
+            num_lookahead_tokens=0,
+            full_sequence_must_fit=True,
+        )
+        return [(item.request_id, item.num_new_tokens) for item in admitted]
+
+    with pytest.raises(KeyError, match="ghost"):
+        admit(["a", "ghost"], 512)
+    with pytest.raises(ValueError, match="'a' is listed twice"):
+        admit(["a", "b", "a"], 512)
+    with pytest.raises(ValueError, match="request_ids: empty"):
+        admit([], 512)
+    with pytest.raises(ValueError, match="token_budget: -1"):
+        admit(["a"], -1)
+    assert backend.num_free_blocks() == free  # not even the first id was admitted
+
+    # The budget runs out inside b: a chunk of it, as chunked prefill allows.
+    assert admit(["a", "b"], 60) == [("a", 40), ("b", 20)]
+    assert backend.num_free_blocks() == free - 3 - 2
+    with pytest.raises(ValueError, match="'a' is already running"):
+        admit(["a"], 512)
+
+
+@pytest.mark.parametrize("mode", ["step", "stream"])
+def test_a_step_admitting_several_requests_is_one_message_for_them(mode: str) -> None:
+    """Four requests sharing a cached prefix arrive while two run: the running
+    allocations are provable (deferred), so the admissions ride in one message with
+    them and the flush sends the rest. Every step that admits sends two messages,
+    every other one, and the decisions are in-process's."""
+    prefix = tuple(range(5000, 5032))  # two full blocks every request shares
+    specs = [
+        RequestSpec(
+            f"r{i}", prefix + tuple(range(i * 100, i * 100 + 8)), 20, arrival_step=0 if i < 2 else 3
+        )
+        for i in range(6)
+    ]
+    config = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=512)
+    local = run_in_process(specs, config)
+    with (
+        remote_server(TIGHT_POOL) as target,
+        KVClient(target) as client,
+        contextlib.ExitStack() as stack,
+    ):
+        backend: BatchingBackend = (
+            StepBackend(client) if mode == "step" else stack.enter_context(StreamBackend(client))
+        )
+        scheduler = Scheduler(backend, config, specs)
+        records: list[StepRecord] = []
+        sends: list[int] = []
+        while not scheduler.done:
+            before = backend.num_sends
+            records.append(scheduler.step())
+            sends.append(backend.num_sends - before)
+        assert backend.num_free_blocks() == TIGHT_POOL.num_blocks - 1
+    assert records == local
+    seen: set[str] = set()
+    for record, num_sends in zip(records, sends, strict=True):
+        admitted = [s for s in record.scheduled if s.request_id not in seen]
+        seen.update(s.request_id for s in admitted)
+        assert num_sends == (2 if admitted else 1), record
+    burst = next(r for r in records if r.step == 3)
+    assert [(s.request_id, s.num_hit_tokens) for s in burst.scheduled] == [
+        ("r0", 0),
+        ("r1", 0),
+        *((f"r{i}", 32) for i in range(2, 6)),
+    ]
