@@ -45,8 +45,8 @@ prefill, admission, preemption) in several modes and print them side by side:
 
   in-process  the scheduler calls the block manager in this process
   unary       one gRPC call per allocator operation
-  step        one Step RPC per scheduling step (plus one per prefix lookup or
-              allocation the client cannot prove fits)
+  step        one Step RPC per scheduling step (its admissions ride in it; more
+              only for an allocation the client cannot prove fits)
   stream      the same messages on one long-lived StepStream
 
 Rounds alternate the order of the modes so machine noise hits them all; every ratio

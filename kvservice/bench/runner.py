@@ -197,6 +197,9 @@ class CountingBackend:
     def num_free_blocks(self) -> int:
         return self.inner.num_free_blocks()
 
+    def end_step(self) -> None:
+        self.inner.end_step()
+
     def flush(self) -> None:
         self.inner.flush()
 
@@ -291,6 +294,11 @@ class TimedBackend:
         num_free = self.inner.num_free_blocks()
         self.elapsed_ns += time.perf_counter_ns() - start
         return num_free
+
+    def end_step(self) -> None:
+        start = time.perf_counter_ns()
+        self.inner.end_step()
+        self.elapsed_ns += time.perf_counter_ns() - start
 
     def flush(self) -> None:
         start = time.perf_counter_ns()

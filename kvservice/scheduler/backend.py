@@ -139,7 +139,13 @@ class Backend(Protocol):
 
     def num_free_blocks(self) -> int: ...
 
-    def flush(self) -> None: ...
+    def end_step(self) -> None:
+        """The step's decisions are made: answer every pending block id. A batching
+        backend sends only if something is still pending; the step's appends and
+        frees, which nobody waits for, ride with the next step's message."""
+
+    def flush(self) -> None:
+        """Send everything deferred (the end of a run, before reading the server)."""
 
 
 def _ids(blocks: KVCacheBlocks) -> BlockIds:
@@ -276,6 +282,9 @@ class InProcessBackend:
     def num_free_blocks(self) -> int:
         return self.manager.block_pool.get_num_free_blocks()
 
+    def end_step(self) -> None:
+        """Nothing is deferred in-process."""
+
     def flush(self) -> None:
         """Nothing is deferred in-process."""
 
@@ -336,6 +345,9 @@ class RemoteBackend:
 
     def num_free_blocks(self) -> int:
         return self.client.get_usage().num_free_blocks
+
+    def end_step(self) -> None:
+        """Every call was already sent."""
 
     def flush(self) -> None:
         """Every call was already sent."""

@@ -9,8 +9,11 @@ tracks each request's computed tokens and blocks, and a lower bound of the pool'
 blocks (exact after every send, then lowered by each deferred allocation, never raised
 by a deferred free), so a deferred allocation cannot answer "no room" and every
 decision is the one the unary backend would make. An allocation it cannot prove, or an
-``admit``, sends at once (a sync point) with everything deferred before it: a decode
-step with no admission is one send, and a step's admissions, however many, add one.
+``admit``, sends at once (a sync point) with everything deferred before it. At the
+step's end (``end_step``) a send happens only if a deferred allocation still waits for
+its block ids; the appends and frees that follow the forward pass wait for the next
+step's message. So a step with provable allocations costs one message, admissions or
+not; ``flush`` sends what is left (the end of a run).
 """
 
 from __future__ import annotations
@@ -187,8 +190,15 @@ class BatchingBackend:
             raise RuntimeError("allocations are deferred: flush before reading free blocks")
         return self._free_lower_bound
 
+    def end_step(self) -> None:
+        """Send only if a deferred allocation's block ids are still pending (a step
+        without admissions); otherwise the step's appends and frees wait for the next
+        message, so a step costs one message either way."""
+        if self._deferred:
+            self._send_now()
+
     def flush(self) -> None:
-        """Send whatever the step deferred (nothing when nothing was)."""
+        """Send whatever is deferred (nothing when nothing is)."""
         if len(self._builder):
             self._send_now()
 
@@ -290,6 +300,8 @@ class StreamBackend(BatchingBackend):
         super().__init__(client, lambda builder: session.step(builder, stop_on_error=True))
 
     def close(self) -> None:
+        """Send what is deferred, then end the stream."""
+        self.flush()
         self._session.close()
 
     def __enter__(self) -> StreamBackend:

@@ -147,6 +147,7 @@ class Scheduler:
             if len(records) >= max_steps:
                 raise RuntimeError(f"the workload did not finish in {max_steps} steps")
             records.append(self.step())
+        self.backend.flush()  # the last step's frees
         return records
 
     def step(self) -> StepRecord:
@@ -160,8 +161,9 @@ class Scheduler:
         if not plan.preempted:
             self._schedule_waiting(plan)
         finished = self._update_from_output(plan)
-        # A batching backend sends the whole step here; pending block ids resolve.
-        self.backend.flush()
+        # Pending block ids resolve (a batching backend sends here unless the step's
+        # admissions already did).
+        self.backend.end_step()
         scheduled = tuple(planned.resolve() for planned in plan.scheduled.values())
         record = StepRecord(self.step_index, scheduled, tuple(plan.preempted), finished)
         self.step_index += 1

@@ -222,8 +222,15 @@ class TracingBackend:
         self._record("num_free_blocks", {}, num_free)
         return num_free
 
+    def end_step(self) -> None:
+        self.inner.end_step()
+        self._resolve_answers()
+
     def flush(self) -> None:
         self.inner.flush()
+        self._resolve_answers()
+
+    def _resolve_answers(self) -> None:
         for index, answer in self._unresolved:
             entry = self.entries[index]
             self.entries[index] = TraceEntry(entry.op, entry.args, answer())
