@@ -14,8 +14,13 @@ is what Python and the loopback cost without gRPC. All are measured in the same 
 as the service's calls, so the service's own overhead reads as the difference.
 
 The workload is a seeded scheduler-like sequence, built once as protobuf operations:
-waves of requests are added, looked up, admitted, decoded for a few steps (append one
-token, allocate one slot) and finished. Every way of sending it runs the identical
+waves of requests are added, looked up, admitted, decoded for a few steps and
+finished. A decode step is what a scheduler sends: the sampled token of every running
+request (append one token), then every request's allocation (one slot). The
+"columnar" ways send the same operations with each run of one-token appends and of
+plain allocations as one AppendTokensBatch / AllocateSlotsBatch (what ``StepBuilder``
+does by itself; "no coalescing" ways turn that off), so the per-operation message
+encoding is the only difference. Every way of sending it runs the identical
 operation sequence on a fresh set of request ids, and the ways run interleaved, round
 after round (each round starting at another way); each ratio is the median over rounds
 of (way / in-process in that round). Beside ops/s, each way reports the CPU time per
@@ -76,15 +81,52 @@ WAVE = 32
 class Workload:
     ops: list[pb.StepOperation]
 
-    def chunks(self, size: int) -> list[pb.StepRequest]:
+    def chunks(self, size: int, columnar: bool = False, omit: bool = False) -> list[pb.StepRequest]:
+        """Steps of ``size`` operations; ``columnar``: each step's runs of one-token
+        appends and plain allocations as columnar operations; ``omit``: with
+        omit_request_state, as the scheduler's batching backends send them."""
+        encode = columnar_ops if columnar else list
         return [
-            pb.StepRequest(step_id=i, ops=self.ops[start : start + size])
+            pb.StepRequest(
+                step_id=i, ops=encode(self.ops[start : start + size]), omit_request_state=omit
+            )
             for i, start in enumerate(range(0, len(self.ops), size))
         ]
 
 
-def build_workload(num_requests: int, tag: str) -> Workload:
-    """Waves of WAVE requests: add, lookup, admit, DECODE_STEPS decodes, finish."""
+def columnar_ops(ops: Sequence[pb.StepOperation]) -> list[pb.StepOperation]:
+    """``ops`` with every run of one-token appends (of plain allocations) as one
+    AppendTokensBatch (AllocateSlotsBatch), built by hand on the raw messages."""
+    out: list[pb.StepOperation] = []
+    open_kind: str | None = None
+    for op in ops:
+        kind = op.WhichOneof("op")
+        if kind == "append_tokens" and len(op.append_tokens.token_ids) == 1:
+            if open_kind != kind:
+                out.append(pb.StepOperation())
+            appends = out[-1].append_tokens_batch
+            appends.request_ids.append(op.append_tokens.request_id)
+            appends.token_ids.append(op.append_tokens.token_ids[0])
+        elif kind == "allocate_slots" and _is_plain(op.allocate_slots):
+            if open_kind != kind:
+                out.append(pb.StepOperation())
+            allocations = out[-1].allocate_slots_batch
+            allocations.request_ids.append(op.allocate_slots.request_id)
+            allocations.num_new_tokens.append(op.allocate_slots.num_new_tokens)
+        else:
+            out.append(op)
+            kind = None
+        open_kind = kind
+    return out
+
+
+def _is_plain(msg: pb.AllocateSlotsRequest) -> bool:
+    """Only request_id and num_new_tokens set: what AllocateSlotsBatch carries."""
+    return {f.name for f, _ in msg.ListFields()} <= {"request_id", "num_new_tokens"}
+
+
+def build_workload(num_requests: int, tag: str, decode_steps: int = DECODE_STEPS) -> Workload:
+    """Waves of WAVE requests: add, lookup, admit, ``decode_steps`` decodes, finish."""
     ops: list[pb.StepOperation] = []
     for wave_start in range(0, num_requests, WAVE):
         ids = [f"{tag}-{i}" for i in range(wave_start, min(wave_start + WAVE, num_requests))]
@@ -107,13 +149,16 @@ def build_workload(num_requests: int, tag: str) -> Workload:
                     )
                 )
             )
-        for step in range(DECODE_STEPS):
+        for step in range(decode_steps):
+            # As a scheduler sends a step: the tokens sampled last step, then this
+            # step's allocations.
             for rid in ids:
                 ops.append(
                     pb.StepOperation(
                         append_tokens=pb.AppendTokensRequest(request_id=rid, token_ids=[step])
                     )
                 )
+            for rid in ids:
                 ops.append(
                     pb.StepOperation(
                         allocate_slots=pb.AllocateSlotsRequest(request_id=rid, num_new_tokens=1)
@@ -225,12 +270,14 @@ def run_backend(meter: Meter, workload: Workload) -> Sample:
     return meter.stop(len(calls))
 
 
-def run_step_in_process(meter: Meter, workload: Workload, size: int) -> Sample:
+def run_step_in_process(
+    meter: Meter, workload: Workload, size: int, columnar: bool = False, omit: bool = False
+) -> Sample:
     """The server's side of ``Step`` in this process, metrics included: parse each
     request, run it, serialize the answer (no transport)."""
     manager = build_manager(config())
     runner = StepRunner(Allocator(manager, KVCacheMetrics(manager, "bench", "0")), 4096)
-    steps = [s.SerializeToString() for s in workload.chunks(size)]
+    steps = [s.SerializeToString() for s in workload.chunks(size, columnar, omit)]
     meter.start()
     for raw in steps:
         response = pb.StepResponse()
@@ -448,16 +495,29 @@ def unary_ops(meter: Meter, stub: pb_grpc.KVCacheServiceStub, workload: Workload
 
 
 def step_ops(
-    meter: Meter, stub: pb_grpc.KVCacheServiceStub, workload: Workload, size: int
+    meter: Meter,
+    stub: pb_grpc.KVCacheServiceStub,
+    workload: Workload,
+    size: int,
+    columnar: bool = False,
 ) -> Sample:
     """Prebuilt ``StepRequest`` messages on the raw stub: the transport and the
     server, no client-side encoding or decoding."""
-    steps = workload.chunks(size)
+    steps = workload.chunks(size, columnar)
     meter.start()
     for step in steps:
         response = stub.Step(step)
-        assert not any(r.WhichOneof("result") == "error" for r in response.results)
+        assert not any(_failed(r) for r in response.results)
     return meter.stop(len(workload.ops))
+
+
+def _failed(result: pb.StepResult) -> bool:
+    kind = result.WhichOneof("result")
+    if kind == "error":
+        return True
+    return kind in ("append_tokens_batch", "allocate_slots_batch") and bool(
+        getattr(result, kind).errors
+    )
 
 
 def _builder_adders(workload: Workload) -> list[Callable[[StepBuilder], OpHandle[Any]]]:
@@ -494,15 +554,21 @@ def _builder_adders(workload: Workload) -> list[Callable[[StepBuilder], OpHandle
 
 
 def client_step_ops(
-    meter: Meter, client: KVClient, workload: Workload, size: int, omit_state: bool = False
+    meter: Meter,
+    client: KVClient,
+    workload: Workload,
+    size: int,
+    omit_state: bool = False,
+    coalesce: bool = True,
 ) -> Sample:
     """What a scheduler pays: build each step with ``StepBuilder``, send it with
     ``KVClient.step``, and read every operation's result back as Python values
-    (``omit_state``: without the allocations' request states, as ``StepBackend``)."""
+    (``omit_state``: without the request states, as ``StepBackend``; ``coalesce``
+    off: one message operation per operation, as before columnar operations)."""
     adders = _builder_adders(workload)
     meter.start()
     for first in range(0, len(adders), size):
-        builder = StepBuilder(omit_request_state=omit_state)
+        builder = StepBuilder(omit_request_state=omit_state, coalesce=coalesce)
         handles = [add(builder) for add in adders[first : first + size]]
         results = client.step(builder)
         for handle in handles:
@@ -597,30 +663,45 @@ def _ways(
             num_requests,
             partial(run_step_in_process, meter, size=256),
         ),
+        Way(
+            "in-process Step path, 256, columnar",
+            num_requests,
+            partial(run_step_in_process, meter, size=256, columnar=True),
+        ),
+        Way(
+            "in-process Step path, columnar+omit",
+            num_requests,
+            partial(run_step_in_process, meter, size=256, columnar=True, omit=True),
+        ),
         Way("unary, 1 op per call", few, partial(unary_ops, meter, stub)),
     ]
     for size in (64, 256):
+        for columnar in (False, True):
+            ways.append(
+                Way(
+                    f"Step, {size} ops per call{', columnar' if columnar else ''}",
+                    num_requests,
+                    partial(step_ops, meter, stub, size=size, columnar=columnar),
+                )
+            )
+    for coalesce in (False, True):
+        how = "coalescing" if coalesce else "no coalescing"
         ways.append(
             Way(
-                f"Step, {size} ops per call",
+                f"Step 256 StepBuilder, {how}",
                 num_requests,
-                partial(step_ops, meter, stub, size=size),
+                partial(client_step_ops, meter, client, size=256, coalesce=coalesce),
             )
         )
-    ways.append(
-        Way(
-            "Step 256 via KVClient+StepBuilder",
-            num_requests,
-            partial(client_step_ops, meter, client, size=256),
+        ways.append(
+            Way(
+                f"Step 256 StepBuilder+omit, {how}",
+                num_requests,
+                partial(
+                    client_step_ops, meter, client, size=256, omit_state=True, coalesce=coalesce
+                ),
+            )
         )
-    )
-    ways.append(
-        Way(
-            "Step 256 KVClient+omit_request_state",
-            num_requests,
-            partial(client_step_ops, meter, client, size=256, omit_state=True),
-        )
-    )
     for size in (1, 64, 256):
         n = few if size == 1 else num_requests
         ways.append(
@@ -654,11 +735,14 @@ def _aio_echo(
     return lambda payload, n: runner.run(timed(payload, n))
 
 
-def run(num_requests: int, latency_samples: int, rounds: int, event_loop: str) -> None:
-    num_ops = len(build_workload(num_requests, "x").ops)
+def run(
+    num_requests: int, latency_samples: int, rounds: int, event_loop: str, decode_steps: int
+) -> None:
+    workload = partial(build_workload, decode_steps=decode_steps)
+    num_ops = len(workload(num_requests, "x").ops)
     print(
         f"workload: {num_requests} requests, {num_ops} operations "
-        f"(prompt {PROMPT_LEN}, {DECODE_STEPS} decode steps, waves of {WAVE}); "
+        f"(prompt {PROMPT_LEN}, {decode_steps} decode steps, waves of {WAVE}); "
         f"pool {NUM_BLOCKS} blocks; server event loop {event_loop}; {rounds} rounds"
     )
     tags = (f"w{i}" for i in range(1_000_000))
@@ -681,7 +765,7 @@ def run(num_requests: int, latency_samples: int, rounds: int, event_loop: str) -
         unary_latency(stub, floors, 200)  # warm-up
         ways = _ways(Meter(server_pid), num_requests, stub, client, target, runner)
         for way in ways:  # warm-up (connections, caches), not reported
-            way.measure(build_workload(WAVE, next(tags)))
+            way.measure(workload(WAVE, next(tags)))
         latencies: dict[str, list[float]] = {name: [] for name in LATENCY_ROWS}
         throughputs = Throughputs()
         for r in range(rounds):
@@ -691,7 +775,7 @@ def run(num_requests: int, latency_samples: int, rounds: int, event_loop: str) -
             # the latency rounds) or last.
             shift = r % len(ways)
             for way in ways[shift:] + ways[:shift]:
-                throughputs.add(way.name, way.measure(build_workload(way.num_requests, next(tags))))
+                throughputs.add(way.name, way.measure(workload(way.num_requests, next(tags))))
     _report(latencies, throughputs)
 
 
@@ -711,12 +795,12 @@ def _report(latencies: dict[str, list[float]], throughputs: Throughputs) -> None
             f"mean {statistics.fmean(samples) * 1e6:6.0f} us{over}"
         )
     print(
-        f"\n{'way':<36}{'ops/s':>9}{'vs Alloc':>10}{'vs Backend':>12}"
+        f"\n{'way':<40}{'ops/s':>9}{'vs Alloc':>10}{'vs Backend':>12}"
         f"{'CPU us/op':>11}{'CPU vs Alloc':>14}"
     )
     for name in throughputs.samples:
         print(
-            f"{name:<36}{throughputs.ops_s(name):>9,.0f}"
+            f"{name:<40}{throughputs.ops_s(name):>9,.0f}"
             f"{throughputs.ratio(name, IN_PROCESS):>9.2f}x"
             f"{throughputs.ratio(name, BACKEND):>11.2f}x"
             f"{throughputs.cpu_us_per_op(name):>11.1f}"
@@ -749,6 +833,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=320, help="requests per workload")
     parser.add_argument("--latency-samples", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds")
+    parser.add_argument(
+        "--decode-steps",
+        type=int,
+        default=DECODE_STEPS,
+        help="decode steps per request (more: a decode-dominated workload)",
+    )
     parser.add_argument("--profile", action="store_true", help="profile Step in-process")
     parser.add_argument(
         "--event-loop",
@@ -763,7 +853,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     elif args.profile:
         profile(args.requests)
     else:
-        run(args.requests, args.latency_samples, args.rounds, args.event_loop)
+        run(args.requests, args.latency_samples, args.rounds, args.event_loop, args.decode_steps)
     return 0
 
 

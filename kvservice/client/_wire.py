@@ -89,6 +89,11 @@ def _request_of(msg: Any) -> RequestState:
     return request_state(msg.request)
 
 
+def _appended(msg: pb.AppendTokensResponse) -> RequestState:
+    # A step sent with omit_request_state answers an append without the state.
+    return request_state(msg.request) if msg.HasField("request") else OMITTED_REQUEST_STATE
+
+
 def _computed_blocks(msg: pb.GetComputedBlocksResponse) -> ComputedBlocks:
     return ComputedBlocks(
         block_ids(msg.block_ids), msg.num_computed_tokens, msg.shared_prefix_boundary
@@ -233,7 +238,7 @@ def add_request(
 
 def append_tokens(request_id: str, token_ids: Sequence[int]) -> Op[RequestState]:
     message = pb.AppendTokensRequest(request_id=request_id, token_ids=token_ids)
-    return Op("AppendTokens", "append_tokens", message, _request_of)
+    return Op("AppendTokens", "append_tokens", message, _appended)
 
 
 def get_computed_blocks(request_id: str) -> Op[ComputedBlocks]:
@@ -332,3 +337,132 @@ def _reset(msg: pb.ResetPrefixCacheResponse) -> bool:
 
 def get_cache_config() -> Op[CacheConfig]:
     return Op("GetCacheConfig", "", pb.GetCacheConfigRequest(), cache_config)
+
+
+# -- columnar operations ----------------------------------------------------------------
+#
+# A batch answers its entries column by column; each is decoded into what the single
+# operation's handle reads (a value, or a ``RowError``), once per batch.
+
+APPEND_TOKENS_BATCH = "append_tokens_batch"
+ALLOCATE_SLOTS_BATCH = "allocate_slots_batch"
+# What a step answers for an operation skipped under stop_on_error (the server's words).
+NOT_RUN_MESSAGE = "not run: an earlier operation failed (stop_on_error)"
+_CANCELLED = 1  # grpc.StatusCode.CANCELLED
+
+
+@dataclass(frozen=True, slots=True)
+class RowError:
+    """A batch entry's error: the status its single operation would have answered."""
+
+    code: int
+    message: str
+
+
+def batch_errors(msg: Any) -> dict[int, RowError]:
+    """Every failed entry of a batch response by its index in the batch: refused, or
+    not run (stop_on_error stopped the batch, or an operation before it)."""
+    errors = {e.index: RowError(e.code, e.message) for e in msg.errors}
+    not_run = RowError(_CANCELLED, NOT_RUN_MESSAGE)
+    for index in range(msg.num_run, msg.num_requests):
+        errors[index] = not_run
+    return errors
+
+
+def _append_rows(msg: pb.AppendTokensBatchResponse) -> list[Any]:
+    errors = batch_errors(msg)
+    states = msg.requests
+    rows: list[Any] = []
+    for index in range(msg.num_requests):
+        error = errors.get(index)
+        if error is not None:
+            rows.append(error)
+        else:
+            # A refused entry's state is an empty placeholder: never decoded.
+            rows.append(request_state(states[index]) if states else OMITTED_REQUEST_STATE)
+    return rows
+
+
+def _allocation_rows(msg: pb.AllocateSlotsBatchResponse) -> list[Any]:
+    num_groups = msg.num_groups
+    counts = list(msg.num_new_blocks)
+    ids = list(msg.new_block_ids)
+    extras = _ExtraColumns(msg)
+    states = msg.requests
+    rows: list[Any] = []
+    pos = 0
+    for index in range(msg.num_run):
+        if num_groups == 1:
+            # The common pool; a decode allocation usually takes no block at all.
+            count = counts[index]
+            new_block_ids = (tuple(ids[pos : pos + count]),) if count else _NO_BLOCKS
+            pos += count
+        else:
+            groups = []
+            for count in counts[index * num_groups : (index + 1) * num_groups]:
+                groups.append(tuple(ids[pos : pos + count]))
+                pos += count
+            new_block_ids = tuple(groups)
+        request = (
+            lazy_request_state(partial(request_state, states[index]))
+            if states
+            else OMITTED_REQUEST_STATE
+        )
+        rows.append(extras.allocation(index, new_block_ids, request))
+    rows.extend([None] * (msg.num_requests - msg.num_run))
+    for index in msg.no_space:
+        rows[index] = None
+    for index, error in batch_errors(msg).items():
+        rows[index] = error
+    return rows
+
+
+class _ExtraColumns:
+    """The zeroing and copy columns of an AllocateSlotsBatchResponse, cut per entry
+    (each column is empty when no entry has anything in it)."""
+
+    def __init__(self, msg: pb.AllocateSlotsBatchResponse) -> None:
+        self.any = bool(
+            msg.block_ids_to_zero
+            or msg.block_ids_zeroed
+            or msg.block_copies_to_apply
+            or msg.block_copies_applied
+        )
+        if not self.any:
+            return
+        self.zero = _cut(msg.num_block_ids_to_zero, msg.block_ids_to_zero, 1)
+        self.zeroed = _cut(msg.num_block_ids_zeroed, msg.block_ids_zeroed, 1)
+        self.to_apply = _cut(msg.num_block_copies_to_apply, msg.block_copies_to_apply, 2)
+        self.applied = _cut(msg.num_block_copies_applied, msg.block_copies_applied, 2)
+
+    def allocation(self, index: int, new_block_ids: BlockIds, request: RequestState) -> Allocation:
+        if not self.any:
+            return Allocation(new_block_ids, (), request)
+        zero, zeroed = self.zero.get(index, ()), self.zeroed.get(index, ())
+        to_apply, applied = self.to_apply.get(index, ()), self.applied.get(index, ())
+        if not (zero or zeroed or to_apply or applied):
+            return Allocation(new_block_ids, (), request)
+        return Allocation(new_block_ids, zero, request, zeroed, _pairs(to_apply), _pairs(applied))
+
+
+def _cut(counts: Any, values: Any, width: int) -> dict[int, tuple[int, ...]]:
+    """Entry index -> its values, for the entries that have any."""
+    out: dict[int, tuple[int, ...]] = {}
+    flat = list(values)
+    pos = 0
+    for index, count in enumerate(counts):
+        if count:
+            out[index] = tuple(flat[pos : pos + count * width])
+            pos += count * width
+    return out
+
+
+def _pairs(flat: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple(zip(flat[::2], flat[1::2], strict=True))
+
+
+# A columnar StepResult field -> the decoder of its entries.
+BATCH_ROWS: dict[str, Callable[[Any], list[Any]]] = {
+    APPEND_TOKENS_BATCH: _append_rows,
+    ALLOCATE_SLOTS_BATCH: _allocation_rows,
+}

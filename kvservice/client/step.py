@@ -10,13 +10,20 @@ results read back through them.
 
 Operations run in order on the server; a failed one changed nothing and, unless
 ``stop_on_error``, the later ones still ran.
+
+The builder coalesces the commonest operations of a decode step: a run of consecutive
+one-token ``append_tokens`` travels as one ``AppendTokensBatch``, a run of consecutive
+plain ``allocate_slots`` (no hit, no options) as one ``AllocateSlotsBatch``. The server
+runs each entry exactly as the single operation, so every handle still reads what it
+would have read otherwise (value, ``None`` for no room, its own error, ``NotRunError``
+after a failure under ``stop_on_error``); only the encoding changes.
+``StepBuilder(coalesce=False)`` sends every operation on its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from kvservice.client import _wire
 from kvservice.client.errors import KVServiceError, error_for_number
@@ -39,39 +46,96 @@ from kvservice.server.gen import kv_cache_service_pb2 as pb
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True)
-class OpHandle(Generic[T]):
-    """Where one operation's result will be in the step's results."""
+class OpHandle(NamedTuple, Generic[T]):
+    """Where one operation's result will be in the step's results: ``index`` is its
+    place among the step's operations (the key of ``StepResults.errors``), ``wire`` the
+    place of the message operation that carries it, ``row`` its entry in that
+    operation when it is a columnar one (-1 otherwise). A named tuple: one is made per
+    operation, and a tuple costs a fraction of a frozen dataclass to build."""
 
-    index: int
+    # Shadows tuple.index on purpose: the name handles have always read it by.
+    index: int  # type: ignore[assignment]
     parse: Callable[[Any], T]
+    wire: int
+    row: int = -1
+
+
+def _same(value: Any) -> Any:
+    # A batch entry is decoded with its whole batch (``_wire.BATCH_ROWS``).
+    return value
 
 
 class StepBuilder:
     """Collects one step's operations, in order; each method returns a handle.
 
     ``omit_request_state`` asks the server to leave the request state out of the
-    step's allocation answers (``Allocation.request`` then raises
-    ``RequestStateOmittedError``): less to encode, send and decode per allocation, for
-    a scheduler that counts its requests' tokens itself.
+    step's allocation and append answers (``Allocation.request``, or a field of an
+    ``append_tokens`` result, then raises ``RequestStateOmittedError``): less to
+    encode, send and decode per operation, for a scheduler that counts its requests'
+    tokens itself.
+
+    ``coalesce`` (on by default) sends runs of one-token appends and of plain
+    allocations as columnar operations (see the module docstring); off, every
+    operation travels on its own.
     """
 
-    def __init__(self, *, omit_request_state: bool = False) -> None:
+    def __init__(self, *, omit_request_state: bool = False, coalesce: bool = True) -> None:
         # Built inside the stream's wrapper message, so a session sends it without a
         # copy; ``Step`` sends the inner message.
         self._wrapper = pb.StepStreamRequest()
         self._request = self._wrapper.step
         if omit_request_state:
             self._request.omit_request_state = True
+        self._coalesce = coalesce
+        self._num_ops = 0
+        # The columnar operation the next eligible operation joins: its StepResult
+        # field name, its message and its place; None after any other operation.
+        self._open_kind: str | None = None
+        self._open: Any = None
+        self._open_wire = 0
+        self._open_rows = 0
 
     def __len__(self) -> int:
-        return len(self._request.ops)
+        """Operations added (a columnar message counts each of its entries)."""
+        return self._num_ops
 
     def _add(self, op: _wire.Op[T]) -> OpHandle[T]:
-        index = len(self._request.ops)
+        index = self._num_ops
+        self._num_ops += 1
+        self._open_kind = None
+        wire = len(self._request.ops)
         # One call that copies the message into the new operation's oneof field.
         self._request.ops.add(**{op.field: op.message})
-        return OpHandle(index, op.parse)
+        return OpHandle(index, op.parse, wire)
+
+    def _entry(self, kind: str, column: str, request_id: str, value: int) -> OpHandle[Any]:
+        """Add an entry to the open columnar operation of ``kind`` (opening one when the
+        last operation is not one), its ``column`` value first. A value or id the
+        message refuses raises as the single operation's message would, leaving the
+        builder as it was."""
+        opened = self._open_kind != kind
+        if opened:
+            self._open = getattr(self._request.ops.add(), kind)
+            self._open_kind = kind
+            self._open_wire = len(self._request.ops) - 1
+            self._open_rows = 0
+        try:
+            values = getattr(self._open, column)
+            values.append(value)
+            try:
+                self._open.request_ids.append(request_id)
+            except Exception:
+                del values[-1]
+                raise
+        except Exception:
+            if opened:
+                del self._request.ops[-1]
+                self._open_kind = None
+            raise
+        handle: OpHandle[Any] = OpHandle(self._num_ops, _same, self._open_wire, self._open_rows)
+        self._num_ops += 1
+        self._open_rows += 1
+        return handle
 
     def to_pb(self, step_id: int = 0, stop_on_error: bool = False) -> pb.StepRequest:
         """The ``Step`` message (for the clients; it shares the builder's operations)."""
@@ -106,6 +170,8 @@ class StepBuilder:
         )
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> OpHandle[RequestState]:
+        if self._coalesce and len(token_ids) == 1:
+            return self._entry(_wire.APPEND_TOKENS_BATCH, "token_ids", request_id, token_ids[0])
         return self._add(_wire.append_tokens(request_id, token_ids))
 
     def get_computed_blocks(self, request_id: str) -> OpHandle[ComputedBlocks]:
@@ -118,6 +184,11 @@ class StepBuilder:
         hit: ComputedBlocks | None = None,
         options: AllocateOptions | None = None,
     ) -> OpHandle[Allocation | None]:
+        if self._coalesce and options is None and (hit is None or not hit.num_computed_tokens):
+            # What the single operation would send: a hit of no tokens is not sent.
+            return self._entry(
+                _wire.ALLOCATE_SLOTS_BATCH, "num_new_tokens", request_id, num_new_tokens
+            )
         return self._add(_wire.allocate_slots(request_id, num_new_tokens, hit, options))
 
     def admit(
@@ -161,40 +232,91 @@ class StepBuilder:
 
 
 class StepResults:
-    """The answers of one step, read through the builder's handles."""
+    """The answers of one step, read through the builder's handles. A columnar
+    operation's entries are decoded together, when the first of them is read."""
 
     def __init__(self, response: pb.StepResponse) -> None:
         self.step_id = response.step_id
         self._results = response.results
+        # wire index -> the decoded entries of a columnar operation.
+        self._rows: dict[int, list[Any]] = {}
 
     def __len__(self) -> int:
-        return len(self._results)
+        """Operations answered (a columnar one counts each of its entries)."""
+        return sum(n for n, _ in self._spans())
 
     def __getitem__(self, handle: OpHandle[T]) -> T:
         """The operation's value; raises its typed error if it failed."""
-        result = self._results[handle.index]
-        kind = result.WhichOneof("result")
-        if kind == "error" or kind is None:
-            raise error_for_number(result.error.code, result.error.message)
-        return handle.parse(getattr(result, kind))
+        if handle.row < 0:
+            result = self._results[handle.wire]
+            kind = result.WhichOneof("result")
+            if kind == "error" or kind is None:
+                raise error_for_number(result.error.code, result.error.message)
+            return handle.parse(getattr(result, kind))
+        value = self._row(handle)
+        if value.__class__ is _wire.RowError:
+            raise error_for_number(value.code, value.message)
+        return handle.parse(value)
 
     def error(self, handle: OpHandle[Any]) -> KVServiceError | None:
         """The operation's error, or None if it succeeded."""
-        result = self._results[handle.index]
-        if result.WhichOneof("result") != "error":
-            return None
-        return error_for_number(result.error.code, result.error.message)
+        if handle.row < 0:
+            result = self._results[handle.wire]
+            if result.WhichOneof("result") != "error":
+                return None
+            return error_for_number(result.error.code, result.error.message)
+        value = self._row(handle)
+        if value.__class__ is _wire.RowError:
+            return error_for_number(value.code, value.message)
+        return None
+
+    def _row(self, handle: OpHandle[Any]) -> Any:
+        rows = self._rows.get(handle.wire)
+        if rows is None:
+            result = self._results[handle.wire]
+            kind = result.WhichOneof("result")
+            if kind == "error" or kind is None:
+                # The batch was refused as a whole: every entry reads that refusal.
+                refused = _wire.RowError(result.error.code, result.error.message)
+                return refused
+            rows = self._rows[handle.wire] = _wire.BATCH_ROWS[kind](getattr(result, kind))
+        return rows[handle.row]
+
+    def _spans(self) -> Iterator[tuple[int, Any]]:
+        """(operations answered, the StepResult) per message operation. A batch
+        refused as a whole counts as one: StepBuilder never sends one that can be."""
+        for result in self._results:
+            kind = result.WhichOneof("result")
+            if kind in _wire.BATCH_ROWS:
+                yield getattr(result, kind).num_requests, result
+            else:
+                yield 1, result
 
     @property
     def errors(self) -> dict[int, KVServiceError]:
-        """Every failed operation's error, by its index in the step."""
-        return {
-            i: error_for_number(r.error.code, r.error.message)
-            for i, r in enumerate(self._results)
-            if r.WhichOneof("result") == "error"
-        }
+        """Every failed operation's error, by its index in the step (its handle's
+        ``index``), in ascending order."""
+        errors: dict[int, KVServiceError] = {}
+        index = 0
+        for count, result in self._spans():
+            kind = result.WhichOneof("result")
+            if kind == "error":
+                errors[index] = error_for_number(result.error.code, result.error.message)
+            elif kind in _wire.BATCH_ROWS:
+                for row, error in _wire.batch_errors(getattr(result, kind)).items():
+                    errors[index + row] = error_for_number(error.code, error.message)
+            index += count
+        return errors
 
     @property
     def ok(self) -> bool:
         """Whether every operation succeeded."""
-        return not any(r.WhichOneof("result") == "error" for r in self._results)
+        for _, result in self._spans():
+            kind = result.WhichOneof("result")
+            if kind == "error":
+                return False
+            if kind in _wire.BATCH_ROWS:
+                batch = getattr(result, kind)
+                if batch.errors or batch.num_run < batch.num_requests:
+                    return False
+        return True

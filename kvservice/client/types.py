@@ -119,7 +119,12 @@ class Allocation:
 
 
 class _Deferred:
-    """A value computed when first read, by the slot that holds it (``_LazySlot``)."""
+    """A value computed when first read, by the slot that holds it (``_LazySlot``).
+
+    Held directly rather than in a slot (an ``append_tokens`` result of a step sent
+    with ``omit_request_state`` is ``OMITTED_REQUEST_STATE`` itself), reading one of
+    its fields computes the value for that read: the omitted state raises
+    ``RequestStateOmittedError`` rather than an ``AttributeError``."""
 
     __slots__ = ("compute", "label")
 
@@ -129,6 +134,13 @@ class _Deferred:
 
     def __repr__(self) -> str:
         return self.label
+
+    def __getattr__(self, name: str) -> Any:
+        # Only the value's own fields: protocol lookups (copy's __deepcopy__...) must
+        # keep answering "no such attribute".
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.compute(), name)
 
 
 class _LazySlot:
@@ -153,7 +165,7 @@ class _LazySlot:
 
 def _omitted() -> RequestState:
     raise RequestStateOmittedError(
-        "the server omitted this allocation's request state: the step was sent with "
+        "the server omitted this operation's request state: the step was sent with "
         "omit_request_state (read the request with get_request instead)"
     )
 

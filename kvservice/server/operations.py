@@ -10,10 +10,16 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import structlog
+
+from kvservice.core.errors import InvalidArgumentError, KVCacheError
 from kvservice.server import admission, converters
-from kvservice.server.allocator import Allocator
+from kvservice.server.allocator import AllocateArgs, Allocator
 from kvservice.server.caller import CURRENT_CALLER
+from kvservice.server.errors import status_code_of, status_message_of
 from kvservice.server.gen import kv_cache_service_pb2 as pb
+
+log = structlog.get_logger("kvservice.step")
 
 
 class Operation(Protocol):
@@ -70,6 +76,17 @@ def append_tokens(
 ) -> None:
     updated = allocator.append_tokens(msg.request_id, list(msg.token_ids), _tenant(tenant))
     _fill_state(out.request, updated, msg.request_id)
+
+
+def append_tokens_without_state(
+    allocator: Allocator,
+    msg: pb.AppendTokensRequest,
+    out: pb.AppendTokensResponse,
+    tenant: str | None = None,
+    /,
+) -> None:
+    """``append_tokens`` answering no ``request`` (``StepRequest.omit_request_state``)."""
+    allocator.append_tokens(msg.request_id, list(msg.token_ids), _tenant(tenant))
 
 
 def get_computed_blocks(
@@ -212,6 +229,156 @@ def _fill_admission(
         out.stop_message = str(result.stop_error)
 
 
+# -- columnar operations (AppendTokensBatch, AllocateSlotsBatch) ----------------------
+
+
+class BatchOperation(Protocol):
+    """(allocator, batch message, batch response to fill, tenant, stop_on_error,
+    with_state) -> the status code number of the first refused entry, 0 when none.
+
+    Each entry runs through the same allocator method as its single operation, in
+    order, so it answers and changes exactly what that operation would. Raises
+    ``InvalidArgumentError`` before anything runs for a batch malformed as a whole.
+    """
+
+    def __call__(
+        self,
+        allocator: Allocator,
+        msg: Any,
+        out: Any,
+        tenant: str,
+        stop_on_error: bool,
+        with_state: bool,
+        /,
+    ) -> int: ...
+
+
+def _check_columns(kind: str, num_ids: int, column: str, num_values: int) -> None:
+    if not num_ids:
+        raise InvalidArgumentError(f"{kind}: request_ids must hold at least one request")
+    if num_values != num_ids:
+        raise InvalidArgumentError(
+            f"{kind}: {column} has {num_values} values for {num_ids} request_ids (one each)"
+        )
+
+
+def _entry_error(errors: Any, index: int, err: Exception) -> int:
+    """Record a refused (or crashed) entry; its status code number."""
+    if isinstance(err, KVCacheError):
+        code: int = status_code_of(err).value[0]
+        message = status_message_of(err)
+    else:
+        log.exception("batch entry crashed", index=index)
+        code, message = _INTERNAL, "internal error; see the server log"
+    errors.add(index=index, code=code, message=message)
+    return code
+
+
+_INTERNAL = 13  # grpc.StatusCode.INTERNAL
+
+
+def append_tokens_batch(
+    allocator: Allocator,
+    msg: pb.AppendTokensBatch,
+    out: pb.AppendTokensBatchResponse,
+    tenant: str,
+    stop_on_error: bool,
+    with_state: bool,
+    /,
+) -> int:
+    """One token appended per entry: ``append_tokens`` in a loop, with no message per
+    entry (unless the request states are wanted)."""
+    ids = list(msg.request_ids)
+    tokens = list(msg.token_ids)
+    _check_columns("append_tokens_batch", len(ids), "token_ids", len(tokens))
+    out.num_requests = len(ids)
+    append = allocator.append_tokens
+    states = out.requests if with_state else None
+    first_code = 0
+    index = -1
+    for index, (rid, token) in enumerate(zip(ids, tokens, strict=True)):
+        try:
+            request = append(rid, [token], tenant)
+        except Exception as err:
+            code = _entry_error(out.errors, index, err)
+            first_code = first_code or code
+            if states is not None:
+                states.add()
+            if stop_on_error:
+                break
+            continue
+        if states is not None:
+            _fill_state(states.add(), request, rid)
+    out.num_run = index + 1
+    return first_code
+
+
+# num_new_tokens -> the arguments of a plain allocation (immutable, so shared).
+_PLAIN_ARGS: dict[int, AllocateArgs] = {}
+_PLAIN_ARGS_CACHE_SIZE = 1024
+
+
+def _plain_args(num_new_tokens: int) -> AllocateArgs:
+    args = _PLAIN_ARGS.get(num_new_tokens)
+    if args is None:
+        if len(_PLAIN_ARGS) >= _PLAIN_ARGS_CACHE_SIZE:
+            _PLAIN_ARGS.clear()
+        args = _PLAIN_ARGS[num_new_tokens] = AllocateArgs(num_new_tokens=num_new_tokens)
+    return args
+
+
+def allocate_slots_batch(
+    allocator: Allocator,
+    msg: pb.AllocateSlotsBatch,
+    out: pb.AllocateSlotsBatchResponse,
+    tenant: str,
+    stop_on_error: bool,
+    with_state: bool,
+    /,
+) -> int:
+    """A plain ``allocate_slots`` per entry, answered column by column (see
+    ``converters.AllocationColumns``)."""
+    ids = list(msg.request_ids)
+    nums = list(msg.num_new_tokens)
+    _check_columns("allocate_slots_batch", len(ids), "num_new_tokens", len(nums))
+    out.num_requests = len(ids)
+    columns = converters.AllocationColumns(allocator.manager.num_kv_cache_groups)
+    allocate = allocator.allocate_slots
+    states = out.requests if with_state else None
+    first_code = 0
+    index = -1
+    for index, (rid, num) in enumerate(zip(ids, nums, strict=True)):
+        args = _PLAIN_ARGS.get(num) or _plain_args(num)
+        try:
+            allocation = allocate(rid, args, tenant)
+        except Exception as err:
+            code = _entry_error(out.errors, index, err)
+            first_code = first_code or code
+            columns.add_nothing()
+            if states is not None:
+                states.add()
+            if stop_on_error:
+                break
+            continue
+        if allocation.new_block_ids is None:
+            out.no_space.append(index)
+            columns.add_nothing()
+        else:
+            columns.add(allocation)
+        if states is not None:
+            _fill_state(states.add(), allocation.request, rid)
+    out.num_run = index + 1
+    columns.fill(out)
+    return first_code
+
+
+# The StepOperation oneof field name of each columnar operation -> the operation.
+BATCH_OPERATIONS: dict[str, BatchOperation] = {
+    "append_tokens_batch": append_tokens_batch,
+    "allocate_slots_batch": allocate_slots_batch,
+}
+
+
 # The StepOperation oneof field name -> the operation. StepResult's oneof uses the same
 # names, so a result is filed under the name of the operation that produced it.
 STEP_OPERATIONS: dict[str, Operation] = {
@@ -229,6 +396,7 @@ STEP_OPERATIONS: dict[str, Operation] = {
 # The same, for a step that set ``omit_request_state``.
 STEP_OPERATIONS_WITHOUT_STATE: dict[str, Operation] = {
     **STEP_OPERATIONS,
+    "append_tokens": append_tokens_without_state,
     "allocate_slots": allocate_slots_without_state,
     "admit": admit_without_state,
 }

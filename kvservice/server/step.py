@@ -17,11 +17,25 @@ Failure semantics (the ``Step`` and ``StepStream`` contract):
   (``Allocator.batched``): one device op per step, not one per allocation, and no
   block id reaches a client before it reads as zeros. Should that zeroing fail (a
   device error), the whole step answers INTERNAL; its operations stay applied.
+
+Columnar operations (``append_tokens_batch``, ``allocate_slots_batch``) carry a run of
+one-token appends or plain allocations in one message and answer them column by
+column, with no protobuf message per entry. Each entry runs exactly as its single
+operation would, in order: a refused entry answers its own status in the batch's
+``errors`` and changes nothing, and the later entries still run (NO_SPACE is an
+answer, as always). Under ``stop_on_error`` a refused entry is a failure: the batch
+stops there (``num_run`` counts it) and the step's later operations are not run. Only
+a batch malformed as a whole (no entry, columns of different lengths) is refused as
+an operation, before anything in it runs. Every entry counts against ``max_ops``, so
+a batch cannot carry more work past the limit than single operations could. A batch
+that is not run (stop_on_error) answers its own response with ``num_run`` 0, which
+still says how many entries it held: a client reading handles per entry needs it.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -32,8 +46,10 @@ from kvservice.server.allocator import Allocator
 from kvservice.server.errors import status_code_of, status_message_of
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.operations import (
+    BATCH_OPERATIONS,
     STEP_OPERATIONS,
     STEP_OPERATIONS_WITHOUT_STATE,
+    BatchOperation,
     Operation,
     current_tenant,
 )
@@ -65,31 +81,35 @@ class StepRunner:
         """Run every operation of ``step`` in order, answering into ``response`` (so a
         stream can fill its own wrapper message without a copy). Raises
         ``InvalidArgumentError`` (nothing run) for a step over ``max_ops`` operations."""
-        if len(step.ops) > self.max_ops:
+        num_ops = _num_operations(step.ops)
+        if num_ops > self.max_ops:
             raise InvalidArgumentError(
-                f"step {step.step_id} has {len(step.ops)} operations; the server accepts at "
-                f"most {self.max_ops} per step (split it)"
+                f"step {step.step_id} has {num_ops} operations (each entry of a columnar "
+                f"operation counted); the server accepts at most {self.max_ops} per step "
+                f"(split it)"
             )
         response.step_id = step.step_id
         add_result = response.results.add
         run_one = self._run_one
-        table = _OPERATIONS_WITHOUT_STATE if step.omit_request_state else _OPERATIONS
+        omit = step.omit_request_state
+        table = _OPERATIONS_WITHOUT_STATE if omit else _OPERATIONS
+        stop_on_error = step.stop_on_error
         # Every operation of a step acts for the tenant of the call carrying it.
         tenant = current_tenant()
         failed: Counter[int] = Counter()
         # The pool is reported to the metrics once per step, not once per operation.
         with self.allocator.batched():
             for index, op in enumerate(step.ops):
-                code = run_one(op, add_result(), table, tenant)
+                result = add_result()
+                code = run_one(op, result, table, tenant, stop_on_error, not omit)
                 if code:
-                    failed[code] += 1
+                    _count_failures(failed, code, result)
                     if code == _INTERNAL:
                         log.error("step operation failed", step_id=step.step_id, op_index=index)
-                    if step.stop_on_error:
+                    if stop_on_error:
                         # Answered without running, outside the loop: the hot path
                         # checks no flag per operation.
-                        for _ in range(index + 1, len(step.ops)):
-                            _fail(add_result(), _CANCELLED, _NOT_RUN)
+                        _answer_not_run(step.ops[index + 1 :], add_result)
                         failed[_CANCELLED] += len(step.ops) - index - 1
                         break
         if failed:
@@ -103,13 +123,20 @@ class StepRunner:
         result: pb.StepResult,
         table: dict[str | None, Operation],
         tenant: str,
+        stop_on_error: bool,
+        with_state: bool,
     ) -> int:
-        """Run ``op`` into ``result``; the status code number, 0 when it succeeded."""
+        """Run ``op`` into ``result``; the status code number, 0 when it succeeded (for
+        a columnar operation: the first refused entry's, 0 when none was)."""
         kind = op.WhichOneof("op")
         operation = table.get(kind)
-        if kind is None or operation is None:
+        if kind is None:
             _fail(result, _INVALID_ARGUMENT, "empty operation: set one field of StepOperation")
             return _INVALID_ARGUMENT
+        if operation is None:
+            # Not a per-request operation: a columnar one (the oneof has no other kind).
+            batch = BATCH_OPERATIONS[kind]
+            return self._run_batch(batch, kind, op, result, tenant, stop_on_error, with_state)
         # The operation answers straight into the result's field: no response message
         # built and then copied.
         out = getattr(result, kind)
@@ -128,12 +155,77 @@ class StepRunner:
         out.SetInParent()
         return 0
 
+    def _run_batch(
+        self,
+        batch: BatchOperation,
+        kind: str,
+        op: pb.StepOperation,
+        result: pb.StepResult,
+        tenant: str,
+        stop_on_error: bool,
+        with_state: bool,
+    ) -> int:
+        """Run a columnar operation into ``result``; its first refused entry's code."""
+        out = getattr(result, kind)
+        try:
+            code = batch(self.allocator, getattr(op, kind), out, tenant, stop_on_error, with_state)
+        except KVCacheError as err:
+            # Malformed as a whole: refused before any entry ran.
+            code = code_number(status_code_of(err))
+            _fail(result, code, status_message_of(err))
+            return code
+        except Exception:
+            # Entries catch their own crashes; this is the batch's own code failing, so
+            # entries before it may have run. Said as INTERNAL, as for any operation.
+            log.exception("step batch crashed", op=kind)
+            _fail(result, _INTERNAL, "internal error; see the server log")
+            return _INTERNAL
+        return code
+
 
 # Keyed by str | None, so that an empty operation (no oneof field set) looks up too.
 _OPERATIONS: dict[str | None, Operation] = {k: f for k, f in STEP_OPERATIONS.items()}
 _OPERATIONS_WITHOUT_STATE: dict[str | None, Operation] = {
     k: f for k, f in STEP_OPERATIONS_WITHOUT_STATE.items()
 }
+
+
+def _num_operations(ops: Sequence[pb.StepOperation]) -> int:
+    """Operations against the per-step limit: each entry of a columnar operation
+    counts as the single operation it stands for."""
+    total = len(ops)
+    for op in ops:
+        kind = op.WhichOneof("op")
+        if kind in BATCH_OPERATIONS:
+            total += len(getattr(op, kind).request_ids) - 1
+    return total
+
+
+def _count_failures(failed: Counter[int], code: int, result: pb.StepResult) -> None:
+    """Count a failed operation's refusals for the step's log line: a columnar one's
+    refused entries one by one."""
+    kind = result.WhichOneof("result")
+    if kind in BATCH_OPERATIONS:
+        for error in getattr(result, kind).errors:
+            failed[error.code] += 1
+    else:
+        failed[code] += 1
+
+
+def _answer_not_run(
+    ops: Sequence[pb.StepOperation], add_result: Callable[[], pb.StepResult]
+) -> None:
+    """Answer operations skipped under stop_on_error: CANCELLED, or for a columnar one
+    its own response with nothing run, which still tells how many entries it held."""
+    for op in ops:
+        kind = op.WhichOneof("op")
+        result = add_result()
+        if kind in BATCH_OPERATIONS:
+            out = getattr(result, kind)
+            out.num_requests = len(getattr(op, kind).request_ids)
+            out.SetInParent()
+        else:
+            _fail(result, _CANCELLED, _NOT_RUN)
 
 
 def _fail(result: pb.StepResult, code: int, message: str) -> None:

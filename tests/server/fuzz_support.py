@@ -75,13 +75,23 @@ ALLOWED_CODES: dict[str, frozenset[grpc.StatusCode]] = {
     "KeepAlive": frozenset({Code.OK, Code.NOT_FOUND, Code.FAILED_PRECONDITION}),
     "CloseSession": frozenset({Code.OK, Code.NOT_FOUND, Code.FAILED_PRECONDITION}),
     "Audit": frozenset({Code.OK}),
+    # Step-only columnar operations: refused whole only when malformed (no entry,
+    # uneven columns); each entry's refusal is in the batch's answer.
+    "AppendTokensBatch": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
+    "AllocateSlotsBatch": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
 }
-# A StepOperation's field -> the unary RPC whose statuses its result may carry.
+# A StepOperation's field -> the unary RPC whose statuses its result may carry (for a
+# columnar operation, its message's name: there is no such RPC).
 STEP_OP_RPC = {
     op.name: op.message_type.name.removesuffix("Request")
     for op in pb.StepOperation.DESCRIPTOR.fields
     if op.message_type is not None
 }
+# A columnar operation -> the unary RPC each of its entries answers as.
+BATCH_ENTRY_RPC = {"AppendTokensBatch": "AppendTokens", "AllocateSlotsBatch": "AllocateSlots"}
+# The step operations with a unary twin, and the step-only (columnar) ones.
+UNARY_STEP_OPS = sorted(k for k, rpc in STEP_OP_RPC.items() if rpc in SERVICE.methods_by_name)
+BATCH_STEP_OPS = sorted(k for k, rpc in STEP_OP_RPC.items() if rpc not in SERVICE.methods_by_name)
 # RPCs that never change state, whatever they answer.
 READ_ONLY = frozenset({"GetRequest", "GetBlockIds", "GetUsage", "GetCacheConfig", "Probe", "Audit"})
 
@@ -352,19 +362,65 @@ def _step_op(kind: str | None, message: Any) -> pb.StepOperation:
     return op
 
 
-# One StepOperation of any kind, or an empty one (no field of the oneof set).
-step_ops = st.one_of(
-    *(
-        st.builds(_step_op, st.just(kind), MESSAGES[rpc])
-        for kind, rpc in sorted(STEP_OP_RPC.items())
+@st.composite
+def _batch(draw: st.DrawFn, message: Any, column: str, values: st.SearchStrategy[int]) -> Any:
+    """A columnar message: usually even columns of up to 6 entries (ids repeat), at
+    times empty or uneven (refused whole)."""
+    ids = draw(st.lists(request_ids, max_size=6))
+    shape = draw(st.sampled_from(("even", "even", "even", "uneven")))
+    size = len(ids) if shape == "even" else draw(st.integers(0, 7).filter(lambda n: n != len(ids)))
+    return message(
+        request_ids=ids, **{column: draw(st.lists(values, min_size=size, max_size=size))}
+    )
+
+
+# Step-only messages (the columnar operations): not in MESSAGES, whose keys are RPCs.
+STEP_ONLY_MESSAGES: dict[str, st.SearchStrategy[Any]] = {
+    "AppendTokensBatch": _batch(
+        pb.AppendTokensBatch,
+        "token_ids",
+        st.one_of(st.integers(0, 50_000), st.sampled_from(EDGE_INTS)),
     ),
-    st.builds(_step_op, st.none(), st.none()),
-)
-MESSAGES["Step"] = st.builds(
-    pb.StepRequest,
-    step_id=counts,
-    ops=st.lists(step_ops, max_size=8),
-    stop_on_error=st.booleans(),
+    "AllocateSlotsBatch": _batch(pb.AllocateSlotsBatch, "num_new_tokens", counts),
+}
+# Every StepOperation kind is fuzzed: one without a message strategy or its statuses
+# fails here, at import, rather than going unfuzzed.
+_MISSING = [
+    kind
+    for kind, rpc in STEP_OP_RPC.items()
+    if rpc not in ALLOWED_CODES or (rpc not in MESSAGES and rpc not in STEP_ONLY_MESSAGES)
+]
+assert not _MISSING, f"step operations missing from the fuzz tables: {_MISSING}"
+
+
+def _ops_of(kinds: list[str]) -> st.SearchStrategy[pb.StepOperation]:
+    strategies = {**MESSAGES, **STEP_ONLY_MESSAGES}
+    return st.one_of(
+        *(st.builds(_step_op, st.just(kind), strategies[STEP_OP_RPC[kind]]) for kind in kinds),
+        st.builds(_step_op, st.none(), st.none()),
+    )
+
+
+# One StepOperation of any kind with a unary twin (what a Step is compared against),
+# or an empty one (no field of the oneof set).
+step_ops = _ops_of(UNARY_STEP_OPS)
+# Any StepOperation, the columnar ones included.
+all_step_ops = _ops_of(UNARY_STEP_OPS + BATCH_STEP_OPS)
+MESSAGES["Step"] = st.one_of(
+    st.builds(
+        pb.StepRequest,
+        step_id=counts,
+        ops=st.lists(step_ops, max_size=8),
+        stop_on_error=st.booleans(),
+        omit_request_state=st.booleans(),
+    ),
+    st.builds(
+        pb.StepRequest,
+        step_id=counts,
+        ops=st.lists(all_step_ops, max_size=8),
+        stop_on_error=st.booleans(),
+        omit_request_state=st.booleans(),
+    ),
 )
 
 

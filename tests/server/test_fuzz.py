@@ -28,6 +28,7 @@ from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 from tests.server.fuzz_support import (
     ALLOWED_CODES,
+    BATCH_ENTRY_RPC,
     CALL_TIMEOUT_S,
     ID_POOL,
     MESSAGES,
@@ -155,6 +156,8 @@ def check_step_results(
         kind = op.WhichOneof("op")
         if result.WhichOneof("result") != "error":
             assert result.WhichOneof("result") == kind
+            assert kind is not None
+            failed |= batch_entries_failed(kind, getattr(result, kind))
             continue
         code = code_of_number(result.error.code)
         assert result.error.message
@@ -167,6 +170,19 @@ def check_step_results(
         failed = True
     if step.ops and all(r.WhichOneof("result") == "error" for r in response.results):
         assert after == before, f"every operation of {step} failed but the state changed"
+
+
+def batch_entries_failed(kind: str, answer: Any) -> bool:
+    """For a columnar operation's answer: each refused entry carries a status its
+    single operation documents; whether any entry was refused (which, under
+    stop_on_error, cancels the rest of the step)."""
+    entry_rpc = BATCH_ENTRY_RPC.get(STEP_OP_RPC[kind])
+    if entry_rpc is None:
+        return False
+    for error in answer.errors:
+        assert error.message
+        assert code_of_number(error.code) in ALLOWED_CODES[entry_rpc], f"{kind} entry {error}"
+    return len(answer.errors) > 0
 
 
 def admit(live: Live, request_id: str) -> None:

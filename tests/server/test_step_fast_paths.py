@@ -31,23 +31,29 @@ async def step_results(ops: list[pb.StepOperation], omit: bool) -> list[pb.StepR
         return list(response.results)
 
 
-async def test_omit_request_state_leaves_out_only_the_allocations_state() -> None:
-    """The same scenario on two fresh servers: with the flag, every AllocateSlots
-    answer is the full one less its ``request``; every other answer (errors, other
-    operations' request states) is byte-identical."""
+# The results whose request state omit_request_state leaves out.
+OMITTING = ("allocate_slots", "append_tokens")
+
+
+async def test_omit_request_state_leaves_out_only_the_allocations_and_appends_state() -> None:
+    """The same scenario on two fresh servers: with the flag, every AllocateSlots and
+    AppendTokens answer is the full one less its ``request``; every other answer
+    (errors, other operations' request states) is byte-identical."""
     ops = scenario()
     full = await step_results(ops, omit=False)
     lean = await step_results(ops, omit=True)
     assert len(full) == len(lean) == len(ops)
-    num_allocations = 0
+    omitted: list[str] = []
     for with_state, without in zip(full, lean, strict=True):
-        if with_state.WhichOneof("result") == "allocate_slots":
-            num_allocations += 1
-            assert with_state.allocate_slots.HasField("request")
-            assert not without.allocate_slots.HasField("request")
-            with_state.allocate_slots.ClearField("request")
+        kind = with_state.WhichOneof("result")
+        if kind in OMITTING:
+            omitted.append(kind)
+            assert getattr(with_state, kind).HasField("request")
+            assert not getattr(without, kind).HasField("request")
+            getattr(with_state, kind).ClearField("request")
         assert result_outcome(without) == result_outcome(with_state)
-    assert num_allocations >= 4
+    assert omitted.count("allocate_slots") >= 4
+    assert omitted.count("append_tokens") >= 1
 
 
 async def test_client_decodes_the_request_state_on_first_read() -> None:
@@ -89,6 +95,22 @@ async def test_client_raises_on_an_omitted_request_state() -> None:
         assert allocation == results[handle]
         # The server kept the state all the same.
         assert (await client.get_request("a")).num_computed_tokens == BLOCK + 1
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+async def test_client_raises_on_an_omitted_append_state(coalesce: bool) -> None:
+    """An append of a step sent with ``omit_request_state`` reads as the omitted
+    state: any field raises ``RequestStateOmittedError``, whether it travelled alone
+    or in a columnar batch."""
+    async with running_server() as server, AsyncKVClient(server.handle.target) as client:
+        step = StepBuilder(omit_request_state=True, coalesce=coalesce)
+        step.add_request("a", tokens(BLOCK))
+        handle = step.append_tokens("a", [7])
+        results = await client.step(step)
+        assert results.error(handle) is None
+        with pytest.raises(RequestStateOmittedError, match="omit_request_state"):
+            _ = results[handle].num_tokens
+        assert (await client.get_request("a")).num_tokens == BLOCK + 1
 
 
 def two_tenants(quotas: dict[str, int] | None = None) -> tuple[KVCacheManager, Allocator]:

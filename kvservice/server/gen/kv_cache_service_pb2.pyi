@@ -1207,7 +1207,9 @@ Global___AdmitResponse: _TypeAlias = AdmitResponse  # noqa: Y015
 
 @_typing.final
 class StepOperation(_message.Message):
-    """One operation of a step: the request message of the matching unary RPC."""
+    """One operation of a step: the request message of the matching unary RPC, or a
+    columnar operation (a run of appends or allocations; see AppendTokensBatch).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1221,6 +1223,8 @@ class StepOperation(_message.Message):
     GET_BLOCK_IDS_FIELD_NUMBER: _builtins.int
     GET_USAGE_FIELD_NUMBER: _builtins.int
     ADMIT_FIELD_NUMBER: _builtins.int
+    APPEND_TOKENS_BATCH_FIELD_NUMBER: _builtins.int
+    ALLOCATE_SLOTS_BATCH_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def add_request(self) -> Global___AddRequestRequest: ...
     @_builtins.property
@@ -1241,6 +1245,10 @@ class StepOperation(_message.Message):
     def get_usage(self) -> Global___GetUsageRequest: ...
     @_builtins.property
     def admit(self) -> Global___AdmitRequest: ...
+    @_builtins.property
+    def append_tokens_batch(self) -> Global___AppendTokensBatch: ...
+    @_builtins.property
+    def allocate_slots_batch(self) -> Global___AllocateSlotsBatch: ...
     def __init__(
         self,
         *,
@@ -1254,16 +1262,278 @@ class StepOperation(_message.Message):
         get_block_ids: Global___GetBlockIdsRequest | None = ...,
         get_usage: Global___GetUsageRequest | None = ...,
         admit: Global___AdmitRequest | None = ...,
+        append_tokens_batch: Global___AppendTokensBatch | None = ...,
+        allocate_slots_batch: Global___AllocateSlotsBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "append_tokens", b"append_tokens", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "op", b"op", "probe", b"probe"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "op", b"op", "probe", b"probe"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "append_tokens", b"append_tokens", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "op", b"op", "probe", b"probe"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "op", b"op", "probe", b"probe"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit"]  # noqa: Y015
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 
 Global___StepOperation: _TypeAlias = StepOperation  # noqa: Y015
+
+@_typing.final
+class AppendTokensBatch(_message.Message):
+    """Columnar operations: a run of the commonest per-request operations of a decode step
+    in one message, with no message per request on either side. Step-only (there is no
+    unary RPC for them).
+
+    Each entry (index i: request_ids[i] with the i-th value of the other columns) runs
+    exactly as the single operation would (AppendTokens with one token, AllocateSlots
+    with only request_id and num_new_tokens set), in order, each seeing the effects of
+    the ones before it; an entry may repeat an earlier entry's id. So a batch answers
+    what the same run of single operations in a Step answers:
+
+      * An entry the single operation would refuse is refused alone, with that
+        operation's status and message (BatchEntryError), and changes nothing; the
+        later entries still run, unless the step set stop_on_error: then the batch stops
+        at that entry (num_run counts it), the entries after it do not run, and neither
+        do the step's later operations (they answer CANCELLED). These refusals can only
+        be told entry by entry, in order, because each entry sees the ones before it.
+      * An allocation without room answers NO_SPACE for its entry (vLLM's None; it
+        changed nothing) and the later entries still run, as single operations do.
+
+    The batch itself is refused (StepResult.error INVALID_ARGUMENT, nothing run) only
+    when malformed as a whole: no entry, or columns of different lengths. Each entry
+    counts as one operation against the server's operations-per-step limit.
+
+    With StepRequest.omit_request_state off, a batch answers the request state after
+    each entry that ran without error (`requests`, one per entry before num_run, an
+    empty RequestState for a refused entry); with it on, none.
+
+    One token appended to each of request_ids (the decode step's sampled tokens).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """token_ids[i] goes to request_ids[i]; as many as request_ids."""
+
+    def __init__(
+        self,
+        *,
+        request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_ids", b"request_ids", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AppendTokensBatch: _TypeAlias = AppendTokensBatch  # noqa: Y015
+
+@_typing.final
+class BatchEntryError(_message.Message):
+    """A refused entry of a columnar operation: its index in the batch and the status the
+    single operation would have answered.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    code: _builtins.int
+    """A google.rpc.Code / grpc.StatusCode number, as OperationError.code."""
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "index", b"index", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchEntryError: _TypeAlias = BatchEntryError  # noqa: Y015
+
+@_typing.final
+class AppendTokensBatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_REQUESTS_FIELD_NUMBER: _builtins.int
+    NUM_RUN_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    num_requests: _builtins.int
+    """Entries in the batch (len(request_ids)), so a reader can index the answer alone."""
+    num_run: _builtins.int
+    """Entries run or refused, from the first: num_requests unless stop_on_error stopped
+    the batch at a refusal (the last entry run is then that refusal).
+    """
+    @_builtins.property
+    def errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchEntryError]:
+        """The refused entries, by ascending index."""
+
+    @_builtins.property
+    def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___RequestState]:
+        """Without omit_request_state: the request after each of the first num_run entries."""
+
+    def __init__(
+        self,
+        *,
+        num_requests: _builtins.int = ...,
+        num_run: _builtins.int = ...,
+        errors: _abc.Iterable[Global___BatchEntryError] | None = ...,
+        requests: _abc.Iterable[Global___RequestState] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["errors", b"errors", "num_requests", b"num_requests", "num_run", b"num_run", "requests", b"requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AppendTokensBatchResponse: _TypeAlias = AppendTokensBatchResponse  # noqa: Y015
+
+@_typing.final
+class AllocateSlotsBatch(_message.Message):
+    """A plain AllocateSlots for each of request_ids: no prefix hit, every other argument
+    at its default (no lookahead, has_scheduled_reqs absent: true...).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    NUM_NEW_TOKENS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def num_new_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """num_new_tokens[i] for request_ids[i]; as many as request_ids."""
+
+    def __init__(
+        self,
+        *,
+        request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        num_new_tokens: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_new_tokens", b"num_new_tokens", "request_ids", b"request_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AllocateSlotsBatch: _TypeAlias = AllocateSlotsBatch  # noqa: Y015
+
+@_typing.final
+class AllocateSlotsBatchResponse(_message.Message):
+    """The answers of an AllocateSlotsBatch, column by column. For the entries before
+    num_run, in entry order (entry-major):
+
+      num_new_blocks    num_groups counts per entry: entry i, group g at
+                        i * num_groups + g. 0 for an entry without room or refused.
+      new_block_ids     every entry's new blocks, group after group, concatenated;
+                        entry i, group g is the next num_new_blocks[i * num_groups + g]
+                        ids after those of the entries and groups before it.
+
+    The zeroing and copy-on-write columns (AllocateSlotsResponse says what each means)
+    are each one count per entry plus the concatenated values, and are left empty
+    (counts included) when no entry has any:
+
+      num_block_ids_to_zero[i]        ids of entry i in block_ids_to_zero
+      num_block_ids_zeroed[i]         ids of entry i in block_ids_zeroed
+      num_block_copies_to_apply[i]    copies of entry i in block_copies_to_apply, each
+                                      copy two values: src_block_id, dst_block_id
+      num_block_copies_applied[i]     likewise in block_copies_applied
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_REQUESTS_FIELD_NUMBER: _builtins.int
+    NUM_RUN_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    NO_SPACE_FIELD_NUMBER: _builtins.int
+    NUM_GROUPS_FIELD_NUMBER: _builtins.int
+    NUM_NEW_BLOCKS_FIELD_NUMBER: _builtins.int
+    NEW_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    NUM_BLOCK_IDS_TO_ZERO_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_TO_ZERO_FIELD_NUMBER: _builtins.int
+    NUM_BLOCK_IDS_ZEROED_FIELD_NUMBER: _builtins.int
+    BLOCK_IDS_ZEROED_FIELD_NUMBER: _builtins.int
+    NUM_BLOCK_COPIES_TO_APPLY_FIELD_NUMBER: _builtins.int
+    BLOCK_COPIES_TO_APPLY_FIELD_NUMBER: _builtins.int
+    NUM_BLOCK_COPIES_APPLIED_FIELD_NUMBER: _builtins.int
+    BLOCK_COPIES_APPLIED_FIELD_NUMBER: _builtins.int
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    num_requests: _builtins.int
+    """Entries in the batch (len(request_ids))."""
+    num_run: _builtins.int
+    """Entries run or refused, from the first (see AppendTokensBatchResponse.num_run)."""
+    num_groups: _builtins.int
+    """KV cache groups: counts per entry in num_new_blocks."""
+    @_builtins.property
+    def errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchEntryError]:
+        """The refused entries, by ascending index."""
+
+    @_builtins.property
+    def no_space(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Entries that had no room (ALLOCATION_OUTCOME_NO_SPACE), by ascending index."""
+
+    @_builtins.property
+    def num_new_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def new_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def num_block_ids_to_zero(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def block_ids_to_zero(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def num_block_ids_zeroed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def block_ids_zeroed(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def num_block_copies_to_apply(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def block_copies_to_apply(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def num_block_copies_applied(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def block_copies_applied(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___RequestState]:
+        """Without omit_request_state: the request after each of the first num_run entries."""
+
+    def __init__(
+        self,
+        *,
+        num_requests: _builtins.int = ...,
+        num_run: _builtins.int = ...,
+        errors: _abc.Iterable[Global___BatchEntryError] | None = ...,
+        no_space: _abc.Iterable[_builtins.int] | None = ...,
+        num_groups: _builtins.int = ...,
+        num_new_blocks: _abc.Iterable[_builtins.int] | None = ...,
+        new_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        num_block_ids_to_zero: _abc.Iterable[_builtins.int] | None = ...,
+        block_ids_to_zero: _abc.Iterable[_builtins.int] | None = ...,
+        num_block_ids_zeroed: _abc.Iterable[_builtins.int] | None = ...,
+        block_ids_zeroed: _abc.Iterable[_builtins.int] | None = ...,
+        num_block_copies_to_apply: _abc.Iterable[_builtins.int] | None = ...,
+        block_copies_to_apply: _abc.Iterable[_builtins.int] | None = ...,
+        num_block_copies_applied: _abc.Iterable[_builtins.int] | None = ...,
+        block_copies_applied: _abc.Iterable[_builtins.int] | None = ...,
+        requests: _abc.Iterable[Global___RequestState] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_copies_applied", b"block_copies_applied", "block_copies_to_apply", b"block_copies_to_apply", "block_ids_to_zero", b"block_ids_to_zero", "block_ids_zeroed", b"block_ids_zeroed", "errors", b"errors", "new_block_ids", b"new_block_ids", "no_space", b"no_space", "num_block_copies_applied", b"num_block_copies_applied", "num_block_copies_to_apply", b"num_block_copies_to_apply", "num_block_ids_to_zero", b"num_block_ids_to_zero", "num_block_ids_zeroed", b"num_block_ids_zeroed", "num_groups", b"num_groups", "num_new_blocks", b"num_new_blocks", "num_requests", b"num_requests", "num_run", b"num_run", "requests", b"requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AllocateSlotsBatchResponse: _TypeAlias = AllocateSlotsBatchResponse  # noqa: Y015
 
 @_typing.final
 class OperationError(_message.Message):
@@ -1292,7 +1562,9 @@ Global___OperationError: _TypeAlias = OperationError  # noqa: Y015
 
 @_typing.final
 class StepResult(_message.Message):
-    """The result of one operation: the matching unary response, or its error."""
+    """The result of one operation: the matching unary response (a columnar operation's
+    own response), or its error.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1306,6 +1578,8 @@ class StepResult(_message.Message):
     GET_BLOCK_IDS_FIELD_NUMBER: _builtins.int
     GET_USAGE_FIELD_NUMBER: _builtins.int
     ADMIT_FIELD_NUMBER: _builtins.int
+    APPEND_TOKENS_BATCH_FIELD_NUMBER: _builtins.int
+    ALLOCATE_SLOTS_BATCH_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def add_request(self) -> Global___AddRequestResponse: ...
@@ -1328,9 +1602,15 @@ class StepResult(_message.Message):
     @_builtins.property
     def admit(self) -> Global___AdmitResponse: ...
     @_builtins.property
+    def append_tokens_batch(self) -> Global___AppendTokensBatchResponse: ...
+    @_builtins.property
+    def allocate_slots_batch(self) -> Global___AllocateSlotsBatchResponse: ...
+    @_builtins.property
     def error(self) -> Global___OperationError:
         """The operation was refused (and changed nothing), or was not run because an
-        earlier one failed under stop_on_error (code CANCELLED).
+        earlier one failed under stop_on_error (code CANCELLED). A columnar operation not
+        run answers its own response instead, with num_run 0, so that it still tells
+        how many entries it held.
         """
 
     def __init__(
@@ -1346,13 +1626,15 @@ class StepResult(_message.Message):
         get_block_ids: Global___GetBlockIdsResponse | None = ...,
         get_usage: Global___GetUsageResponse | None = ...,
         admit: Global___AdmitResponse | None = ...,
+        append_tokens_batch: Global___AppendTokensBatchResponse | None = ...,
+        allocate_slots_batch: Global___AllocateSlotsBatchResponse | None = ...,
         error: Global___OperationError | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "append_tokens", b"append_tokens", "error", b"error", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "probe", b"probe", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "error", b"error", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "probe", b"probe", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "append_tokens", b"append_tokens", "error", b"error", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "probe", b"probe", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "error", b"error", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "probe", b"probe", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "error"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "error"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
@@ -1369,14 +1651,16 @@ class StepRequest(_message.Message):
     step_id: _builtins.int
     """The client's step counter, echoed in the response (for logs and correlation)."""
     stop_on_error: _builtins.bool
-    """Do not run the operations after the first failure (they answer CANCELLED).
+    """Do not run the operations after the first failure (they answer CANCELLED); a
+    refused entry of a columnar operation is a failure too (see AppendTokensBatch).
     Off by default: later operations still run, as vLLM's scheduler expects when
     one request's call is refused.
     """
     omit_request_state: _builtins.bool
-    """AllocateSlots results leave `request` unset (the RequestState after the call):
-    for a scheduler that counts its requests' tokens itself, this saves encoding and
-    decoding it once per allocation. Off by default.
+    """AllocateSlots, AppendTokens and Admit results (and the columnar operations) leave
+    the request state after the call unset: for a scheduler that counts its
+    requests' tokens itself, this saves encoding and decoding it once per operation.
+    Off by default.
     """
     @_builtins.property
     def ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepOperation]:

@@ -1,0 +1,459 @@
+"""The columnar Step operations (AppendTokensBatch, AllocateSlotsBatch) and the
+builder that coalesces into them: whatever the sequence, a coalescing and a
+non-coalescing ``StepBuilder`` read the same result through every handle and leave the
+same pool behind; a batch malformed as a whole is refused and changes nothing; NO_SPACE
+and refusals mid-batch answer per entry, as single operations do."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvservice.client import (
+    AllocateOptions,
+    Allocation,
+    FreeMode,
+    KVClient,
+    NotRunError,
+    OpHandle,
+    RequestNotFoundError,
+    StepBuilder,
+    StepResults,
+)
+from kvservice.server import ServerConfig
+from kvservice.server.gen import kv_cache_service_pb2 as pb
+from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from tests.server.fuzz_support import (
+    CALL_TIMEOUT_S,
+    allocator_state,
+    finish_everything,
+    fuzz_settings,
+)
+from tests.server.support import SMALL_POOL, ThreadedServer, server_in_thread, tokens
+
+BLOCK = SMALL_POOL.block_size
+# The small pool with zeroing on: every allocation lists its fresh blocks to zero.
+ZEROING_POOL = dataclasses.replace(SMALL_POOL, needs_kv_cache_zeroing=True, none_hash_seed="c")
+# Full attention and Mamba (two groups), 8-token blocks hashed every 4 tokens: partial
+# hits and their copy-on-write copies.
+HYBRID_POOL = ServerConfig(
+    port=0,
+    metrics_port=None,
+    num_blocks=20,
+    block_size=8,
+    mamba_block_size=8,
+    hash_block_size=4,
+    max_model_len=64,
+    num_layers=2,
+    num_kv_heads=1,
+    head_size=4,
+    dtype="float32",
+    shutdown_grace_s=0,
+    needs_kv_cache_zeroing=True,
+    none_hash_seed="c",
+)
+OPS_FIELD = "ops"
+
+
+@dataclasses.dataclass
+class Twin:
+    """A server in a thread, a typed client and a raw stub to it."""
+
+    server: ThreadedServer
+    client: KVClient
+    stub: pb_grpc.KVCacheServiceStub
+
+    def state(self) -> tuple[Any, ...]:
+        return self.server.call(lambda: allocator_state(self.server.server.allocator))
+
+    def finish(self) -> None:
+        finish_everything(self.server, self.stub)
+
+
+@contextlib.contextmanager
+def twin(config: ServerConfig) -> Iterator[Twin]:
+    with (
+        server_in_thread(config) as server,
+        KVClient(server.target) as client,
+        grpc.insecure_channel(server.target) as channel,
+    ):
+        yield Twin(server, client, pb_grpc.KVCacheServiceStub(channel))
+
+
+@pytest.fixture(scope="module", params=[ZEROING_POOL, HYBRID_POOL], ids=["zeroing", "hybrid"])
+def twins(request: pytest.FixtureRequest) -> Iterator[tuple[Twin, Twin]]:
+    """Two identical servers: the first gets coalesced steps, the second the same
+    operations one message operation each, so their histories stay equal."""
+    with twin(request.param) as coalesced, twin(request.param) as plain:
+        yield coalesced, plain
+
+
+# -- operations -------------------------------------------------------------------------
+
+IDS = ("a", "b", "c", "d", "unknown")
+PROMPTS = (tokens(BLOCK), tokens(2 * BLOCK + 3), tokens(5), tokens(3 * BLOCK, start=900))
+Op = tuple[Any, ...]
+
+
+def apply(builder: StepBuilder, op: Op) -> OpHandle[Any]:
+    """Add one drawn operation to ``builder``; its handle."""
+    kind, rid, arg = op
+    if kind == "add":
+        return builder.add_request(rid, PROMPTS[arg])
+    if kind == "append":
+        return builder.append_tokens(rid, arg)
+    if kind == "allocate":
+        return builder.allocate_slots(rid, arg)
+    if kind == "allocate_lookahead":
+        return builder.allocate_slots(rid, 1, options=AllocateOptions(num_lookahead_tokens=arg))
+    if kind == "admit":
+        return builder.admit([rid, "b"], arg)
+    if kind == "free":
+        return builder.free(rid, FreeMode.PREEMPT if arg else FreeMode.FINISH)
+    if kind == "lookup":
+        return builder.get_computed_blocks(rid)
+    if kind == "get":
+        return builder.get_request(rid)
+    return builder.get_usage()
+
+
+ids = st.sampled_from(IDS)
+# Decode-heavy, as a scheduler's steps are: runs of one-token appends and plain
+# allocations, broken by everything else (and by bad tokens and counts).
+ops = st.one_of(
+    st.tuples(st.just("append"), ids, st.lists(st.integers(0, 50), min_size=1, max_size=1)),
+    st.tuples(st.just("append"), ids, st.lists(st.integers(0, 50), min_size=1, max_size=1)),
+    st.tuples(st.just("append"), ids, st.sampled_from(([-1], [2**40], [3, 4], [0] * 70))),
+    st.tuples(st.just("allocate"), ids, st.sampled_from((1, 1, 2, BLOCK, 2 * BLOCK + 3))),
+    # Big enough that a run of them meets a full pool (10 blocks) and answers NO_SPACE.
+    st.tuples(st.just("allocate"), ids, st.sampled_from((4 * BLOCK, 6 * BLOCK))),
+    st.tuples(st.just("allocate"), ids, st.sampled_from((1, 1, 3, 0, -2, 200))),
+    st.tuples(st.just("add"), ids, st.integers(0, len(PROMPTS) - 1)),
+    st.tuples(st.just("admit"), ids, st.sampled_from((1, 40, 500))),
+    st.tuples(st.just("allocate_lookahead"), ids, st.integers(0, 20)),
+    st.tuples(st.just("free"), ids, st.booleans()),
+    st.tuples(st.sampled_from(("lookup", "get", "usage")), ids, st.none()),
+)
+
+
+def outcome(results: StepResults, handle: OpHandle[Any]) -> tuple[Any, ...]:
+    """What a handle reads: its value, or its error's type, code and message."""
+    error = results.error(handle)
+    if error is not None:
+        with pytest.raises(type(error)):
+            results[handle]
+        return ("error", type(error), error.code, error.message)
+    return ("ok", results[handle])
+
+
+def send(twin: Twin, plan: list[Op], coalesce: bool, **flags: bool) -> list[tuple[Any, ...]]:
+    """Send ``plan`` as one step; what each handle reads, then the step's totals."""
+    builder = StepBuilder(omit_request_state=flags["omit"], coalesce=coalesce)
+    handles = [apply(builder, op) for op in plan]
+    assert len(builder) == len(plan)
+    results = twin.client.step(builder, stop_on_error=flags["stop_on_error"])
+    errors = {i: (type(e), e.code, e.message) for i, e in results.errors.items()}
+    assert list(errors) == sorted(errors)
+    read = [outcome(results, handle) for handle in handles]
+    return [*read, ("totals", len(results), results.ok, errors)]
+
+
+def num_wire_ops(plan: list[Op]) -> int:
+    """The message operations a coalescing builder sends for ``plan``."""
+    builder = StepBuilder()
+    for op in plan:
+        apply(builder, op)
+    return len(builder.to_pb().ops)
+
+
+# Each example starts by adding most ids, so that allocations mostly name known
+# requests and fill the pool.
+prelude = st.lists(
+    st.tuples(st.just("add"), st.sampled_from(IDS[:4]), st.integers(0, len(PROMPTS) - 1)),
+    min_size=2,
+    max_size=4,
+)
+
+
+@fuzz_settings(40)
+@given(
+    first=prelude,
+    steps=st.lists(st.lists(ops, min_size=1, max_size=14), min_size=1, max_size=4),
+    omit=st.booleans(),
+    stop_on_error=st.booleans(),
+)
+def test_coalescing_reads_the_same_through_every_handle(
+    twins: tuple[Twin, Twin],
+    first: list[Op],
+    steps: list[list[Op]],
+    omit: bool,
+    stop_on_error: bool,
+) -> None:
+    """Random steps, decode-heavy and mixing bad ids, tokens and counts, sent through
+    a coalescing and a non-coalescing builder to twin servers: every handle reads the
+    same value or error (NO_SPACE as None, refusals, not-run after a failure), the
+    step's error map and totals agree, and the pools end identical."""
+    coalesced, plain = twins
+    try:
+        for plan in [first, *steps]:
+            got = send(coalesced, plan, True, omit=omit, stop_on_error=stop_on_error)
+            want = send(plain, plan, False, omit=omit, stop_on_error=stop_on_error)
+            assert got == want, plan
+            assert coalesced.state() == plain.state(), plan
+    finally:
+        coalesced.finish()
+        plain.finish()
+
+
+def test_a_decode_step_travels_as_two_columnar_operations() -> None:
+    """The builder really coalesces: a decode step's appends and allocations are one
+    AppendTokensBatch and one AllocateSlotsBatch; any other operation (or an append of
+    two tokens, or an allocation with options) breaks a run."""
+    decode = [("append", r, [1]) for r in "abcd"] + [("allocate", r, 1) for r in "abcd"]
+    assert num_wire_ops(decode) == 2
+    broken = [*decode[:2], ("append", "c", [1, 2]), *decode[2:6], ("get", "a", None)]
+    broken += [("allocate_lookahead", "b", 1), ("allocate", "c", 1)]
+    # batch(a, b), append c, batch(c, d), batch(a, b), get, allocate+options, batch(c)
+    assert num_wire_ops(broken) == 7
+    assert len(StepBuilder(coalesce=False).to_pb().ops) == 0
+
+
+# -- the wire contract, raw ---------------------------------------------------------------
+
+
+def step(twin: Twin, *operations: pb.StepOperation, **flags: bool) -> pb.StepResponse:
+    response: pb.StepResponse = twin.stub.Step(
+        pb.StepRequest(ops=operations, **flags), timeout=CALL_TIMEOUT_S
+    )
+    return response
+
+
+def appends(request_ids: list[str], token_ids: list[int]) -> pb.StepOperation:
+    batch = pb.AppendTokensBatch(request_ids=request_ids, token_ids=token_ids)
+    return pb.StepOperation(append_tokens_batch=batch)
+
+
+def allocations(request_ids: list[str], num_new_tokens: list[int]) -> pb.StepOperation:
+    batch = pb.AllocateSlotsBatch(request_ids=request_ids, num_new_tokens=num_new_tokens)
+    return pb.StepOperation(allocate_slots_batch=batch)
+
+
+@pytest.fixture
+def zeroing() -> Iterator[Twin]:
+    with twin(ZEROING_POOL) as server:
+        yield server
+
+
+@pytest.mark.parametrize(
+    ("operation", "message"),
+    [
+        (appends([], []), "append_tokens_batch: request_ids must hold at least one request"),
+        (appends(["a", "b"], [1]), "token_ids has 1 values for 2 request_ids"),
+        (allocations(["a"], [1, 1]), "num_new_tokens has 2 values for 1 request_ids"),
+        (allocations([], []), "allocate_slots_batch: request_ids must hold at least one"),
+    ],
+)
+def test_a_malformed_batch_is_refused_whole_and_changes_nothing(
+    zeroing: Twin, operation: pb.StepOperation, message: str
+) -> None:
+    """No entry, or uneven columns: INVALID_ARGUMENT for the operation, naming the
+    column and the counts, and no entry ran (the valid ones included)."""
+    zeroing.client.add_request("a", tokens(BLOCK))
+    zeroing.client.add_request("b", tokens(BLOCK))
+    before = zeroing.state()
+    response = step(zeroing, operation)
+    (result,) = response.results
+    assert result.WhichOneof("result") == "error"
+    assert result.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert message in result.error.message
+    assert zeroing.state() == before
+    zeroing.finish()
+
+
+def test_no_space_mid_batch_answers_that_entry_and_the_rest_still_run(zeroing: Twin) -> None:
+    """10 free blocks: a takes 3, b asks for 8 (no room: NO_SPACE, nothing changed), c
+    then takes 2. The columns hold a's and c's blocks and a 0 count for b, and every
+    fresh block is listed to zero under its own entry."""
+    for rid in "abc":
+        zeroing.client.add_request(rid, tokens(BLOCK))
+    response = step(zeroing, allocations(["a", "b", "c"], [3 * BLOCK, 8 * BLOCK, 2 * BLOCK]))
+    batch = response.results[0].allocate_slots_batch
+    assert (batch.num_requests, batch.num_run, list(batch.no_space)) == (3, 3, [1])
+    assert not batch.errors
+    assert (batch.num_groups, list(batch.num_new_blocks)) == (1, [3, 0, 2])
+    assert len(set(batch.new_block_ids)) == 5
+    assert list(batch.num_block_ids_to_zero) == [3, 0, 2]
+    assert sorted(batch.block_ids_to_zero) == sorted(batch.new_block_ids)
+    assert len(batch.requests) == 3
+    assert [r.num_computed_tokens for r in batch.requests] == [3 * BLOCK, 0, 2 * BLOCK]
+    assert zeroing.client.get_request("b").num_computed_tokens == 0
+    zeroing.finish()
+
+
+def test_refused_entries_answer_alone_and_later_entries_run(zeroing: Twin) -> None:
+    """An unknown id and a negative token are refused with the single operation's
+    status and message, each at its index; the entries around them ran."""
+    zeroing.client.add_request("a", tokens(BLOCK))
+    zeroing.client.add_request("b", tokens(BLOCK))
+    response = step(zeroing, appends(["a", "nope", "b", "a"], [5, 6, -1, 7]))
+    batch = response.results[0].append_tokens_batch
+    assert (batch.num_requests, batch.num_run) == (4, 4)
+    errors = [(e.index, e.code) for e in batch.errors]
+    assert errors == [(1, 5), (2, 3)]  # NOT_FOUND, INVALID_ARGUMENT
+    single = zeroing.stub.Step(
+        pb.StepRequest(
+            ops=[
+                pb.StepOperation(
+                    append_tokens=pb.AppendTokensRequest(request_id="b", token_ids=[-1])
+                )
+            ]
+        ),
+        timeout=CALL_TIMEOUT_S,
+    )
+    assert batch.errors[1].message == single.results[0].error.message
+    assert zeroing.client.get_request("a").num_tokens == BLOCK + 2
+    assert zeroing.client.get_request("b").num_tokens == BLOCK
+    zeroing.finish()
+
+
+def test_stop_on_error_stops_the_batch_and_the_step(zeroing: Twin) -> None:
+    """Under stop_on_error the batch stops at its refused entry (counted in num_run),
+    a later batch answers its own response with nothing run, and a later single
+    operation CANCELLED; through the builder, each handle after the refusal reads
+    NotRunError, and ``errors`` lists the refusal and every skipped handle."""
+    zeroing.client.add_request("a", tokens(BLOCK))
+    zeroing.client.add_request("b", tokens(BLOCK))
+    before = zeroing.state()
+    response = step(
+        zeroing,
+        appends(["a", "nope", "b"], [1, 2, 3]),
+        pb.StepOperation(get_usage=pb.GetUsageRequest()),
+        allocations(["a", "b"], [1, 1]),
+        stop_on_error=True,
+    )
+    first, usage, later = response.results
+    assert (first.append_tokens_batch.num_run, first.append_tokens_batch.num_requests) == (2, 3)
+    assert usage.error.code == grpc.StatusCode.CANCELLED.value[0]
+    assert later.WhichOneof("result") == "allocate_slots_batch"
+    assert (later.allocate_slots_batch.num_run, later.allocate_slots_batch.num_requests) == (0, 2)
+    assert zeroing.state() != before  # a's append ran
+    assert zeroing.client.get_request("b").num_tokens == BLOCK
+
+    builder = StepBuilder()
+    handles = [builder.append_tokens(r, [1]) for r in ("a", "nope", "b")]
+    skipped = builder.get_usage()
+    results = zeroing.client.step(builder, stop_on_error=True)
+    assert results.error(handles[0]) is None
+    assert isinstance(results.error(handles[1]), RequestNotFoundError)
+    assert isinstance(results.error(handles[2]), NotRunError)
+    assert isinstance(results.error(skipped), NotRunError)
+    assert sorted(results.errors) == [1, 2, 3]
+    assert not results.ok and len(results) == 4
+    zeroing.finish()
+
+
+def test_each_entry_counts_against_the_step_limit() -> None:
+    """max_step_ops 2: a one-operation step whose batch holds 3 entries is refused
+    whole (INVALID_ARGUMENT, nothing run), as three single operations would be."""
+    config = dataclasses.replace(ZEROING_POOL, max_step_ops=2)
+    with twin(config) as server:
+        server.client.add_request("a", tokens(BLOCK))
+        before = server.state()
+        with pytest.raises(grpc.RpcError) as info:
+            step(server, appends(["a", "a", "a"], [1, 2, 3]))
+        assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "has 3 operations" in (info.value.details() or "")
+        assert server.state() == before
+        assert len(step(server, appends(["a", "a"], [1, 2])).results) == 1
+        server.finish()
+
+
+@pytest.mark.parametrize("runtime", ["none", "torch"])
+def test_copies_and_zeroing_columns_match_single_answers(runtime: str) -> None:
+    """A partial-block hit on the hybrid pool, then its owner decoding on: every
+    allocation's blocks, blocks to zero (or zeroed by the co-located runtime) and
+    copy-on-write copies read the same coalesced as alone, the columnar rows
+    included."""
+    config = dataclasses.replace(HYBRID_POOL, runtime=runtime, device="cpu")
+    with twin(config) as coalesced, twin(config) as plain:
+        answers: list[list[Any]] = []
+        for server, coalesce in ((coalesced, True), (plain, False)):
+            client = server.client
+            client.add_request("req0", [11, 12, 13, 14])
+            assert client.allocate_slots("req0", 4, client.get_computed_blocks("req0"))
+            client.add_request("req1", [11, 12, 13, 14, 15, 16, 17, 18])
+            hit = client.get_computed_blocks("req1")
+            assert hit.num_computed_tokens == 4
+            builder = StepBuilder(coalesce=coalesce)
+            handles: list[OpHandle[Any]] = [
+                builder.allocate_slots("req1", 4, hit),
+                builder.append_tokens("req0", [15]),
+                builder.allocate_slots("req0", 1),
+                builder.allocate_slots("req1", 1),
+                builder.append_tokens("req0", [16]),
+                builder.allocate_slots("req0", 5),
+            ]
+            results = client.step(builder)
+            answers.append([results[h] for h in handles])
+        assert answers[0] == answers[1]
+        assert coalesced.state() == plain.state()
+        # req0's plain allocation (a columnar entry when coalesced) moves the partial
+        # Mamba entry it owns to a private copy: the copy columns carry it.
+        owner = answers[0][2]
+        assert isinstance(owner, Allocation)
+        if runtime == "none":
+            assert owner.block_copies_to_apply and owner.block_ids_to_zero
+        else:
+            assert owner.block_copies_applied and owner.block_ids_zeroed
+        coalesced.finish()
+        plain.finish()
+
+
+def test_a_session_stream_carries_columnar_operations(zeroing: Twin) -> None:
+    """The same decode step over StepStream (a session) as over Step: columnar on the
+    wire, each handle reading its own allocation and request state."""
+    client = zeroing.client
+    for rid in "ab":
+        client.add_request(rid, tokens(BLOCK))
+        assert client.allocate_slots(rid, BLOCK) is not None
+    session = client.session()
+    try:
+        builder = StepBuilder()
+        appended = [builder.append_tokens(rid, [9]) for rid in "ab"]
+        allocated = [builder.allocate_slots(rid, 1) for rid in "ab"]
+        assert len(builder.to_pb().ops) == 2
+        results = session.step(builder)
+    finally:
+        session.close()
+    for rid, handle in zip("ab", appended, strict=True):
+        state = results[handle]
+        assert (state.request_id, state.num_tokens) == (rid, BLOCK + 1)
+    blocks = [results[handle] for handle in allocated]
+    assert all(a is not None and len(a.new_block_ids[0]) == 1 for a in blocks)
+    assert [a.block_ids_to_zero for a in blocks if a] == [a.new_block_ids[0] for a in blocks if a]
+    assert results.ok and len(results) == 4
+    zeroing.finish()
+
+
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_a_value_the_message_refuses_leaves_the_builder_as_it_was(coalesce: bool) -> None:
+    """A token or count past int64 raises when added, coalescing or not, and the
+    builder sends exactly what it held before (no half-added entry, no empty batch)."""
+    builder = StepBuilder(coalesce=coalesce)
+    builder.append_tokens("a", [1])
+    before = builder.to_pb().SerializeToString()
+    with pytest.raises(ValueError):
+        builder.append_tokens("b", [2**70])
+    with pytest.raises(ValueError):
+        builder.allocate_slots("b", 2**70)
+    assert builder.to_pb().SerializeToString() == before
+    assert len(builder) == 1
+    builder.allocate_slots("a", 1)
+    assert len(builder) == 2 and len(builder.to_pb().ops) == 2
