@@ -101,7 +101,13 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("model_name", str, "the model_name label of every metric", "model_name"),
     Option("engine", str, "the engine label of every metric", "engine"),
-    Option("shutdown_grace", float, "seconds in-flight RPCs get on shutdown", "shutdown_grace_s"),
+    Option(
+        "shutdown_grace",
+        float,
+        "seconds the calls and streams already running get to finish on SIGTERM/SIGINT "
+        "(new calls are refused UNAVAILABLE meanwhile)",
+        "shutdown_grace_s",
+    ),
     Option("max_message_bytes", int, "largest gRPC message accepted", "max_message_bytes"),
     Option("max_step_ops", int, "most operations one Step message may carry", "max_step_ops"),
     Option(
