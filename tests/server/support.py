@@ -37,6 +37,24 @@ SMALL_POOL = ServerConfig(
     shutdown_grace_s=0,
 )
 
+# Full attention and Mamba (two groups), 8-token blocks hashed every 4 tokens: partial
+# prefix hits and their copy-on-write copies; fresh blocks are listed for zeroing.
+HYBRID_POOL = ServerConfig(
+    port=0,
+    metrics_port=None,
+    num_blocks=20,
+    block_size=8,
+    mamba_block_size=8,
+    hash_block_size=4,
+    max_model_len=64,
+    num_layers=2,
+    num_kv_heads=1,
+    head_size=4,
+    dtype="float32",
+    shutdown_grace_s=0,
+    needs_kv_cache_zeroing=True,
+)
+
 
 @contextlib.asynccontextmanager
 async def running_server(config: ServerConfig = SMALL_POOL) -> AsyncIterator[KVCacheServer]:

@@ -15,26 +15,11 @@ import torch
 from kvservice.client import AsyncKVClient, FreeMode, StepBuilder
 from kvservice.client.types import Allocation
 from kvservice.core.errors import InvalidArgumentError
-from kvservice.server import ServerConfig, serve_in_background
+from kvservice.server import serve_in_background
 from kvservice.server.config import build_kv_cache_config
 from kvservice.server.settings import load_settings
+from tests.server.support import HYBRID_POOL
 
-# Full attention and Mamba with 8-token blocks, hashed every 4 tokens.
-HYBRID_POOL = ServerConfig(
-    port=0,
-    metrics_port=None,
-    num_blocks=20,
-    block_size=8,
-    mamba_block_size=8,
-    hash_block_size=4,
-    max_model_len=64,
-    num_layers=2,
-    num_kv_heads=1,
-    head_size=4,
-    dtype="float32",
-    shutdown_grace_s=0,
-    needs_kv_cache_zeroing=True,
-)
 PROMPT = [11, 12, 13, 14]  # one hash block: its state and KV are a partial entry
 
 

@@ -30,6 +30,7 @@ from kvservice.client import (
 from kvservice.server import ServerConfig
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from tests.server import support
 from tests.server.fuzz_support import (
     CALL_TIMEOUT_S,
     allocator_state,
@@ -41,24 +42,7 @@ from tests.server.support import SMALL_POOL, ThreadedServer, server_in_thread, t
 BLOCK = SMALL_POOL.block_size
 # The small pool with zeroing on: every allocation lists its fresh blocks to zero.
 ZEROING_POOL = dataclasses.replace(SMALL_POOL, needs_kv_cache_zeroing=True, none_hash_seed="c")
-# Full attention and Mamba (two groups), 8-token blocks hashed every 4 tokens: partial
-# hits and their copy-on-write copies.
-HYBRID_POOL = ServerConfig(
-    port=0,
-    metrics_port=None,
-    num_blocks=20,
-    block_size=8,
-    mamba_block_size=8,
-    hash_block_size=4,
-    max_model_len=64,
-    num_layers=2,
-    num_kv_heads=1,
-    head_size=4,
-    dtype="float32",
-    shutdown_grace_s=0,
-    needs_kv_cache_zeroing=True,
-    none_hash_seed="c",
-)
+HYBRID_POOL = dataclasses.replace(support.HYBRID_POOL, none_hash_seed="c")
 OPS_FIELD = "ops"
 
 
