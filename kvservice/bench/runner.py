@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from kvservice.bench.progress import Progress
 from kvservice.bench.server import ChildServer, process_cpu_seconds
-from kvservice.client import KVClient
+from kvservice.client import AdmitOptions, KVClient
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.scheduler import (
     AdmittedIds,
@@ -169,20 +169,18 @@ class CountingBackend:
         self,
         request_ids: Sequence[str],
         token_budget: int,
-        *,
-        enable_chunked_prefill: bool,
-        num_lookahead_tokens: int,
-        full_sequence_must_fit: bool,
+        options: AdmitOptions,
     ) -> list[AdmittedIds]:
         admitted = self.inner.admit(
             request_ids,
             token_budget,
-            enable_chunked_prefill=enable_chunked_prefill,
-            num_lookahead_tokens=num_lookahead_tokens,
-            full_sequence_must_fit=full_sequence_must_fit,
+            options,
         )
         self.num_ops += admit_ops(
-            len(request_ids), admitted, token_budget, enable_chunked_prefill=enable_chunked_prefill
+            len(request_ids),
+            admitted,
+            token_budget,
+            enable_chunked_prefill=options.enable_chunked_prefill,
         )
         return admitted
 
@@ -263,18 +261,13 @@ class TimedBackend:
         self,
         request_ids: Sequence[str],
         token_budget: int,
-        *,
-        enable_chunked_prefill: bool,
-        num_lookahead_tokens: int,
-        full_sequence_must_fit: bool,
+        options: AdmitOptions,
     ) -> list[AdmittedIds]:
         start = time.perf_counter_ns()
         admitted = self.inner.admit(
             request_ids,
             token_budget,
-            enable_chunked_prefill=enable_chunked_prefill,
-            num_lookahead_tokens=num_lookahead_tokens,
-            full_sequence_must_fit=full_sequence_must_fit,
+            options,
         )
         self.elapsed_ns += time.perf_counter_ns() - start
         return admitted

@@ -35,6 +35,7 @@ from kvservice.client.events import (
 from kvservice.client.step import OpHandle, StepBuilder, StepResults
 from kvservice.client.sync import KVClient, Lease, Session
 from kvservice.client.types import (
+    AdmitOptions,
     AdmitResult,
     AdmitStopReason,
     Admitted,
@@ -57,6 +58,7 @@ from kvservice.client.types import (
 )
 
 __all__ = [
+    "AdmitOptions",
     "AdmitResult",
     "AdmitStopReason",
     "Admitted",

@@ -11,6 +11,7 @@ from typing import Any, Generic, TypeVar
 
 from kvservice.client.types import (
     OMITTED_REQUEST_STATE,
+    AdmitOptions,
     AdmitResult,
     AdmitStopReason,
     Admitted,
@@ -125,6 +126,7 @@ def _allocation(msg: pb.AllocateSlotsResponse) -> Allocation | None:
     )
 
 
+_DEFAULT_ADMIT = AdmitOptions()
 _ADMIT_STOPS = {
     pb.ADMIT_STOP_REASON_ALL_ADMITTED: AdmitStopReason.ALL_ADMITTED,
     pb.ADMIT_STOP_REASON_BUDGET_SPENT: AdmitStopReason.BUDGET_SPENT,
@@ -263,19 +265,16 @@ def allocate_slots(
 
 
 def admit(
-    request_ids: Sequence[str],
-    token_budget: int,
-    enable_chunked_prefill: bool,
-    num_lookahead_tokens: int,
-    full_sequence_must_fit: bool,
+    request_ids: Sequence[str], token_budget: int, options: AdmitOptions | None = None
 ) -> Op[AdmitResult]:
     ids = list(request_ids)
+    options = options or _DEFAULT_ADMIT
     message = pb.AdmitRequest(
         request_ids=ids,
         token_budget=token_budget,
-        enable_chunked_prefill=enable_chunked_prefill,
-        num_lookahead_tokens=num_lookahead_tokens,
-        full_sequence_must_fit=full_sequence_must_fit,
+        enable_chunked_prefill=options.enable_chunked_prefill,
+        num_lookahead_tokens=options.num_lookahead_tokens,
+        full_sequence_must_fit=options.full_sequence_must_fit,
     )
     return Op("Admit", "admit", message, _admit_result(ids))
 

@@ -17,6 +17,7 @@ from kvservice.client.errors import KVServiceError, error_for, error_from_rpc
 from kvservice.client.events import EventStreamItem, StreamDecoder
 from kvservice.client.step import StepBuilder, StepResults
 from kvservice.client.types import (
+    AdmitOptions,
     AdmitResult,
     AllocateOptions,
     Allocation,
@@ -241,10 +242,7 @@ class AsyncKVClient:
         self,
         request_ids: Sequence[str],
         token_budget: int,
-        *,
-        enable_chunked_prefill: bool = True,
-        num_lookahead_tokens: int = 0,
-        full_sequence_must_fit: bool = False,
+        options: AdmitOptions | None = None,
     ) -> AdmitResult:
         """Admit waiting requests in order within ``token_budget``, as vLLM's
         scheduler does: for each, the prefix lookup, its share of the budget, then
@@ -254,9 +252,7 @@ class AsyncKVClient:
             _wire.admit(
                 request_ids,
                 token_budget,
-                enable_chunked_prefill,
-                num_lookahead_tokens,
-                full_sequence_must_fit,
+                options,
             )
         )
 

@@ -28,6 +28,7 @@ from typing import Any, Generic, NamedTuple, TypeVar
 from kvservice.client import _wire
 from kvservice.client.errors import KVServiceError, error_for_number
 from kvservice.client.types import (
+    AdmitOptions,
     AdmitResult,
     AllocateOptions,
     Allocation,
@@ -195,18 +196,13 @@ class StepBuilder:
         self,
         request_ids: Sequence[str],
         token_budget: int,
-        *,
-        enable_chunked_prefill: bool = True,
-        num_lookahead_tokens: int = 0,
-        full_sequence_must_fit: bool = False,
+        options: AdmitOptions | None = None,
     ) -> OpHandle[AdmitResult]:
         return self._add(
             _wire.admit(
                 request_ids,
                 token_budget,
-                enable_chunked_prefill,
-                num_lookahead_tokens,
-                full_sequence_must_fit,
+                options,
             )
         )
 

@@ -225,6 +225,17 @@ class ProbeResult:
     would_fit: bool
 
 
+@dataclass(frozen=True, slots=True)
+class AdmitOptions:
+    """How ``admit`` sizes and allocates each admission; the defaults are vLLM's."""
+
+    # Off: a request whose uncached tokens exceed the budget left stops admission
+    # instead of getting a chunk.
+    enable_chunked_prefill: bool = True
+    num_lookahead_tokens: int = 0  # passed to every allocate_slots
+    full_sequence_must_fit: bool = False  # passed to every allocate_slots
+
+
 class AdmitStopReason(enum.Enum):
     """Why an ``admit`` stopped."""
 

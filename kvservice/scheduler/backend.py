@@ -13,7 +13,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvservice.client import KVClient
-from kvservice.client.types import AdmitResult, AllocateOptions, ComputedBlocks, FreeMode
+from kvservice.client.types import (
+    AdmitOptions,
+    AdmitResult,
+    AllocateOptions,
+    ComputedBlocks,
+    FreeMode,
+)
 from kvservice.core.admission import admit_in_order
 from kvservice.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvservice.core.request import Request, RequestStatus
@@ -127,10 +133,7 @@ class Backend(Protocol):
         self,
         request_ids: Sequence[str],
         token_budget: int,
-        *,
-        enable_chunked_prefill: bool,
-        num_lookahead_tokens: int,
-        full_sequence_must_fit: bool,
+        options: AdmitOptions,
     ) -> list[AdmittedIds]: ...
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None: ...
@@ -204,15 +207,12 @@ class InProcessBackend:
         self,
         request_ids: Sequence[str],
         token_budget: int,
-        *,
-        enable_chunked_prefill: bool,
-        num_lookahead_tokens: int,
-        full_sequence_must_fit: bool,
+        options: AdmitOptions,
     ) -> list[AdmittedIds]:
         """``admit_in_order`` over this backend's own lookup and allocation, so the
         request bookkeeping stays in one place. Checks every id before admitting any:
         a refused call changes nothing."""
-        self._check_admissible(request_ids, token_budget, num_lookahead_tokens)
+        self._check_admissible(request_ids, token_budget, options.num_lookahead_tokens)
 
         def lookup(request_id: str) -> tuple[PrefixHit, int]:
             hit = self.get_computed_blocks(request_id)
@@ -226,14 +226,14 @@ class InProcessBackend:
                 request_id,
                 num_new_tokens,
                 hit if num_hit_tokens else None,
-                num_lookahead_tokens,
-                full_sequence_must_fit,
+                options.num_lookahead_tokens,
+                options.full_sequence_must_fit,
             )
 
         result = admit_in_order(
             request_ids,
             token_budget,
-            enable_chunked_prefill,
+            options.enable_chunked_prefill,
             num_tokens=lambda request_id: self._requests[request_id].num_tokens,
             lookup=lookup,
             allocate=allocate,
@@ -322,18 +322,13 @@ class RemoteBackend:
         self,
         request_ids: Sequence[str],
         token_budget: int,
-        *,
-        enable_chunked_prefill: bool,
-        num_lookahead_tokens: int,
-        full_sequence_must_fit: bool,
+        options: AdmitOptions,
     ) -> list[AdmittedIds]:
         """One ``Admit`` RPC: the server runs the admissions next to its pool."""
         result = self.client.admit(
             request_ids,
             token_budget,
-            enable_chunked_prefill=enable_chunked_prefill,
-            num_lookahead_tokens=num_lookahead_tokens,
-            full_sequence_must_fit=full_sequence_must_fit,
+            options,
         )
         return admitted_from_result(result)
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from kvservice.client import (
+    AdmitOptions,
     AllocateOptions,
     Allocation,
     FreeMode,
@@ -138,19 +139,14 @@ class BatchingBackend:
         self,
         request_ids: Sequence[str],
         token_budget: int,
-        *,
-        enable_chunked_prefill: bool,
-        num_lookahead_tokens: int,
-        full_sequence_must_fit: bool,
+        options: AdmitOptions,
     ) -> list[AdmittedIds]:
         """The step's admissions in the message that carries everything deferred so
         far (the running requests' allocations included): one round trip."""
         handle = self._builder.admit(
             request_ids,
             token_budget,
-            enable_chunked_prefill=enable_chunked_prefill,
-            num_lookahead_tokens=num_lookahead_tokens,
-            full_sequence_must_fit=full_sequence_must_fit,
+            options,
         )
         # The usage read _send_now appends runs after the admissions: the free lower
         # bound it sets already counts their blocks.

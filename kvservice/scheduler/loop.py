@@ -18,6 +18,7 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvservice.client.types import AdmitOptions
 from kvservice.scheduler.backend import AllocatedIds, Backend, BlockIds, resolve_ids
 from kvservice.workloads.specs import RequestSpec
 
@@ -134,6 +135,11 @@ class Scheduler:
         self.running: list[_Tracked] = []
         self.step_index = 0
         self.finished_order: list[str] = []
+        self._admit_options = AdmitOptions(
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            num_lookahead_tokens=config.num_lookahead_tokens,
+            full_sequence_must_fit=config.full_sequence_must_fit,
+        )
 
     @property
     def done(self) -> bool:
@@ -282,9 +288,7 @@ class Scheduler:
         admitted = self.backend.admit(
             [request.request_id for request in candidates],
             plan.token_budget,
-            enable_chunked_prefill=self.config.enable_chunked_prefill,
-            num_lookahead_tokens=self.config.num_lookahead_tokens,
-            full_sequence_must_fit=self.config.full_sequence_must_fit,
+            self._admit_options,
         )
         if [item.request_id for item in admitted] != [
             request.request_id for request in candidates[: len(admitted)]

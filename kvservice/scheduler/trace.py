@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvservice.client.types import AdmitOptions
 from kvservice.scheduler.backend import (
     AdmittedIds,
     AllocatedIds,
@@ -99,18 +100,14 @@ def _admitted_to_json(admitted: Sequence[AdmittedIds]) -> list[dict[str, Any]]:
 
 
 def _admit_args(
-    request_ids: Sequence[str],
-    token_budget: int,
-    enable_chunked_prefill: bool,
-    num_lookahead_tokens: int,
-    full_sequence_must_fit: bool,
+    request_ids: Sequence[str], token_budget: int, options: AdmitOptions
 ) -> dict[str, Any]:
     return {
         "request_ids": list(request_ids),
         "token_budget": token_budget,
-        "enable_chunked_prefill": enable_chunked_prefill,
-        "num_lookahead_tokens": num_lookahead_tokens,
-        "full_sequence_must_fit": full_sequence_must_fit,
+        "enable_chunked_prefill": options.enable_chunked_prefill,
+        "num_lookahead_tokens": options.num_lookahead_tokens,
+        "full_sequence_must_fit": options.full_sequence_must_fit,
     }
 
 
@@ -119,9 +116,11 @@ def _admit(backend: Backend, args: dict[str, Any]) -> list[AdmittedIds]:
     return backend.admit(
         [str(request_id) for request_id in args["request_ids"]],
         int(args["token_budget"]),
-        enable_chunked_prefill=bool(args["enable_chunked_prefill"]),
-        num_lookahead_tokens=int(args["num_lookahead_tokens"]),
-        full_sequence_must_fit=bool(args["full_sequence_must_fit"]),
+        AdmitOptions(
+            enable_chunked_prefill=bool(args["enable_chunked_prefill"]),
+            num_lookahead_tokens=int(args["num_lookahead_tokens"]),
+            full_sequence_must_fit=bool(args["full_sequence_must_fit"]),
+        ),
     )
 
 
@@ -183,24 +182,17 @@ class TracingBackend:
         self,
         request_ids: Sequence[str],
         token_budget: int,
-        *,
-        enable_chunked_prefill: bool,
-        num_lookahead_tokens: int,
-        full_sequence_must_fit: bool,
+        options: AdmitOptions,
     ) -> list[AdmittedIds]:
         args = _admit_args(
             request_ids,
             token_budget,
-            enable_chunked_prefill,
-            num_lookahead_tokens,
-            full_sequence_must_fit,
+            options,
         )
         admitted = self.inner.admit(
             request_ids,
             token_budget,
-            enable_chunked_prefill=enable_chunked_prefill,
-            num_lookahead_tokens=num_lookahead_tokens,
-            full_sequence_must_fit=full_sequence_must_fit,
+            options,
         )
         if _any_pending(admitted):
             self._unresolved.append((len(self.entries), lambda: _admitted_to_json(admitted)))

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvservice.client import KVClient, RequestNotFoundError
+from kvservice.client import AdmitOptions, KVClient, RequestNotFoundError
 from kvservice.scheduler import (
     Backend,
     BatchingBackend,
@@ -383,9 +383,7 @@ def test_in_process_admit_refuses_bad_ids_and_changes_nothing() -> None:
         admitted = backend.admit(
             request_ids,
             token_budget,
-            enable_chunked_prefill=True,
-            num_lookahead_tokens=0,
-            full_sequence_must_fit=True,
+            AdmitOptions(full_sequence_must_fit=True),
         )
         return [(item.request_id, item.num_new_tokens) for item in admitted]
 

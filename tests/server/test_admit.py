@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvservice.client import AdmitStopReason, AsyncKVClient, StepBuilder
+from kvservice.client import AdmitOptions, AdmitStopReason, AsyncKVClient, StepBuilder
 from kvservice.core.admission import AdmitStop
 from kvservice.server.admission import AdmitArgs, admit
 from kvservice.server.allocator import AllocateArgs, Allocator, FreeMode, NewRequest
@@ -28,6 +28,7 @@ from tests.server.support import (
 )
 
 BLOCK = SMALL_POOL.block_size
+MUST_FIT = AdmitOptions(full_sequence_must_fit=True)
 TENANT = ""
 
 
@@ -205,10 +206,10 @@ async def test_unary_and_step_admit_answer_alike_and_the_client_decodes_them() -
                 await client.add_request(name, tokens(32) + tokens(8, start=ord(name) * 10))
             if via_step:
                 step = StepBuilder(omit_request_state=True)
-                handle = step.admit(["x", "y", "z"], 90, full_sequence_must_fit=True)
+                handle = step.admit(["x", "y", "z"], 90, MUST_FIT)
                 result = (await client.step(step))[handle]
             else:
-                result = await client.admit(["x", "y", "z"], 90, full_sequence_must_fit=True)
+                result = await client.admit(["x", "y", "z"], 90, MUST_FIT)
                 assert result.admitted[0].allocation.request.num_computed_tokens == 40
             answers.append(
                 [
