@@ -12,12 +12,14 @@ from hypothesis import strategies as st
 
 from kvservice.client import AdmitOptions, AdmitStopReason, AsyncKVClient, StepBuilder
 from kvservice.core.admission import AdmitStop
+from kvservice.server import ServerConfig
 from kvservice.server.admission import AdmitArgs, admit
 from kvservice.server.allocator import AllocateArgs, Allocator, FreeMode, NewRequest
 from kvservice.server.config import build_manager
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from tests.server.fuzz_support import allocator_state
 from tests.server.support import (
+    HYBRID_POOL,
     SMALL_POOL,
     add,
     allocate,
@@ -32,8 +34,10 @@ MUST_FIT = AdmitOptions(full_sequence_must_fit=True)
 TENANT = ""
 
 
-def fresh_allocator(quotas: dict[str, int] | None = None) -> Allocator:
-    return Allocator(build_manager(SMALL_POOL), quotas=quotas)
+def fresh_allocator(
+    quotas: dict[str, int] | None = None, config: ServerConfig = SMALL_POOL
+) -> Allocator:
+    return Allocator(build_manager(config), quotas=quotas)
 
 
 def one_by_one(allocator: Allocator, args: AdmitArgs, tenant: str = TENANT) -> tuple[Any, ...]:
@@ -64,7 +68,15 @@ def one_by_one(allocator: Allocator, args: AdmitArgs, tenant: str = TENANT) -> t
         )
         if allocation.new_block_ids is None:
             return tuple(admitted), AdmitStop.NO_SPACE
-        admitted.append((request_id, hit, num_new_tokens, allocation.new_block_ids))
+        admitted.append(
+            (
+                request_id,
+                hit,
+                num_new_tokens,
+                allocation.new_block_ids,
+                allocation.block_copies_to_apply,
+            )
+        )
         budget -= num_new_tokens
     return tuple(admitted), AdmitStop.ALL_ADMITTED
 
@@ -72,38 +84,54 @@ def one_by_one(allocator: Allocator, args: AdmitArgs, tenant: str = TENANT) -> t
 def in_one_call(allocator: Allocator, args: AdmitArgs, tenant: str = TENANT) -> tuple[Any, ...]:
     result = admit(allocator, args, tenant)
     admitted = tuple(
-        (a.request_id, a.hit, a.num_new_tokens, a.allocation.new_block_ids) for a in result.admitted
+        (
+            a.request_id,
+            a.hit,
+            a.num_new_tokens,
+            a.allocation.new_block_ids,
+            a.allocation.block_copies_to_apply,
+        )
+        for a in result.admitted
     )
     return admitted, result.stop
 
 
-# Prompts built from a few shared 16-token blocks, so lookups hit.
-prompts = st.lists(st.integers(0, 3), min_size=1, max_size=5).map(
-    lambda blocks: [t for b in blocks for t in tokens(BLOCK, start=100 * b)]
-)
+# A pool and the length of the chunks its prompts share: whole blocks on the plain
+# pool; on the hybrid one (8-token blocks hashed every 4 tokens) half blocks, so hits
+# end inside a block and take copy-on-write copies.
+POOLS = {"full": (SMALL_POOL, BLOCK), "hybrid": (HYBRID_POOL, 4)}
 
 
-@settings(max_examples=60, deadline=None)
+def prompts(chunk: int) -> st.SearchStrategy[list[int]]:
+    return st.lists(st.integers(0, 3), min_size=1, max_size=5).map(
+        lambda chunks: [t for c in chunks for t in tokens(chunk, start=100 * c)]
+    )
+
+
+@pytest.mark.parametrize("pool", sorted(POOLS))
+@settings(max_examples=50, deadline=None)
 @given(
-    cached=st.lists(prompts, max_size=3),
-    waiting=st.lists(prompts, min_size=1, max_size=5),
+    data=st.data(),
     token_budget=st.integers(0, 120),
     enable_chunked_prefill=st.booleans(),
     num_lookahead_tokens=st.integers(0, 20),
     full_sequence_must_fit=st.booleans(),
 )
 def test_admit_decides_as_the_scheduler_loop_does(
-    cached: list[list[int]],
-    waiting: list[list[int]],
+    pool: str,
+    data: st.DataObject,
     token_budget: int,
     enable_chunked_prefill: bool,
     num_lookahead_tokens: int,
     full_sequence_must_fit: bool,
 ) -> None:
     """Two identical pools: one admits in one call, the other one request at a time.
-    Same admissions (hits, token shares, block ids), same stop, and the same pool
-    afterwards, down to the free queue's order and the prefix cache counters."""
-    twins = fresh_allocator(), fresh_allocator()
+    Same admissions (hits, token shares, block ids, copies), same stop, and the same
+    pool afterwards, down to the free queue's order and the prefix cache counters."""
+    config, chunk = POOLS[pool]
+    cached = data.draw(st.lists(prompts(chunk), max_size=3))
+    waiting = data.draw(st.lists(prompts(chunk), min_size=1, max_size=5))
+    twins = fresh_allocator(config=config), fresh_allocator(config=config)
     for allocator in twins:
         # Earlier requests, finished: their blocks stay cached for the lookups.
         for i, prompt in enumerate(cached):
