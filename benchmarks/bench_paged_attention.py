@@ -210,12 +210,18 @@ def _dense_variants(
         # [B, Hq, 1, D] -> [B, Hkv, group, D]: a KV head's query heads are the rows.
         grouped = query.reshape(batch, num_kv_heads, num_q_heads // num_kv_heads, head_size)
         scale = head_size**-0.5
+        # Converted into buffers allocated once, as the paged path does: a fresh fp32
+        # copy of the whole K/V per call costs page faults, not attention.
+        keys = torch.empty(dense_kv.shape[2:], dtype=torch.float32, device=device)
+        values = torch.empty_like(keys)
 
         def f32_matmul() -> object:
             turn["f32-matmul"] = (turn["f32-matmul"] + 1) % layers
             kv = dense_kv[turn["f32-matmul"]]
-            scores = (grouped.float() * scale) @ kv[0].float().transpose(-1, -2)
-            out = torch.softmax(scores, dim=-1) @ kv[1].float()
+            keys.copy_(kv[0])
+            values.copy_(kv[1])
+            scores = (grouped.float() * scale) @ keys.transpose(-1, -2)
+            out = torch.softmax(scores, dim=-1) @ values
             return out.reshape(batch, num_q_heads, 1, head_size).to(query.dtype)
 
         variants["f32-matmul"] = f32_matmul
