@@ -171,11 +171,7 @@ class CountingBackend:
         token_budget: int,
         options: AdmitOptions,
     ) -> list[AdmittedIds]:
-        admitted = self.inner.admit(
-            request_ids,
-            token_budget,
-            options,
-        )
+        admitted = self.inner.admit(request_ids, token_budget, options)
         self.num_ops += admit_ops(
             len(request_ids),
             admitted,
@@ -264,11 +260,7 @@ class TimedBackend:
         options: AdmitOptions,
     ) -> list[AdmittedIds]:
         start = time.perf_counter_ns()
-        admitted = self.inner.admit(
-            request_ids,
-            token_budget,
-            options,
-        )
+        admitted = self.inner.admit(request_ids, token_budget, options)
         self.elapsed_ns += time.perf_counter_ns() - start
         return admitted
 

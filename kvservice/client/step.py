@@ -198,13 +198,7 @@ class StepBuilder:
         token_budget: int,
         options: AdmitOptions | None = None,
     ) -> OpHandle[AdmitResult]:
-        return self._add(
-            _wire.admit(
-                request_ids,
-                token_budget,
-                options,
-            )
-        )
+        return self._add(_wire.admit(request_ids, token_budget, options))
 
     def free(self, request_id: str, mode: FreeMode = FreeMode.FINISH) -> OpHandle[FreeResult]:
         return self._add(_wire.free(request_id, mode))

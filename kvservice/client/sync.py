@@ -170,13 +170,7 @@ class KVClient:
         scheduler does: for each, the prefix lookup, its share of the budget, then
         allocate_slots with the hit; stops at the first that does not fit (see
         ``AdmitResult.stop_reason``). One call for what takes two per request."""
-        return self._call(
-            _wire.admit(
-                request_ids,
-                token_budget,
-                options,
-            )
-        )
+        return self._call(_wire.admit(request_ids, token_budget, options))
 
     def free(self, request_id: str, mode: FreeMode = FreeMode.FINISH) -> FreeResult:
         """Release the request's blocks; PREEMPT keeps it for re-prefill."""

@@ -325,11 +325,7 @@ class RemoteBackend:
         options: AdmitOptions,
     ) -> list[AdmittedIds]:
         """One ``Admit`` RPC: the server runs the admissions next to its pool."""
-        result = self.client.admit(
-            request_ids,
-            token_budget,
-            options,
-        )
+        result = self.client.admit(request_ids, token_budget, options)
         return admitted_from_result(result)
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:

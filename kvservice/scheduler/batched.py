@@ -143,11 +143,7 @@ class BatchingBackend:
     ) -> list[AdmittedIds]:
         """The step's admissions in the message that carries everything deferred so
         far (the running requests' allocations included): one round trip."""
-        handle = self._builder.admit(
-            request_ids,
-            token_budget,
-            options,
-        )
+        handle = self._builder.admit(request_ids, token_budget, options)
         # The usage read _send_now appends runs after the admissions: the free lower
         # bound it sets already counts their blocks.
         result = self._send_now()[handle]

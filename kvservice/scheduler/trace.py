@@ -184,16 +184,8 @@ class TracingBackend:
         token_budget: int,
         options: AdmitOptions,
     ) -> list[AdmittedIds]:
-        args = _admit_args(
-            request_ids,
-            token_budget,
-            options,
-        )
-        admitted = self.inner.admit(
-            request_ids,
-            token_budget,
-            options,
-        )
+        args = _admit_args(request_ids, token_budget, options)
+        admitted = self.inner.admit(request_ids, token_budget, options)
         if _any_pending(admitted):
             self._unresolved.append((len(self.entries), lambda: _admitted_to_json(admitted)))
             self._record("admit", args)
