@@ -1,0 +1,150 @@
+"""What each server layer adds to a decode step, side by side on the same loop.
+
+A decode step of ``--requests`` running requests: every request appends one sampled
+token and allocates one slot. The same steps run through three layers, each on its own
+pool built the same way, in interleaved rounds:
+
+* ``core``: ``Request.append_output_token_ids`` + ``KVCacheManager.allocate_slots``
+  (what the in-process scheduler backend pays);
+* ``allocator``: the server's ``Allocator`` (request table, argument checks, metrics
+  batching, tenant and copy bookkeeping) inside ``Allocator.batched``;
+* ``step``: the server's ``StepRunner`` on a serialized ``StepRequest`` as the
+  scheduler's batching backends build it (``StepBuilder`` with coalescing and
+  ``omit_request_state``: one AppendTokensBatch and one AllocateSlotsBatch), parsed,
+  run and answered as bytes, without the transport.
+
+Prints microseconds per request per step (one append plus one allocation) and each
+layer's cost as a ratio to the core's, medians over rounds.
+
+Run: ``python -m benchmarks.bench_decode_layers [--requests 256] [--steps 40]
+[--rounds 5]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+from kvservice.client import StepBuilder
+from kvservice.core.request import Request
+from kvservice.server.allocator import AllocateArgs, Allocator, NewRequest
+from kvservice.server.config import ServerConfig, build_manager
+from kvservice.server.gen import kv_cache_service_pb2 as pb
+from kvservice.server.metrics import KVCacheMetrics
+from kvservice.server.step import StepRunner
+
+PROMPT_LEN = 100
+ONE = AllocateArgs(num_new_tokens=1)
+
+
+def pool(num_requests: int, steps: int) -> ServerConfig:
+    # Room for every request's prompt and decodes, so no allocation meets a full pool.
+    blocks = num_requests * ((PROMPT_LEN + steps) // 16 + 2) + 1
+    return ServerConfig(num_blocks=blocks, block_size=16, max_model_len=PROMPT_LEN + steps + 16)
+
+
+def prompt(i: int) -> list[int]:
+    return list(range(i * 1000, i * 1000 + PROMPT_LEN))
+
+
+def core_steps(num_requests: int, steps: int) -> Callable[[], None]:
+    manager = build_manager(pool(num_requests, steps))
+    requests = []
+    for i in range(num_requests):
+        request = Request(f"r{i}", prompt(i), manager.block_hasher)
+        manager.allocate_slots(request, PROMPT_LEN)
+        request.num_computed_tokens = PROMPT_LEN
+        requests.append(request)
+
+    def run() -> None:
+        for token in range(steps):
+            for request in requests:
+                request.append_output_token_ids([token])
+                manager.allocate_slots(request, 1)
+                request.num_computed_tokens += 1
+
+    return run
+
+
+def _allocator(num_requests: int, steps: int) -> Allocator:
+    manager = build_manager(pool(num_requests, steps))
+    allocator = Allocator(manager, KVCacheMetrics(manager, "bench", "0"))
+    for i in range(num_requests):
+        allocator.add_request(NewRequest(f"r{i}", prompt(i)), "")
+        allocator.allocate_slots(f"r{i}", AllocateArgs(num_new_tokens=PROMPT_LEN), "")
+    return allocator
+
+
+def allocator_steps(num_requests: int, steps: int) -> Callable[[], None]:
+    allocator = _allocator(num_requests, steps)
+    ids = [f"r{i}" for i in range(num_requests)]
+
+    def run() -> None:
+        for token in range(steps):
+            with allocator.batched():
+                for rid in ids:
+                    allocator.append_tokens(rid, [token], "")
+                    allocator.allocate_slots(rid, ONE, "")
+
+    return run
+
+
+def step_path(num_requests: int, steps: int) -> Callable[[], None]:
+    runner = StepRunner(_allocator(num_requests, steps), max_ops=4 * num_requests)
+    messages = []
+    for token in range(steps):
+        builder = StepBuilder(omit_request_state=True)
+        for i in range(num_requests):
+            builder.append_tokens(f"r{i}", [token])
+        for i in range(num_requests):
+            builder.allocate_slots(f"r{i}", 1)
+        messages.append(builder.to_pb(token, stop_on_error=True).SerializeToString())
+
+    def run() -> None:
+        for raw in messages:
+            response = pb.StepResponse()
+            runner.run(pb.StepRequest.FromString(raw), response)
+            response.SerializeToString()
+
+    return run
+
+
+LAYERS = {"core": core_steps, "allocator": allocator_steps, "step": step_path}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    pairs = args.requests * args.steps
+    samples: dict[str, list[float]] = {name: [] for name in LAYERS}
+    ratios: dict[str, list[float]] = {name: [] for name in LAYERS}
+    for _ in range(args.rounds):
+        # A fresh pool per layer and round (each run consumes its decode steps).
+        runs = {name: build(args.requests, args.steps) for name, build in LAYERS.items()}
+        timed = {}
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            timed[name] = (time.perf_counter() - start) / pairs * 1e6
+            samples[name].append(timed[name])
+        for name in LAYERS:
+            ratios[name].append(timed[name] / timed["core"])
+    print(
+        f"decode steps of {args.requests} requests (one append + one allocation each), "
+        f"{args.steps} steps, {args.rounds} rounds"
+    )
+    print(f"{'layer':>10} {'us/request':>11} {'vs core':>8}")
+    for name in LAYERS:
+        print(
+            f"{name:>10} {statistics.median(samples[name]):>11.2f} "
+            f"{statistics.median(ratios[name]):>7.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
