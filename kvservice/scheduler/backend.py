@@ -45,6 +45,23 @@ def as_computed_blocks(hit: PrefixHit | None) -> ComputedBlocks | None:
     return ComputedBlocks(hit.block_ids, hit.num_computed_tokens, hit.shared_prefix_boundary)
 
 
+def as_prefix_hit(hit: ComputedBlocks) -> PrefixHit:
+    """The scheduler's form of the client's lookup answer."""
+    return PrefixHit(hit.block_ids, hit.num_computed_tokens, hit.shared_prefix_boundary)
+
+
+def allocate_options(
+    num_lookahead_tokens: int, full_sequence_must_fit: bool
+) -> AllocateOptions | None:
+    """The client's options for the scheduler's allocation arguments; None for the
+    defaults (a plain decode allocation: nothing to encode)."""
+    if not (num_lookahead_tokens or full_sequence_must_fit):
+        return None
+    return AllocateOptions(
+        num_lookahead_tokens=num_lookahead_tokens, full_sequence_must_fit=full_sequence_must_fit
+    )
+
+
 class PendingBlockIds:
     """Block ids a batching backend will know once it sends the step (``flush``).
 
@@ -299,8 +316,7 @@ class RemoteBackend:
         self.client.add_request(request_id, prompt_token_ids)
 
     def get_computed_blocks(self, request_id: str) -> PrefixHit:
-        hit = self.client.get_computed_blocks(request_id)
-        return PrefixHit(hit.block_ids, hit.num_computed_tokens, hit.shared_prefix_boundary)
+        return as_prefix_hit(self.client.get_computed_blocks(request_id))
 
     def allocate_slots(
         self,
@@ -311,10 +327,7 @@ class RemoteBackend:
         full_sequence_must_fit: bool = False,
     ) -> BlockIds | None:
         computed = as_computed_blocks(hit)
-        options = AllocateOptions(
-            num_lookahead_tokens=num_lookahead_tokens,
-            full_sequence_must_fit=full_sequence_must_fit,
-        )
+        options = allocate_options(num_lookahead_tokens, full_sequence_must_fit)
         allocation = self.client.allocate_slots(request_id, num_new_tokens, computed, options)
         return None if allocation is None else allocation.new_block_ids
 

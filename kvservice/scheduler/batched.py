@@ -24,7 +24,6 @@ from types import TracebackType
 
 from kvservice.client import (
     AdmitOptions,
-    AllocateOptions,
     Allocation,
     FreeMode,
     KVClient,
@@ -40,7 +39,9 @@ from kvservice.scheduler.backend import (
     PendingBlockIds,
     PrefixHit,
     admitted_from_result,
+    allocate_options,
     as_computed_blocks,
+    as_prefix_hit,
 )
 
 # Sends one step (stop_on_error on) and answers its results.
@@ -67,6 +68,9 @@ class _Deferred:
     handle: OpHandle[Allocation | None]
     pending: PendingBlockIds
     num_new_blocks: tuple[int, ...]  # per group, as proven
+
+
+_NO_HIT = PrefixHit((), 0)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -99,8 +103,7 @@ class BatchingBackend:
 
     def get_computed_blocks(self, request_id: str) -> PrefixHit:
         handle = self._builder.get_computed_blocks(request_id)
-        hit = self._send_now()[handle]
-        return PrefixHit(hit.block_ids, hit.num_computed_tokens, hit.shared_prefix_boundary)
+        return as_prefix_hit(self._send_now()[handle])
 
     def allocate_slots(
         self,
@@ -111,15 +114,7 @@ class BatchingBackend:
         full_sequence_must_fit: bool = False,
     ) -> AllocatedIds | None:
         computed = as_computed_blocks(hit)
-        # No options (the defaults) for a plain decode allocation: nothing to encode.
-        options = (
-            None
-            if not (num_lookahead_tokens or full_sequence_must_fit)
-            else AllocateOptions(
-                num_lookahead_tokens=num_lookahead_tokens,
-                full_sequence_must_fit=full_sequence_must_fit,
-            )
-        )
+        options = allocate_options(num_lookahead_tokens, full_sequence_must_fit)
         handle = self._builder.allocate_slots(request_id, num_new_tokens, computed, options)
         state = self._requests.get(request_id)
         if state is not None and state.running and hit is None and not full_sequence_must_fit:
@@ -130,9 +125,8 @@ class BatchingBackend:
         if allocation is None:
             return None
         if state is not None:
-            num_hit = 0 if hit is None else hit.num_computed_tokens
-            hit_blocks = () if hit is None else tuple(len(group) for group in hit.block_ids)
-            self._advance(state, num_hit + num_new_tokens, allocation.new_block_ids, hit_blocks)
+            hit = hit or _NO_HIT
+            self._advance(state, hit.num_computed_tokens, hit.block_ids, num_new_tokens, allocation)
         return allocation.new_block_ids
 
     def admit(
@@ -150,12 +144,13 @@ class BatchingBackend:
         for item in result.admitted:
             state = self._requests.get(item.request_id)
             if state is not None:
-                hit_blocks = tuple(len(group) for group in item.hit.block_ids)
+                hit = item.hit
                 self._advance(
                     state,
-                    item.hit.num_computed_tokens + item.num_new_tokens,
-                    item.allocation.new_block_ids,
-                    hit_blocks,
+                    hit.num_computed_tokens,
+                    hit.block_ids,
+                    item.num_new_tokens,
+                    item.allocation,
                 )
         return admitted_from_result(result)
 
@@ -234,12 +229,20 @@ class BatchingBackend:
 
     @staticmethod
     def _advance(
-        state: _RequestBlocks, num_tokens: int, new_ids: BlockIds, hit_blocks: tuple[int, ...]
+        state: _RequestBlocks,
+        num_hit_tokens: int,
+        hit_block_ids: BlockIds,
+        num_new_tokens: int,
+        allocation: Allocation,
     ) -> None:
-        state.num_computed_tokens += num_tokens
+        """Count an allocation the server answered: the attached hit, then the new
+        blocks (an admission's or an unproven allocation's)."""
+        state.num_computed_tokens += num_hit_tokens + num_new_tokens
         state.running = True
-        for group, ids in enumerate(new_ids):
-            state.num_blocks[group] += len(ids) + (hit_blocks[group] if hit_blocks else 0)
+        for group, ids in enumerate(allocation.new_block_ids):
+            state.num_blocks[group] += len(ids) + (
+                len(hit_block_ids[group]) if hit_block_ids else 0
+            )
 
     # -- sending ------------------------------------------------------------------------
 

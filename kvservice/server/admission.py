@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from kvservice.core.admission import AdmissionResult, admit_in_order
 from kvservice.core.errors import FailedPreconditionError, InvalidArgumentError
-from kvservice.core.request import RequestStatus
+from kvservice.core.request import Request, RequestStatus
 from kvservice.server.allocator import AllocateArgs, Allocation, Allocator, ComputedBlocks
 
 ServerAdmission = AdmissionResult[ComputedBlocks, Allocation]
@@ -31,10 +31,7 @@ class AdmitArgs:
 
 def admit(allocator: Allocator, args: AdmitArgs, tenant: str) -> ServerAdmission:
     """Admit ``args.request_ids`` in order (see ``kvservice.core.admission``)."""
-    _check(allocator, args, tenant)
-
-    def num_tokens(request_id: str) -> int:
-        return allocator.get_request(request_id, tenant).num_tokens
+    requests = _check(allocator, args, tenant)
 
     def lookup(request_id: str) -> tuple[ComputedBlocks, int]:
         hit = allocator.get_computed_blocks(request_id, tenant)
@@ -62,13 +59,14 @@ def admit(allocator: Allocator, args: AdmitArgs, tenant: str) -> ServerAdmission
         args.request_ids,
         args.token_budget,
         args.enable_chunked_prefill,
-        num_tokens=num_tokens,
+        num_tokens=lambda request_id: requests[request_id].num_tokens,
         lookup=lookup,
         allocate=allocate,
     )
 
 
-def _check(allocator: Allocator, args: AdmitArgs, tenant: str) -> None:
+def _check(allocator: Allocator, args: AdmitArgs, tenant: str) -> dict[str, Request]:
+    """Every id's request, once each argument and id is known to be admissible."""
     if not args.request_ids:
         raise InvalidArgumentError("request_ids is empty; name at least one waiting request")
     if args.token_budget < 0:
@@ -77,16 +75,17 @@ def _check(allocator: Allocator, args: AdmitArgs, tenant: str) -> None:
         raise InvalidArgumentError(
             f"num_lookahead_tokens = {args.num_lookahead_tokens}; it must be >= 0"
         )
-    seen: set[str] = set()
+    requests: dict[str, Request] = {}
     for index, request_id in enumerate(args.request_ids):
-        if request_id in seen:
+        if request_id in requests:
             raise InvalidArgumentError(
                 f"request_ids[{index}] = {request_id!r} is named twice; a request is admitted once"
             )
-        seen.add(request_id)
         # NOT_FOUND for an unknown id (or another tenant's), as every call answers.
-        if allocator.get_request(request_id, tenant).status == RequestStatus.RUNNING:
+        request = requests[request_id] = allocator.get_request(request_id, tenant)
+        if request.status == RequestStatus.RUNNING:
             raise FailedPreconditionError(
                 f"request_ids[{index}] = {request_id!r} is running; admit waiting or "
                 f"preempted requests (free it with PREEMPT to re-admit it)"
             )
+    return requests

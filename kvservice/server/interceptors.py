@@ -88,11 +88,11 @@ class RpcLayer:
         self,
         metrics: KVCacheMetrics,
         clients: ClientTracker,
-        drain: Drain | None = None,
+        drain: Drain,
     ) -> None:
         self._metrics = metrics
         self._clients = clients
-        self._drain = Drain() if drain is None else drain
+        self._drain = drain
 
     def wrap(self, handler: Any, method: str) -> Any:
         instruments = self._metrics.rpc(method)
