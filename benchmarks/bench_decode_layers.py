@@ -1,7 +1,7 @@
 """What each server layer adds to a decode step, side by side on the same loop.
 
 A decode step of ``--requests`` running requests: every request appends one sampled
-token and allocates one slot. The same steps run through three layers, each on its own
+token and allocates one slot. The same steps run through four layers, each on its own
 pool built the same way, in interleaved rounds:
 
 * ``core``: ``Request.append_output_token_ids`` + ``KVCacheManager.allocate_slots``
@@ -11,7 +11,10 @@ pool built the same way, in interleaved rounds:
 * ``step``: the server's ``StepRunner`` on a serialized ``StepRequest`` as the
   scheduler's batching backends build it (``StepBuilder`` with coalescing and
   ``omit_request_state``: one AppendTokensBatch and one AllocateSlotsBatch), parsed,
-  run and answered as bytes, without the transport.
+  run and answered as bytes, without the transport;
+* ``client``: ``step`` plus the client's side, timed too: the ``StepBuilder`` calls
+  that build each step and a ``StepResults`` read of every allocation's handle (what
+  a batching backend does around each message), still without the transport.
 
 Prints microseconds per request per step (one append plus one allocation) and each
 layer's cost as a ratio to the core's, medians over rounds.
@@ -27,7 +30,7 @@ import statistics
 import time
 from collections.abc import Callable
 
-from kvservice.client import StepBuilder
+from kvservice.client import StepBuilder, StepResults
 from kvservice.core.request import Request
 from kvservice.server.allocator import AllocateArgs, Allocator, NewRequest
 from kvservice.server.config import ServerConfig, build_manager
@@ -111,7 +114,34 @@ def step_path(num_requests: int, steps: int) -> Callable[[], None]:
     return run
 
 
-LAYERS = {"core": core_steps, "allocator": allocator_steps, "step": step_path}
+def client_path(num_requests: int, steps: int) -> Callable[[], None]:
+    runner = StepRunner(_allocator(num_requests, steps), max_ops=4 * num_requests)
+    ids = [f"r{i}" for i in range(num_requests)]
+
+    def run() -> None:
+        for token in range(steps):
+            builder = StepBuilder(omit_request_state=True)
+            for rid in ids:
+                builder.append_tokens(rid, [token])
+            handles = [builder.allocate_slots(rid, 1) for rid in ids]
+            raw = builder.to_pb(token, stop_on_error=True).SerializeToString()
+            response = pb.StepResponse()
+            runner.run(pb.StepRequest.FromString(raw), response)
+            results = StepResults(pb.StepResponse.FromString(response.SerializeToString()))
+            if results.errors:
+                raise RuntimeError(f"step {token} failed: {results.errors}")
+            for handle in handles:
+                results[handle]
+
+    return run
+
+
+LAYERS = {
+    "core": core_steps,
+    "allocator": allocator_steps,
+    "step": step_path,
+    "client": client_path,
+}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -47,7 +47,9 @@ prefill, admission, preemption) in several modes and print them side by side:
   unary       one gRPC call per allocator operation
   step        one Step RPC per scheduling step (its admissions ride in it; more
               only for an allocation the client cannot prove fits)
-  stream      the same messages on one long-lived StepStream
+  stream      the same messages on one long-lived StepStream, plus the queued
+              appends, frees and new requests sent ahead unawaited, so the server
+              runs them while the scheduler plans (two messages, one round trip)
 
 Rounds alternate the order of the modes so machine noise hits them all; every ratio
 comes from this one run. Unless --target is given, a `kvservice serve` child process

@@ -33,7 +33,7 @@ from kvservice.client.events import (
     KVEvent,
 )
 from kvservice.client.step import OpHandle, StepBuilder, StepResults
-from kvservice.client.sync import KVClient, Lease, Session
+from kvservice.client.sync import KVClient, Lease, PendingStep, Session
 from kvservice.client.types import (
     AdmitOptions,
     AdmitResult,
@@ -91,6 +91,7 @@ __all__ = [
     "NotRunError",
     "OpHandle",
     "OutOfRangeError",
+    "PendingStep",
     "ProbeOptions",
     "ProbeResult",
     "RequestExistsError",

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import queue
 import threading
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -259,10 +260,46 @@ class KVClient:
 
     def session(self) -> Session:
         """A ``StepStream`` session (``with client.session() as s``)."""
-        return Session(self._stub, self._metadata)
+        return Session(self._channel, self._metadata)
 
 
 _CLOSE = None  # put on the outbound queue to half-close the stream
+_STEP_STREAM = "/kvservice.v1.KVCacheService/StepStream"
+# How long ``Session.send`` waits for gRPC's sending thread to take a message; only a
+# hint (the message is queued either way), bounded for a stream that just failed.
+_HANDOFF_WAIT_S = 0.1
+
+
+class PendingStep:
+    """A step sent on a session and not yet read (``Session.send``):
+    ``result()`` waits for its ``StepResults``, or raises the call's typed error, the
+    same on every call."""
+
+    __slots__ = ("_error", "_results", "_wait")
+
+    def __init__(self, wait: Callable[[PendingStep], None]) -> None:
+        # Called, at most once, with this step until it is resolved.
+        self._wait: Callable[[PendingStep], None] | None = wait
+        self._results: StepResults | None = None
+        self._error: KVServiceError | None = None
+
+    def done(self) -> bool:
+        """Whether the answer (or the error) has been read."""
+        return self._wait is None
+
+    def result(self) -> StepResults:
+        if self._wait is not None:
+            self._wait(self)
+        if self._error is not None:
+            raise self._error
+        assert self._results is not None
+        return self._results
+
+    def resolve(self, results: StepResults) -> None:
+        self._results, self._wait = results, None
+
+    def resolve_error(self, error: KVServiceError) -> None:
+        self._error, self._wait = error, None
 
 
 class Session:
@@ -271,13 +308,25 @@ class Session:
     Not thread safe: one thread drives a session.
     """
 
-    def __init__(self, stub: Any, metadata: tuple[tuple[str, str], ...]) -> None:
-        self._outbound: queue.SimpleQueue[pb.StepStreamRequest | None] = queue.SimpleQueue()
-        self._responses = stub.StepStream(self._messages(), metadata=metadata)
+    def __init__(self, channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> None:
+        # Messages travel serialized: this thread encodes them, so gRPC's sending
+        # thread (which pulls them from ``_messages``) has little to do with the GIL.
+        self._outbound: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._taken = threading.Event()
+        call = channel.stream_stream(
+            _STEP_STREAM,
+            request_serializer=None,
+            response_deserializer=pb.StepStreamResponse.FromString,
+        )
+        # An iterator of answers that is also the call (done(), cancel()).
+        self._responses: Any = call(self._messages(), metadata=metadata)
         self._step_ids = itertools.count(1)
+        # Steps sent whose answers are not read yet, oldest first (answers come in order).
+        self._unread: collections.deque[PendingStep] = collections.deque()
 
-    def _messages(self) -> Iterator[pb.StepStreamRequest]:
+    def _messages(self) -> Iterator[bytes]:
         while (message := self._outbound.get()) is not _CLOSE:
+            self._taken.set()
             yield message
 
     def __enter__(self) -> Session:
@@ -296,17 +345,42 @@ class Session:
 
     def step(self, builder: StepBuilder, *, stop_on_error: bool = False) -> StepResults:
         """Send one step and wait for its results."""
-        self._outbound.put(builder.to_stream_pb(next(self._step_ids), stop_on_error))
-        try:
-            response = next(self._responses)
-        except grpc.RpcError as err:
-            raise error_from_rpc(err) from None
-        except StopIteration:
-            raise ServiceUnavailableError(grpc.StatusCode.UNAVAILABLE, "the stream ended") from None
-        return StepResults(response.step)
+        return self.send(builder, stop_on_error=stop_on_error).result()
+
+    def send(self, builder: StepBuilder, *, stop_on_error: bool = False) -> PendingStep:
+        """Send one step without waiting for its results: the server runs it while
+        this thread goes on (a scheduler builds its next operations meanwhile). Steps
+        run in the order sent; ``result()`` waits for this one's answer."""
+        message = builder.to_stream_pb(next(self._step_ids), stop_on_error)
+        self._taken.clear()
+        self._outbound.put(message.SerializeToString())
+        # Wait (GIL released) until gRPC's sending thread has taken the message: a
+        # thread that goes on computing would otherwise hold the GIL, and the message
+        # would leave only when this thread next blocks, up to a switch interval later.
+        if not self._responses.done():
+            self._taken.wait(_HANDOFF_WAIT_S)
+        pending = PendingStep(self._read_through)
+        self._unread.append(pending)
+        return pending
+
+    def _read_through(self, pending: PendingStep) -> None:
+        """Read answers, oldest first, until ``pending``'s."""
+        while not pending.done():
+            oldest = self._unread.popleft()
+            try:
+                oldest.resolve(StepResults(next(self._responses).step))
+            except grpc.RpcError as err:
+                oldest.resolve_error(error_from_rpc(err))
+            except StopIteration:
+                oldest.resolve_error(
+                    ServiceUnavailableError(grpc.StatusCode.UNAVAILABLE, "the stream ended")
+                )
 
     def close(self) -> None:
-        """Half-close and wait for the server to end the stream."""
+        """Read the answers of the steps sent and not yet read (into their
+        ``PendingStep``), half-close, and wait for the server to end the stream."""
+        if self._unread:
+            self._read_through(self._unread[-1])
         self._outbound.put(_CLOSE)
         try:
             for _ in self._responses:

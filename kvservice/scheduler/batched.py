@@ -12,8 +12,19 @@ decision is the one the unary backend would make. An allocation it cannot prove,
 ``admit``, sends at once (a sync point) with everything deferred before it. At the
 step's end (``end_step``) a send happens only if a deferred allocation still waits for
 its block ids; the appends and frees that follow the forward pass wait for the next
-step's message. So a step with provable allocations costs one message, admissions or
-not; ``flush`` sends what is left (the end of a run).
+step's message. ``flush`` sends what is left (the end of a run).
+
+Sending ahead (``StreamBackend``): when the first provable allocation of a step finds
+enough operations queued (the last step's appends and frees, this step's new requests,
+whose prompts the server hashes), they leave at once, without waiting, and the server
+runs them while the scheduler plans its running requests. The next send goes without
+waiting for their answer either (the stream runs messages in order), then reads both;
+an error in the operations sent ahead raises there, after that send's operations have
+run too (each message runs on its own; none of these operations fails for a scheduler
+that tracks its requests right). Nothing sent ahead takes a block (no allocation is
+ever in it), so the free lower bound needs no answer from it. Such a step costs two
+messages, the first overlapped with the scheduler's own work. ``Step`` RPCs in flight
+together are not ordered, so ``StepBackend`` never sends ahead.
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from kvservice.client import (
     FreeMode,
     KVClient,
     OpHandle,
+    PendingStep,
     Session,
     StepBuilder,
     StepResults,
@@ -46,6 +58,14 @@ from kvservice.scheduler.backend import (
 
 # Sends one step (stop_on_error on) and answers its results.
 Send = Callable[[StepBuilder], StepResults]
+# Sends one step (stop_on_error on) without waiting, on a transport that keeps order.
+Start = Callable[[StepBuilder], PendingStep]
+
+# Fewest queued operations worth a message of their own ahead of the step's: fewer
+# give the server little to overlap, next to what one more message costs on each side
+# (about a gRPC round trip of CPU). A judgement, not a tuned optimum: the benchmark's
+# decode steps queue hundreds.
+SEND_AHEAD_MIN_OPS = 32
 
 
 class PredictionError(RuntimeError):
@@ -81,7 +101,13 @@ class BatchingBackend:
     """A ``Backend`` over a kvservice server that defers what it can and sends the
     rest of a step in one message (see the module docstring); ``send`` carries it."""
 
-    def __init__(self, client: KVClient, send: Send) -> None:
+    def __init__(
+        self,
+        client: KVClient,
+        send: Send,
+        start: Start | None = None,
+        send_ahead_min_ops: int = SEND_AHEAD_MIN_OPS,
+    ) -> None:
         config = client.get_cache_config()
         self._block_sizes = tuple(group.block_size for group in config.groups)
         # Only full attention needs a plain function of the token count; other kinds
@@ -89,11 +115,17 @@ class BatchingBackend:
         self._provable = all(group.kind == "full_attention" for group in config.groups)
         self._max_model_len = config.max_model_len
         self._send = send
+        # Sends ahead only where messages keep their order (a stream, not Step RPCs).
+        self._start = start
+        self._send_ahead_min_ops = send_ahead_min_ops
         self._builder = self._new_builder()
         self._deferred: list[_Deferred] = []
+        # Operations sent ahead whose answer is not read yet (see the module docstring).
+        self._ahead: PendingStep | None = None
         self._requests: dict[str, _RequestBlocks] = {}
         self._free_lower_bound = client.get_usage().num_free_blocks
         self.num_sends = 0  # messages sent (Step RPCs or stream messages)
+        self.num_sent_ahead = 0  # of which sent ahead (nobody waited for them)
 
     # -- the Backend protocol -----------------------------------------------------------
 
@@ -115,12 +147,15 @@ class BatchingBackend:
     ) -> AllocatedIds | None:
         computed = as_computed_blocks(hit)
         options = allocate_options(num_lookahead_tokens, full_sequence_must_fit)
-        handle = self._builder.allocate_slots(request_id, num_new_tokens, computed, options)
         state = self._requests.get(request_id)
         if state is not None and state.running and hit is None and not full_sequence_must_fit:
             proven = self._proven_new_blocks(state, num_new_tokens + num_lookahead_tokens)
             if proven is not None:
+                if not self._deferred:
+                    self._send_ahead()
+                handle = self._builder.allocate_slots(request_id, num_new_tokens, None, options)
                 return self._defer(handle, state, num_new_tokens, proven)
+        handle = self._builder.allocate_slots(request_id, num_new_tokens, computed, options)
         allocation = self._send_now()[handle]
         if allocation is None:
             return None
@@ -185,8 +220,9 @@ class BatchingBackend:
             self._send_now()
 
     def flush(self) -> None:
-        """Send whatever is deferred (nothing when nothing is)."""
-        if len(self._builder):
+        """Send whatever is deferred and read what was sent ahead (nothing when there
+        is neither)."""
+        if len(self._builder) or self._ahead is not None:
             self._send_now()
 
     # -- block accounting ---------------------------------------------------------------
@@ -252,17 +288,41 @@ class BatchingBackend:
         # not answer the request state with every allocation.
         return StepBuilder(omit_request_state=True)
 
+    def _send_ahead(self) -> None:
+        """Send the queued operations without waiting, when there are enough of them
+        and nothing else is in flight (see the module docstring)."""
+        start = self._start
+        if (
+            start is not None
+            and self._ahead is None
+            and len(self._builder) >= self._send_ahead_min_ops
+        ):
+            builder, self._builder = self._builder, self._new_builder()
+            self._ahead = start(builder)
+            self.num_sends += 1
+            self.num_sent_ahead += 1
+
+    def _read_ahead(self) -> None:
+        """Wait for the operations sent ahead; raise the first one's error."""
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            _raise_first(ahead.result())
+
     def _send_now(self) -> StepResults:
         """Send every queued operation and a usage read; raise the first operation
         error (stop_on_error: nothing after it ran); resolve deferred allocations."""
         usage = self._builder.get_usage()
         builder, self._builder = self._builder, self._new_builder()
         deferred, self._deferred = self._deferred, []
-        results = self._send(builder)
+        if self._ahead is None or self._start is None:
+            results = self._send(builder)
+        else:
+            # Sent before the ahead answer is read: the stream runs it after them.
+            pending = self._start(builder)
+            self._read_ahead()
+            results = pending.result()
         self.num_sends += 1
-        errors = results.errors
-        if errors:
-            raise errors[min(errors)]
+        _raise_first(results)
         for item in deferred:
             self._resolve(item, results[item.handle])
         self._free_lower_bound = results[usage].num_free_blocks
@@ -279,6 +339,12 @@ class BatchingBackend:
         item.pending.set(allocation.new_block_ids)
 
 
+def _raise_first(results: StepResults) -> None:
+    errors = results.errors
+    if errors:
+        raise errors[min(errors)]
+
+
 class StepBackend(BatchingBackend):
     """Batched steps over unary ``Step`` RPCs."""
 
@@ -287,12 +353,25 @@ class StepBackend(BatchingBackend):
 
 
 class StreamBackend(BatchingBackend):
-    """Batched steps over one ``StepStream`` session; ``close`` (or ``with``) ends it."""
+    """Batched steps over one ``StepStream`` session; ``close`` (or ``with``) ends it.
+    Sends ahead (see the module docstring) once ``send_ahead_min_ops`` operations are
+    queued; ``send_ahead=False`` never does."""
 
-    def __init__(self, client: KVClient) -> None:
+    def __init__(
+        self,
+        client: KVClient,
+        *,
+        send_ahead: bool = True,
+        send_ahead_min_ops: int = SEND_AHEAD_MIN_OPS,
+    ) -> None:
         self._session: Session = client.session()
         session = self._session
-        super().__init__(client, lambda builder: session.step(builder, stop_on_error=True))
+        super().__init__(
+            client,
+            lambda builder: session.step(builder, stop_on_error=True),
+            (lambda builder: session.send(builder, stop_on_error=True)) if send_ahead else None,
+            send_ahead_min_ops,
+        )
 
     def close(self) -> None:
         """Send what is deferred, then end the stream."""

@@ -217,3 +217,55 @@ def test_sync_client_and_session() -> None:
         assert client.reset_prefix_cache()  # nothing holds blocks any more
         assert client.get_cache_config().hash_algo == "sha256"
         running.call(running.server.audit)
+
+
+def test_session_send_pipelines_steps_in_order() -> None:
+    """``send`` returns before the answer: steps sent back to back run in the order
+    sent (a later one may depend on an earlier one), each answer reaches its own
+    ``PendingStep`` whichever is read first, and a failed step does not stop the next."""
+    with (
+        server_in_thread(SMALL_POOL) as running,
+        KVClient(running.target) as client,
+        client.session() as session,
+    ):
+        add = StepBuilder()
+        added = add.add_request("a", tokens(32))
+        allocate = StepBuilder()
+        allocated = allocate.allocate_slots("a", 32)
+        ghost = StepBuilder()
+        ghost.append_tokens("ghost", [1])
+        usage_step = StepBuilder()
+        usage = usage_step.get_usage()
+        pending = [session.send(s, stop_on_error=True) for s in (add, allocate, ghost)]
+        last = session.send(usage_step)
+        assert not any(p.done() for p in (*pending, last))
+        # Reading the last answer first reads every earlier one into its own step.
+        assert last.result()[usage].num_free_blocks == 10 - 2
+        assert all(p.done() for p in pending)
+        assert pending[0].result()[added].num_tokens == 32
+        allocation = pending[1].result()[allocated]
+        assert allocation is not None and allocation.new_block_ids == ((1, 2),)
+        assert isinstance(pending[2].result().errors[0], RequestNotFoundError)
+        assert pending[0].result() is pending[0].result()
+        # Sent and never read: close reads it into its step before ending the stream.
+        unread = session.send(usage_step)
+        session.close()
+        assert unread.done() and unread.result()[usage].num_free_blocks == 8
+        running.call(running.server.audit)
+
+
+def test_session_send_on_a_failed_stream_raises_in_result() -> None:
+    """A stream the server ended answers every step still unread with the error."""
+    config = dataclasses.replace(SMALL_POOL, max_step_ops=1)
+    with server_in_thread(config) as running, KVClient(running.target) as client:
+        session = client.session()
+        over = StepBuilder()
+        over.get_usage()
+        over.get_usage()
+        first = session.send(over)
+        second = session.send(StepBuilder())
+        with pytest.raises(InvalidArgumentError):
+            first.result()
+        with pytest.raises(KVServiceError):
+            second.result()
+        session.cancel()
