@@ -16,7 +16,8 @@ import gc
 import statistics
 import time
 
-from kvservice.server.allocator import AllocateArgs, Allocator, NewRequest
+from kvservice.server.allocation import AllocateArgs, NewRequest
+from kvservice.server.allocator import Allocator
 from kvservice.server.audit import Auditor
 from kvservice.server.config import ServerConfig, build_manager
 from kvservice.server.sessions import SessionPolicy, SessionRegistry

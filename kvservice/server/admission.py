@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from kvservice.core.admission import AdmissionResult, admit_in_order
 from kvservice.core.errors import FailedPreconditionError, InvalidArgumentError
 from kvservice.core.request import Request, RequestStatus
-from kvservice.server.allocator import AllocateArgs, Allocation, Allocator, ComputedBlocks
+from kvservice.server.allocation import AllocateArgs, Allocation, ComputedBlocks
+from kvservice.server.allocator import Allocator
 
 ServerAdmission = AdmissionResult[ComputedBlocks, Allocation]
 

@@ -17,13 +17,10 @@ returns, or, inside ``batched()``, once when the batch ends (one zeroing for a w
 from __future__ import annotations
 
 import dataclasses
-import enum
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
 
-from kvservice.core.block_hashing import MultiModalFeature
 from kvservice.core.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -37,162 +34,33 @@ from kvservice.core.kv_cache_block import BlockHashWithGroupId, KVCacheBlock
 from kvservice.core.kv_cache_manager import AllocationProbe, KVCacheBlocks, KVCacheManager
 from kvservice.core.kv_events import KVCacheEvent
 from kvservice.core.request import Request, RequestStatus
-from kvservice.core.stats import PrefixCacheStats
+from kvservice.server.allocation import (
+    AllocateArgs,
+    Allocation,
+    AllocationResult,
+    AllocatorObserver,
+    BlockIdsPerGroup,
+    ComputedBlocks,
+    FreeMode,
+    KVRuntime,
+    NewRequest,
+    PoolUsage,
+    ProbeArgs,
+    RequestOwnership,
+)
 from kvservice.server.caller import DEFAULT_TENANT, current_caller
 from kvservice.server.errors import AlreadyExistsError, StaleHitError
+from kvservice.server.pool_reporter import PoolReporter
 from kvservice.server.tenancy import (
     TenantLedger,
     core_request_id,
     tenant_cache_salt,
 )
 
-BlockIdsPerGroup = tuple[list[int], ...]
 # Receives the manager's KV events right after the change that caused them.
 EventSink = Callable[[list[KVCacheEvent]], None]
 # Told (tenant, reason) of every allocation refused for a tenant's quota.
 RefusalSink = Callable[[str, str], None]
-
-
-class FreeMode(enum.Enum):
-    """What happens to a request once its blocks are released."""
-
-    PREEMPT = enum.auto()
-    FINISH = enum.auto()
-
-
-class AllocationResult(enum.StrEnum):
-    """How an AllocateSlots call ended (the ``result`` label of the metrics)."""
-
-    OK = "ok"
-    NO_SPACE = "no_space"
-    INVALID = "invalid"
-
-
-@dataclass(frozen=True, slots=True)
-class NewRequest:
-    """A request as a client describes it to AddRequest."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    cache_salt: str | None = None
-    lora_name: str | None = None
-    mm_features: tuple[MultiModalFeature, ...] = ()
-    skip_reading_prefix_cache: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class AllocateArgs:
-    """The arguments of ``allocate_slots``, with the hit named by its block ids (the
-    blocks themselves stay on the server) and an optional ``num_computed_tokens`` to
-    set first."""
-
-    num_new_tokens: int
-    num_new_computed_tokens: int = 0
-    new_computed_block_ids: tuple[tuple[int, ...], ...] = ()
-    num_lookahead_tokens: int = 0
-    num_external_computed_tokens: int = 0
-    delay_cache_blocks: bool = False
-    num_encoder_tokens: int = 0
-    full_sequence_must_fit: bool = False
-    reserved_blocks: int = 0
-    has_scheduled_reqs: bool = True
-    num_computed_tokens: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ProbeArgs:
-    """The arguments of ``KVCacheManager.probe``; ``num_new_tokens=None`` probes every
-    token not yet computed nor hit."""
-
-    num_new_tokens: int | None = None
-    num_lookahead_tokens: int = 0
-    num_external_computed_tokens: int = 0
-    num_encoder_tokens: int = 0
-    full_sequence_must_fit: bool = False
-    reserved_blocks: int = 0
-    has_scheduled_reqs: bool = True
-
-
-@dataclass(frozen=True, slots=True)
-class ComputedBlocks:
-    """A prefix lookup: the hit's block ids per group and what vLLM reports with it."""
-
-    block_ids: BlockIdsPerGroup
-    num_computed_tokens: int
-    shared_prefix_boundary: int
-
-
-# Not frozen, and empty tuples rather than list factories: one is built per
-# allocation on the hot path, and a frozen dataclass's __init__ (object.__setattr__
-# per field) plus four fresh lists cost more than the rest of a decode allocation's
-# bookkeeping. Nothing mutates one after it is built.
-@dataclass(slots=True)
-class Allocation:
-    """An AllocateSlots answer; ``new_block_ids`` is None when there was no room.
-
-    Fresh blocks of a pool that needs zeroing are in exactly one list:
-    ``block_ids_to_zero`` for a remote worker to zero (no runtime), or
-    ``block_ids_zeroed`` when the co-located runtime zeroes them before the answer is
-    sent. Copy-on-write copies ``(src, dst)`` of a partial prefix hit likewise:
-    ``block_copies_to_apply`` (the worker applies them after zeroing, before the
-    model writes) or ``block_copies_applied`` (the runtime did, after zeroing).
-    """
-
-    request: Request
-    new_block_ids: BlockIdsPerGroup | None
-    block_ids_to_zero: Sequence[int] = ()
-    block_ids_zeroed: Sequence[int] = ()
-    block_copies_to_apply: Sequence[tuple[int, int]] = ()
-    block_copies_applied: Sequence[tuple[int, int]] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class PoolUsage:
-    """The pool and the prefix cache totals at one moment."""
-
-    usage: float
-    num_free_blocks: int
-    num_used_blocks: int
-    num_blocks: int
-    num_requests: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-
-
-class KVRuntime(Protocol):
-    """The KV tensors the server owns (``gpu_runtime.runtime.KVCacheRuntime``); a
-    protocol so the allocator needs no torch."""
-
-    def apply(
-        self,
-        new_block_ids_to_zero: Sequence[int] | None = None,
-        copies: Sequence[tuple[int, int]] | None = None,
-    ) -> None:
-        """Zero fresh blocks, then apply copy-on-write ``(src, dst)`` copies."""
-        ...
-
-
-class RequestOwnership(Protocol):
-    """Learns which requests come and go (``sessions``: the caller's session owns
-    what it adds); called right after the change, on the allocator's loop."""
-
-    def adopt(self, request_id: str) -> None:
-        """``request_id`` was just added."""
-        ...
-
-    def release(self, request_id: str) -> None:
-        """``request_id`` was just finished (forgotten)."""
-        ...
-
-
-class AllocatorObserver(Protocol):
-    """Receives what the metrics need, on the loop that owns the allocator."""
-
-    def record_allocation(self, result: AllocationResult, count: int = 1) -> None: ...
-
-    def record_pool(self, usage: PoolUsage, stats: PrefixCacheStats | None) -> None: ...
-
-    def record_preemption(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +106,6 @@ class Allocator:
             # record the runtime would hand out blocks holding another request's KV.
             raise InvalidArgumentError("a runtime needs a pool with needs_kv_cache_zeroing")
         self.manager = manager
-        self._observer = observer
         self._runtime = runtime
         # With a sink, every change hands the manager's events on before the call
         # returns, so none is ever pending between two RPCs (what makes a snapshot
@@ -270,13 +137,10 @@ class Allocator:
         self._on_refusal = on_refusal
         self._prefix_cache_queries = 0
         self._prefix_cache_hits = 0
-        # Inside ``batched()``: pool observations are held back (the prefix cache
-        # stats summed in ``_pending``) and reported once when the batch ends.
+        # Inside ``batched()``: the runtime's zeroing and copies wait for the batch to
+        # end, and so do the reporter's observations of the pool.
         self._batch_depth = 0
-        self._pending: PrefixCacheStats | None = None
-        self._pending_change = False
-        # Allocation outcomes counted inside a batch, reported when it ends.
-        self._pending_results: dict[AllocationResult, int] = {}
+        self._reporter = PoolReporter(observer, self.usage)
         self._after_change()
 
     # -- requests -------------------------------------------------------------------
@@ -384,15 +248,20 @@ class Allocator:
         try:
             allocation = self._allocate(request_id, args, tenant)
         except KVCacheError:
-            self._record(AllocationResult.INVALID)
+            self._reporter.record(AllocationResult.INVALID)
             # A refusal changes nothing, but hand on anything the core queued anyway
             # rather than let it surface later under another call.
             self.publish_events()
             raise
         ok = allocation.new_block_ids is not None
-        self._record(AllocationResult.OK if ok else AllocationResult.NO_SPACE)
+        self._reporter.record(AllocationResult.OK if ok else AllocationResult.NO_SPACE)
         # Even NO_SPACE may have released blocks that slid out of a sliding window.
-        self._after_pool_change()
+        # Reported as ``_after_change`` does, less asking the core for prefix cache
+        # stats (an allocation records none); written out here and in ``free`` so the
+        # hot path makes no extra call.
+        if self._events is not None:
+            self.publish_events()
+        self._reporter.pool_changed()
         return allocation
 
     def _allocate(self, request_id: str, args: AllocateArgs, tenant: str | None) -> Allocation:
@@ -652,9 +521,14 @@ class Allocator:
             self.manager.free(request)
         if mode is FreeMode.PREEMPT:
             request.preempt()
-            if self._observer is not None:
-                self._observer.record_preemption()
-        self._after_pool_change()
+            # Reported right away, even inside a batch.
+            observer = self._reporter.observer
+            if observer is not None:
+                observer.record_preemption()
+        # ``_after_change`` less the prefix cache stats (see ``allocate_slots``).
+        if self._events is not None:
+            self.publish_events()
+        self._reporter.pool_changed()
         return request
 
     def get_request(self, request_id: str, tenant: str | None = None) -> Request:
@@ -770,6 +644,8 @@ class Allocator:
         sum of the batch's stats. Nothing awaits inside, so no scrape can tell apart
         (beyond seeing a value one step old, as any gauge may)."""
         self._batch_depth += 1
+        if self._batch_depth == 1:
+            self._reporter.begin_batch()
         try:
             yield
         finally:
@@ -780,18 +656,7 @@ class Allocator:
                     # their blocks must be zeroed all the same.
                     self._apply_runtime()
                 finally:
-                    self._report_batch()
-
-    def _report_batch(self) -> None:
-        if self._pending_results:
-            results, self._pending_results = self._pending_results, {}
-            if self._observer is not None:
-                for result, count in results.items():
-                    self._observer.record_allocation(result, count)
-        if self._pending_change:
-            stats, self._pending, self._pending_change = self._pending, None, False
-            if self._observer is not None:
-                self._observer.record_pool(self.usage(), stats)
+                    self._reporter.end_batch()
 
     def _apply_runtime(self) -> None:
         """Zero the fresh blocks handed out since the last call, then apply the
@@ -816,52 +681,14 @@ class Allocator:
                 self._events(events)
 
     def _after_change(self) -> None:
+        """Hand on the change's events, add its prefix cache stats to the totals of
+        ``usage()`` and report the pool."""
         self.publish_events()
         stats = self.manager.make_prefix_cache_stats()
         if stats is not None:
             self._prefix_cache_queries += stats.queries
             self._prefix_cache_hits += stats.hits
-        if self._observer is None:
-            return
-        if not self._batch_depth:
-            self._observer.record_pool(self.usage(), stats)
-            return
-        self._pending_change = True
-        if stats is not None:
-            pending = self._pending
-            if pending is None:
-                self._pending = stats
-            else:
-                pending.reset |= stats.reset
-                pending.requests += stats.requests
-                pending.queries += stats.queries
-                pending.hits += stats.hits
-                pending.preempted_requests += stats.preempted_requests
-                pending.preempted_queries += stats.preempted_queries
-                pending.preempted_hits += stats.preempted_hits
-
-    def _after_pool_change(self) -> None:
-        """``_after_change`` for a change that records no prefix cache stats (only
-        lookups and resets do, and each takes its own right away): the pool is
-        reported without asking the core for an empty stats window."""
-        if self._events is not None:
-            self.publish_events()
-        if self._observer is None:
-            return
-        if self._batch_depth:
-            self._pending_change = True
-        else:
-            self._observer.record_pool(self.usage(), None)
-
-    def _record(self, result: AllocationResult) -> None:
-        if self._observer is None:
-            return
-        if self._batch_depth:
-            # Counted once per batch: a Step's allocations add up to one inc per result.
-            pending = self._pending_results
-            pending[result] = pending.get(result, 0) + 1
-        else:
-            self._observer.record_allocation(result)
+        self._reporter.pool_changed(stats)
 
 
 def _tenant(tenant: str | None) -> str:

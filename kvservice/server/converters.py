@@ -22,7 +22,7 @@ from kvservice.core.kv_cache_interface import (
 )
 from kvservice.core.kv_cache_manager import AllocationProbe, KVCacheManager
 from kvservice.core.request import Request, RequestStatus
-from kvservice.server.allocator import (
+from kvservice.server.allocation import (
     AllocateArgs,
     Allocation,
     ComputedBlocks,

@@ -27,7 +27,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.stats import PrefixCacheStats
-from kvservice.server.allocator import AllocationResult, PoolUsage
+from kvservice.server.allocation import AllocationResult, PoolUsage
 
 _LABELS = ("model_name", "engine")
 # RPCs take tens of microseconds (a lookup) to a good fraction of a second (a large

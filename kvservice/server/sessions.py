@@ -46,7 +46,8 @@ from kvservice.core.errors import (
     RequestNotFoundError,
 )
 from kvservice.protocol import MUTATING_METHODS, SESSION_KEY
-from kvservice.server.allocator import Allocator, FreeMode
+from kvservice.server.allocation import FreeMode
+from kvservice.server.allocator import Allocator
 from kvservice.server.caller import CURRENT_CALLER, Caller, current_caller
 from kvservice.server.config import ServerConfig
 from kvservice.server.metrics import KVCacheMetrics

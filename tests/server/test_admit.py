@@ -14,7 +14,8 @@ from kvservice.client import AdmitOptions, AdmitStopReason, AsyncKVClient, StepB
 from kvservice.core.admission import AdmitStop
 from kvservice.server import ServerConfig
 from kvservice.server.admission import AdmitArgs, admit
-from kvservice.server.allocator import AllocateArgs, Allocator, FreeMode, NewRequest
+from kvservice.server.allocation import AllocateArgs, FreeMode, NewRequest
+from kvservice.server.allocator import Allocator
 from kvservice.server.config import build_manager
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from tests.server.fuzz_support import allocator_state

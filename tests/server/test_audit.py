@@ -14,7 +14,8 @@ import pytest
 
 from kvservice.client import AsyncKVClient
 from kvservice.server import KVCacheServer
-from kvservice.server.allocator import AllocateArgs, Allocator, FreeMode, NewRequest
+from kvservice.server.allocation import AllocateArgs, FreeMode, NewRequest
+from kvservice.server.allocator import Allocator
 from kvservice.server.audit import Auditor, AuditReport
 from kvservice.server.config import build_manager
 from kvservice.server.gen import kv_cache_service_pb2 as pb

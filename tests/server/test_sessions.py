@@ -19,7 +19,8 @@ from kvservice.client import AsyncKVClient, FailedPreconditionError, KVClient
 from kvservice.core.errors import InvalidArgumentError, RequestNotFoundError
 from kvservice.protocol import SESSION_KEY
 from kvservice.server import KVCacheServer
-from kvservice.server.allocator import Allocator, FreeMode, NewRequest
+from kvservice.server.allocation import FreeMode, NewRequest
+from kvservice.server.allocator import Allocator
 from kvservice.server.caller import CURRENT_CALLER, Caller
 from kvservice.server.config import build_manager
 from kvservice.server.gen import kv_cache_service_pb2 as pb

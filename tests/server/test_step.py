@@ -11,7 +11,8 @@ import grpc
 import pytest
 
 from kvservice.server import KVCacheServer, converters, serve_in_background
-from kvservice.server.allocator import AllocateArgs, Allocator, NewRequest
+from kvservice.server.allocation import AllocateArgs, NewRequest
+from kvservice.server.allocator import Allocator
 from kvservice.server.config import build_manager
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
