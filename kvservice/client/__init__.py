@@ -9,7 +9,7 @@ scheduling step; ``client.session()`` runs steps over one long-lived stream;
 them).
 """
 
-from kvservice.client.aio import AsyncKVClient, AsyncLease, AsyncSession
+from kvservice.client.aio import AsyncKVClient, AsyncLease, AsyncPendingStep, AsyncSession
 from kvservice.client.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -67,6 +67,7 @@ __all__ = [
     "Allocation",
     "AsyncKVClient",
     "AsyncLease",
+    "AsyncPendingStep",
     "AsyncSession",
     "AuditReport",
     "BlockIds",

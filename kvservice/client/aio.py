@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -15,7 +16,7 @@ import grpc
 from kvservice.client import _wire
 from kvservice.client.errors import KVServiceError, error_for, error_from_rpc
 from kvservice.client.events import EventStreamItem, StreamDecoder
-from kvservice.client.step import StepBuilder, StepResults
+from kvservice.client.step import StepAnswer, StepBuilder, StepResults
 from kvservice.client.types import (
     AdmitOptions,
     AdmitResult,
@@ -353,17 +354,40 @@ class AsyncKVClient:
         return AsyncSession(self._stub.StepStream(metadata=self._metadata))
 
 
-class AsyncSession:
-    """One long-lived ``StepStream``: each ``step`` is answered in order.
+class AsyncPendingStep(StepAnswer):
+    """A step sent on an ``AsyncSession`` and not yet read: ``await result()`` waits
+    for its ``StepResults``, or raises the call's typed error, the same every time."""
 
-    Steps are sent one at a time (a lock pairs each message with its answer). Closing
-    half-closes the stream; cancelling drops it (each step sent was applied entirely
-    or not at all; reconcile with ``get_request``).
+    __slots__ = ("_wait",)
+
+    def __init__(self, wait: Callable[[AsyncPendingStep], Awaitable[None]]) -> None:
+        super().__init__()
+        # Reads answers until this step's is in.
+        self._wait = wait
+
+    async def result(self) -> StepResults:
+        if not self._done:
+            await self._wait(self)
+        return self._answer()
+
+
+class AsyncSession:
+    """One long-lived ``StepStream``: steps run in the order sent, each answered in
+    order.
+
+    ``send`` writes a step and returns at once (the server starts on it while the
+    caller goes on); ``step`` is ``send`` and then its ``result()``. Closing
+    half-closes the stream after reading every answer still unread; cancelling drops
+    it (each step sent was applied entirely or not at all; reconcile with
+    ``get_request``).
     """
 
     def __init__(self, call: Any) -> None:
         self._call = call
-        self._lock = asyncio.Lock()
+        self._write_lock = asyncio.Lock()
+        self._read_lock = asyncio.Lock()
+        # Steps written whose answers are not read yet, oldest first.
+        self._unread: collections.deque[AsyncPendingStep] = collections.deque()
         self._reported: KVServiceError | None = None
         self._step_ids = itertools.count(1)
 
@@ -383,26 +407,53 @@ class AsyncSession:
 
     async def step(self, builder: StepBuilder, *, stop_on_error: bool = False) -> StepResults:
         """Send one step and wait for its results."""
+        return await (await self.send(builder, stop_on_error=stop_on_error)).result()
+
+    async def send(self, builder: StepBuilder, *, stop_on_error: bool = False) -> AsyncPendingStep:
+        """Write one step without waiting for its answer; ``await result()`` does."""
         message = builder.to_stream_pb(next(self._step_ids), stop_on_error)
-        async with self._lock:
+        async with self._write_lock:
+            pending = AsyncPendingStep(self._read_through)
+            # Queued in the order written: answers come back in that order.
+            self._unread.append(pending)
             try:
                 await self._call.write(message)
-                response = await self._call.read()
             except grpc.aio.AioRpcError as err:
+                self._unread.remove(pending)
                 self._reported = error_from_rpc(err)
                 raise self._reported from None
-            if response is grpc.aio.EOF:
-                self._reported = await self._ended_error()
-                raise self._reported
-        return StepResults(response.step)
+        return pending
+
+    async def _read_through(self, pending: AsyncPendingStep) -> None:
+        """Read answers, oldest first, until ``pending``'s."""
+        async with self._read_lock:
+            while not pending.done():
+                oldest = self._unread.popleft()
+                try:
+                    response = await self._call.read()
+                except grpc.aio.AioRpcError as err:
+                    self._reported = error_from_rpc(err)
+                    oldest.resolve_error(self._reported)
+                    continue
+                except BaseException:
+                    # Cancelled mid-read: the answer is still the oldest step's.
+                    self._unread.appendleft(oldest)
+                    raise
+                if response is grpc.aio.EOF:
+                    self._reported = await self._ended_error()
+                    oldest.resolve_error(self._reported)
+                    continue
+                oldest.resolve(StepResults(response.step))
 
     async def _ended_error(self) -> KVServiceError:
         code = await self._call.code()
         return error_for(code, await self._call.details() or "the stream ended")
 
     async def close(self) -> None:
-        """Half-close and wait for the server to end the stream; raises its error
-        unless ``step`` already did."""
+        """Read the answers still unread (into their steps), half-close and wait for
+        the server to end the stream; raises its error unless a step already did."""
+        if self._unread:
+            await self._read_through(self._unread[-1])
         if self._reported is None:
             await self._call.done_writing()
         if await self._call.code() != grpc.StatusCode.OK and self._reported is None:

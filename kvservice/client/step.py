@@ -310,3 +310,32 @@ class StepResults:
                 if batch.errors or batch.num_run < batch.num_requests:
                     return False
         return True
+
+
+class StepAnswer:
+    """The answer of a step sent and not yet read: its ``StepResults`` or the typed
+    error the call ended with, once known. ``PendingStep`` and ``AsyncPendingStep``
+    add the ``result()`` that waits for it."""
+
+    __slots__ = ("_done", "_error", "_results")
+
+    def __init__(self) -> None:
+        self._done = False
+        self._results: StepResults | None = None
+        self._error: KVServiceError | None = None
+
+    def done(self) -> bool:
+        """Whether the answer (or the error) has been read."""
+        return self._done
+
+    def resolve(self, results: StepResults) -> None:
+        self._results, self._done = results, True
+
+    def resolve_error(self, error: KVServiceError) -> None:
+        self._error, self._done = error, True
+
+    def _answer(self) -> StepResults:
+        if self._error is not None:
+            raise self._error
+        assert self._results is not None
+        return self._results

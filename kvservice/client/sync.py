@@ -28,7 +28,7 @@ from kvservice.client.aio import (
 )
 from kvservice.client.errors import KVServiceError, ServiceUnavailableError, error_from_rpc
 from kvservice.client.events import EventStreamItem, StreamDecoder
-from kvservice.client.step import StepBuilder, StepResults
+from kvservice.client.step import StepAnswer, StepBuilder, StepResults
 from kvservice.client.types import (
     AdmitOptions,
     AdmitResult,
@@ -270,36 +270,22 @@ _STEP_STREAM = "/kvservice.v1.KVCacheService/StepStream"
 _HANDOFF_WAIT_S = 0.1
 
 
-class PendingStep:
-    """A step sent on a session and not yet read (``Session.send``):
-    ``result()`` waits for its ``StepResults``, or raises the call's typed error, the
-    same on every call."""
+class PendingStep(StepAnswer):
+    """A step sent on a session and not yet read (``Session.send``): ``result()``
+    waits for its ``StepResults``, or raises the call's typed error, the same on
+    every call."""
 
-    __slots__ = ("_error", "_results", "_wait")
+    __slots__ = ("_wait",)
 
     def __init__(self, wait: Callable[[PendingStep], None]) -> None:
-        # Called, at most once, with this step until it is resolved.
-        self._wait: Callable[[PendingStep], None] | None = wait
-        self._results: StepResults | None = None
-        self._error: KVServiceError | None = None
-
-    def done(self) -> bool:
-        """Whether the answer (or the error) has been read."""
-        return self._wait is None
+        super().__init__()
+        # Reads answers until this step's is in.
+        self._wait = wait
 
     def result(self) -> StepResults:
-        if self._wait is not None:
+        if not self._done:
             self._wait(self)
-        if self._error is not None:
-            raise self._error
-        assert self._results is not None
-        return self._results
-
-    def resolve(self, results: StepResults) -> None:
-        self._results, self._wait = results, None
-
-    def resolve_error(self, error: KVServiceError) -> None:
-        self._error, self._wait = error, None
+        return self._answer()
 
 
 class Session:

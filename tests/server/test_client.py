@@ -170,6 +170,25 @@ class TestAsyncClient:
             allocation = (await session.step(second))[alloc]
             assert allocation is not None and allocation.new_block_ids == ((1, 2),)
 
+    async def test_session_send_pipelines_in_order(self, client: AsyncKVClient) -> None:
+        """``send`` returns once the step is written; later steps may depend on
+        earlier ones (they run in order), and each answer reaches its own step,
+        whichever ``result()`` is awaited first; close reads any left unread."""
+        session = client.session()
+        add, allocate, usage_step = StepBuilder(), StepBuilder(), StepBuilder()
+        added = add.add_request("a", tokens(20))
+        allocated = allocate.allocate_slots("a", 20)
+        usage = usage_step.get_usage()
+        sent = [await session.send(s) for s in (add, allocate, usage_step)]
+        assert (await sent[2].result())[usage].num_free_blocks == 10 - 2
+        assert all(p.done() for p in sent)
+        assert (await sent[0].result())[added].num_tokens == 20
+        allocation = (await sent[1].result())[allocated]
+        assert allocation is not None and allocation.new_block_ids == ((1, 2),)
+        unread = await session.send(usage_step)
+        await session.close()
+        assert unread.done() and (await unread.result())[usage].num_free_blocks == 8
+
     async def test_session_over_the_limit(self) -> None:
         """A stream-level refusal raises the typed error from ``step``."""
         server = KVCacheServer(dataclasses.replace(SMALL_POOL, max_step_ops=1))
