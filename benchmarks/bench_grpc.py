@@ -20,7 +20,12 @@ request (append one token), then every request's allocation (one slot). The
 "columnar" ways send the same operations with each run of one-token appends and of
 plain allocations as one AppendTokensBatch / AllocateSlotsBatch (what ``StepBuilder``
 does by itself; "no coalescing" ways turn that off), so the per-operation message
-encoding is the only difference. Every way of sending it runs the identical
+encoding is the only difference. The "StepStream 256 StepBuilder+omit" ways build
+each step with ``StepBuilder`` and send it on the blocking ``Session``: with one in
+flight they wait for each answer (ping-pong); with two, each step goes as soon as it is
+built and the oldest answer is read once two are out, so the client's building and
+decoding overlap the server's work (a stream runs steps in order, so later steps may
+depend on earlier ones). Every way of sending it runs the identical
 operation sequence on a fresh set of request ids, and the ways run interleaved, round
 after round (each round starting at another way); each ratio is the median over rounds
 of (way / in-process in that round). Beside ops/s, each way reports the CPU time per
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import cProfile
 import json
 import os
@@ -57,7 +63,7 @@ from typing import Any
 
 import grpc
 
-from kvservice.client import KVClient
+from kvservice.client import KVClient, PendingStep
 from kvservice.client.step import OpHandle, StepBuilder
 from kvservice.client.types import FreeMode
 from kvservice.scheduler.backend import InProcessBackend
@@ -576,6 +582,36 @@ def client_step_ops(
     return meter.stop(len(adders))
 
 
+def client_stream_ops(
+    meter: Meter, client: KVClient, workload: Workload, size: int, in_flight: int
+) -> Sample:
+    """``client_step_ops`` (coalescing, omit_state) over one blocking ``Session``
+    with up to ``in_flight`` steps sent and unread: ``Session.send`` each step as soon
+    as it is built, and read the oldest once that many are out, so the client builds
+    and decodes while the server runs earlier steps (1: ping-pong). Steps depend on
+    earlier ones (add, then allocate); the stream runs them in order."""
+    adders = _builder_adders(workload)
+    with client.session() as session:
+        meter.start()
+        out: collections.deque[tuple[PendingStep, list[OpHandle[Any]]]] = collections.deque()
+        for first in range(0, len(adders), size):
+            builder = StepBuilder(omit_request_state=True)
+            handles = [add(builder) for add in adders[first : first + size]]
+            out.append((session.send(builder), handles))
+            if len(out) >= in_flight:
+                _read_all(*out.popleft())
+        while out:
+            _read_all(*out.popleft())
+        sample = meter.stop(len(adders))
+    return sample
+
+
+def _read_all(pending: PendingStep, handles: list[OpHandle[Any]]) -> None:
+    results = pending.result()
+    for handle in handles:
+        results[handle]
+
+
 def _run_stream(
     meter: Meter, runner: asyncio.Runner, target: str, workload: Workload, size: int
 ) -> Sample:
@@ -711,6 +747,14 @@ def _ways(
                 partial(_run_stream, meter, runner, target, size=size),
             )
         )
+    for in_flight in (1, 2):
+        ways.append(
+            Way(
+                f"StepStream 256 StepBuilder+omit, {in_flight} in flight",
+                num_requests,
+                partial(client_stream_ops, meter, client, size=256, in_flight=in_flight),
+            )
+        )
     return ways
 
 
@@ -795,12 +839,12 @@ def _report(latencies: dict[str, list[float]], throughputs: Throughputs) -> None
             f"mean {statistics.fmean(samples) * 1e6:6.0f} us{over}"
         )
     print(
-        f"\n{'way':<40}{'ops/s':>9}{'vs Alloc':>10}{'vs Backend':>12}"
+        f"\n{'way':<46}{'ops/s':>9}{'vs Alloc':>10}{'vs Backend':>12}"
         f"{'CPU us/op':>11}{'CPU vs Alloc':>14}"
     )
     for name in throughputs.samples:
         print(
-            f"{name:<40}{throughputs.ops_s(name):>9,.0f}"
+            f"{name:<46}{throughputs.ops_s(name):>9,.0f}"
             f"{throughputs.ratio(name, IN_PROCESS):>9.2f}x"
             f"{throughputs.ratio(name, BACKEND):>11.2f}x"
             f"{throughputs.cpu_us_per_op(name):>11.1f}"
