@@ -106,7 +106,7 @@ class BatchingBackend:
         client: KVClient,
         send: Send,
         start: Start | None = None,
-        send_ahead_min_ops: int = SEND_AHEAD_MIN_OPS,
+        send_ahead_min_ops: int | None = SEND_AHEAD_MIN_OPS,
     ) -> None:
         config = client.get_cache_config()
         self._block_sizes = tuple(group.block_size for group in config.groups)
@@ -115,7 +115,8 @@ class BatchingBackend:
         self._provable = all(group.kind == "full_attention" for group in config.groups)
         self._max_model_len = config.max_model_len
         self._send = send
-        # Sends ahead only where messages keep their order (a stream, not Step RPCs).
+        # Sends ahead only where messages keep their order (a stream, not Step RPCs),
+        # and only when asked to (a minimum of queued operations).
         self._start = start
         self._send_ahead_min_ops = send_ahead_min_ops
         self._builder = self._new_builder()
@@ -291,11 +292,12 @@ class BatchingBackend:
     def _send_ahead(self) -> None:
         """Send the queued operations without waiting, when there are enough of them
         and nothing else is in flight (see the module docstring)."""
-        start = self._start
+        start, min_ops = self._start, self._send_ahead_min_ops
         if (
             start is not None
+            and min_ops is not None
             and self._ahead is None
-            and len(self._builder) >= self._send_ahead_min_ops
+            and len(self._builder) >= min_ops
         ):
             builder, self._builder = self._builder, self._new_builder()
             self._ahead = start(builder)
@@ -355,21 +357,17 @@ class StepBackend(BatchingBackend):
 class StreamBackend(BatchingBackend):
     """Batched steps over one ``StepStream`` session; ``close`` (or ``with``) ends it.
     Sends ahead (see the module docstring) once ``send_ahead_min_ops`` operations are
-    queued; ``send_ahead=False`` never does."""
+    queued; None never does."""
 
     def __init__(
-        self,
-        client: KVClient,
-        *,
-        send_ahead: bool = True,
-        send_ahead_min_ops: int = SEND_AHEAD_MIN_OPS,
+        self, client: KVClient, *, send_ahead_min_ops: int | None = SEND_AHEAD_MIN_OPS
     ) -> None:
         self._session: Session = client.session()
         session = self._session
         super().__init__(
             client,
             lambda builder: session.step(builder, stop_on_error=True),
-            (lambda builder: session.send(builder, stop_on_error=True)) if send_ahead else None,
+            lambda builder: session.send(builder, stop_on_error=True),
             send_ahead_min_ops,
         )
 
