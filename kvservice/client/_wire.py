@@ -210,6 +210,7 @@ def cache_config(msg: pb.GetCacheConfigResponse) -> CacheConfig:
         groups=tuple(_group(g) for g in msg.groups),
         blocks_zeroed_by_server=msg.blocks_zeroed_by_server,
         runtime_device=msg.runtime_device,
+        vocab_size=msg.vocab_size,
     )
 
 

@@ -321,6 +321,8 @@ class CacheConfig:
     # The server's co-located runtime zeroes fresh blocks itself (and on which device).
     blocks_zeroed_by_server: bool = False
     runtime_device: str = ""
+    # Token ids the server accepts are below this; 0: no upper bound.
+    vocab_size: int = 0
 
 
 @dataclass(frozen=True, slots=True)

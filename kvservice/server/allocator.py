@@ -100,12 +100,17 @@ class Allocator:
         events: EventSink | None = None,
         quotas: Mapping[str, int] | None = None,
         on_refusal: RefusalSink | None = None,
+        vocab_size: int = 0,
     ) -> None:
         if runtime is not None and not manager.kv_cache_config.needs_kv_cache_zeroing:
             # The core records fresh blocks only when zeroing is on; without the
             # record the runtime would hand out blocks holding another request's KV.
             raise InvalidArgumentError("a runtime needs a pool with needs_kv_cache_zeroing")
+        if vocab_size < 0:
+            raise InvalidArgumentError(f"vocab_size must be >= 0 (0: no bound), got {vocab_size}")
         self.manager = manager
+        # Token ids must be below this; 0: no upper bound.
+        self.vocab_size = vocab_size
         self._runtime = runtime
         # With a sink, every change hands the manager's events on before the call
         # returns, so none is ever pending between two RPCs (what makes a snapshot
@@ -192,13 +197,20 @@ class Allocator:
     ) -> None:
         if not token_ids:
             raise InvalidArgumentError(f"request {rid!r}: {name} must hold at least one token")
-        # min() runs in C; the generator that names the first bad index runs only when
-        # there is one (a decode step appends one token per request per step).
+        # min() and max() run in C; the generator that names the first bad index runs
+        # only when there is one (a decode step appends one token per request per step).
         if min(token_ids) < 0:
             negative = next(i for i, t in enumerate(token_ids) if t < 0)
             raise InvalidArgumentError(
                 f"request {rid!r}: {name}[{negative}] = {token_ids[negative]}; token ids "
                 f"must be >= 0"
+            )
+        vocab_size = self.vocab_size
+        if vocab_size and max(token_ids) >= vocab_size:
+            outside = next(i for i, t in enumerate(token_ids) if t >= vocab_size)
+            raise InvalidArgumentError(
+                f"request {rid!r}: {name}[{outside}] = {token_ids[outside]} is outside the "
+                f"vocabulary; token ids must be < vocab_size {vocab_size}"
             )
         total = num_existing + len(token_ids)
         max_len = self.manager.max_model_len

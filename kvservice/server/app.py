@@ -135,6 +135,7 @@ class KVCacheServer:
             events=self.events.publish if self.events is not None else None,
             quotas=self.tokens.quotas if self.tokens is not None else None,
             on_refusal=self.metrics.record_refusal,
+            vocab_size=config.vocab_size,
         )
         self.clients = ClientTracker()
         # Sessions own requests (the registry hooks into the allocator); the reaper

@@ -37,6 +37,8 @@ class ServerConfig:
     num_blocks: int = 4096
     block_size: int = 16
     max_model_len: int = 8192
+    # Token ids must be below this; 0: no upper bound (only negative ids are refused).
+    vocab_size: int = 0
     num_layers: int = 32
     num_kv_heads: int = 8
     head_size: int = 128

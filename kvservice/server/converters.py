@@ -348,10 +348,11 @@ def group_to_pb(group: KVCacheGroupSpec) -> pb.KVCacheGroup:
 
 
 def cache_config_to_pb(
-    manager: KVCacheManager, model_name: str, runtime_device: str = ""
+    manager: KVCacheManager, model_name: str, runtime_device: str = "", vocab_size: int = 0
 ) -> pb.GetCacheConfigResponse:
     """The pool as clients see it; ``runtime_device`` is where the co-located
-    runtime's KV tensors live, empty without a runtime."""
+    runtime's KV tensors live, empty without a runtime; ``vocab_size`` bounds the
+    token ids the server accepts (0: no bound)."""
     config = manager.kv_cache_config
     hasher = manager.block_hasher
     return pb.GetCacheConfigResponse(
@@ -367,6 +368,7 @@ def cache_config_to_pb(
         model_name=model_name,
         blocks_zeroed_by_server=bool(runtime_device),
         runtime_device=runtime_device,
+        vocab_size=vocab_size,
     )
 
 

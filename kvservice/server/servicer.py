@@ -148,8 +148,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self, request: pb.GetCacheConfigRequest, context: Context
     ) -> pb.GetCacheConfigResponse:
         """The pool layout and hashing parameters, and the caller's scheduler epoch."""
+        allocator = self._allocator
         response = converters.cache_config_to_pb(
-            self._allocator.manager, self._model_name, self._runtime_device
+            allocator.manager, self._model_name, self._runtime_device, allocator.vocab_size
         )
         response.scheduler_epoch = self._sessions.current_epoch(current_caller().tenant)
         return response

@@ -61,6 +61,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("num_blocks", int, "KV cache blocks in the pool, null block included", "num_blocks"),
     Option("block_size", int, "tokens per block", "block_size"),
     Option("max_model_len", int, "the longest sequence, in tokens", "max_model_len"),
+    Option(
+        "vocab_size",
+        int,
+        "token ids must be below this; AddRequest and AppendTokens refuse others "
+        "INVALID_ARGUMENT (0: no upper bound, only negative ids are refused)",
+        "vocab_size",
+    ),
     Option("num_layers", int, "attention layers (reported only)", "num_layers"),
     Option("num_kv_heads", int, "KV heads per layer (reported only)", "num_kv_heads"),
     Option("head_size", int, "head dimension (reported only)", "head_size"),

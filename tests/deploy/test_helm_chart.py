@@ -216,6 +216,7 @@ def test_container_args_are_kvservice_serve_flags() -> None:
         "--num-blocks": "4096",
         "--block-size": "16",
         "--max-model-len": "8192",
+        "--vocab-size": "0",
         "--hash-algo": "xxhash",
         "--log-level": "info",
         "--shutdown-grace": "5",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -10,7 +11,9 @@ import pytest
 import structlog
 
 from kvservice.server.gen import kv_cache_service_pb2 as pb
+from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 from tests.server.support import (
+    SMALL_POOL,
     Stub,
     add,
     admit,
@@ -19,6 +22,7 @@ from tests.server.support import (
     expect_error,
     free,
     lookup,
+    running_server,
     snapshot,
     tokens,
 )
@@ -204,3 +208,38 @@ async def test_refusals_are_logged_with_method_request_and_status(running: Stub)
     assert entry["call_id"]
     [tagged] = [e for e in logs if e.get("status") == "NOT_FOUND"]
     assert (tagged["client_id"], tagged["call_id"]) == ("sched-1", "call-7")
+
+
+class TestVocabulary:
+    async def test_token_ids_outside_the_configured_vocabulary(self) -> None:
+        """With --vocab-size, a prompt or appended token id at or past it is refused
+        INVALID_ARGUMENT naming the field, index and value, on AddRequest,
+        AppendTokens and a columnar append entry alike; nothing changes."""
+        config = dataclasses.replace(SMALL_POOL, vocab_size=1000)
+        async with (
+            running_server(config) as server,
+            grpc.aio.insecure_channel(server.handle.target) as channel,
+        ):
+            stub = pb_grpc.KVCacheServiceStub(channel)
+            await add(stub, "a", tokens(40))
+            await admit(stub, "a")
+            await add(stub, "w", tokens(20, start=100))
+            message = await refused(stub, add(stub, "x", [1, 999, 1000]), Code.INVALID_ARGUMENT)
+            assert "prompt_token_ids[2] = 1000" in message and "vocab_size 1000" in message
+            message = await refused(stub, append(stub, "a", [5, 4000]), Code.INVALID_ARGUMENT)
+            assert "token_ids[1] = 4000" in message
+            before = await snapshot(stub, ["a", "w"])
+            batch = pb.AppendTokensBatch(request_ids=["a"], token_ids=[1000])
+            step = pb.StepRequest(ops=[pb.StepOperation(append_tokens_batch=batch)])
+            answer = (await stub.Step(step)).results[0].append_tokens_batch
+            assert [e.code for e in answer.errors] == [Code.INVALID_ARGUMENT.value[0]]
+            assert "vocab_size 1000" in answer.errors[0].message
+            assert await snapshot(stub, ["a", "w"]) == before
+            config_answer = await stub.GetCacheConfig(pb.GetCacheConfigRequest())
+            assert config_answer.vocab_size == 1000
+            await add(stub, "edges", [0, 999])  # both ends of the vocabulary are in it
+
+    async def test_no_upper_bound_by_default(self, stub: Stub) -> None:
+        """The embedded default (vocab_size 0) refuses only negative ids."""
+        await add(stub, "big", [0, 2**40])
+        assert (await stub.GetCacheConfig(pb.GetCacheConfigRequest())).vocab_size == 0

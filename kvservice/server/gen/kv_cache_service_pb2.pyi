@@ -954,6 +954,7 @@ class GetCacheConfigResponse(_message.Message):
     MODEL_NAME_FIELD_NUMBER: _builtins.int
     BLOCKS_ZEROED_BY_SERVER_FIELD_NUMBER: _builtins.int
     RUNTIME_DEVICE_FIELD_NUMBER: _builtins.int
+    VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     SCHEDULER_EPOCH_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
     """The pool size, null block (id 0) included."""
@@ -981,6 +982,10 @@ class GetCacheConfigResponse(_message.Message):
     """The device holding the server's KV tensors ("cpu", "cuda"); empty without a
     runtime.
     """
+    vocab_size: _builtins.int
+    """Token ids must be below this (0: no upper bound, only negative ids are refused):
+    AddRequest and AppendTokens answer INVALID_ARGUMENT for one outside.
+    """
     scheduler_epoch: _builtins.int
     """The caller's current scheduler epoch (the highest OpenSession epoch so far; 0
     before any). Numbered apart from the layout fields above.
@@ -1002,11 +1007,12 @@ class GetCacheConfigResponse(_message.Message):
         model_name: _builtins.str = ...,
         blocks_zeroed_by_server: _builtins.bool = ...,
         runtime_device: _builtins.str = ...,
+        vocab_size: _builtins.int = ...,
         scheduler_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_zeroed_by_server", b"blocks_zeroed_by_server", "enable_caching", b"enable_caching", "groups", b"groups", "hash_algo", b"hash_algo", "hash_block_size", b"hash_block_size", "max_model_len", b"max_model_len", "model_name", b"model_name", "needs_kv_cache_zeroing", b"needs_kv_cache_zeroing", "none_hash_seed_fingerprint", b"none_hash_seed_fingerprint", "num_blocks", b"num_blocks", "runtime_device", b"runtime_device", "scheduler_block_size", b"scheduler_block_size", "scheduler_epoch", b"scheduler_epoch"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_zeroed_by_server", b"blocks_zeroed_by_server", "enable_caching", b"enable_caching", "groups", b"groups", "hash_algo", b"hash_algo", "hash_block_size", b"hash_block_size", "max_model_len", b"max_model_len", "model_name", b"model_name", "needs_kv_cache_zeroing", b"needs_kv_cache_zeroing", "none_hash_seed_fingerprint", b"none_hash_seed_fingerprint", "num_blocks", b"num_blocks", "runtime_device", b"runtime_device", "scheduler_block_size", b"scheduler_block_size", "scheduler_epoch", b"scheduler_epoch", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
