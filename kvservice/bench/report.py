@@ -141,7 +141,9 @@ def table(document: dict[str, Any]) -> str:
             )
     lines.append(
         "p99 full: p99 over the steps that scheduled max_running requests; msg/step: "
-        "messages sent per step (admissions and unproven allocations are sync points); cpu ms: "
+        "messages sent per step (admissions and unproven allocations are sync points; the "
+        "stream sends a step's queued operations ahead, unawaited, so it sends about two "
+        "for one round trip); cpu ms: "
         "CPU time per step, this process plus a server it started; kv p50/p99: time per "
         "step inside the KV backend (service calls, RPCs included); sched p50/p99: the "
         "rest of the step (the scheduler's own Python)"
