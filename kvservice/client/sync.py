@@ -266,10 +266,10 @@ class KVClient:
 _CLOSE = None  # put on the outbound queue to half-close the stream
 _STEP_STREAM = "/kvservice.v1.KVCacheService/StepStream"
 # How long ``Session.send`` waits for gRPC's sending thread to take a message. Only a
-# hint (the message is queued either way): the thread takes it within microseconds
-# when it was only waiting for the GIL, and waiting longer would not help while it is
-# still sending the previous message (HTTP/2 flow control), so the wait stays within
-# one GIL switch interval.
+# hint (the message is queued either way): the thread takes it as soon as it gets the
+# GIL this wait releases, and waiting longer would not help while it is still sending
+# the previous message (HTTP/2 flow control), so the wait stays within one GIL switch
+# interval.
 _HANDOFF_WAIT_S = 0.005
 
 
