@@ -1,8 +1,12 @@
-"""What client and server agree on besides the proto: the call metadata keys and the
-calls that change the pool. Imports nothing, so the client can use it without
-reaching into the server's modules."""
+"""What client and server agree on besides the proto: the call metadata keys, the
+calls that change the pool and the packed token id encoding. Imports nothing of
+kvservice, so the client can use it without reaching into the server's modules."""
 
 from __future__ import annotations
+
+import array
+import sys
+from collections.abc import Sequence
 
 # Metadata keys (gRPC metadata keys are lower case).
 CLIENT_ID_KEY = "x-client-id"  # names the scheduler in logs and metrics
@@ -28,3 +32,29 @@ MUTATING_UNARY_METHODS = frozenset(
 )
 # Every call that changes the pool, the step stream included.
 MUTATING_METHODS = MUTATING_UNARY_METHODS | {"StepStream"}
+
+
+# -- packed token ids (AddRequestRequest.packed_prompt_token_ids) ----------------------
+
+# The array type code of a 4-byte unsigned int on this platform ("I" nearly everywhere).
+_U32 = next(code for code in "ILH" if array.array(code).itemsize == 4)
+PACKED_TOKEN_ID_SIZE = 4
+
+
+def pack_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Token ids as 4 bytes each, unsigned little-endian. Raises ``OverflowError``
+    for an id outside [0, 2**32) and ``TypeError`` for one that is not an int."""
+    packed = array.array(_U32, token_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack_token_ids(packed: bytes) -> list[int]:
+    """The ids ``pack_token_ids`` packed. Raises ``ValueError`` when the length is not
+    a multiple of ``PACKED_TOKEN_ID_SIZE``."""
+    values = array.array(_U32)
+    values.frombytes(packed)
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values.tolist()

@@ -31,6 +31,7 @@ from kvservice.client.types import (
     Usage,
     lazy_request_state,
 )
+from kvservice.protocol import pack_token_ids
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 
 T = TypeVar("T")
@@ -227,7 +228,6 @@ def add_request(
 ) -> Op[RequestState]:
     message = pb.AddRequestRequest(
         request_id=request_id,
-        prompt_token_ids=prompt_token_ids,
         cache_salt=cache_salt or "",
         lora_name=lora_name or "",
         mm_features=[
@@ -236,6 +236,11 @@ def add_request(
         ],
         skip_reading_prefix_cache=skip_reading_prefix_cache,
     )
+    try:
+        message.packed_prompt_token_ids = pack_token_ids(prompt_token_ids)
+    except (OverflowError, TypeError):
+        # An id the packing cannot hold: sent as given, for the server to name it.
+        message.prompt_token_ids.extend(prompt_token_ids)
     return Op("AddRequest", "add_request", message, _request_of)
 
 

@@ -45,6 +45,14 @@ class NewRequest:
     lora_name: str | None = None
     mm_features: tuple[MultiModalFeature, ...] = ()
     skip_reading_prefix_cache: bool = False
+    # The ids came as packed_prompt_token_ids: unsigned, so none can be negative, and
+    # an error about one names that field.
+    packed: bool = False
+
+    @property
+    def prompt_field(self) -> str:
+        """The AddRequestRequest field the prompt came in."""
+        return "packed_prompt_token_ids" if self.packed else "prompt_token_ids"
 
 
 @dataclass(frozen=True, slots=True)

@@ -161,7 +161,9 @@ class Allocator:
                 f"request {rid!r} already exists; finish it (FreeRequest FINISH) before "
                 f"reusing its id"
             )
-        self._check_new_tokens(rid, new.prompt_token_ids, 0, "prompt_token_ids")
+        self._check_new_tokens(
+            rid, new.prompt_token_ids, 0, new.prompt_field, nonnegative=new.packed
+        )
         for f in new.mm_features:
             if not f.identifier:
                 raise InvalidArgumentError(
@@ -193,13 +195,21 @@ class Allocator:
         return request
 
     def _check_new_tokens(
-        self, rid: str, token_ids: Sequence[int], num_existing: int, name: str
+        self,
+        rid: str,
+        token_ids: Sequence[int],
+        num_existing: int,
+        name: str,
+        *,
+        nonnegative: bool = False,
     ) -> None:
+        """Refuse ids out of range and a request grown past max_model_len;
+        ``nonnegative``: the ids are known to be >= 0 (they came packed unsigned)."""
         if not token_ids:
             raise InvalidArgumentError(f"request {rid!r}: {name} must hold at least one token")
         # min() and max() run in C; the generator that names the first bad index runs
         # only when there is one (a decode step appends one token per request per step).
-        if min(token_ids) < 0:
+        if not nonnegative and min(token_ids) < 0:
             negative = next(i for i, t in enumerate(token_ids) if t < 0)
             raise InvalidArgumentError(
                 f"request {rid!r}: {name}[{negative}] = {token_ids[negative]}; token ids "

@@ -22,6 +22,7 @@ from kvservice.core.kv_cache_interface import (
 )
 from kvservice.core.kv_cache_manager import AllocationProbe, KVCacheManager
 from kvservice.core.request import Request, RequestStatus
+from kvservice.protocol import PACKED_TOKEN_ID_SIZE, unpack_token_ids
 from kvservice.server.allocation import (
     AllocateArgs,
     Allocation,
@@ -54,9 +55,10 @@ _FREE_MODE_FROM_PB = {
 
 
 def new_request_from_pb(msg: pb.AddRequestRequest) -> NewRequest:
+    packed = bool(msg.packed_prompt_token_ids)
     return NewRequest(
         request_id=msg.request_id,
-        prompt_token_ids=list(msg.prompt_token_ids),
+        prompt_token_ids=_prompt_token_ids(msg) if packed else msg.prompt_token_ids[:],
         cache_salt=msg.cache_salt or None,
         lora_name=msg.lora_name or None,
         mm_features=(
@@ -65,7 +67,27 @@ def new_request_from_pb(msg: pb.AddRequestRequest) -> NewRequest:
             else ()
         ),
         skip_reading_prefix_cache=msg.skip_reading_prefix_cache,
+        packed=packed,
     )
+
+
+def _prompt_token_ids(msg: pb.AddRequestRequest) -> list[int]:
+    """The ids of ``packed_prompt_token_ids`` (unpacked in C: a fraction of what
+    reading the repeated field costs, one Python int at a time)."""
+    packed = msg.packed_prompt_token_ids
+    if msg.prompt_token_ids:
+        raise InvalidArgumentError(
+            f"request {msg.request_id!r}: both prompt_token_ids ({len(msg.prompt_token_ids)} "
+            f"ids) and packed_prompt_token_ids ({len(packed)} bytes) are set; send the "
+            f"prompt in one of them"
+        )
+    if len(packed) % PACKED_TOKEN_ID_SIZE:
+        raise InvalidArgumentError(
+            f"request {msg.request_id!r}: packed_prompt_token_ids holds {len(packed)} bytes, "
+            f"not a multiple of {PACKED_TOKEN_ID_SIZE} (one unsigned little-endian "
+            f"{PACKED_TOKEN_ID_SIZE}-byte int per token id)"
+        )
+    return unpack_token_ids(packed)
 
 
 def allocate_args_from_pb(msg: pb.AllocateSlotsRequest) -> AllocateArgs:

@@ -10,6 +10,8 @@ import grpc
 import pytest
 import structlog
 
+from kvservice.client import _wire
+from kvservice.protocol import pack_token_ids
 from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 from tests.server.support import (
@@ -243,3 +245,62 @@ class TestVocabulary:
         """The embedded default (vocab_size 0) refuses only negative ids."""
         await add(stub, "big", [0, 2**40])
         assert (await stub.GetCacheConfig(pb.GetCacheConfigRequest())).vocab_size == 0
+
+
+class TestPackedPrompt:
+    """``packed_prompt_token_ids``: the same request as ``prompt_token_ids``, and every
+    malformed use refused INVALID_ARGUMENT with nothing changed."""
+
+    async def test_packed_and_repeated_prompts_are_the_same_request(self, stub: Stub) -> None:
+        prompt = tokens(40, start=70_000)
+        await add(stub, "repeated", prompt)
+        packed = await add(stub, "packed", [], packed_prompt_token_ids=pack_token_ids(prompt))
+        assert packed.num_tokens == 40 and packed.num_block_hashes == 40 // 16
+        await admit(stub, "repeated")
+        # Same ids, same hashes: the packed request hits every full block just cached.
+        assert (await lookup(stub, "packed")).num_computed_tokens == 32
+
+    @pytest.mark.parametrize(
+        ("fields", "expected"),
+        [
+            (
+                {"prompt_token_ids": [1, 2], "packed_prompt_token_ids": pack_token_ids([1, 2])},
+                "both prompt_token_ids (2 ids) and packed_prompt_token_ids (8 bytes)",
+            ),
+            (
+                {"packed_prompt_token_ids": b"\x01\x00\x00\x00\x02"},
+                "packed_prompt_token_ids holds 5 bytes, not a multiple of 4",
+            ),
+        ],
+    )
+    async def test_malformed_packed_prompts(
+        self, running: Stub, fields: dict[str, Any], expected: str
+    ) -> None:
+        call = running.AddRequest(pb.AddRequestRequest(request_id="x", **fields))
+        message = await refused(running, call, Code.INVALID_ARGUMENT)
+        assert "'x'" in message and expected in message
+        await add(running, "x", [1])  # the id was never taken
+
+    async def test_out_of_vocabulary_names_the_packed_field(self) -> None:
+        config = dataclasses.replace(SMALL_POOL, vocab_size=1000)
+        async with (
+            running_server(config) as server,
+            grpc.aio.insecure_channel(server.handle.target) as channel,
+        ):
+            stub = pb_grpc.KVCacheServiceStub(channel)
+            packed = pack_token_ids([1, 999, 1000])
+            call = add(stub, "x", [], packed_prompt_token_ids=packed)
+            message = await expect_error(call, Code.INVALID_ARGUMENT)
+            assert "packed_prompt_token_ids[2] = 1000" in message
+
+
+def test_the_client_packs_prompts_and_falls_back_for_ids_packing_cannot_hold() -> None:
+    """The wire op the clients send: packed when every id fits in 32 unsigned bits;
+    otherwise the repeated field, so the server's refusal names the id as given."""
+    fits = _wire.add_request("r", [0, 5, 2**32 - 1]).message
+    assert fits.packed_prompt_token_ids == pack_token_ids([0, 5, 2**32 - 1])
+    assert not fits.prompt_token_ids
+    for prompt in ([3, -1], [3, 2**32]):
+        message = _wire.add_request("r", prompt).message
+        assert list(message.prompt_token_ids) == prompt
+        assert not message.packed_prompt_token_ids
