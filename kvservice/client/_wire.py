@@ -65,6 +65,7 @@ def block_ids(groups: Iterable[pb.BlockIds]) -> BlockIds:
 
 
 _NO_BLOCKS: BlockIds = ((),)
+_NO_BLOCKS_OMITTED = Allocation(_NO_BLOCKS, (), OMITTED_REQUEST_STATE)
 
 
 def _new_block_ids(groups: Any) -> BlockIds:
@@ -442,6 +443,9 @@ class _ExtraColumns:
 
     def allocation(self, index: int, new_block_ids: BlockIds, request: RequestState) -> Allocation:
         if not self.any:
+            if new_block_ids is _NO_BLOCKS and request is OMITTED_REQUEST_STATE:
+                # Most decode allocations of a step: one shared immutable answer.
+                return _NO_BLOCKS_OMITTED
             return Allocation(new_block_ids, (), request)
         zero, zeroed = self.zero.get(index, ()), self.zeroed.get(index, ())
         to_apply, applied = self.to_apply.get(index, ()), self.applied.get(index, ())

@@ -83,10 +83,13 @@ class _RequestBlocks:
     running: bool = False
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is built per deferred allocation (most of a decode step), and a
+# frozen dataclass's __init__ costs several times a plain one's.
+@dataclass(slots=True)
 class _Deferred:
     handle: OpHandle[Allocation | None]
-    pending: PendingBlockIds
+    # None when the allocation was proven to take no block: its answer is already known.
+    pending: PendingBlockIds | None
     num_new_blocks: tuple[int, ...]  # per group, as proven
 
 
@@ -110,6 +113,9 @@ class BatchingBackend:
     ) -> None:
         config = client.get_cache_config()
         self._block_sizes = tuple(group.block_size for group in config.groups)
+        # A proven allocation that takes no block: its counts, and the answer it gets.
+        self._no_new_blocks = (0,) * len(self._block_sizes)
+        self._no_block_ids: BlockIds = ((),) * len(self._block_sizes)
         # Only full attention needs a plain function of the token count; other kinds
         # (sliding windows release blocks as they go) always ask the server.
         self._provable = all(group.kind == "full_attention" for group in config.groups)
@@ -255,11 +261,15 @@ class BatchingBackend:
         state: _RequestBlocks,
         num_new_tokens: int,
         new_blocks: tuple[int, ...],
-    ) -> PendingBlockIds:
+    ) -> AllocatedIds:
+        state.num_computed_tokens += num_new_tokens
+        if new_blocks == self._no_new_blocks:
+            # Most decode allocations: no block to wait for, only the answer to check.
+            self._deferred.append(_Deferred(handle, None, new_blocks))
+            return self._no_block_ids
         pending = PendingBlockIds()
         self._deferred.append(_Deferred(handle, pending, new_blocks))
         self._free_lower_bound -= sum(new_blocks)
-        state.num_computed_tokens += num_new_tokens
         for group, count in enumerate(new_blocks):
             state.num_blocks[group] += count
         return pending
@@ -332,13 +342,14 @@ class BatchingBackend:
 
     @staticmethod
     def _resolve(item: _Deferred, allocation: Allocation | None) -> None:
-        counts = None if allocation is None else tuple(len(g) for g in allocation.new_block_ids)
+        counts = None if allocation is None else tuple(map(len, allocation.new_block_ids))
         if allocation is None or counts != item.num_new_blocks:
             raise PredictionError(
                 f"a deferred allocation (op {item.handle.index}) took {counts} blocks, "
                 f"proven {item.num_new_blocks}"
             )
-        item.pending.set(allocation.new_block_ids)
+        if item.pending is not None:
+            item.pending.set(allocation.new_block_ids)
 
 
 def _raise_first(results: StepResults) -> None:
