@@ -9,6 +9,7 @@ request (``RequestOwnership``) and the metrics (``AllocatorObserver``).
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -119,6 +120,13 @@ class Allocation:
     block_ids_zeroed: Sequence[int] = ()
     block_copies_to_apply: Sequence[tuple[int, int]] = ()
     block_copies_applied: Sequence[tuple[int, int]] = ()
+
+
+@functools.lru_cache(maxsize=1024)
+def plain_allocate_args(num_new_tokens: int) -> AllocateArgs:
+    """The arguments of an allocation with only ``num_new_tokens`` set (immutable, so
+    shared: a scheduler sends the same few counts over and over)."""
+    return AllocateArgs(num_new_tokens=num_new_tokens)
 
 
 @dataclass(frozen=True, slots=True)

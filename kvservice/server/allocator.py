@@ -47,6 +47,7 @@ from kvservice.server.allocation import (
     PoolUsage,
     ProbeArgs,
     RequestOwnership,
+    plain_allocate_args,
 )
 from kvservice.server.caller import DEFAULT_TENANT, current_caller
 from kvservice.server.errors import AlreadyExistsError, StaleHitError
@@ -146,6 +147,9 @@ class Allocator:
         # end, and so do the reporter's observations of the pool.
         self._batch_depth = 0
         self._reporter = PoolReporter(observer, self.usage)
+        # What lets ``allocate_new_tokens`` skip the general path's per-call work.
+        self._plain_fast = runtime is None and events is None and not self._records_fresh
+        self._plain_fast = self._plain_fast and not self._charge_default
         self._after_change()
 
     # -- requests -------------------------------------------------------------------
@@ -192,6 +196,21 @@ class Allocator:
         request = self._get(request_id, tenant)
         self._check_new_tokens(request_id, token_ids, request.num_tokens, "token_ids")
         request.append_output_token_ids(token_ids)
+        return request
+
+    def append_token(self, request_id: str, token_id: int, tenant: str) -> Request:
+        """``append_tokens`` of one token: a decode step's call, one per entry of an
+        AppendTokensBatch. A request of the default tenant with a token in range takes
+        the checks inline; anything else takes the general path, which answers it."""
+        request = self._requests.get(request_id) if tenant == DEFAULT_TENANT else None
+        if (
+            request is None
+            or token_id < 0
+            or (self.vocab_size and token_id >= self.vocab_size)
+            or request.num_tokens >= self.manager.max_model_len
+        ):
+            return self.append_tokens(request_id, [token_id], tenant)
+        request.append_output_token_ids(token_id)
         return request
 
     def _check_new_tokens(
@@ -285,6 +304,42 @@ class Allocator:
             self.publish_events()
         self._reporter.pool_changed()
         return allocation
+
+    def allocate_new_tokens(self, request_id: str, num_new_tokens: int, tenant: str) -> Allocation:
+        """``allocate_slots`` with only ``num_new_tokens`` set: a decode step's call, one
+        per entry of an AllocateSlotsBatch. The common case (a known request of the
+        default tenant, no hit pending, a pool without runtime, event sink or charged
+        default tenant) runs the core call with none of the general path's per-call
+        layers; anything else takes the general path, so every outcome, refusals
+        included, is the one ``allocate_slots`` gives."""
+        request = self._requests.get(request_id)
+        if (
+            request is None
+            or not self._plain_fast
+            or tenant != DEFAULT_TENANT
+            or self._retained
+            or request_id in self._hits
+        ):
+            return self.allocate_slots(request_id, plain_allocate_args(num_new_tokens), tenant)
+        previous = request.num_computed_tokens
+        try:
+            new_blocks = self.manager.allocate_slots(request, num_new_tokens)
+        except KVCacheError:
+            # Refused before any change: the general path answers it, named as usual.
+            return self.allocate_slots(request_id, plain_allocate_args(num_new_tokens), tenant)
+        reporter = self._reporter
+        if new_blocks is None:
+            reporter.record(AllocationResult.NO_SPACE)
+            reporter.pool_changed()
+            return Allocation(request, None)
+        request.num_computed_tokens = previous + num_new_tokens
+        request.status = RequestStatus.RUNNING
+        copies = self._take_copies(DEFAULT_TENANT) if self._copies_pending() else []
+        if self._retained and not self._batch_depth:
+            self._release_retained()
+        reporter.record(AllocationResult.OK)
+        reporter.pool_changed()
+        return Allocation(request, new_blocks.get_block_ids(), block_copies_to_apply=copies)
 
     def _allocate(self, request_id: str, args: AllocateArgs, tenant: str | None) -> Allocation:
         request = self._get(request_id, tenant)

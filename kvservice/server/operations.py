@@ -14,7 +14,6 @@ import structlog
 
 from kvservice.core.errors import InvalidArgumentError, KVCacheError
 from kvservice.server import admission, converters
-from kvservice.server.allocation import AllocateArgs
 from kvservice.server.allocator import Allocator
 from kvservice.server.caller import CURRENT_CALLER
 from kvservice.server.errors import status_code_of, status_message_of
@@ -293,13 +292,13 @@ def append_tokens_batch(
     tokens = list(msg.token_ids)
     _check_columns("append_tokens_batch", len(ids), "token_ids", len(tokens))
     out.num_requests = len(ids)
-    append = allocator.append_tokens
+    append = allocator.append_token
     states = out.requests if with_state else None
     first_code = 0
     index = -1
     for index, (rid, token) in enumerate(zip(ids, tokens, strict=True)):
         try:
-            request = append(rid, [token], tenant)
+            request = append(rid, token, tenant)
         except Exception as err:
             code = _entry_error(out.errors, index, err)
             first_code = first_code or code
@@ -312,20 +311,6 @@ def append_tokens_batch(
             _fill_state(states.add(), request, rid)
     out.num_run = index + 1
     return first_code
-
-
-# num_new_tokens -> the arguments of a plain allocation (immutable, so shared).
-_PLAIN_ARGS: dict[int, AllocateArgs] = {}
-_PLAIN_ARGS_CACHE_SIZE = 1024
-
-
-def _plain_args(num_new_tokens: int) -> AllocateArgs:
-    args = _PLAIN_ARGS.get(num_new_tokens)
-    if args is None:
-        if len(_PLAIN_ARGS) >= _PLAIN_ARGS_CACHE_SIZE:
-            _PLAIN_ARGS.clear()
-        args = _PLAIN_ARGS[num_new_tokens] = AllocateArgs(num_new_tokens=num_new_tokens)
-    return args
 
 
 def allocate_slots_batch(
@@ -344,14 +329,13 @@ def allocate_slots_batch(
     _check_columns("allocate_slots_batch", len(ids), "num_new_tokens", len(nums))
     out.num_requests = len(ids)
     columns = converters.AllocationColumns(allocator.manager.num_kv_cache_groups)
-    allocate = allocator.allocate_slots
+    allocate = allocator.allocate_new_tokens
     states = out.requests if with_state else None
     first_code = 0
     index = -1
     for index, (rid, num) in enumerate(zip(ids, nums, strict=True)):
-        args = _PLAIN_ARGS.get(num) or _plain_args(num)
         try:
-            allocation = allocate(rid, args, tenant)
+            allocation = allocate(rid, num, tenant)
         except Exception as err:
             code = _entry_error(out.errors, index, err)
             first_code = first_code or code

@@ -43,6 +43,9 @@ BLOCK = SMALL_POOL.block_size
 # The small pool with zeroing on: every allocation lists its fresh blocks to zero.
 ZEROING_POOL = dataclasses.replace(SMALL_POOL, needs_kv_cache_zeroing=True, none_hash_seed="c")
 HYBRID_POOL = dataclasses.replace(support.HYBRID_POOL, none_hash_seed="c")
+# No zeroing, runtime or event sink: the allocator's inline decode paths
+# (``allocate_new_tokens``, ``append_token``) answer the columnar entries.
+PLAIN_POOL = dataclasses.replace(SMALL_POOL, none_hash_seed="c")
 OPS_FIELD = "ops"
 
 
@@ -71,7 +74,11 @@ def twin(config: ServerConfig) -> Iterator[Twin]:
         yield Twin(server, client, pb_grpc.KVCacheServiceStub(channel))
 
 
-@pytest.fixture(scope="module", params=[ZEROING_POOL, HYBRID_POOL], ids=["zeroing", "hybrid"])
+@pytest.fixture(
+    scope="module",
+    params=[ZEROING_POOL, HYBRID_POOL, PLAIN_POOL],
+    ids=["zeroing", "hybrid", "plain"],
+)
 def twins(request: pytest.FixtureRequest) -> Iterator[tuple[Twin, Twin]]:
     """Two identical servers: the first gets coalesced steps, the second the same
     operations one message operation each, so their histories stay equal."""
