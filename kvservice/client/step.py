@@ -92,7 +92,8 @@ class StepBuilder:
         # The columnar operation the next eligible operation joins: its StepResult
         # field name, its message and its place; None after any other operation.
         self._open_kind: str | None = None
-        self._open: Any = None
+        self._open_values: Any = None  # its value column
+        self._open_ids: Any = None  # its request_ids column
         self._open_wire = 0
         self._open_rows = 0
 
@@ -114,29 +115,41 @@ class StepBuilder:
         last operation is not one), its ``column`` value first. A value or id the
         message refuses raises as the single operation's message would, leaving the
         builder as it was."""
-        opened = self._open_kind != kind
-        if opened:
-            self._open = getattr(self._request.ops.add(), kind)
-            self._open_kind = kind
-            self._open_wire = len(self._request.ops) - 1
-            self._open_rows = 0
+        if self._open_kind != kind:
+            return self._open_entry(kind, column, request_id, value)
+        # The hot path: one entry of a decode step's run (the columns are cached).
+        values = self._open_values
+        values.append(value)
         try:
-            values = getattr(self._open, column)
-            values.append(value)
-            try:
-                self._open.request_ids.append(request_id)
-            except Exception:
-                del values[-1]
-                raise
+            self._open_ids.append(request_id)
         except Exception:
-            if opened:
-                del self._request.ops[-1]
-                self._open_kind = None
+            del values[-1]
             raise
-        handle: OpHandle[Any] = OpHandle(self._num_ops, _same, self._open_wire, self._open_rows)
-        self._num_ops += 1
-        self._open_rows += 1
-        return handle
+        row = self._open_rows
+        self._open_rows = row + 1
+        index = self._num_ops
+        self._num_ops = index + 1
+        return OpHandle(index, _same, self._open_wire, row)
+
+    def _open_entry(self, kind: str, column: str, request_id: str, value: int) -> OpHandle[Any]:
+        """Open a columnar operation of ``kind`` with its first entry; nothing is left
+        of it when the message refuses the entry."""
+        opened = getattr(self._request.ops.add(), kind)
+        try:
+            values = getattr(opened, column)
+            values.append(value)
+            opened.request_ids.append(request_id)
+        except Exception:
+            del self._request.ops[-1]
+            raise
+        self._open_kind = kind
+        self._open_values = values
+        self._open_ids = opened.request_ids
+        self._open_wire = len(self._request.ops) - 1
+        self._open_rows = 1
+        index = self._num_ops
+        self._num_ops = index + 1
+        return OpHandle(index, _same, self._open_wire, 0)
 
     def to_pb(self, step_id: int = 0, stop_on_error: bool = False) -> pb.StepRequest:
         """The ``Step`` message (for the clients; it shares the builder's operations)."""

@@ -152,7 +152,6 @@ class BatchingBackend:
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
     ) -> AllocatedIds | None:
-        computed = as_computed_blocks(hit)
         options = allocate_options(num_lookahead_tokens, full_sequence_must_fit)
         state = self._requests.get(request_id)
         if state is not None and state.running and hit is None and not full_sequence_must_fit:
@@ -162,6 +161,7 @@ class BatchingBackend:
                     self._send_ahead()
                 handle = self._builder.allocate_slots(request_id, num_new_tokens, None, options)
                 return self._defer(handle, state, num_new_tokens, proven)
+        computed = as_computed_blocks(hit)
         handle = self._builder.allocate_slots(request_id, num_new_tokens, computed, options)
         allocation = self._send_now()[handle]
         if allocation is None:

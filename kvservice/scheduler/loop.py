@@ -88,7 +88,9 @@ class _Tracked:
         return (self.spec.priority, self.spec.arrival_step, self.order)
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is built per scheduled request per step, and a frozen dataclass's
+# __init__ costs several times a plain one's.
+@dataclass(slots=True)
 class _Planned:
     """A request's share of the step being built; its block ids may still be pending
     on a batching backend until the step is flushed."""
