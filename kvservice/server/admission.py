@@ -46,9 +46,7 @@ def admit(allocator: Allocator, args: AdmitArgs, tenant: str) -> ServerAdmission
             AllocateArgs(
                 num_new_tokens=num_new_tokens,
                 num_new_computed_tokens=num_hit_tokens,
-                new_computed_block_ids=(
-                    tuple(tuple(group) for group in hit.block_ids) if num_hit_tokens else ()
-                ),
+                new_computed_block_ids=hit.block_ids if num_hit_tokens else (),
                 num_lookahead_tokens=args.num_lookahead_tokens,
                 full_sequence_must_fit=args.full_sequence_must_fit,
             ),

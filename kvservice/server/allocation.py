@@ -19,6 +19,8 @@ from kvservice.core.request import Request
 from kvservice.core.stats import PrefixCacheStats
 
 BlockIdsPerGroup = tuple[list[int], ...]
+# A prefix hit's block ids per group, as a lookup answers and an allocation names them.
+HitBlockIds = tuple[tuple[int, ...], ...]
 
 
 class FreeMode(enum.Enum):
@@ -64,7 +66,7 @@ class AllocateArgs:
 
     num_new_tokens: int
     num_new_computed_tokens: int = 0
-    new_computed_block_ids: tuple[tuple[int, ...], ...] = ()
+    new_computed_block_ids: HitBlockIds = ()
     num_lookahead_tokens: int = 0
     num_external_computed_tokens: int = 0
     delay_cache_blocks: bool = False
@@ -93,7 +95,7 @@ class ProbeArgs:
 class ComputedBlocks:
     """A prefix lookup: the hit's block ids per group and what vLLM reports with it."""
 
-    block_ids: BlockIdsPerGroup
+    block_ids: HitBlockIds
     num_computed_tokens: int
     shared_prefix_boundary: int
 

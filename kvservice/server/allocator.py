@@ -76,14 +76,19 @@ class _PrefixHit:
 
     @classmethod
     def of(cls, blocks: KVCacheBlocks) -> _PrefixHit:
+        # List comprehensions: a hit is tens of blocks on every admission.
+        groups = blocks.blocks
         return cls(
             blocks,
-            tuple(tuple(b.block_id for b in group) for group in blocks.blocks),
-            tuple(tuple(b.block_hash for b in group) for group in blocks.blocks),
+            tuple([tuple([b.block_id for b in group]) for group in groups]),
+            tuple([tuple([b.block_hash for b in group]) for group in groups]),
         )
 
     def first_evicted_block(self) -> int | None:
         for group, keys in zip(self.blocks.blocks, self.keys, strict=True):
+            # Compared whole first (the usual answer: nothing was evicted).
+            if tuple([block.block_hash for block in group]) == keys:
+                continue
             for block, key in zip(group, keys, strict=True):
                 if block.block_hash != key:
                     return block.block_id
@@ -276,9 +281,11 @@ class Allocator:
             blocks, num_hit, boundary = self.manager.get_computed_blocks(request)
         except KVCacheError as err:
             raise _renamed(err, request.request_id, request_id) from None
-        self._hits[request.request_id] = _PrefixHit.of(blocks)
+        hit = self._hits[request.request_id] = _PrefixHit.of(blocks)
         self._after_change()
-        return ComputedBlocks(blocks.get_block_ids(), num_hit, boundary)
+        # The remembered ids themselves: a caller that names them back (Admit does)
+        # is checked against them at the cost of an identity comparison.
+        return ComputedBlocks(hit.block_ids, num_hit, boundary)
 
     def allocate_slots(
         self, request_id: str, args: AllocateArgs, tenant: str | None = None
