@@ -152,6 +152,11 @@ class Allocator:
         # end, and so do the reporter's observations of the pool.
         self._batch_depth = 0
         self._reporter = PoolReporter(observer, self.usage)
+        # Most decode allocations take no block: the core answers its one shared empty
+        # KVCacheBlocks, and ``allocate_new_tokens`` one shared answer of its ids (read
+        # by the converters, never mutated).
+        self._no_new_blocks = manager.empty_kv_cache_blocks
+        self._no_new_block_ids = self._no_new_blocks.get_block_ids()
         # What lets ``allocate_new_tokens`` skip the general path's per-call work.
         self._plain_fast = runtime is None and events is None and not self._records_fresh
         self._plain_fast = self._plain_fast and not self._charge_default
@@ -346,7 +351,11 @@ class Allocator:
             self._release_retained()
         reporter.record(AllocationResult.OK)
         reporter.pool_changed()
-        return Allocation(request, new_blocks.get_block_ids(), block_copies_to_apply=copies)
+        if copies:
+            return Allocation(request, new_blocks.get_block_ids(), block_copies_to_apply=copies)
+        if new_blocks is self._no_new_blocks:
+            return Allocation(request, self._no_new_block_ids)
+        return Allocation(request, new_blocks.get_block_ids())
 
     def _allocate(self, request_id: str, args: AllocateArgs, tenant: str | None) -> Allocation:
         request = self._get(request_id, tenant)
