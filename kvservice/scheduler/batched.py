@@ -246,8 +246,13 @@ class BatchingBackend:
             return None
         end = min(state.num_computed_tokens + num_slot_tokens, self._max_model_len)
         if len(self._block_sizes) == 1:
-            # The common single-group pool, on every decode allocation: no generator.
-            need = max(_cdiv(end, self._block_sizes[0]) - state.num_blocks[0], 0)
+            # The common single-group pool, on every decode allocation: no generator,
+            # and no arithmetic at all while the request's last block has room.
+            size = self._block_sizes[0]
+            held = state.num_blocks[0] * size
+            if end <= held:
+                return self._no_new_blocks
+            need = _cdiv(end - held, size)
             return (need,) if need <= self._free_lower_bound else None
         needed = tuple(
             max(_cdiv(end, size) - held, 0)
