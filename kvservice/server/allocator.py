@@ -158,8 +158,9 @@ class Allocator:
         self._no_new_blocks = manager.empty_kv_cache_blocks
         self._no_new_block_ids = self._no_new_blocks.get_block_ids()
         # What lets ``allocate_new_tokens`` skip the general path's per-call work.
-        self._plain_fast = runtime is None and events is None and not self._records_fresh
-        self._plain_fast = self._plain_fast and not self._charge_default
+        self._plain_fast = not (
+            runtime is not None or events is not None or self._records_fresh or self._charge_default
+        )
         self._after_change()
 
     # -- requests -------------------------------------------------------------------
