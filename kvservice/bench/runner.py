@@ -361,6 +361,7 @@ class ModeResult:
     backend_latencies_ns: list[int] = field(default_factory=list)
     scheduler_latencies_ns: list[int] = field(default_factory=list)
     last_round_ms: list[float] = field(default_factory=list)
+    round_seconds: list[float] = field(default_factory=list)  # each round's steps, timed
     num_steps: int = 0
     num_ops: int = 0
     num_sends: int | None = None
@@ -429,6 +430,7 @@ def _timed(
         progress.advance(label)
     scheduler.abort_all()
     result.last_round_ms = round_ms
+    result.round_seconds.append(sum(round_ms) / 1e3)
     result.num_steps += len(reference.decisions)
     result.num_ops += reference.total_ops
 

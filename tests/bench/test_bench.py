@@ -36,6 +36,14 @@ def test_smoke_compares_every_mode_on_the_same_decisions(
     assert 0 < pool["prefix_hit_rate"] < 1
     assert 0 < pool["peak_usage"] <= 1
     assert rows["in-process"]["vs_in_process"] == pytest.approx(1.0)
+    rounds = document["config"]["rounds"]
+    assert rows["in-process"]["vs_in_process_rounds"] == pytest.approx([1.0] * rounds)
+    for row in rows.values():
+        # One ratio per round, each from that round's own times.
+        ratios = row["vs_in_process_rounds"]
+        assert len(ratios) == rounds and all(r > 0 for r in ratios)
+        assert min(ratios) <= row["vs_in_process"] * (1 + 1e-9)
+        assert max(ratios) >= row["vs_in_process"] * (1 - 1e-9)
     for row in rows.values():
         assert row["steps"] == pool["steps"] > 0
         assert row["steps_per_s"] > 0
