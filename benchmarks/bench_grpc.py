@@ -670,15 +670,28 @@ class Throughputs:
         pairs = zip(self.samples[name], self.samples[baseline], strict=True)
         return statistics.median(a.ops_s / b.ops_s for a, b in pairs)
 
-    def cpu_ratio(self, name: str, baseline: str) -> float:
+    def cpu_ratio(self, name: str, baseline: str) -> float | None:
         """Median over rounds of (the baseline's CPU per op / the way's, client and
         server together): the throughput ratio on an otherwise idle machine with one
-        core per process."""
+        core per process. None when no round measured CPU on both sides: the kernel
+        updates a running thread's CPU time at ticks and switches, so a tiny run (the
+        smoke size) can read none."""
         pairs = zip(self.samples[name], self.samples[baseline], strict=True)
-        return statistics.median(b.cpu_us_per_op / a.cpu_us_per_op for a, b in pairs)
+        ratios = [
+            b.cpu_us_per_op / a.cpu_us_per_op
+            for a, b in pairs
+            if a.cpu_us_per_op > 0 and b.cpu_us_per_op > 0
+        ]
+        return statistics.median(ratios) if ratios else None
 
 
 IN_PROCESS = "in-process: Allocator calls"
+
+
+def _ratio_cell(ratio: float | None) -> str:
+    return f"{'-':>14}" if ratio is None else f"{ratio:>13.2f}x"
+
+
 BACKEND = "in-process: InProcessBackend"
 
 
@@ -848,7 +861,7 @@ def _report(latencies: dict[str, list[float]], throughputs: Throughputs) -> None
             f"{throughputs.ratio(name, IN_PROCESS):>9.2f}x"
             f"{throughputs.ratio(name, BACKEND):>11.2f}x"
             f"{throughputs.cpu_us_per_op(name):>11.1f}"
-            f"{throughputs.cpu_ratio(name, IN_PROCESS):>13.2f}x"
+            f"{_ratio_cell(throughputs.cpu_ratio(name, IN_PROCESS))}"
         )
     print(
         "ops/s and CPU: medians over rounds; ratios: medians over rounds of the ratio in "

@@ -29,3 +29,15 @@ def test_bench_decode_layers_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for layer in bench_decode_layers.LAYERS:
         assert f" {layer} " in out
+
+
+def test_a_round_that_measured_no_cpu_is_left_out_of_the_cpu_ratio() -> None:
+    """A tiny run can read no CPU time (the kernel updates a running thread's at ticks
+    and switches): such rounds are skipped, and a way with none has no ratio."""
+    throughputs = bench_grpc.Throughputs()
+    for way, cpu_s in (("base", 0.0), ("way", 0.5), ("base", 1.0), ("way", 0.5)):
+        throughputs.add(way, bench_grpc.Sample(ops=100, wall_s=1.0, cpu_s=cpu_s))
+    assert throughputs.cpu_ratio("way", "base") == pytest.approx(2.0)
+    throughputs.add("idle", bench_grpc.Sample(ops=100, wall_s=1.0, cpu_s=0.0))
+    throughputs.add("idle", bench_grpc.Sample(ops=100, wall_s=1.0, cpu_s=0.0))
+    assert throughputs.cpu_ratio("idle", "base") is None
