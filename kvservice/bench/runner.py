@@ -361,7 +361,6 @@ class ModeResult:
     backend_latencies_ns: list[int] = field(default_factory=list)
     scheduler_latencies_ns: list[int] = field(default_factory=list)
     last_round_ms: list[float] = field(default_factory=list)
-    round_seconds: list[float] = field(default_factory=list)  # each round's steps, timed
     num_steps: int = 0
     num_ops: int = 0
     num_sends: int | None = None
@@ -374,6 +373,18 @@ class ModeResult:
     @property
     def seconds(self) -> float:
         return sum(self.latencies_ns) / 1e9
+
+    @property
+    def round_seconds(self) -> list[float]:
+        """Each round's timed steps, in seconds (every round runs the same steps)."""
+        per_round = len(self.last_round_ms)
+        if not per_round:
+            return []
+        latencies = self.latencies_ns
+        return [
+            sum(latencies[start : start + per_round]) / 1e9
+            for start in range(0, len(latencies), per_round)
+        ]
 
 
 @dataclass(slots=True)
@@ -430,7 +441,6 @@ def _timed(
         progress.advance(label)
     scheduler.abort_all()
     result.last_round_ms = round_ms
-    result.round_seconds.append(sum(round_ms) / 1e3)
     result.num_steps += len(reference.decisions)
     result.num_ops += reference.total_ops
 

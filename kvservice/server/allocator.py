@@ -153,8 +153,8 @@ class Allocator:
         self._batch_depth = 0
         self._reporter = PoolReporter(observer, self.usage)
         # Most decode allocations take no block: the core answers its one shared empty
-        # KVCacheBlocks, and ``allocate_new_tokens`` one shared answer of its ids (read
-        # by the converters, never mutated).
+        # KVCacheBlocks, and the allocator one shared answer of its ids (read by the
+        # converters, never mutated; see ``_block_ids``).
         self._no_new_blocks = manager.empty_kv_cache_blocks
         self._no_new_block_ids = self._no_new_blocks.get_block_ids()
         # What lets ``allocate_new_tokens`` skip the general path's per-call work.
@@ -353,10 +353,15 @@ class Allocator:
         reporter.record(AllocationResult.OK)
         reporter.pool_changed()
         if copies:
-            return Allocation(request, new_blocks.get_block_ids(), block_copies_to_apply=copies)
-        if new_blocks is self._no_new_blocks:
-            return Allocation(request, self._no_new_block_ids)
-        return Allocation(request, new_blocks.get_block_ids())
+            return Allocation(request, self._block_ids(new_blocks), block_copies_to_apply=copies)
+        return Allocation(request, self._block_ids(new_blocks))
+
+    def _block_ids(self, blocks: KVCacheBlocks) -> BlockIdsPerGroup:
+        """An allocation's new block ids; the core's shared empty answer (most decode
+        allocations) maps to the allocator's one shared empty ids."""
+        if blocks is self._no_new_blocks:
+            return self._no_new_block_ids
+        return blocks.get_block_ids()
 
     def _allocate(self, request_id: str, args: AllocateArgs, tenant: str | None) -> Allocation:
         request = self._get(request_id, tenant)
@@ -397,7 +402,7 @@ class Allocator:
                 self._release_retained()
             return Allocation(
                 request,
-                new_blocks.get_block_ids(),
+                self._block_ids(new_blocks),
                 block_ids_to_zero=fresh,
                 block_copies_to_apply=copies,
             )
@@ -406,7 +411,10 @@ class Allocator:
         if not self._batch_depth:
             self._apply_runtime()
         return Allocation(
-            request, new_blocks.get_block_ids(), block_ids_zeroed=fresh, block_copies_applied=copies
+            request,
+            self._block_ids(new_blocks),
+            block_ids_zeroed=fresh,
+            block_copies_applied=copies,
         )
 
     def _allocate_charged(
