@@ -6,9 +6,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup tools serve test lint typecheck unit proto bench bench-runtime clean
 
-$(STAMP): pyproject.toml
+# vLLM 0.33.0 (the differential tests' reference) goes in with --no-deps: its own
+# dependency list pulls CUDA packages; requirements/vllm-test.txt pins what it imports here.
+$(STAMP): pyproject.toml requirements/vllm-test.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,runtime]'
+	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -r requirements/vllm-test.txt
 	touch $(STAMP)
 
 setup: $(STAMP)
