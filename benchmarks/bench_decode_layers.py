@@ -32,10 +32,10 @@ from collections.abc import Callable
 
 from kvservice.client import StepBuilder, StepResults
 from kvservice.core.request import Request
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.server.allocation import AllocateArgs, NewRequest
 from kvservice.server.allocator import Allocator
 from kvservice.server.config import ServerConfig, build_manager
-from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.metrics import KVCacheMetrics
 from kvservice.server.step import StepRunner
 

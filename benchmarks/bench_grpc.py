@@ -66,12 +66,12 @@ import grpc
 from kvservice.client import KVClient, PendingStep
 from kvservice.client.step import OpHandle, StepBuilder
 from kvservice.client.types import FreeMode
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.scheduler.backend import InProcessBackend
 from kvservice.server import converters
 from kvservice.server.allocator import Allocator
 from kvservice.server.config import ServerConfig, build_manager
-from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server.loop import EVENT_LOOPS, default_event_loop, loop_factory
 from kvservice.server.metrics import KVCacheMetrics
 from kvservice.server.step import StepRunner

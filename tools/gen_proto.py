@@ -1,9 +1,9 @@
-"""Regenerate ``kvservice/server/gen/`` from ``proto/`` (``make proto``).
+"""Regenerate ``kvservice/protocol/gen/`` from ``proto/`` (``make proto``).
 
 Runs the protoc bundled with grpcio-tools (Debian's is too old) with the python, grpc
 and mypy-protobuf plugins, then moves the modules into one flat package. protoc writes
 imports from the proto path (``from kvservice.v1 import ...``), which is not where the
-modules live, so the import lines are rewritten to ``kvservice.server.gen``. Only
+modules live, so the import lines are rewritten to ``kvservice.protocol.gen``. Only
 import lines and qualified module references are touched: the serialized descriptors
 must keep the proto package name ``kvservice.v1``.
 
@@ -26,8 +26,8 @@ from grpc_tools import protoc
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
 PROTO_PACKAGE_DIR = Path("kvservice") / "v1"
-DEFAULT_OUT = ROOT / "kvservice" / "server" / "gen"
-TARGET_PACKAGE = "kvservice.server.gen"
+DEFAULT_OUT = ROOT / "kvservice" / "protocol" / "gen"
+TARGET_PACKAGE = "kvservice.protocol.gen"
 
 INIT_TEXT = '"""Generated protobuf and gRPC code: run ``make proto``, do not edit."""\n'
 

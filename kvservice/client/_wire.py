@@ -32,7 +32,7 @@ from kvservice.client.types import (
     lazy_request_state,
 )
 from kvservice.protocol import pack_token_ids
-from kvservice.server.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 
 T = TypeVar("T")
 

@@ -41,8 +41,8 @@ from kvservice.protocol import (
     OPERATION_ID_KEY,
     SESSION_KEY,
 )
-from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 DEFAULT_TARGET = "127.0.0.1:50051"

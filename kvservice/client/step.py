@@ -42,7 +42,7 @@ from kvservice.client.types import (
     RequestState,
     Usage,
 )
-from kvservice.server.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 
 T = TypeVar("T")
 

@@ -47,8 +47,8 @@ from kvservice.client.types import (
     Usage,
 )
 from kvservice.protocol import SESSION_KEY
-from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 

@@ -1,9 +1,6 @@
-"""The gRPC service around the core allocator (``kvservice serve``).
+"""The gRPC service (``kvservice serve``): ``app`` assembles and runs it, ``config``
+and ``settings`` say what it serves.
 
-``kvservice.core`` never imports grpc; everything network-facing lives here.
+Imports nothing itself, so importing a module of the package loads only what that
+module needs.
 """
-
-from kvservice.server.app import KVCacheServer, ServerHandle, serve, serve_in_background
-from kvservice.server.config import ServerConfig
-
-__all__ = ["KVCacheServer", "ServerConfig", "ServerHandle", "serve", "serve_in_background"]

@@ -20,14 +20,14 @@ import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server.allocator import Allocator
 from kvservice.server.audit import Auditor, SelfCheck
 from kvservice.server.auth import AuthInterceptor, TokenTable, load_tokens_file
 from kvservice.server.config import ServerConfig, build_kv_cache_config, build_manager
 from kvservice.server.drain import Drain
 from kvservice.server.events import EventLog
-from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server.idempotency import IdempotencyLayer, OperationCache
 from kvservice.server.interceptors import BoundaryInterceptor, RpcLayer
 from kvservice.server.metrics import ClientTracker, KVCacheMetrics, MetricsEndpoint

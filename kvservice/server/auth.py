@@ -38,8 +38,8 @@ import structlog
 from google.protobuf import descriptor_pool
 
 from kvservice.protocol import AUTHORIZATION_KEY, RETRY_AFTER_KEY
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.server.caller import CURRENT_CALLER
-from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.tenancy import check_tenant_name
 from kvservice.server.tls import SecurityConfigError
 

@@ -23,6 +23,7 @@ from kvservice.core.kv_cache_interface import (
 from kvservice.core.kv_cache_manager import AllocationProbe, KVCacheManager
 from kvservice.core.request import Request, RequestStatus
 from kvservice.protocol import PACKED_TOKEN_ID_SIZE, unpack_token_ids
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.server.allocation import (
     AllocateArgs,
     Allocation,
@@ -32,7 +33,6 @@ from kvservice.server.allocation import (
     PoolUsage,
     ProbeArgs,
 )
-from kvservice.server.gen import kv_cache_service_pb2 as pb
 
 _STATUS_TO_PB = {
     RequestStatus.WAITING: pb.REQUEST_STATUS_WAITING,

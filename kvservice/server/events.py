@@ -27,7 +27,7 @@ from typing import Protocol
 from kvservice.core.kv_cache_block import get_block_hash, get_group_id
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from kvservice.server.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 
 DEFAULT_BUFFER_SIZE = 100_000
 DEFAULT_SUBSCRIBER_QUEUE_SIZE = 10_000

@@ -13,11 +13,11 @@ from typing import Any, Protocol
 import structlog
 
 from kvservice.core.errors import InvalidArgumentError, KVCacheError
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.server import admission, converters
 from kvservice.server.allocator import Allocator
 from kvservice.server.caller import CURRENT_CALLER
 from kvservice.server.errors import status_code_of, status_message_of
-from kvservice.server.gen import kv_cache_service_pb2 as pb
 
 log = structlog.get_logger("kvservice.step")
 

@@ -14,13 +14,13 @@ from typing import Any
 
 import grpc
 
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server import converters, operations
 from kvservice.server.allocator import Allocator
 from kvservice.server.audit import Auditor
 from kvservice.server.caller import current_caller
 from kvservice.server.events import EventLog, SubscriberDroppedError
-from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server.sessions import SessionPolicy, SessionRegistry
 from kvservice.server.step import StepRunner
 

@@ -42,9 +42,9 @@ import grpc
 import structlog
 
 from kvservice.core.errors import InvalidArgumentError, KVCacheError
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.server.allocator import Allocator
 from kvservice.server.errors import status_code_of, status_message_of
-from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.operations import (
     BATCH_OPERATIONS,
     STEP_OPERATIONS,

@@ -37,8 +37,8 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from tests.deploy.support import (
     ALERTS,
     PROMETHEUS,

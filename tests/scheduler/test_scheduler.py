@@ -33,7 +33,7 @@ from kvservice.scheduler import (
     read_trace,
     write_trace,
 )
-from kvservice.server import serve_in_background
+from kvservice.server.app import serve_in_background
 from kvservice.server.config import ServerConfig, build_manager
 from kvservice.workloads import (
     FewShotConfig,

@@ -8,8 +8,8 @@ import grpc
 import pytest
 
 from kvservice.client import AsyncKVClient
-from kvservice.server import KVCacheServer, ServerHandle, serve_in_background
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.server.app import KVCacheServer, ServerHandle, serve_in_background
 from tests.server.support import SMALL_POOL, running_server
 
 

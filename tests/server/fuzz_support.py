@@ -18,9 +18,9 @@ import grpc
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server.allocator import Allocator
-from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 from tests.server.support import ThreadedServer
 
 Code = grpc.StatusCode

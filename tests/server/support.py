@@ -12,9 +12,10 @@ from typing import Any, TypeVar
 import grpc
 import pytest
 
-from kvservice.server import KVCacheServer, ServerConfig
-from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.server.app import KVCacheServer
+from kvservice.server.config import ServerConfig
 
 Stub = pb_grpc.KVCacheServiceStub
 T = TypeVar("T")

@@ -12,12 +12,11 @@ from hypothesis import strategies as st
 
 from kvservice.client import AdmitOptions, AdmitStopReason, AsyncKVClient, StepBuilder
 from kvservice.core.admission import AdmitStop
-from kvservice.server import ServerConfig
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.server.admission import AdmitArgs, admit
 from kvservice.server.allocation import AllocateArgs, FreeMode, NewRequest
 from kvservice.server.allocator import Allocator
-from kvservice.server.config import build_manager
-from kvservice.server.gen import kv_cache_service_pb2 as pb
+from kvservice.server.config import ServerConfig, build_manager
 from tests.server.fuzz_support import allocator_state
 from tests.server.support import (
     HYBRID_POOL,

@@ -13,12 +13,12 @@ import grpc
 import pytest
 
 from kvservice.client import AsyncKVClient
-from kvservice.server import KVCacheServer
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.server.allocation import AllocateArgs, FreeMode, NewRequest
 from kvservice.server.allocator import Allocator
+from kvservice.server.app import KVCacheServer
 from kvservice.server.audit import Auditor, AuditReport
 from kvservice.server.config import build_manager
-from kvservice.server.gen import kv_cache_service_pb2 as pb
 from kvservice.server.sessions import SessionPolicy, SessionRegistry
 from tests.server.support import SMALL_POOL, Stub, raw_stub, running_server, tokens, usage
 from tests.server.test_sessions import LEASE_POOL, metric, open_session, session_md, wait_until

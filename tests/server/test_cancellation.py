@@ -7,9 +7,9 @@ import asyncio
 
 import grpc
 
-from kvservice.server import KVCacheServer
-from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.server.app import KVCacheServer
 from tests.server.support import tokens
 
 # Safety net only: the wait ends as soon as the server has seen every cancellation.

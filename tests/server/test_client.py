@@ -27,7 +27,7 @@ from kvservice.client import (
     StaleHitError,
     StepBuilder,
 )
-from kvservice.server import KVCacheServer
+from kvservice.server.app import KVCacheServer
 from tests.server.support import SMALL_POOL, server_in_thread, tokens
 
 

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from kvservice.client import AsyncKVClient, KVServiceError, StepBuilder
-from kvservice.server import KVCacheServer
+from kvservice.server.app import KVCacheServer
 from tests.server.fuzz_support import allocator_state
 from tests.server.support import SMALL_POOL, tokens
 

@@ -12,8 +12,8 @@ import structlog
 
 from kvservice.client import _wire
 from kvservice.protocol import pack_token_ids
-from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from tests.server.support import (
     SMALL_POOL,
     Stub,

@@ -29,7 +29,7 @@ from kvservice.client import (
     SubscriberDroppedError,
 )
 from kvservice.core.kv_cache_block import get_block_hash, get_group_id
-from kvservice.server import KVCacheServer
+from kvservice.server.app import KVCacheServer
 from kvservice.server.events import EventLog
 from kvservice.server.settings import load_settings
 from tests.server.support import (

@@ -27,9 +27,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvservice.client import AsyncKVClient, KVServiceError, StepBuilder
 from kvservice.protocol import OPERATION_ID_KEY
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server.app import SERVICE_NAME
-from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 from tests.deploy.support import free_port
 from tests.server.fuzz_support import allocator_state
 from tests.server.support import SMALL_POOL, ThreadedServer, server_in_thread, tokens
@@ -222,8 +222,8 @@ DOOMED_CLIENT = textwrap.dedent(
     """
     import json, queue, sys, time
     import grpc
-    from kvservice.server.gen import kv_cache_service_pb2 as pb
-    from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+    from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+    from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 
     target, mode, ttl = sys.argv[1], sys.argv[2], float(sys.argv[3])
     stub = pb_grpc.KVCacheServiceStub(grpc.insecure_channel(target))

@@ -10,8 +10,8 @@ import grpc
 import pytest
 
 from kvservice.client import AsyncKVClient, FailedPreconditionError
-from kvservice.server import KVCacheServer
-from kvservice.server.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.server.app import KVCacheServer
 from tests.server.support import (
     Stub,
     expect_error,

@@ -6,9 +6,9 @@ import dataclasses
 
 import grpc
 
-from kvservice.server import serve_in_background
-from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.server.app import serve_in_background
 from tests.server.support import (
     SMALL_POOL,
     Stub,

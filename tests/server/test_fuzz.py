@@ -24,8 +24,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvservice.protocol import OPERATION_ID_KEY
-from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from tests.server.fuzz_support import (
     ALLOWED_CODES,
     BATCH_ENTRY_RPC,

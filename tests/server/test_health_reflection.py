@@ -9,8 +9,7 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvservice.server import KVCacheServer, ServerHandle
-from kvservice.server.app import SERVICE_NAME
+from kvservice.server.app import SERVICE_NAME, KVCacheServer, ServerHandle
 from tests.server.support import SMALL_POOL
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

@@ -13,9 +13,9 @@ import pytest
 
 from kvservice.client import AsyncKVClient, KVServiceError
 from kvservice.protocol import OPERATION_ID_KEY
-from kvservice.server import KVCacheServer
-from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.server.app import KVCacheServer
 from kvservice.server.idempotency import OperationCache, Outcome
 from tests.server.support import (
     Stub,

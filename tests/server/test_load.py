@@ -40,8 +40,8 @@ from kvservice.client import (
     StepBuilder,
     StepResults,
 )
-from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from tests.server.support import SMALL_POOL, ThreadedServer, server_in_thread
 
 NUM_CLIENTS = 16

@@ -12,9 +12,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvservice.server import ServerHandle, serve_in_background
-from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.server.app import ServerHandle, serve_in_background
 from kvservice.server.metrics import ClientTracker
 from tests.server.support import SMALL_POOL, Stub, add, admit, allocate, free, lookup, tokens
 

@@ -15,7 +15,7 @@ import torch
 from kvservice.client import AsyncKVClient, FreeMode, StepBuilder
 from kvservice.client.types import Allocation
 from kvservice.core.errors import InvalidArgumentError
-from kvservice.server import serve_in_background
+from kvservice.server.app import serve_in_background
 from kvservice.server.config import build_kv_cache_config
 from kvservice.server.settings import load_settings
 from tests.server.support import HYBRID_POOL

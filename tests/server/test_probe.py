@@ -8,9 +8,9 @@ from typing import Any
 import grpc
 import pytest
 
-from kvservice.server import KVCacheServer
-from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.server.app import KVCacheServer
 from tests.core.helpers import free_queue_ids
 from tests.server.support import add, admit, allocate, append, expect_error, free, tokens
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-GENERATED = ROOT / "kvservice" / "server" / "gen"
+GENERATED = ROOT / "kvservice" / "protocol" / "gen"
 
 
 def _files(directory: Path) -> dict[str, bytes]:

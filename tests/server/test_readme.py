@@ -8,7 +8,7 @@ import io
 import re
 from pathlib import Path
 
-from kvservice.server import ServerConfig
+from kvservice.server.config import ServerConfig
 from tests.server.support import server_in_thread
 
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -29,7 +29,8 @@ from kvservice.cli import build_parser
 from kvservice.client import AsyncKVClient, FreeMode, StepBuilder
 from kvservice.client.types import Allocation
 from kvservice.core.errors import InvalidArgumentError
-from kvservice.server import KVCacheServer, ServerConfig, serve_in_background
+from kvservice.server.app import KVCacheServer, serve_in_background
+from kvservice.server.config import ServerConfig
 from kvservice.server.errors import RuntimeUnavailableError
 from kvservice.server.runtime import kv_cache_budget
 from kvservice.server.settings import SettingsError, load_settings
@@ -373,7 +374,7 @@ def test_the_default_server_does_not_import_torch() -> None:
     code = (
         "import os, sys\n"
         "from kvservice.cli import build_parser\n"
-        "from kvservice.server import KVCacheServer\n"
+        "from kvservice.server.app import KVCacheServer\n"
         "from kvservice.server.settings import load_settings\n"
         "args = build_parser().parse_args(['serve', '--port=0', '--metrics-port=0'])\n"
         "KVCacheServer(load_settings(vars(args), os.environ).server)\n"

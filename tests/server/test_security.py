@@ -23,14 +23,15 @@ from kvservice.cli import build_parser
 from kvservice.client import AsyncKVClient, KVClient, StepBuilder
 from kvservice.client.errors import KVServiceError
 from kvservice.protocol import RETRY_AFTER_KEY
-from kvservice.server import KVCacheServer, ServerConfig
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.server.app import KVCacheServer
 from kvservice.server.auth import (
     TokenBucket,
     load_tokens_file,
     parse_tokens,
 )
-from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.server.config import ServerConfig
 from kvservice.server.tls import SecurityConfigError, is_loopback
 from tests.server.support import SMALL_POOL, server_in_thread, tokens
 from tests.server.test_cli import TIMEOUT_S, kvservice_command

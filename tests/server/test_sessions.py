@@ -18,13 +18,13 @@ import pytest
 from kvservice.client import AsyncKVClient, FailedPreconditionError, KVClient
 from kvservice.core.errors import InvalidArgumentError, RequestNotFoundError
 from kvservice.protocol import SESSION_KEY
-from kvservice.server import KVCacheServer
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server.allocation import FreeMode, NewRequest
 from kvservice.server.allocator import Allocator
+from kvservice.server.app import KVCacheServer
 from kvservice.server.caller import CURRENT_CALLER, Caller
 from kvservice.server.config import build_manager
-from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server.sessions import (
     SessionEndedError,
     SessionNotFoundError,

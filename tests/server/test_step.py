@@ -10,12 +10,13 @@ from typing import Any
 import grpc
 import pytest
 
-from kvservice.server import KVCacheServer, converters, serve_in_background
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.server import converters
 from kvservice.server.allocation import AllocateArgs, NewRequest
 from kvservice.server.allocator import Allocator
+from kvservice.server.app import KVCacheServer, serve_in_background
 from kvservice.server.config import build_manager
-from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 from tests.server.support import SMALL_POOL, Stub, expect_error, tokens
 
 # The unary RPC of each StepOperation field.

@@ -27,9 +27,9 @@ from kvservice.client import (
     StepBuilder,
     StepResults,
 )
-from kvservice.server import ServerConfig
-from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.server.config import ServerConfig
 from tests.server import support
 from tests.server.fuzz_support import (
     CALL_TIMEOUT_S,

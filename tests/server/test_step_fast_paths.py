@@ -14,10 +14,10 @@ from kvservice.client import (
 )
 from kvservice.core.errors import QuotaExceededError
 from kvservice.core.kv_cache_manager import KVCacheManager
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.server.allocation import AllocateArgs, FreeMode, NewRequest
 from kvservice.server.allocator import Allocator
 from kvservice.server.config import build_manager
-from kvservice.server.gen import kv_cache_service_pb2 as pb
 from tests.server.support import SMALL_POOL, raw_stub, running_server, tokens
 from tests.server.test_step import result_outcome, scenario
 

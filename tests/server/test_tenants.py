@@ -21,12 +21,12 @@ from kvservice.client.errors import KVServiceError
 from kvservice.core.errors import QuotaExceededError
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.request import Request
-from kvservice.server import KVCacheServer
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server.allocation import AllocateArgs, NewRequest
 from kvservice.server.allocator import Allocator
+from kvservice.server.app import KVCacheServer
 from kvservice.server.config import build_manager
-from kvservice.server.gen import kv_cache_service_pb2 as pb
-from kvservice.server.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server.tenancy import (
     check_tenant_name,
     core_request_id,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from kvservice.server.gen import kv_cache_service_pb2 as kvservice_dot_v1_dot_kv__cache__service__pb2
+from kvservice.protocol.gen import kv_cache_service_pb2 as kvservice_dot_v1_dot_kv__cache__service__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

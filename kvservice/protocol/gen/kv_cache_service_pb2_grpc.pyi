@@ -31,7 +31,7 @@ AllocateSlots answers OK with outcome ALLOCATION_OUTCOME_NO_SPACE.
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from kvservice.server.gen import kv_cache_service_pb2 as _kv_cache_service_pb2
+from kvservice.protocol.gen import kv_cache_service_pb2 as _kv_cache_service_pb2
 import abc as _abc_1
 
 

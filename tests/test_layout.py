@@ -1,0 +1,149 @@
+"""The package layout holds: which package may import which, no import cycle, and a
+client or scheduler that loads nothing of the server.
+
+The import graph is read from the sources (``ast``), not by importing them, so a
+rule broken anywhere in the tree fails here whatever the tests import.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "kvservice"
+GENERATED = "kvservice.protocol.gen"
+
+# Package -> the kvservice packages it may import (itself always). The core is the
+# pure manager; ``protocol`` is what client and server agree on; the client and the
+# scheduler never reach into the server.
+ALLOWED: dict[str, set[str]] = {
+    "core": set(),
+    "protocol": set(),
+    "workloads": set(),
+    "client": {"protocol"},
+    "scheduler": {"core", "client", "workloads"},
+    "server": {"core", "protocol"},
+    "bench": {"core", "client", "scheduler", "server", "workloads"},
+    "cli": {"core", "server", "bench"},
+}
+# Loaded by grpc itself on ``import grpc`` (aliases as grpc.health, grpc.reflection);
+# only their submodules are server code.
+SERVER_SIDE_MODULES = (
+    "kvservice.server",
+    "grpc_health.",
+    "grpc_reflection.",
+    "prometheus_client",
+    "structlog",
+)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    found = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    return {name: path for name, path in found.items() if not name.startswith(GENERATED)}
+
+
+def _type_checking_only(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+
+
+def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement that runs (those under ``if TYPE_CHECKING:`` do not)."""
+    for node in ast.iter_child_nodes(tree):
+        if _type_checking_only(node):
+            continue
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        else:
+            yield from _imports(node)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """kvservice module -> the kvservice modules it imports. ``from pkg import name``
+    counts as an import of ``pkg.name`` when that is a module: the package's own
+    ``__init__`` is then not what is read."""
+    modules = _modules()
+    known = set(modules) | {GENERATED, f"{GENERATED}.kv_cache_service_pb2"}
+    known.add(f"{GENERATED}.kv_cache_service_pb2_grpc")
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges: set[str] = set()
+        for node in _imports(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                assert node.level == 0, f"{name}: relative import"
+                base = node.module or ""
+                targets = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names
+                ]
+            edges.update(t for t in targets if t.split(".")[0] == "kvservice" and t != name)
+        graph[name] = edges
+    return graph
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "kvservice"
+
+
+def package_graph() -> dict[str, set[str]]:
+    """Package -> the other kvservice packages its modules import."""
+    packages: dict[str, set[str]] = {}
+    for module, targets in import_graph().items():
+        mine = package_of(module)
+        others = {package_of(t) for t in targets} - {mine, "kvservice"}
+        packages.setdefault(mine, set()).update(others)
+    return packages
+
+
+def test_packages_import_only_what_the_layering_allows() -> None:
+    for package, imported in package_graph().items():
+        if package == "kvservice":
+            continue
+        assert imported <= ALLOWED[package], f"{package} imports {imported - ALLOWED[package]}"
+
+
+def test_no_import_cycle() -> None:
+    graph = import_graph()
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            cycle = [*path[path.index(module) :], module]
+            raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
+        if module in done:
+            return
+        for target in sorted(graph.get(module, ())):
+            visit(target, [*path, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_client_and_scheduler_load_nothing_of_the_server() -> None:
+    """In a fresh interpreter, importing the client and the reference scheduler loads
+    no module of the server, nor grpc's server-side helpers, metrics or logging."""
+    code = (
+        "import json, sys\n"
+        "import kvservice.client, kvservice.scheduler\n"
+        "print(json.dumps(sorted(sys.modules)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120
+    ).stdout
+    loaded = json.loads(out)
+    assert "kvservice.client" in loaded and "kvservice.scheduler" in loaded
+    assert [m for m in loaded if m.startswith(SERVER_SIDE_MODULES)] == []
