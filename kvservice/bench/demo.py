@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvservice.bench.server import ChildServer, ServerStartError, child_server
 from kvservice.client import KVClient
-from kvservice.scheduler import Scheduler, SchedulerConfig, StepRecord, StreamBackend
+from kvservice.scheduler.batched import StreamBackend
+from kvservice.scheduler.loop import Scheduler, SchedulerConfig, StepRecord
 from kvservice.workloads import LengthDistribution, SharedSystemPromptConfig, generate
 
 # A small model shape, so the runtime's KV tensors take a few MiB of CPU memory, and a

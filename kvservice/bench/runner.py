@@ -22,19 +22,16 @@ from kvservice.bench.progress import Progress
 from kvservice.bench.server import ChildServer, process_cpu_seconds
 from kvservice.client import AdmitOptions, KVClient
 from kvservice.core.kv_cache_manager import KVCacheManager
-from kvservice.scheduler import (
+from kvservice.scheduler.backend import (
     AdmittedIds,
     AllocatedIds,
     Backend,
     InProcessBackend,
     PrefixHit,
     RemoteBackend,
-    Scheduler,
-    SchedulerConfig,
-    StepBackend,
-    StepRecord,
-    StreamBackend,
 )
+from kvservice.scheduler.batched import StepBackend, StreamBackend
+from kvservice.scheduler.loop import Scheduler, SchedulerConfig, StepRecord
 from kvservice.server.config import ServerConfig, build_manager
 from kvservice.workloads import (
     FewShotConfig,

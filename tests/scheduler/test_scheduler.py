@@ -16,17 +16,10 @@ from pathlib import Path
 import pytest
 
 from kvservice.client import AdmitOptions, KVClient, RequestNotFoundError
-from kvservice.scheduler import (
-    Backend,
-    BatchingBackend,
-    InProcessBackend,
-    Policy,
-    RemoteBackend,
-    Scheduler,
-    SchedulerConfig,
-    StepBackend,
-    StepRecord,
-    StreamBackend,
+from kvservice.scheduler.backend import Backend, InProcessBackend, RemoteBackend
+from kvservice.scheduler.batched import BatchingBackend, StepBackend, StreamBackend
+from kvservice.scheduler.loop import Policy, Scheduler, SchedulerConfig, StepRecord
+from kvservice.scheduler.trace import (
     TraceMismatchError,
     TracingBackend,
     check_replay,
