@@ -16,8 +16,8 @@ import gc
 import statistics
 import time
 
-from kvservice.server.allocation import AllocateArgs, NewRequest
-from kvservice.server.allocator import Allocator
+from kvservice.request_table.table import RequestTable
+from kvservice.request_table.types import AllocateArgs, NewRequest
 from kvservice.server.audit import Auditor
 from kvservice.server.config import ServerConfig, build_manager
 from kvservice.server.sessions import SessionPolicy, SessionRegistry
@@ -26,8 +26,8 @@ PROMPT_TOKENS = 1000
 TICK_S = 0.001
 
 
-def build(num_blocks: int) -> Allocator:
-    allocator = Allocator(build_manager(ServerConfig(num_blocks=num_blocks, metrics_port=None)))
+def build(num_blocks: int) -> RequestTable:
+    allocator = RequestTable(build_manager(ServerConfig(num_blocks=num_blocks, metrics_port=None)))
     blocks_per_request = -(-PROMPT_TOKENS // 16)
     for i in range((num_blocks // 2) // blocks_per_request):
         allocator.add_request(NewRequest(f"r{i}", list(range(i * 7, i * 7 + PROMPT_TOKENS))))

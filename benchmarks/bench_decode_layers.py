@@ -33,8 +33,9 @@ from collections.abc import Callable
 from kvservice.client import StepBuilder, StepResults
 from kvservice.core.request import Request
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
-from kvservice.server.allocation import AllocateArgs, NewRequest
-from kvservice.server.allocator import Allocator
+from kvservice.request_table.table import RequestTable
+from kvservice.request_table.types import AllocateArgs, NewRequest
+from kvservice.server.caller import ANONYMOUS
 from kvservice.server.config import ServerConfig, build_manager
 from kvservice.server.metrics import KVCacheMetrics
 from kvservice.server.step import StepRunner
@@ -72,9 +73,9 @@ def core_steps(num_requests: int, steps: int) -> Callable[[], None]:
     return run
 
 
-def _allocator(num_requests: int, steps: int) -> Allocator:
+def _allocator(num_requests: int, steps: int) -> RequestTable:
     manager = build_manager(pool(num_requests, steps))
-    allocator = Allocator(manager, KVCacheMetrics(manager, "bench", "0"))
+    allocator = RequestTable(manager, KVCacheMetrics(manager, "bench", "0"))
     for i in range(num_requests):
         allocator.add_request(NewRequest(f"r{i}", prompt(i)), "")
         allocator.allocate_slots(f"r{i}", AllocateArgs(num_new_tokens=PROMPT_LEN), "")
@@ -109,7 +110,7 @@ def step_path(num_requests: int, steps: int) -> Callable[[], None]:
     def run() -> None:
         for raw in messages:
             response = pb.StepResponse()
-            runner.run(pb.StepRequest.FromString(raw), response)
+            runner.run(pb.StepRequest.FromString(raw), response, ANONYMOUS)
             response.SerializeToString()
 
     return run
@@ -127,7 +128,7 @@ def client_path(num_requests: int, steps: int) -> Callable[[], None]:
             handles = [builder.allocate_slots(rid, 1) for rid in ids]
             raw = builder.to_pb(token, stop_on_error=True).SerializeToString()
             response = pb.StepResponse()
-            runner.run(pb.StepRequest.FromString(raw), response)
+            runner.run(pb.StepRequest.FromString(raw), response, ANONYMOUS)
             results = StepResults(pb.StepResponse.FromString(response.SerializeToString()))
             if results.errors:
                 raise RuntimeError(f"step {token} failed: {results.errors}")

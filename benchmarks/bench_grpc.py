@@ -68,9 +68,10 @@ from kvservice.client.step import OpHandle, StepBuilder
 from kvservice.client.types import FreeMode
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.request_table.table import RequestTable
 from kvservice.scheduler.backend import InProcessBackend
 from kvservice.server import converters
-from kvservice.server.allocator import Allocator
+from kvservice.server.caller import ANONYMOUS
 from kvservice.server.config import ServerConfig, build_manager
 from kvservice.server.loop import EVENT_LOOPS, default_event_loop, loop_factory
 from kvservice.server.metrics import KVCacheMetrics
@@ -257,7 +258,7 @@ class Meter:
 
 def run_in_process(meter: Meter, workload: Workload) -> Sample:
     """The workload on an Allocator in this process (no protobuf, no RPC)."""
-    allocator = Allocator(build_manager(config()))
+    allocator = RequestTable(build_manager(config()))
     calls = _domain_calls(allocator, workload)
     meter.start()
     for call in calls:
@@ -282,17 +283,17 @@ def run_step_in_process(
     """The server's side of ``Step`` in this process, metrics included: parse each
     request, run it, serialize the answer (no transport)."""
     manager = build_manager(config())
-    runner = StepRunner(Allocator(manager, KVCacheMetrics(manager, "bench", "0")), 4096)
+    runner = StepRunner(RequestTable(manager, KVCacheMetrics(manager, "bench", "0")), 4096)
     steps = [s.SerializeToString() for s in workload.chunks(size, columnar, omit)]
     meter.start()
     for raw in steps:
         response = pb.StepResponse()
-        runner.run(pb.StepRequest.FromString(raw), response)
+        runner.run(pb.StepRequest.FromString(raw), response, ANONYMOUS)
         response.SerializeToString()
     return meter.stop(len(workload.ops))
 
 
-def _domain_calls(allocator: Allocator, workload: Workload) -> list[Callable[[], object]]:
+def _domain_calls(allocator: RequestTable, workload: Workload) -> list[Callable[[], object]]:
     """The workload as the allocator calls an in-process scheduler would make."""
     calls: list[Callable[[], object]] = []
     for op in workload.ops:
@@ -685,7 +686,7 @@ class Throughputs:
         return statistics.median(ratios) if ratios else None
 
 
-IN_PROCESS = "in-process: Allocator calls"
+IN_PROCESS = "in-process: RequestTable calls"
 
 
 def _ratio_cell(ratio: float | None) -> str:
@@ -874,12 +875,12 @@ def profile(num_requests: int) -> None:
     """cProfile of the server's side of Step: parse, run the operations, serialize."""
     steps = [s.SerializeToString() for s in build_workload(num_requests, "p").chunks(256)]
     manager = build_manager(config())
-    runner = StepRunner(Allocator(manager, KVCacheMetrics(manager, "bench", "0")), max_ops=4096)
+    runner = StepRunner(RequestTable(manager, KVCacheMetrics(manager, "bench", "0")), max_ops=4096)
     profiler = cProfile.Profile()
     profiler.enable()
     for raw in steps:
         response = pb.StepResponse()
-        runner.run(pb.StepRequest.FromString(raw), response)
+        runner.run(pb.StepRequest.FromString(raw), response, ANONYMOUS)
         response.SerializeToString()
     profiler.disable()
     pstats.Stats(profiler).sort_stats("tottime").print_stats(18)

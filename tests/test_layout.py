@@ -19,15 +19,16 @@ PACKAGE = ROOT / "kvservice"
 GENERATED = "kvservice.protocol.gen"
 
 # Package -> the kvservice packages it may import (itself always). The core is the
-# pure manager; ``protocol`` is what client and server agree on; the client and the
-# scheduler never reach into the server.
+# pure manager; the request table adapts it without I/O; ``protocol`` is what client
+# and server agree on; the client and the scheduler never reach into the server.
 ALLOWED: dict[str, set[str]] = {
     "core": set(),
     "protocol": set(),
     "workloads": set(),
+    "request_table": {"core"},
     "client": {"protocol"},
-    "scheduler": {"core", "client", "workloads"},
-    "server": {"core", "protocol"},
+    "scheduler": {"core", "client", "request_table", "workloads"},
+    "server": {"core", "protocol", "request_table"},
     "bench": {"core", "client", "scheduler", "server", "workloads"},
     "cli": {"core", "server", "bench"},
 }

@@ -314,18 +314,16 @@ def decision(record: StepRecord) -> tuple[object, ...]:
 def reference_run(
     manager: KVCacheManager, specs: Sequence[RequestSpec], config: BenchConfig
 ) -> Reference:
-    backend = CountingBackend(InProcessBackend(manager))
+    in_process = InProcessBackend(manager)
+    backend = CountingBackend(in_process)
     scheduler = Scheduler(backend, config.scheduler_config(), specs)
     reference = Reference()
-    queries = hits = 0
-    manager.make_prefix_cache_stats()  # start a fresh window
     while not scheduler.done and len(reference.decisions) < config.max_steps:
         before = backend.num_ops
         record = scheduler.step()
-        stats = manager.make_prefix_cache_stats()
-        if stats is not None:
-            queries += stats.queries
-            hits += stats.hits
+        # The table's prefix cache totals: first lookups only, as vLLM counts them.
+        usage = in_process.table.usage()
+        queries, hits = usage.prefix_cache_queries, usage.prefix_cache_hits
         reference.decisions.append(decision(record))
         reference.num_ops.append(backend.num_ops - before)
         reference.num_scheduled.append(len(record.scheduled))

@@ -1,10 +1,11 @@
 """The scheduler's view of KV memory: a small ``Backend`` protocol with plain-data
-answers, and its two implementations, in-process (``KVCacheManager``) and remote
-(the blocking ``KVClient``). The scheduler cannot tell them apart.
+answers, and its two implementations, in-process (the server's request table over a
+``KVCacheManager`` in this process) and remote (the blocking ``KVClient``). The
+scheduler cannot tell them apart.
 
-A step's admissions are one ``admit`` call: every backend applies the same rule
-(``kvservice.core.admission.admit_in_order``), in-process over its own lookups and
-allocations, remotely next to the server's pool in one RPC."""
+A step's admissions are one ``admit`` call: every backend runs the table's
+(``kvservice.request_table.admission``), in-process on its own table, remotely next
+to the server's pool in one RPC."""
 
 from __future__ import annotations
 
@@ -20,9 +21,13 @@ from kvservice.client.types import (
     ComputedBlocks,
     FreeMode,
 )
-from kvservice.core.admission import admit_in_order
-from kvservice.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from kvservice.core.request import Request, RequestStatus
+from kvservice.core.kv_cache_manager import KVCacheManager
+from kvservice.request_table import admission
+from kvservice.request_table.admission import AdmitArgs
+from kvservice.request_table.table import RequestTable
+from kvservice.request_table.tenancy import DEFAULT_TENANT
+from kvservice.request_table.types import AllocateArgs, NewRequest
+from kvservice.request_table.types import FreeMode as TableFreeMode
 
 # Block ids per KV cache group, in block-table order (as the client's ``BlockIds``).
 BlockIds = tuple[tuple[int, ...], ...]
@@ -168,29 +173,25 @@ class Backend(Protocol):
         """Send everything deferred (the end of a run, before reading the server)."""
 
 
-def _ids(blocks: KVCacheBlocks) -> BlockIds:
-    return tuple(tuple(group) for group in blocks.get_block_ids())
+def _ids(groups: Sequence[Sequence[int]]) -> BlockIds:
+    return tuple(tuple(group) for group in groups)
 
 
 class InProcessBackend:
-    """A ``Backend`` over a ``KVCacheManager`` in this process, keeping the request
-    state the server keeps (status, computed tokens, the pending prefix hit)."""
+    """A ``Backend`` over a ``KVCacheManager`` in this process, through the request
+    table the server runs on (``kvservice.request_table``): the same request state,
+    the same checks and the same ``admit``, for the default tenant."""
 
     def __init__(self, manager: KVCacheManager) -> None:
         self.manager = manager
-        self._requests: dict[str, Request] = {}
-        # The blocks behind each pending lookup: the protocol hands out only ids.
-        self._hits: dict[str, KVCacheBlocks] = {}
+        self.table = RequestTable(manager)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
-        if request_id in self._requests:
-            raise ValueError(f"request {request_id!r} already exists")
-        self._requests[request_id] = self.manager.new_request(request_id, prompt_token_ids)
+        self.table.add_request(NewRequest(request_id, list(prompt_token_ids)))
 
     def get_computed_blocks(self, request_id: str) -> PrefixHit:
-        blocks, num_hit, boundary = self.manager.get_computed_blocks(self._requests[request_id])
-        self._hits[request_id] = blocks
-        return PrefixHit(_ids(blocks), num_hit, boundary)
+        hit = self.table.get_computed_blocks(request_id)
+        return PrefixHit(hit.block_ids, hit.num_computed_tokens, hit.shared_prefix_boundary)
 
     def allocate_slots(
         self,
@@ -200,25 +201,15 @@ class InProcessBackend:
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
     ) -> BlockIds | None:
-        request = self._requests[request_id]
-        num_hit = hit.num_computed_tokens if hit is not None else 0
-        hit_blocks = self._hits.get(request_id) if hit is not None else None
-        if hit is not None and (hit_blocks is None or _ids(hit_blocks) != hit.block_ids):
-            raise ValueError(f"request {request_id!r}: the hit is not the last lookup's")
-        new_blocks = self.manager.allocate_slots(
-            request,
+        args = AllocateArgs(
             num_new_tokens,
-            num_hit,
-            hit_blocks,
+            hit.num_computed_tokens if hit is not None else 0,
+            hit.block_ids if hit is not None else (),
             num_lookahead_tokens=num_lookahead_tokens,
             full_sequence_must_fit=full_sequence_must_fit,
         )
-        if new_blocks is None:
-            return None
-        self._hits.pop(request_id, None)
-        request.num_computed_tokens += num_hit + num_new_tokens
-        request.status = RequestStatus.RUNNING
-        return _ids(new_blocks)
+        new_block_ids = self.table.allocate_slots(request_id, args).new_block_ids
+        return None if new_block_ids is None else _ids(new_block_ids)
 
     def admit(
         self,
@@ -226,75 +217,31 @@ class InProcessBackend:
         token_budget: int,
         options: AdmitOptions,
     ) -> list[AdmittedIds]:
-        """``admit_in_order`` over this backend's own lookup and allocation, so the
-        request bookkeeping stays in one place. Checks every id before admitting any:
-        a refused call changes nothing."""
-        self._check_admissible(request_ids, token_budget, options.num_lookahead_tokens)
-
-        def lookup(request_id: str) -> tuple[PrefixHit, int]:
-            hit = self.get_computed_blocks(request_id)
-            return hit, hit.num_computed_tokens
-
-        def allocate(
-            request_id: str, hit: PrefixHit, num_hit_tokens: int, num_new_tokens: int
-        ) -> BlockIds | None:
-            # An empty hit is no hit: nothing to attach (as a lone allocation is asked).
-            return self.allocate_slots(
-                request_id,
-                num_new_tokens,
-                hit if num_hit_tokens else None,
-                options.num_lookahead_tokens,
-                options.full_sequence_must_fit,
-            )
-
-        result = admit_in_order(
+        """The table's ``admit``, as the server runs it for an ``Admit``: every id
+        checked before any is admitted, so a refused call changes nothing."""
+        args = AdmitArgs(
             request_ids,
             token_budget,
             options.enable_chunked_prefill,
-            num_tokens=lambda request_id: self._requests[request_id].num_tokens,
-            lookup=lookup,
-            allocate=allocate,
+            options.num_lookahead_tokens,
+            options.full_sequence_must_fit,
         )
+        result = admission.admit(self.table, args, DEFAULT_TENANT)
         return [
-            AdmittedIds(a.request_id, a.num_hit_tokens, a.num_new_tokens, a.allocation)
+            AdmittedIds(
+                a.request_id,
+                a.num_hit_tokens,
+                a.num_new_tokens,
+                _ids(a.allocation.new_block_ids or ()),
+            )
             for a in result.admitted
         ]
 
-    def _check_admissible(
-        self, request_ids: Sequence[str], token_budget: int, num_lookahead_tokens: int
-    ) -> None:
-        """The server's checks of an ``Admit``, with Python's error types."""
-        if not request_ids:
-            raise ValueError("request_ids: empty; admit needs at least one request")
-        if token_budget < 0:
-            raise ValueError(f"token_budget: {token_budget} is negative")
-        if num_lookahead_tokens < 0:
-            raise ValueError(f"num_lookahead_tokens: {num_lookahead_tokens} is negative")
-        seen: set[str] = set()
-        for request_id in request_ids:
-            if request_id in seen:
-                raise ValueError(f"request_ids: {request_id!r} is listed twice")
-            seen.add(request_id)
-            request = self._requests.get(request_id)
-            if request is None:
-                raise KeyError(f"request_ids: no request {request_id!r}")
-            if request.status == RequestStatus.RUNNING:
-                raise ValueError(f"request_ids: {request_id!r} is already running")
-
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
-        self._requests[request_id].append_output_token_ids(token_ids)
+        self.table.append_tokens(request_id, token_ids)
 
     def free(self, request_id: str, preempt: bool = False) -> None:
-        request = self._requests[request_id]
-        self._hits.pop(request_id, None)
-        if preempt:
-            self.manager.free(request)
-            request.preempt()
-            return
-        # Marked finished before freeing, as the server does: the manager forgets it.
-        request.status = RequestStatus.FINISHED
-        self.manager.free(request)
-        del self._requests[request_id]
+        self.table.free(request_id, TableFreeMode.PREEMPT if preempt else TableFreeMode.FINISH)
 
     def num_free_blocks(self) -> int:
         return self.manager.block_pool.get_num_free_blocks()

@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
-from kvservice.server.allocator import Allocator
+from kvservice.request_table.table import RequestTable
 from kvservice.server.audit import Auditor, SelfCheck
 from kvservice.server.auth import AuthInterceptor, TokenTable, load_tokens_file
 from kvservice.server.config import ServerConfig, build_kv_cache_config, build_manager
@@ -94,8 +94,9 @@ class ServerHandle:
 class KVCacheServer:
     """One pool served over gRPC, with health, reflection and a metrics endpoint.
 
-    ``allocator`` is public for embedding and tests: touch it only from the loop the
-    server runs on (it is not thread safe), e.g. ``server.audit()`` after a test.
+    ``table`` (the request table) is public for embedding and tests: touch it only
+    from the loop the server runs on (it is not thread safe), e.g. ``server.audit()``
+    after a test.
     ``runtime`` (also on the handle) holds the KV tensors with ``runtime="torch"``,
     else None; it is allocated here, before the server binds, so a device or memory
     problem fails startup. ``events`` is the KV event log behind ``SubscribeEvents``
@@ -128,7 +129,7 @@ class KVCacheServer:
             if config.kv_events
             else None
         )
-        self.allocator = Allocator(
+        self.table = RequestTable(
             manager,
             self.metrics,
             self.runtime,
@@ -138,17 +139,17 @@ class KVCacheServer:
             vocab_size=config.vocab_size,
         )
         self.clients = ClientTracker()
-        # Sessions own requests (the registry hooks into the allocator); the reaper
+        # Sessions own requests (the registry hooks into the table); the reaper
         # and the self-check run on the server's loop between start and stop.
-        self.sessions = SessionRegistry(self.allocator, SessionPolicy.of(config), self.metrics)
-        self.auditor = Auditor(self.allocator, self.sessions, self.metrics)
+        self.sessions = SessionRegistry(self.table, SessionPolicy.of(config), self.metrics)
+        self.auditor = Auditor(self.table, self.sessions, self.metrics)
         self._operations = OperationCache(config.idempotency_cache_size)
         self._reaper = SessionReaper(self.sessions)
         self._self_check = (
             SelfCheck(self.auditor, config.audit_interval_s) if config.audit_interval_s else None
         )
-        self.metrics.watch(manager, lambda: self.allocator.num_requests, self.clients)
-        self.metrics.watch_tenants(self.allocator.tenant_blocks)
+        self.metrics.watch(manager, lambda: self.table.num_requests, self.clients)
+        self.metrics.watch_tenants(self.table.tenant_blocks)
         self._health = health.aio.HealthServicer()
         self._server: Any = None
         self._metrics_endpoint: MetricsEndpoint | None = None
@@ -183,7 +184,7 @@ class KVCacheServer:
         server = grpc.aio.server(interceptors=interceptors, options=_channel_options(config))
         pb_grpc.add_KVCacheServiceServicer_to_server(
             KVCacheServicer(
-                self.allocator,
+                self.table,
                 config.model_name,
                 config.max_step_ops,
                 runtime_device=config.device if self.runtime is not None else "",
@@ -226,7 +227,7 @@ class KVCacheServer:
     def audit(self) -> None:
         """Check the pool's invariants and that every block table belongs to a known
         request; raises ``InvariantViolationError``. O(pool size)."""
-        self.allocator.audit()
+        self.table.audit()
 
     async def stop(self, grace: float | None = None) -> None:
         """Report NOT_SERVING, refuse new calls with UNAVAILABLE, let the calls and
@@ -285,7 +286,7 @@ async def serve(config: ServerConfig) -> None:
         port=handle.port,
         metrics_url=handle.metrics_url,
         # The pool's, not the setting's: a memory budget may have sized it.
-        num_blocks=server.allocator.manager.kv_cache_config.num_blocks,
+        num_blocks=server.table.manager.kv_cache_config.num_blocks,
         block_size=config.block_size,
         runtime=config.runtime,
         device=config.device if server.runtime is not None else None,

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import structlog
 
 from kvservice.core.invariants import InvariantViolationError
-from kvservice.server.allocator import Allocator
+from kvservice.request_table.table import RequestTable
 from kvservice.server.metrics import KVCacheMetrics
 from kvservice.server.sessions import SessionRegistry
 
@@ -69,16 +69,16 @@ class Auditor:
 
     def __init__(
         self,
-        allocator: Allocator,
+        table: RequestTable,
         sessions: SessionRegistry | None = None,
         metrics: KVCacheMetrics | None = None,
         fork_min_blocks: int = FORK_MIN_BLOCKS,
         fork_timeout_s: float = FORK_TIMEOUT_S,
     ) -> None:
-        self._allocator = allocator
+        self._table = table
         self._sessions = sessions
         self._metrics = metrics
-        self._fork = CAN_FORK and allocator.manager.kv_cache_config.num_blocks >= fork_min_blocks
+        self._fork = CAN_FORK and table.manager.kv_cache_config.num_blocks >= fork_min_blocks
         self._fork_timeout_s = fork_timeout_s
 
     async def run(self) -> AuditReport:
@@ -135,7 +135,7 @@ class Auditor:
     def _violations(self) -> list[str]:
         found: list[str] = []
         try:
-            self._allocator.audit()
+            self._table.audit()
         except InvariantViolationError as err:
             # The core stops at the first broken rule: one line, the rest unchecked.
             found.append(str(err))
@@ -144,7 +144,7 @@ class Auditor:
         return found
 
     def _report(self, violations: list[str], duration_s: float) -> AuditReport:
-        usage = self._allocator.usage()
+        usage = self._table.usage()
         sessions = self._sessions
         return AuditReport(
             violations=tuple(violations),
@@ -158,7 +158,7 @@ class Auditor:
         )
 
     def _num_cached_free_blocks(self) -> int:
-        pool = self._allocator.manager.block_pool
+        pool = self._table.manager.block_pool
         return sum(1 for b in pool.blocks if b.ref_cnt == 0 and b.block_hash is not None)
 
     def _record(self, report: AuditReport) -> None:

@@ -39,8 +39,8 @@ from google.protobuf import descriptor_pool
 
 from kvservice.protocol import AUTHORIZATION_KEY, RETRY_AFTER_KEY
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.request_table.tenancy import check_tenant_name
 from kvservice.server.caller import CURRENT_CALLER
-from kvservice.server.tenancy import check_tenant_name
 from kvservice.server.tls import SecurityConfigError
 
 log = structlog.get_logger("kvservice.auth")

@@ -1,11 +1,12 @@
 """Who is calling: the identity the RPC boundary established for the current call.
 
 The interceptors set it once per call (grpc.aio runs every call in its own task, so a
-context variable is per call for free); operations and the allocator's callers read
-it. Authentication (``auth``) fills ``tenant``; sessions (``sessions``) fill
-``session_id`` and ``epoch``. Without authentication every caller is the default
+context variable is per call for free): authentication (``auth``) fills ``tenant``,
+sessions (``sessions``) fill ``session_id`` and ``epoch``. The servicer reads it once
+per call and names it on every call into the request table; nothing below the RPC
+layer reads the context variable. Without authentication every caller is the default
 tenant ``""``, and without a session every request is unowned: the server then
-behaves exactly as a single-tenant, sessionless allocator.
+behaves exactly as a single-tenant, sessionless one.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from contextvars import ContextVar
 from dataclasses import dataclass
 
-DEFAULT_TENANT = ""
+from kvservice.request_table.tenancy import DEFAULT_TENANT
 
 
 @dataclass(frozen=True, slots=True)

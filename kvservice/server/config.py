@@ -24,7 +24,7 @@ class ServerConfig:
 
     The pool defaults to a single full-attention group shaped like an 8-KV-head,
     128-dim, bfloat16 model with 32 layers; only ``num_blocks``, ``block_size`` and
-    ``max_model_len`` change what the allocator does, the rest is reported.
+    ``max_model_len`` change what the request table does, the rest is reported.
 
     ``port=0`` binds a free port. ``metrics_port=None`` disables the Prometheus
     endpoint and ``0`` binds a free port (the CLI maps its ``0`` to ``None``).

@@ -6,7 +6,6 @@ LoRA name) and only the fields declared ``optional`` carry presence.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -24,7 +23,8 @@ from kvservice.core.kv_cache_manager import AllocationProbe, KVCacheManager
 from kvservice.core.request import Request, RequestStatus
 from kvservice.protocol import PACKED_TOKEN_ID_SIZE, unpack_token_ids
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
-from kvservice.server.allocation import (
+from kvservice.request_table.tenancy import client_request_id
+from kvservice.request_table.types import (
     AllocateArgs,
     Allocation,
     ComputedBlocks,
@@ -91,41 +91,6 @@ def _prompt_token_ids(msg: pb.AddRequestRequest) -> list[int]:
 
 
 def allocate_args_from_pb(msg: pb.AllocateSlotsRequest) -> AllocateArgs:
-    """The arguments of an AllocateSlots message. A scheduler sends the same few
-    argument sets over and over (one new token per decode step), so those without a
-    hit (``new_computed_block_ids``) are built once and shared: ``AllocateArgs`` is
-    immutable, and a frozen dataclass costs more to build than to look up."""
-    if msg.new_computed_block_ids:
-        return _allocate_args(msg)
-    # Every scalar field but the request id, and the presence of the optional ones
-    # (an absent has_scheduled_reqs means True, an explicit false does not); read
-    # field by field, which costs less than ListFields on the hot path.
-    key = (_ALLOCATE_KEY_VALUES(msg), *[msg.HasField(name) for name in _ALLOCATE_OPTIONALS])
-    args = _ALLOCATE_ARGS.get(key)
-    if args is None:
-        if len(_ALLOCATE_ARGS) >= _ALLOCATE_ARGS_CACHE_SIZE:
-            _ALLOCATE_ARGS.clear()
-        args = _ALLOCATE_ARGS[key] = _allocate_args(msg)
-    return args
-
-
-_ALLOCATE_FIELDS = pb.AllocateSlotsRequest.DESCRIPTOR.fields
-# Taken from the descriptor, so a scalar field added to the message joins the key by
-# itself (a repeated or message one would fail loudly: its value is unhashable).
-_ALLOCATE_KEY_FIELDS = tuple(
-    f.name for f in _ALLOCATE_FIELDS if f.name not in ("request_id", "new_computed_block_ids")
-)
-_ALLOCATE_KEY_VALUES = operator.attrgetter(*_ALLOCATE_KEY_FIELDS)
-# Any: HasField's stub accepts only literal names.
-_ALLOCATE_OPTIONALS: tuple[Any, ...] = tuple(
-    f.name for f in _ALLOCATE_FIELDS if f.has_presence and f.name in _ALLOCATE_KEY_FIELDS
-)
-_ALLOCATE_ARGS_CACHE_SIZE = 1024
-# (the key fields' values, then whether each optional one is set) -> the arguments.
-_ALLOCATE_ARGS: dict[tuple[Any, ...], AllocateArgs] = {}
-
-
-def _allocate_args(msg: pb.AllocateSlotsRequest) -> AllocateArgs:
     return AllocateArgs(
         num_new_tokens=msg.num_new_tokens,
         num_new_computed_tokens=msg.num_new_computed_tokens,
@@ -187,9 +152,10 @@ def request_state_to_pb(request: Request) -> pb.RequestState:
 
 
 def fill_request_state(out: pb.RequestState, request: Request) -> None:
-    """Write ``request`` into a fresh ``out`` field by field: on the Step path this
-    costs half of building a message and copying it in."""
-    out.request_id = request.request_id
+    """Write ``request`` into a fresh ``out`` field by field (on the Step path this
+    costs half of building a message and copying it in), under the id the client
+    knows it by."""
+    out.request_id = client_request_id(request.request_id)
     out.status = _STATUS_TO_PB[request.status]
     out.num_tokens = request.num_tokens
     out.num_prompt_tokens = request.num_prompt_tokens

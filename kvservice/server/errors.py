@@ -1,7 +1,8 @@
-"""Service-level errors and the one place where an error becomes a gRPC status.
+"""The one place where an error becomes a gRPC status, and the server's own startup
+error.
 
-The service's own refusals subclass the core's ``KVCacheError`` so that every caller
-mistake, from either layer, carries its status name the same way.
+Every caller mistake, from the core or the request table, is a ``KVCacheError`` that
+names its status; this module maps the name to grpc's code.
 """
 
 from __future__ import annotations
@@ -9,18 +10,6 @@ from __future__ import annotations
 import grpc
 
 from kvservice.core.errors import KVCacheError
-
-
-class AlreadyExistsError(KVCacheError):
-    """AddRequest for a request id the server already knows."""
-
-    status = "ALREADY_EXISTS"
-
-
-class StaleHitError(KVCacheError):
-    """A remembered prefix hit lost a block to eviction before it was attached."""
-
-    status = "ABORTED"
 
 
 def status_code_of(error: KVCacheError) -> grpc.StatusCode:

@@ -1,9 +1,9 @@
 """The KV event log behind ``SubscribeEvents``: sequence numbers, a buffer, subscribers.
 
 The manager (built with ``enable_kv_cache_events``) queues vLLM's events as the pool
-changes; the allocator hands them to ``EventLog.publish`` right after every change
-(``Allocator`` with an ``events`` sink), so between two RPCs the manager holds no
-unpublished event and the pool's hash map is exactly what the published events
+changes; the request table hands them to ``EventLog.publish`` right after every
+change (``RequestTable`` with an ``events`` sink), so between two RPCs the manager
+holds no unpublished event and the pool's hash map is exactly what the published events
 describe. That is what lets a snapshot taken between RPCs be tagged with
 ``last_sequence``.
 
@@ -12,7 +12,7 @@ once, kept in a bounded ring buffer (for subscribers that resume) and offered to
 subscriber's bounded queue. Publishing never waits: a subscriber whose queue is full is
 dropped (its stream ends with RESOURCE_EXHAUSTED) instead of slowing the server.
 
-Like the allocator, it is not thread safe: one asyncio loop owns it, and nothing here
+Like the request table, it is not thread safe: one asyncio loop owns it, and nothing here
 awaits except a subscriber waiting on its own queue.
 """
 

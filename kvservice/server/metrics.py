@@ -3,7 +3,7 @@ work) plus the service's own pool, allocation and RPC series. Every series carri
 ``model_name`` and ``engine`` labels.
 
 Each server gets its own ``CollectorRegistry``, so several can live in one process
-(tests). Most values are written on the event loop that owns the allocator and read by
+(tests). Most values are written on the event loop that owns the request table and read by
 the exposition thread (prometheus_client's values are individually locked). The few
 that would cost something per call (cached blocks, evictions, active requests and
 clients) are computed at scrape time by ``_ScrapeTimeCollector`` instead, in the
@@ -27,7 +27,8 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.stats import PrefixCacheStats
-from kvservice.server.allocation import AllocationResult, PoolUsage
+from kvservice.request_table.reporting import AllocationResult
+from kvservice.request_table.types import PoolUsage
 
 _LABELS = ("model_name", "engine")
 # RPCs take tens of microseconds (a lookup) to a good fraction of a second (a large
@@ -112,7 +113,7 @@ class RpcInstruments:
 
 
 class KVCacheMetrics:
-    """The service's metrics in a registry of their own; an ``AllocatorObserver``."""
+    """The service's metrics in a registry of their own; the request table's ``TableObserver``."""
 
     def __init__(self, manager: KVCacheManager, model_name: str, engine: str) -> None:
         self.registry = CollectorRegistry()
@@ -216,7 +217,7 @@ class KVCacheMetrics:
         )
 
     def _declare_security_series(self) -> None:
-        """Refused calls by tenant and reason (``auth``, quotas in ``allocator``);
+        """Refused calls by tenant and reason (``auth``, quotas in the request table);
         tenant names come from the tokens file, so the label set stays bounded."""
         self._refusals = Counter(
             "kvservice_refusals",
@@ -269,7 +270,7 @@ class KVCacheMetrics:
             self._rpc_instruments[method] = found
         return found
 
-    # -- AllocatorObserver ------------------------------------------------------------
+    # -- TableObserver ----------------------------------------------------------------
 
     def record_allocation(self, result: AllocationResult, count: int = 1) -> None:
         self._allocations[result].inc(count)
@@ -288,7 +289,7 @@ class KVCacheMetrics:
 
 class _TenantCollector:
     """``kvservice_tenant_blocks``: blocks held per tenant, read at scrape time (the
-    allocator hands a copy, so the exposition thread never iterates a live dict)."""
+    request table hands a copy, so the exposition thread never iterates a live dict)."""
 
     def __init__(self, blocks: Callable[[], Mapping[str, int]], labels: dict[str, str]) -> None:
         self._blocks = blocks

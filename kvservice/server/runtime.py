@@ -2,9 +2,9 @@
 
 With a runtime the server owns the KV cache memory as well as its block table, so it
 zeroes every freshly allocated block itself before the answer that hands the block
-out leaves the server (``Allocator`` applies it; see ``AllocateSlotsResponse`` in the
-proto). Without one (the default) a remote worker owns the tensors and the answers
-list the blocks for it to zero.
+out leaves the server (``kvservice.request_table.runtime_sync``; see
+``AllocateSlotsResponse`` in the proto). Without one (the default) a remote worker
+owns the tensors and the answers list the blocks for it to zero.
 
 PyTorch is imported here lazily, only when a runtime is asked for: the default
 ``kvservice serve`` never imports it, which keeps its startup light and lets it run

@@ -2,22 +2,24 @@
 
 The per-request operations live in ``operations`` (shared with ``Step``), batched steps
 in ``step``. Errors are raised, never handled here: ``RpcLayer`` turns them into
-statuses. The methods are ``async`` because grpc.aio wants coroutines, but none awaits
-while it touches the allocator: each runs to completion on the loop that owns it, which
-is what makes the allocator safe without locks.
+statuses. Each reads the caller the RPC boundary established (``caller``) once and
+names it on every call into the request table. The methods are ``async`` because
+grpc.aio wants coroutines, but none awaits while it touches the table: each runs to
+completion on the loop that owns it, which is what makes the table safe without
+locks.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.request_table.table import RequestTable
 from kvservice.server import converters, operations
-from kvservice.server.allocator import Allocator
 from kvservice.server.audit import Auditor
 from kvservice.server.caller import current_caller
 from kvservice.server.events import EventLog, SubscriberDroppedError
@@ -26,14 +28,15 @@ from kvservice.server.step import StepRunner
 
 # grpc is untyped: the servicer context is Any.
 Context = Any
+Response = TypeVar("Response")
 
 
 class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
-    """The gRPC face of one ``Allocator``."""
+    """The gRPC face of one ``RequestTable``."""
 
     def __init__(
         self,
-        allocator: Allocator,
+        table: RequestTable,
         model_name: str,
         max_step_ops: int,
         runtime_device: str = "",
@@ -41,17 +44,22 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         sessions: SessionRegistry | None = None,
         auditor: Auditor | None = None,
     ) -> None:
-        self._allocator = allocator
+        self._table = table
         # Client sessions and the audit (``sessions``, ``audit``); the server passes
         # its own, shared with the reaper and the self-check.
-        self._sessions = sessions or SessionRegistry(allocator, SessionPolicy())
-        self._auditor = auditor or Auditor(allocator, self._sessions)
+        self._sessions = sessions or SessionRegistry(table, SessionPolicy())
+        self._auditor = auditor or Auditor(table, self._sessions)
         self._model_name = model_name
         # Where the co-located runtime's KV tensors live; "" without a runtime.
         self._runtime_device = runtime_device
-        self._steps = StepRunner(allocator, max_step_ops)
+        self._steps = StepRunner(table, max_step_ops)
         # The KV event log; None when the server runs without --kv-events.
         self._events = events
+
+    def _run(self, operation: operations.Operation, request: Any, response: Response) -> Response:
+        """``operation`` for this call's caller, answering into ``response``."""
+        operation(self._table, request, response, current_caller(), True)
+        return response
 
     async def AddRequest(  # noqa: N802
         self, request: pb.AddRequestRequest, context: Context
@@ -59,27 +67,21 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         """Register a WAITING request. ALREADY_EXISTS for a known id; INVALID_ARGUMENT
         for an empty id or prompt, a negative token id or a multimodal item outside
         the prompt; OUT_OF_RANGE past max_model_len."""
-        response = pb.AddRequestResponse()
-        operations.add_request(self._allocator, request, response)
-        return response
+        return self._run(operations.add_request, request, pb.AddRequestResponse())
 
     async def AppendTokens(  # noqa: N802
         self, request: pb.AppendTokensRequest, context: Context
     ) -> pb.AppendTokensResponse:
         """Append sampled tokens. NOT_FOUND, INVALID_ARGUMENT (none or negative),
         OUT_OF_RANGE (past max_model_len)."""
-        response = pb.AppendTokensResponse()
-        operations.append_tokens(self._allocator, request, response)
-        return response
+        return self._run(operations.append_tokens, request, pb.AppendTokensResponse())
 
     async def GetComputedBlocks(  # noqa: N802
         self, request: pb.GetComputedBlocksRequest, context: Context
     ) -> pb.GetComputedBlocksResponse:
         """The cached prefix, remembered for AllocateSlots. NOT_FOUND;
         FAILED_PRECONDITION for a running request."""
-        response = pb.GetComputedBlocksResponse()
-        operations.get_computed_blocks(self._allocator, request, response)
-        return response
+        return self._run(operations.get_computed_blocks, request, pb.GetComputedBlocksResponse())
 
     async def AllocateSlots(  # noqa: N802
         self, request: pb.AllocateSlotsRequest, context: Context
@@ -89,9 +91,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         (negative counts, zero tokens); OUT_OF_RANGE (past max_model_len);
         FAILED_PRECONDITION (hit not matching the lookup, counts going backwards);
         ABORTED (the hit was evicted since the lookup)."""
-        response = pb.AllocateSlotsResponse()
-        operations.allocate_slots(self._allocator, request, response)
-        return response
+        return self._run(operations.allocate_slots, request, pb.AllocateSlotsResponse())
 
     async def Admit(  # noqa: N802
         self, request: pb.AdmitRequest, context: Context
@@ -100,9 +100,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         AllocateSlots each, stopping where vLLM's scheduler would. NOT_FOUND;
         FAILED_PRECONDITION (a running request); INVALID_ARGUMENT (no ids, a repeated
         id, a negative budget or lookahead); all checked before anything runs."""
-        response = pb.AdmitResponse()
-        operations.admit(self._allocator, request, response)
-        return response
+        return self._run(operations.admit, request, pb.AdmitResponse())
 
     async def FreeRequest(  # noqa: N802
         self, request: pb.FreeRequestRequest, context: Context
@@ -110,47 +108,39 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         """Release the request's blocks (PREEMPT or FINISH). NOT_FOUND;
         INVALID_ARGUMENT without a mode; FAILED_PRECONDITION to preempt a request
         that is not running."""
-        response = pb.FreeRequestResponse()
-        operations.free_request(self._allocator, request, response)
-        return response
+        return self._run(operations.free_request, request, pb.FreeRequestResponse())
 
     async def GetRequest(  # noqa: N802
         self, request: pb.GetRequestRequest, context: Context
     ) -> pb.GetRequestResponse:
         """A request's state. NOT_FOUND."""
-        response = pb.GetRequestResponse()
-        operations.get_request(self._allocator, request, response)
-        return response
+        return self._run(operations.get_request, request, pb.GetRequestResponse())
 
     async def GetBlockIds(  # noqa: N802
         self, request: pb.GetBlockIdsRequest, context: Context
     ) -> pb.GetBlockIdsResponse:
         """The request's block table per group. NOT_FOUND."""
-        response = pb.GetBlockIdsResponse()
-        operations.get_block_ids(self._allocator, request, response)
-        return response
+        return self._run(operations.get_block_ids, request, pb.GetBlockIdsResponse())
 
     async def ResetPrefixCache(  # noqa: N802
         self, request: pb.ResetPrefixCacheRequest, context: Context
     ) -> pb.ResetPrefixCacheResponse:
         """Forget every cached prefix; reset is false while blocks are in use."""
-        return pb.ResetPrefixCacheResponse(reset=self._allocator.reset_prefix_cache())
+        return pb.ResetPrefixCacheResponse(reset=self._table.reset_prefix_cache())
 
     async def GetUsage(  # noqa: N802
         self, request: pb.GetUsageRequest, context: Context
     ) -> pb.GetUsageResponse:
         """Pool usage and prefix cache totals."""
-        response = pb.GetUsageResponse()
-        operations.get_usage(self._allocator, request, response)
-        return response
+        return self._run(operations.get_usage, request, pb.GetUsageResponse())
 
     async def GetCacheConfig(  # noqa: N802
         self, request: pb.GetCacheConfigRequest, context: Context
     ) -> pb.GetCacheConfigResponse:
         """The pool layout and hashing parameters, and the caller's scheduler epoch."""
-        allocator = self._allocator
+        table = self._table
         response = converters.cache_config_to_pb(
-            allocator.manager, self._model_name, self._runtime_device, allocator.vocab_size
+            table.manager, self._model_name, self._runtime_device, table.vocab_size
         )
         response.scheduler_epoch = self._sessions.current_epoch(current_caller().tenant)
         return response
@@ -160,9 +150,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     ) -> pb.ProbeResponse:
         """What a lookup plus AllocateSlots would do, changing nothing. NOT_FOUND;
         INVALID_ARGUMENT and OUT_OF_RANGE as AllocateSlots."""
-        response = pb.ProbeResponse()
-        operations.probe(self._allocator, request, response)
-        return response
+        return self._run(operations.probe, request, pb.ProbeResponse())
 
     async def Step(  # noqa: N802
         self, request: pb.StepRequest, context: Context
@@ -172,7 +160,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         operation and before this returns. INVALID_ARGUMENT, nothing run, over the
         operations-per-step limit."""
         response = pb.StepResponse()
-        self._steps.run(request, response)
+        self._steps.run(request, response, current_caller())
         return response
 
     async def StepStream(  # noqa: N802
@@ -184,9 +172,10 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         renews it; a stream the client cancels or drops ends the session at once,
         freeing its requests (``SessionLayer``); FAILED_PRECONDITION once the
         session's epoch is superseded."""
+        caller = current_caller()
         async for message in request_iterator:
             response = pb.StepStreamResponse()
-            self._steps.run(message.step, response.step)
+            self._steps.run(message.step, response.step, caller)
             yield response
 
     async def SubscribeEvents(  # noqa: N802
@@ -202,9 +191,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
                 "(KVSERVICE_KV_EVENTS=1, or kv_events = true in the config file)",
             )
             return
-        # Anything a change queued is already published (the allocator hands events
-        # on after every change); this only guards against a path that forgot to.
-        self._allocator.publish_events()
+        # Anything a change queued is already published (the table hands events on
+        # after every change); this only guards against a path that forgot to.
+        self._table.publish_events()
         try:
             async for message in self._events.subscribe(request.from_sequence, request.log_id):
                 yield message

@@ -19,8 +19,8 @@ able to fence another's. Without it there is one tenant, hence one epoch per poo
 
 ``SessionLayer`` resolves the metadata at the RPC boundary and fills
 ``session_id`` and ``epoch`` of the call's ``Caller``; no servicer method reads the
-metadata itself. Like the allocator, nothing here is thread safe: it all runs on the
-server's loop, and no method awaits while it changes state.
+metadata itself. Like the request table, nothing here is thread safe: it all runs on
+the server's loop, and no method awaits while it changes state.
 """
 
 from __future__ import annotations
@@ -32,8 +32,7 @@ import math
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,9 +45,9 @@ from kvservice.core.errors import (
     RequestNotFoundError,
 )
 from kvservice.protocol import MUTATING_METHODS, SESSION_KEY
-from kvservice.server.allocation import FreeMode
-from kvservice.server.allocator import Allocator
-from kvservice.server.caller import CURRENT_CALLER, Caller, current_caller
+from kvservice.request_table.table import RequestTable
+from kvservice.request_table.types import FreeMode
+from kvservice.server.caller import CURRENT_CALLER, current_caller
 from kvservice.server.config import ServerConfig
 from kvservice.server.metrics import KVCacheMetrics
 
@@ -154,19 +153,19 @@ class Lease:
 class SessionRegistry:
     """The open sessions of one pool, who owns which request, and the epochs.
 
-    It is the allocator's ``RequestOwnership``: a request added while the call's
-    ``Caller`` names a session is owned by that session until it is finished.
+    It is the request table's ``RequestOwnership``: a request added under a session
+    is owned by that session until it is finished.
     """
 
     def __init__(
         self,
-        allocator: Allocator,
+        table: RequestTable,
         policy: SessionPolicy,
         metrics: KVCacheMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.policy = policy
-        self._allocator = allocator
+        self._table = table
         self._metrics = metrics
         self._clock = clock
         self._sessions: dict[str, Session] = {}
@@ -175,7 +174,7 @@ class SessionRegistry:
         self._epochs: dict[str, int] = {}
         # Ended sessions: id -> (tenant, why it ended).
         self._ended: OrderedDict[str, tuple[str, str]] = OrderedDict()
-        allocator.ownership = self
+        table.ownership = self
 
     # -- the RPCs ------------------------------------------------------------------------
 
@@ -285,15 +284,14 @@ class SessionRegistry:
 
     # -- RequestOwnership ----------------------------------------------------------------
 
-    def adopt(self, request_id: str) -> None:
-        caller = current_caller()
-        session = self._sessions.get(caller.session_id) if caller.session_id else None
+    def adopt(self, tenant: str, request_id: str, session_id: str) -> None:
+        session = self._sessions.get(session_id)
         if session is not None:
             session.requests.add(request_id)
-            self._owners[(caller.tenant, request_id)] = session.session_id
+            self._owners[(tenant, request_id)] = session_id
 
-    def release(self, request_id: str) -> None:
-        owner = self._owners.pop((current_caller().tenant, request_id), None)
+    def release(self, tenant: str, request_id: str) -> None:
+        owner = self._owners.pop((tenant, request_id), None)
         if owner is not None:
             self._sessions[owner].requests.discard(request_id)
 
@@ -308,27 +306,26 @@ class SessionRegistry:
         return len(self._owners)
 
     def violations(self) -> list[str]:
-        """Where the ownership records disagree with each other or with the allocator."""
+        """Where the ownership records disagree with each other or with the table."""
         found: list[str] = []
         for (tenant, rid), owner in self._owners.items():
             session = self._sessions.get(owner)
             if session is None or rid not in session.requests or session.tenant != tenant:
                 found.append(f"request {rid!r} is owned by session {owner!r}, which lacks it")
         for session in self._sessions.values():
-            with _as_caller(session):
-                for rid in session.requests:
-                    if self._owners.get((session.tenant, rid)) != session.session_id:
-                        found.append(f"session {session.session_id!r} lists {rid!r} unrecorded")
-                    elif not self._known(rid):
-                        found.append(
-                            f"session {session.session_id!r} owns request {rid!r}, which the "
-                            f"allocator does not know"
-                        )
+            for rid in session.requests:
+                if self._owners.get((session.tenant, rid)) != session.session_id:
+                    found.append(f"session {session.session_id!r} lists {rid!r} unrecorded")
+                elif not self._known(session.tenant, rid):
+                    found.append(
+                        f"session {session.session_id!r} owns request {rid!r}, which the "
+                        f"request table does not know"
+                    )
         return found
 
-    def _known(self, request_id: str) -> bool:
+    def _known(self, tenant: str, request_id: str) -> bool:
         try:
-            self._allocator.get_request(request_id)
+            self._table.get_request(request_id, tenant)
         except RequestNotFoundError:
             return False
         return True
@@ -380,12 +377,10 @@ class SessionRegistry:
 
     def _free_owned(self, session: Session) -> int:
         freed = 0
-        # Freed as the session itself would free them: under its tenant, so the
-        # allocator's checks and the ownership records see the owner.
-        with _as_caller(session), self._allocator.batched():
+        with self._table.batched():
             for rid in sorted(session.requests):
                 try:
-                    self._allocator.free(rid, FreeMode.FINISH)
+                    self._table.free(rid, FreeMode.FINISH, session.tenant)
                 except RequestNotFoundError:
                     self._owners.pop((session.tenant, rid), None)
                     continue
@@ -399,15 +394,6 @@ class SessionRegistry:
     def _record_active(self) -> None:
         if self._metrics is not None:
             self._metrics.sessions_active.set(len(self._sessions))
-
-
-@contextmanager
-def _as_caller(session: Session) -> Iterator[None]:
-    token = CURRENT_CALLER.set(Caller(session.tenant, session.session_id, session.epoch))
-    try:
-        yield
-    finally:
-        CURRENT_CALLER.reset(token)
 
 
 class SessionReaper:

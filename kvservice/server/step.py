@@ -2,9 +2,9 @@
 
 Failure semantics (the ``Step`` and ``StepStream`` contract):
 
-* Each operation is atomic: a refused one changes nothing (the allocator checks every
-  argument before it mutates) and answers the status its unary RPC would have ended
-  with, as an ``OperationError``.
+* Each operation is atomic: a refused one changes nothing (the request table checks
+  every argument before it mutates) and answers the status its unary RPC would have
+  ended with, as an ``OperationError``.
 * The step is not a transaction: operations before a failure stay applied, and the
   ones after it still run, because in vLLM's scheduler one request's refusal does not
   concern the others. ``stop_on_error`` instead answers every later operation
@@ -14,9 +14,11 @@ Failure semantics (the ``Step`` and ``StepStream`` contract):
   call interleaving, and a cancelled call has either run entirely or not at all.
 * With a co-located runtime, the blocks every ``allocate_slots`` of the step handed out
   are zeroed once, when the last operation has run and before the answer is sent
-  (``Allocator.batched``): one device op per step, not one per allocation, and no
+  (``RequestTable.batched``): one device op per step, not one per allocation, and no
   block id reaches a client before it reads as zeros. Should that zeroing fail (a
   device error), the whole step answers INTERNAL; its operations stay applied.
+* Every operation acts for the caller of the ``Step`` or ``StepStream`` that carries
+  it (its tenant, and its session for the requests it adds).
 
 Columnar operations (``append_tokens_batch``, ``allocate_slots_batch``) carry a run of
 one-token appends or plain allocations in one message and answer them column by
@@ -43,16 +45,10 @@ import structlog
 
 from kvservice.core.errors import InvalidArgumentError, KVCacheError
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
-from kvservice.server.allocator import Allocator
+from kvservice.request_table.table import RequestTable
+from kvservice.server.caller import Caller
 from kvservice.server.errors import status_code_of, status_message_of
-from kvservice.server.operations import (
-    BATCH_OPERATIONS,
-    STEP_OPERATIONS,
-    STEP_OPERATIONS_WITHOUT_STATE,
-    BatchOperation,
-    Operation,
-    current_tenant,
-)
+from kvservice.server.operations import BATCH_OPERATIONS, STEP_OPERATIONS, BatchOperation
 
 log = structlog.get_logger("kvservice.step")
 
@@ -72,15 +68,16 @@ _INVALID_ARGUMENT = code_number(grpc.StatusCode.INVALID_ARGUMENT)
 
 @dataclass(slots=True)
 class StepRunner:
-    """Runs ``StepRequest``s against one allocator."""
+    """Runs ``StepRequest``s against one request table."""
 
-    allocator: Allocator
+    table: RequestTable
     max_ops: int
 
-    def run(self, step: pb.StepRequest, response: pb.StepResponse) -> None:
-        """Run every operation of ``step`` in order, answering into ``response`` (so a
-        stream can fill its own wrapper message without a copy). Raises
-        ``InvalidArgumentError`` (nothing run) for a step over ``max_ops`` operations."""
+    def run(self, step: pb.StepRequest, response: pb.StepResponse, caller: Caller) -> None:
+        """Run every operation of ``step`` for ``caller`` in order, answering into
+        ``response`` (so a stream can fill its own wrapper message without a copy).
+        Raises ``InvalidArgumentError`` (nothing run) for a step over ``max_ops``
+        operations."""
         num_ops = _num_operations(step.ops)
         if num_ops > self.max_ops:
             raise InvalidArgumentError(
@@ -91,17 +88,14 @@ class StepRunner:
         response.step_id = step.step_id
         add_result = response.results.add
         run_one = self._run_one
-        omit = step.omit_request_state
-        table = _OPERATIONS_WITHOUT_STATE if omit else _OPERATIONS
+        with_state = not step.omit_request_state
         stop_on_error = step.stop_on_error
-        # Every operation of a step acts for the tenant of the call carrying it.
-        tenant = current_tenant()
         failed: Counter[int] = Counter()
         # The pool is reported to the metrics once per step, not once per operation.
-        with self.allocator.batched():
+        with self.table.batched():
             for index, op in enumerate(step.ops):
                 result = add_result()
-                code = run_one(op, result, table, tenant, stop_on_error, not omit)
+                code = run_one(op, result, caller, stop_on_error, with_state)
                 if code:
                     _count_failures(failed, code, result)
                     if code == _INTERNAL:
@@ -121,27 +115,26 @@ class StepRunner:
         self,
         op: pb.StepOperation,
         result: pb.StepResult,
-        table: dict[str | None, Operation],
-        tenant: str,
+        caller: Caller,
         stop_on_error: bool,
         with_state: bool,
     ) -> int:
         """Run ``op`` into ``result``; the status code number, 0 when it succeeded (for
         a columnar operation: the first refused entry's, 0 when none was)."""
         kind = op.WhichOneof("op")
-        operation = table.get(kind)
         if kind is None:
             _fail(result, _INVALID_ARGUMENT, "empty operation: set one field of StepOperation")
             return _INVALID_ARGUMENT
+        operation = STEP_OPERATIONS.get(kind)
         if operation is None:
             # Not a per-request operation: a columnar one (the oneof has no other kind).
             batch = BATCH_OPERATIONS[kind]
-            return self._run_batch(batch, kind, op, result, tenant, stop_on_error, with_state)
+            return self._run_batch(batch, kind, op, result, caller, stop_on_error, with_state)
         # The operation answers straight into the result's field: no response message
         # built and then copied.
         out = getattr(result, kind)
         try:
-            operation(self.allocator, getattr(op, kind), out, tenant)
+            operation(self.table, getattr(op, kind), out, caller, with_state)
         except KVCacheError as err:
             code = code_number(status_code_of(err))
             _fail(result, code, status_message_of(err))
@@ -161,14 +154,14 @@ class StepRunner:
         kind: str,
         op: pb.StepOperation,
         result: pb.StepResult,
-        tenant: str,
+        caller: Caller,
         stop_on_error: bool,
         with_state: bool,
     ) -> int:
         """Run a columnar operation into ``result``; its first refused entry's code."""
         out = getattr(result, kind)
         try:
-            code = batch(self.allocator, getattr(op, kind), out, tenant, stop_on_error, with_state)
+            code = batch(self.table, getattr(op, kind), out, caller, stop_on_error, with_state)
         except KVCacheError as err:
             # Malformed as a whole: refused before any entry ran.
             code = code_number(status_code_of(err))
@@ -181,13 +174,6 @@ class StepRunner:
             _fail(result, _INTERNAL, "internal error; see the server log")
             return _INTERNAL
         return code
-
-
-# Keyed by str | None, so that an empty operation (no oneof field set) looks up too.
-_OPERATIONS: dict[str | None, Operation] = {k: f for k, f in STEP_OPERATIONS.items()}
-_OPERATIONS_WITHOUT_STATE: dict[str | None, Operation] = {
-    k: f for k, f in STEP_OPERATIONS_WITHOUT_STATE.items()
-}
 
 
 def _num_operations(ops: Sequence[pb.StepOperation]) -> int:

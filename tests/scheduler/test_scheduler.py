@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvservice.client import AdmitOptions, KVClient, RequestNotFoundError
+from kvservice.core import errors as core_errors
 from kvservice.scheduler.backend import Backend, InProcessBackend, RemoteBackend
 from kvservice.scheduler.batched import BatchingBackend, StepBackend, StreamBackend
 from kvservice.scheduler.loop import Policy, Scheduler, SchedulerConfig, StepRecord
@@ -409,20 +410,21 @@ def test_in_process_admit_refuses_bad_ids_and_changes_nothing() -> None:
         )
         return [(item.request_id, item.num_new_tokens) for item in admitted]
 
-    with pytest.raises(KeyError, match="ghost"):
+    # The server's own checks of an Admit (one copy: kvservice.request_table.admission).
+    with pytest.raises(core_errors.RequestNotFoundError, match="ghost"):
         admit(["a", "ghost"], 512)
-    with pytest.raises(ValueError, match="'a' is listed twice"):
+    with pytest.raises(core_errors.InvalidArgumentError, match="'a' is named twice"):
         admit(["a", "b", "a"], 512)
-    with pytest.raises(ValueError, match="request_ids: empty"):
+    with pytest.raises(core_errors.InvalidArgumentError, match="request_ids is empty"):
         admit([], 512)
-    with pytest.raises(ValueError, match="token_budget: -1"):
+    with pytest.raises(core_errors.InvalidArgumentError, match="token_budget = -1"):
         admit(["a"], -1)
     assert backend.num_free_blocks() == free  # not even the first id was admitted
 
     # The budget runs out inside b: a chunk of it, as chunked prefill allows.
     assert admit(["a", "b"], 60) == [("a", 40), ("b", 20)]
     assert backend.num_free_blocks() == free - 3 - 2
-    with pytest.raises(ValueError, match="'a' is already running"):
+    with pytest.raises(core_errors.FailedPreconditionError, match="'a' is running"):
         admit(["a"], 512)
 
 

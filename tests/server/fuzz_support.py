@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
-from kvservice.server.allocator import Allocator
+from kvservice.request_table.table import RequestTable
 from tests.server.support import ThreadedServer
 
 Code = grpc.StatusCode
@@ -137,7 +137,7 @@ class Tally:
 # -- state -----------------------------------------------------------------------------
 
 
-def allocator_state(allocator: Allocator) -> tuple[Any, ...]:
+def allocator_state(allocator: RequestTable) -> tuple[Any, ...]:
     """Everything a call could change: each request, each remembered prefix hit, every
     block's reference count and hash, the free queue's order, the hash map, the block
     tables and the allocation checker's history. Run it on the server's loop."""
@@ -175,7 +175,7 @@ def allocator_state(allocator: Allocator) -> tuple[Any, ...]:
 def finish_everything(server: ThreadedServer, stub: pb_grpc.KVCacheServiceStub) -> None:
     """FINISH every request the server knows, over RPC, then prove the pool is whole:
     no request left, no block held, every usable block free, the audit passing."""
-    known = server.call(lambda: sorted(server.server.allocator._requests))
+    known = server.call(lambda: sorted(server.server.table._requests))
     for rid in known:
         stub.FreeRequest(
             pb.FreeRequestRequest(request_id=rid, mode=pb.FREE_MODE_FINISH),

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from kvservice.client import AdmitOptions, AdmitStopReason, AsyncKVClient, StepBuilder
 from kvservice.core.admission import AdmitStop
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
-from kvservice.server.admission import AdmitArgs, admit
-from kvservice.server.allocation import AllocateArgs, FreeMode, NewRequest
-from kvservice.server.allocator import Allocator
+from kvservice.request_table.admission import AdmitArgs, admit
+from kvservice.request_table.table import RequestTable
+from kvservice.request_table.types import AllocateArgs, FreeMode, NewRequest
 from kvservice.server.config import ServerConfig, build_manager
 from tests.server.fuzz_support import allocator_state
 from tests.server.support import (
@@ -36,11 +36,11 @@ TENANT = ""
 
 def fresh_allocator(
     quotas: dict[str, int] | None = None, config: ServerConfig = SMALL_POOL
-) -> Allocator:
-    return Allocator(build_manager(config), quotas=quotas)
+) -> RequestTable:
+    return RequestTable(build_manager(config), quotas=quotas)
 
 
-def one_by_one(allocator: Allocator, args: AdmitArgs, tenant: str = TENANT) -> tuple[Any, ...]:
+def one_by_one(allocator: RequestTable, args: AdmitArgs, tenant: str = TENANT) -> tuple[Any, ...]:
     """The oracle: the scheduler's loop (vLLM's ``schedule`` for waiting requests),
     one lookup and one allocate_slots per request."""
     budget = args.token_budget
@@ -81,7 +81,7 @@ def one_by_one(allocator: Allocator, args: AdmitArgs, tenant: str = TENANT) -> t
     return tuple(admitted), AdmitStop.ALL_ADMITTED
 
 
-def in_one_call(allocator: Allocator, args: AdmitArgs, tenant: str = TENANT) -> tuple[Any, ...]:
+def in_one_call(allocator: RequestTable, args: AdmitArgs, tenant: str = TENANT) -> tuple[Any, ...]:
     result = admit(allocator, args, tenant)
     admitted = tuple(
         (
@@ -205,7 +205,7 @@ async def test_a_refused_admit_changes_nothing(
         await add(stub, "w", tokens(20))
         await add(stub, "r", tokens(20, start=50))
         await allocate(stub, "r", 20)
-        before = allocator_state(server.allocator)
+        before = allocator_state(server.table)
         message = await expect_error(
             stub.Admit(
                 pb.AdmitRequest(
@@ -215,7 +215,7 @@ async def test_a_refused_admit_changes_nothing(
             code,
         )
         assert words in message
-        assert allocator_state(server.allocator) == before
+        assert allocator_state(server.table) == before
 
 
 async def test_unary_and_step_admit_answer_alike_and_the_client_decodes_them() -> None:

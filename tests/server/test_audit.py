@@ -14,8 +14,8 @@ import pytest
 
 from kvservice.client import AsyncKVClient
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
-from kvservice.server.allocation import AllocateArgs, FreeMode, NewRequest
-from kvservice.server.allocator import Allocator
+from kvservice.request_table.table import RequestTable
+from kvservice.request_table.types import AllocateArgs, FreeMode, NewRequest
 from kvservice.server.app import KVCacheServer
 from kvservice.server.audit import Auditor, AuditReport
 from kvservice.server.config import build_manager
@@ -131,7 +131,7 @@ class TestAuditRpc:
     ) -> None:
         assert (await audit(astub)).ok
         # The test shares the server's loop, so this runs between two RPCs.
-        block = aserver.allocator.manager.block_pool.blocks[5]
+        block = aserver.table.manager.block_pool.blocks[5]
         block.ref_cnt += 1
         try:
             report = await audit(astub)
@@ -151,11 +151,11 @@ class TestAuditRpc:
             pb.AddRequestRequest(request_id="owned", prompt_token_ids=tokens(4)),
             metadata=session_md(session.session_id),
         )
-        lost = aserver.allocator._requests.pop("owned")  # test-only corruption
+        lost = aserver.table._requests.pop("owned")  # test-only corruption
         try:
             report = await audit(astub)
         finally:
-            aserver.allocator._requests["owned"] = lost
+            aserver.table._requests["owned"] = lost
         assert not report.ok
         assert any("'owned'" in v and "does not know" in v for v in report.violations)
         assert (await audit(astub)).ok
@@ -164,8 +164,8 @@ class TestAuditRpc:
 class TestForkedAudit:
     """The snapshot audit large pools get, forced on for a small one."""
 
-    def make(self) -> tuple[Allocator, Auditor]:
-        allocator = Allocator(build_manager(SMALL_POOL))
+    def make(self) -> tuple[RequestTable, Auditor]:
+        allocator = RequestTable(build_manager(SMALL_POOL))
         registry = SessionRegistry(allocator, SessionPolicy())
         for n in range(3):
             allocator.add_request(NewRequest(f"r{n}", tokens(20, start=n)))
@@ -221,7 +221,7 @@ class TestSelfCheck:
             await wait_until(ran_a_few_times, "the periodic self-check")
             assert metric(server, "kvservice_audit_failures_total") == 0
             assert metric(server, "kvservice_audit_last_success_timestamp_seconds") > 0
-            block = server.allocator.manager.block_pool.blocks[3]
+            block = server.table.manager.block_pool.blocks[3]
             block.ref_cnt += 1
             try:
 

@@ -56,7 +56,7 @@ async def assert_consistent(server: KVCacheServer, stub: pb_grpc.KVCacheServiceS
     await settled(server)
     server.audit()
     held = 0
-    for request_id in list(server.allocator._requests):  # test-only peek
+    for request_id in list(server.table._requests):  # test-only peek
         state = (await stub.GetRequest(pb.GetRequestRequest(request_id=request_id))).request
         table = await stub.GetBlockIds(pb.GetBlockIdsRequest(request_id=request_id))
         num_blocks = len(table.block_ids[0].block_ids)
@@ -78,7 +78,7 @@ async def test_cancelled_stream_mid_session(kv_server: KVCacheServer) -> None:
         await call.write(pb.StepStreamRequest(step=admit_step("b", 20)))
         call.cancel()
         await assert_consistent(kv_server, stub)
-        known = set(kv_server.allocator._requests)
+        known = set(kv_server.table._requests)
         assert known in ({"a"}, {"a", "b"})
 
 

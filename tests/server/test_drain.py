@@ -38,12 +38,12 @@ async def test_stop_refuses_new_calls_serves_open_streams_and_ends_when_they_do(
             assert (await session.step(step)).ok
 
             stopping = await draining(server)
-            before = allocator_state(server.allocator)
+            before = allocator_state(server.table)
             with pytest.raises(KVServiceError) as refused:
                 await client.add_request("b", tokens(20))
             assert refused.value.code is grpc.StatusCode.UNAVAILABLE
             assert "shutting down" in str(refused.value)
-            assert allocator_state(server.allocator) == before
+            assert allocator_state(server.table) == before
 
             # The stream opened before stop() is still served, then closes.
             step = StepBuilder()

@@ -47,7 +47,7 @@ Items = AsyncGenerator[EventStreamItem, None]
 
 def pool_view(server: KVCacheServer) -> Counter[tuple[int, bytes]]:
     """The pool's prefix cache map as (group, hash) -> number of blocks."""
-    cache = server.allocator.manager.block_pool.cached_block_hash_to_block
+    cache = server.table.manager.block_pool.cached_block_hash_to_block
     return Counter({(get_group_id(k), get_block_hash(k)): len(cache.blocks_of(k)) for k in cache})
 
 
@@ -262,4 +262,4 @@ def test_the_setting() -> None:
     on = load_settings({}, {"KVSERVICE_KV_EVENTS": "1", "KVSERVICE_KV_EVENTS_QUEUE_SIZE": "7"})
     assert (on.server.kv_events, on.server.kv_events_queue_size) == (True, 7)
     server = KVCacheServer(EVENTS_POOL)
-    assert server.allocator.manager.block_pool.enable_kv_cache_events
+    assert server.table.manager.block_pool.enable_kv_cache_events

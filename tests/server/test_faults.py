@@ -315,10 +315,10 @@ def health(target: str) -> int:
 
 def held_by(server: ThreadedServer, request_ids: list[str]) -> dict[str, list[int]]:
     """The block table of each of ``request_ids`` the server still knows."""
-    manager = server.server.allocator.manager
+    manager = server.server.table.manager
 
     def tables() -> dict[str, list[int]]:
-        known = server.server.allocator._requests  # test-only peek
+        known = server.server.table._requests  # test-only peek
         return {rid: list(manager.get_block_ids(rid)[0]) for rid in request_ids if rid in known}
 
     return server.call(tables)
@@ -346,7 +346,7 @@ def test_killed_client_mid_stream_leaves_the_server_healthy() -> None:
             assert allocated.outcome == pb.ALLOCATION_OUTCOME_OK
             for rid in [*told, "next"]:
                 stub.FreeRequest(pb.FreeRequestRequest(request_id=rid, mode=pb.FREE_MODE_FINISH))
-        usage = server.call(server.server.allocator.usage)
+        usage = server.call(server.server.table.usage)
         assert (usage.num_requests, usage.num_used_blocks) == (0, 0)
         server.call(server.server.audit)
 
@@ -411,12 +411,12 @@ def test_killed_client_blocks_return_within_the_lease(mode: str) -> None:
         # The child is dead: the stream broke (stream mode) or nobody renews (unary).
         wait_until(
             server,
-            lambda: not set(told) & set(server.server.allocator._requests),
+            lambda: not set(told) & set(server.server.table._requests),
             "freed within the lease",
             LEASE_S + LEASE_SLACK_S,
         )
         print(f"\nlease ({mode}): blocks back {time.monotonic() - killed_at:.2f} s after SIGKILL")
-        usage = server.call(server.server.allocator.usage)
+        usage = server.call(server.server.table.usage)
         assert (usage.num_requests, usage.num_used_blocks) == (0, 0)
         assert usage.num_free_blocks == usage.num_blocks - 1
         assert counter_total(server, "kvservice_requests_reclaimed") - reclaimed_before == 2
@@ -449,10 +449,10 @@ def test_retried_call_is_applied_once() -> None:
 
         allocate = pb.AllocateSlotsRequest(request_id="r", num_new_tokens=40)
         first_allocation = stub.AllocateSlots(allocate, metadata=with_id("op-alloc"))
-        before = server.call(lambda: allocator_state(server.server.allocator))
+        before = server.call(lambda: allocator_state(server.server.table))
         retried = stub.AllocateSlots(allocate, metadata=with_id("op-alloc"))
         assert retried == first_allocation
-        assert server.call(lambda: allocator_state(server.server.allocator)) == before
+        assert server.call(lambda: allocator_state(server.server.table)) == before
         state = stub.GetRequest(pb.GetRequestRequest(request_id="r")).request
         assert state.num_computed_tokens == 40
         assert stub.GetUsage(pb.GetUsageRequest()).num_used_blocks == 3
@@ -464,7 +464,7 @@ def test_retried_call_is_applied_once() -> None:
             )
         assert reused.value.code() == Code.INVALID_ARGUMENT
         assert "op-alloc" in (reused.value.details() or "")
-        assert server.call(lambda: allocator_state(server.server.allocator)) == before
+        assert server.call(lambda: allocator_state(server.server.table)) == before
         server.call(server.server.audit)
 
 

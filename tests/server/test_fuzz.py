@@ -67,7 +67,7 @@ class Live:
     sessions: list[str] = dataclasses.field(default_factory=list)
 
     def state(self) -> tuple[Any, ...]:
-        return self.server.call(lambda: allocator_state(self.server.server.allocator))
+        return self.server.call(lambda: allocator_state(self.server.server.table))
 
     def audit(self) -> None:
         """The in-process audit and the Audit RPC."""

@@ -318,7 +318,7 @@ async def test_sixteen_clients_under_load(load_server: ThreadedServer) -> None:
     # The load did what it is for: admissions, prefix hits and preemptions happened.
     assert outcomes["admitted"] and outcomes["hit_tokens"] and outcomes["preempted"]
     assert audits
-    usage = load_server.call(load_server.server.allocator.usage)
+    usage = load_server.call(load_server.server.table.usage)
     assert (usage.num_requests, usage.num_used_blocks) == (0, 0), usage
     assert usage.num_free_blocks == usage.num_blocks - 1
     load_server.call(load_server.server.audit)

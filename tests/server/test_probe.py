@@ -38,7 +38,7 @@ async def test_admission_probe_leaves_lru_order_and_stats(
     await admit(stub, "a")
     await free(stub, "a", pb.FREE_MODE_FINISH)
     await add(stub, "b", tokens(64))
-    manager = kv_server.allocator.manager
+    manager = kv_server.table.manager
     order = free_queue_ids(manager)
     usage_before = await stub.GetUsage(pb.GetUsageRequest())
 

@@ -315,14 +315,14 @@ def test_the_runtime_is_sized_from_the_server_pool() -> None:
     num_blocks from the bytes given (num_blocks ignored)."""
     server = KVCacheServer(RUNTIME_POOL)
     assert server.runtime is not None
-    kv_config = server.allocator.manager.kv_cache_config
+    kv_config = server.table.manager.kv_cache_config
     assert kv_config.needs_kv_cache_zeroing
     assert server.runtime.kv_cache.num_blocks == kv_config.num_blocks == 14
     page = kv_config.page_size_bytes
     budget = page * MODEL.num_layers * 37 + page // 2  # 37.5 blocks' worth
     sized = KVCacheServer(dataclasses.replace(RUNTIME_POOL, kv_cache_memory_bytes=budget))
     assert sized.runtime is not None
-    assert sized.allocator.manager.kv_cache_config.num_blocks == 37
+    assert sized.table.manager.kv_cache_config.num_blocks == 37
     assert sized.runtime.kv_cache.nbytes <= budget
 
 

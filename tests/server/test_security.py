@@ -337,7 +337,7 @@ async def test_a_plaintext_client_cannot_talk_to_a_tls_server(tls_server: KVCach
             await client.add_request("plain", tokens(4))
         assert info.value.code == grpc.StatusCode.UNAVAILABLE
     tls_server.audit()
-    assert tls_server.allocator.num_requests == 0
+    assert tls_server.table.num_requests == 0
 
 
 async def test_a_client_that_does_not_trust_the_server_is_refused(
@@ -380,7 +380,7 @@ async def test_mutual_tls_refuses_a_client_without_a_trusted_certificate(
             await client.add_request("no-cert", tokens(3))
         # The handshake fails, so gRPC reports the connection, not the call.
         assert info.value.code == grpc.StatusCode.UNAVAILABLE
-    assert mtls_server.allocator.num_requests == 0
+    assert mtls_server.table.num_requests == 0
 
 
 def test_tls_settings_that_cannot_work_fail_startup(pki: Pki, tmp_path: Path) -> None:
@@ -513,6 +513,6 @@ async def test_oversized_requests_are_refused(tokens_file: str) -> None:
                 stub.AddRequest(long, metadata=bearer(TOKEN)), grpc.StatusCode.OUT_OF_RANGE
             )
             assert "max_model_len" in (error.details() or "")
-        assert server.allocator.num_requests == 0
+        assert server.table.num_requests == 0
     finally:
         await server.stop(grace=0)

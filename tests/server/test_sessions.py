@@ -20,10 +20,9 @@ from kvservice.core.errors import InvalidArgumentError, RequestNotFoundError
 from kvservice.protocol import SESSION_KEY
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
-from kvservice.server.allocation import FreeMode, NewRequest
-from kvservice.server.allocator import Allocator
+from kvservice.request_table.table import RequestTable
+from kvservice.request_table.types import FreeMode, NewRequest
 from kvservice.server.app import KVCacheServer
-from kvservice.server.caller import CURRENT_CALLER, Caller
 from kvservice.server.config import build_manager
 from kvservice.server.sessions import (
     SessionEndedError,
@@ -316,20 +315,16 @@ class FakeClock:
 class TestRegistry:
     """The lease arithmetic on a real allocator, with a clock the test moves."""
 
-    def make(self) -> tuple[SessionRegistry, Allocator, FakeClock]:
+    def make(self) -> tuple[SessionRegistry, RequestTable, FakeClock]:
         clock = FakeClock()
-        allocator = Allocator(build_manager(SMALL_POOL))
+        allocator = RequestTable(build_manager(SMALL_POOL))
         policy = SessionPolicy(ttl_min_s=1.0, ttl_default_s=10.0, ttl_max_s=100.0)
         return SessionRegistry(allocator, policy, clock=clock), allocator, clock
 
     def test_every_resolve_renews_the_lease(self) -> None:
         registry, allocator, clock = self.make()
         session = registry.open("", 10.0, "s", 0).session
-        token = CURRENT_CALLER.set(Caller("", session.session_id, 0))
-        try:
-            allocator.add_request(NewRequest("r", tokens(8)))
-        finally:
-            CURRENT_CALLER.reset(token)
+        allocator.add_request(NewRequest("r", tokens(8)), session_id=session.session_id)
         for _ in range(5):
             clock.now += 9.0
             registry.resolve(session.session_id, "")
@@ -379,13 +374,9 @@ class TestRegistry:
     def test_freeing_under_a_session_releases_ownership(self) -> None:
         registry, allocator, _ = self.make()
         session = registry.open("", 10.0, "s", 0).session
-        token = CURRENT_CALLER.set(Caller("", session.session_id, 0))
-        try:
-            allocator.add_request(NewRequest("r", tokens(8)))
-            assert registry.num_owned_requests == 1
-            allocator.free("r", FreeMode.FINISH)
-        finally:
-            CURRENT_CALLER.reset(token)
+        allocator.add_request(NewRequest("r", tokens(8)), session_id=session.session_id)
+        assert registry.num_owned_requests == 1
+        allocator.free("r", FreeMode.FINISH)
         assert registry.num_owned_requests == 0
         assert registry.violations() == []
 

@@ -12,9 +12,9 @@ import pytest
 
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
+from kvservice.request_table.table import RequestTable
+from kvservice.request_table.types import AllocateArgs, NewRequest
 from kvservice.server import converters
-from kvservice.server.allocation import AllocateArgs, NewRequest
-from kvservice.server.allocator import Allocator
 from kvservice.server.app import KVCacheServer, serve_in_background
 from kvservice.server.config import build_manager
 from tests.server.support import SMALL_POOL, Stub, expect_error, tokens
@@ -251,14 +251,14 @@ async def test_step_over_the_limit_runs_nothing() -> None:
                 stub.Step(pb.StepRequest(ops=adds)), grpc.StatusCode.INVALID_ARGUMENT
             )
             assert "at most 2" in message
-            assert server.allocator.num_requests == 0
+            assert server.table.num_requests == 0
 
             call = stub.StepStream()
             await call.write(pb.StepStreamRequest(step=pb.StepRequest(ops=adds[:2])))
             assert len((await call.read()).step.results) == 2
             await call.write(pb.StepStreamRequest(step=pb.StepRequest(ops=adds)))
             await expect_error(call.read(), grpc.StatusCode.INVALID_ARGUMENT)
-            assert server.allocator.num_requests == 2
+            assert server.table.num_requests == 2
     finally:
         await server.stop(grace=0)
 
@@ -309,7 +309,7 @@ class TestHotPathEncoding:
         """Written field by field, the state serializes to the bytes of the message
         built in one go (zero fields included, which proto3 leaves out)."""
         manager = build_manager(SMALL_POOL)
-        allocator = Allocator(manager)
+        allocator = RequestTable(manager)
         request = allocator.add_request(NewRequest("r", tokens(20)))
         allocator.allocate_slots("r", AllocateArgs(num_new_tokens=20))
         expected = pb.RequestState(

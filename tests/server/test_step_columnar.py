@@ -58,7 +58,7 @@ class Twin:
     stub: pb_grpc.KVCacheServiceStub
 
     def state(self) -> tuple[Any, ...]:
-        return self.server.call(lambda: allocator_state(self.server.server.allocator))
+        return self.server.call(lambda: allocator_state(self.server.server.table))
 
     def finish(self) -> None:
         finish_everything(self.server, self.stub)

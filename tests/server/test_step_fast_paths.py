@@ -15,8 +15,8 @@ from kvservice.client import (
 from kvservice.core.errors import QuotaExceededError
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
-from kvservice.server.allocation import AllocateArgs, FreeMode, NewRequest
-from kvservice.server.allocator import Allocator
+from kvservice.request_table.table import RequestTable
+from kvservice.request_table.types import AllocateArgs, FreeMode, NewRequest
 from kvservice.server.config import build_manager
 from tests.server.support import SMALL_POOL, raw_stub, running_server, tokens
 from tests.server.test_step import result_outcome, scenario
@@ -114,9 +114,9 @@ async def test_client_raises_on_an_omitted_append_state(coalesce: bool) -> None:
         assert (await client.get_request("a")).num_tokens == BLOCK + 1
 
 
-def two_tenants(quotas: dict[str, int] | None = None) -> tuple[KVCacheManager, Allocator]:
+def two_tenants(quotas: dict[str, int] | None = None) -> tuple[KVCacheManager, RequestTable]:
     manager = build_manager(SMALL_POOL)
-    allocator = Allocator(manager, quotas=quotas)
+    allocator = RequestTable(manager, quotas=quotas)
     allocator.add_request(NewRequest("d", tokens(3 * BLOCK)), tenant="")
     allocator.add_request(NewRequest("n", tokens(2 * BLOCK, start=500)), tenant="t")
     return manager, allocator

@@ -23,15 +23,15 @@ from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.request import Request
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
-from kvservice.server.allocation import AllocateArgs, NewRequest
-from kvservice.server.allocator import Allocator
-from kvservice.server.app import KVCacheServer
-from kvservice.server.config import build_manager
-from kvservice.server.tenancy import (
+from kvservice.request_table.table import RequestTable
+from kvservice.request_table.tenancy import (
     check_tenant_name,
     core_request_id,
     tenant_cache_salt,
 )
+from kvservice.request_table.types import AllocateArgs, NewRequest
+from kvservice.server.app import KVCacheServer
+from kvservice.server.config import build_manager
 from tests.server.support import SMALL_POOL, raw_stub, running_server, snapshot, tokens
 
 BLOCK = SMALL_POOL.block_size
@@ -227,7 +227,7 @@ def test_the_default_tenant_hashes_exactly_as_before() -> None:
     """Without tokens nothing changes: same core key, same salt, same block hashes as
     the core alone computes; a named tenant's chain differs from the first block on."""
     manager = build_manager(SMALL_POOL)
-    allocator = Allocator(manager)
+    allocator = RequestTable(manager)
     prompt = tokens(3 * BLOCK)
     for salt in (None, "client-salt"):
         reference = Request("r", prompt, manager.block_hasher, cache_salt=salt)
@@ -359,7 +359,7 @@ def test_quota_counts_with_the_cores_predictor() -> None:
     """At the allocator: a quota refusal answers before the core allocates, and the
     ledger matches the pool after each change."""
     manager: KVCacheManager = build_manager(SMALL_POOL)
-    allocator = Allocator(manager, quotas={"t": 4})
+    allocator = RequestTable(manager, quotas={"t": 4})
     allocator.add_request(NewRequest("a", tokens(3 * BLOCK)), tenant="t")
     allocator.allocate_slots("a", AllocateArgs(num_new_tokens=3 * BLOCK), tenant="t")
     assert allocator.tenant_blocks() == {"t": 3}

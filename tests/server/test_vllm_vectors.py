@@ -96,4 +96,4 @@ def test_observed_scenario_over_grpc() -> None:
         assert (hit_f.block_ids, hit_f.num_computed_tokens) == (((5, 6),), 32)
         assert c.get_request("F").status is RequestStatus.WAITING
 
-        running.call(lambda: check_invariants(running.server.allocator.manager))
+        running.call(lambda: check_invariants(running.server.table.manager))

@@ -1,8 +1,10 @@
-"""The ``Admit`` operation: the core's admission rule over the server's allocator.
+"""``Admit``: a step's admissions over the request table, checked once.
 
-Every id is checked before anything runs, so a refused ``Admit`` changes nothing;
-after that each admission is the same ``get_computed_blocks`` + ``allocate_slots``
-pair a scheduler would send, and stops exactly where its loop would.
+Every argument and id is checked before anything runs, so a refused ``Admit`` changes
+nothing; after that each admission is the same ``get_computed_blocks`` +
+``allocate_slots`` pair a scheduler would send, and stops exactly where vLLM's loop
+would (``kvservice.core.admission.admit_in_order``). The server's ``Admit`` and the
+scheduler's in-process backend both run it.
 """
 
 from __future__ import annotations
@@ -13,10 +15,10 @@ from dataclasses import dataclass
 from kvservice.core.admission import AdmissionResult, admit_in_order
 from kvservice.core.errors import FailedPreconditionError, InvalidArgumentError
 from kvservice.core.request import Request, RequestStatus
-from kvservice.server.allocation import AllocateArgs, Allocation, ComputedBlocks
-from kvservice.server.allocator import Allocator
+from kvservice.request_table.table import RequestTable
+from kvservice.request_table.types import AllocateArgs, Allocation, ComputedBlocks
 
-ServerAdmission = AdmissionResult[ComputedBlocks, Allocation]
+TableAdmission = AdmissionResult[ComputedBlocks, Allocation]
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,18 +32,18 @@ class AdmitArgs:
     full_sequence_must_fit: bool = False
 
 
-def admit(allocator: Allocator, args: AdmitArgs, tenant: str) -> ServerAdmission:
-    """Admit ``args.request_ids`` in order (see ``kvservice.core.admission``)."""
-    requests = _check(allocator, args, tenant)
+def admit(table: RequestTable, args: AdmitArgs, tenant: str) -> TableAdmission:
+    """Admit ``args.request_ids`` of ``tenant`` in order."""
+    requests = _check(table, args, tenant)
 
     def lookup(request_id: str) -> tuple[ComputedBlocks, int]:
-        hit = allocator.get_computed_blocks(request_id, tenant)
+        hit = table.get_computed_blocks(request_id, tenant)
         return hit, hit.num_computed_tokens
 
     def allocate(
         request_id: str, hit: ComputedBlocks, num_hit_tokens: int, num_new_tokens: int
     ) -> Allocation | None:
-        allocation = allocator.allocate_slots(
+        allocation = table.allocate_slots(
             request_id,
             AllocateArgs(
                 num_new_tokens=num_new_tokens,
@@ -64,7 +66,7 @@ def admit(allocator: Allocator, args: AdmitArgs, tenant: str) -> ServerAdmission
     )
 
 
-def _check(allocator: Allocator, args: AdmitArgs, tenant: str) -> dict[str, Request]:
+def _check(table: RequestTable, args: AdmitArgs, tenant: str) -> dict[str, Request]:
     """Every id's request, once each argument and id is known to be admissible."""
     if not args.request_ids:
         raise InvalidArgumentError("request_ids is empty; name at least one waiting request")
@@ -81,7 +83,7 @@ def _check(allocator: Allocator, args: AdmitArgs, tenant: str) -> dict[str, Requ
                 f"request_ids[{index}] = {request_id!r} is named twice; a request is admitted once"
             )
         # NOT_FOUND for an unknown id (or another tenant's), as every call answers.
-        request = requests[request_id] = allocator.get_request(request_id, tenant)
+        request = requests[request_id] = table.get_request(request_id, tenant)
         if request.status == RequestStatus.RUNNING:
             raise FailedPreconditionError(
                 f"request_ids[{index}] = {request_id!r} is running; admit waiting or "

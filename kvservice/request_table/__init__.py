@@ -1,0 +1,11 @@
+"""The request table: what vLLM's scheduler keeps around its ``KVCacheManager`` (the
+requests by tenant and id, their computed tokens and status, the prefix hit carried
+from lookup to allocation), with every argument checked before anything changes. No
+I/O: the gRPC server and the scheduler's in-process backend both run on it.
+
+``table`` (``RequestTable``, the requests and the calls on them), ``types`` (what it
+takes and answers), ``admission`` (``Admit``: a step's admissions over the table),
+``tenancy`` (tenants' keys, salts and block quotas), ``runtime_sync`` (the co-located
+KV tensors kept in step with the block table), ``reporting`` (metrics and KV events),
+``errors``. Imports nothing itself.
+"""

@@ -1,0 +1,18 @@
+"""The request table's own refusals, beside the core's (``kvservice.core.errors``):
+each names the gRPC status the server answers it with, as the core's do."""
+
+from __future__ import annotations
+
+from kvservice.core.errors import KVCacheError
+
+
+class AlreadyExistsError(KVCacheError):
+    """AddRequest for a request id the tenant already uses."""
+
+    status = "ALREADY_EXISTS"
+
+
+class StaleHitError(KVCacheError):
+    """A remembered prefix hit lost a block to eviction before it was attached."""
+
+    status = "ABORTED"

@@ -1,0 +1,558 @@
+"""``RequestTable``: the requests of one pool and the calls on them.
+
+It does what vLLM's scheduler does around its ``KVCacheManager`` (the requests by
+tenant and id, ``num_computed_tokens``, request status, the prefix hit carried from
+lookup to allocation) and checks every argument before anything changes, so a refused
+call leaves no trace. Each call names its tenant (the default tenant unless told);
+the server names the one it authenticated.
+
+It is not thread safe on purpose: one asyncio loop owns it, and no method awaits, so
+each call runs to completion before the next starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvservice.core.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    KVCacheError,
+    OutOfRangeError,
+    QuotaExceededError,
+    RequestNotFoundError,
+)
+from kvservice.core.invariants import InvariantViolationError, check_invariants
+from kvservice.core.kv_cache_block import BlockHashWithGroupId
+from kvservice.core.kv_cache_manager import AllocationProbe, KVCacheBlocks, KVCacheManager
+from kvservice.core.request import Request, RequestStatus
+from kvservice.request_table.errors import AlreadyExistsError, StaleHitError
+from kvservice.request_table.reporting import (
+    AllocationResult,
+    EventSink,
+    Reporter,
+    TableObserver,
+)
+from kvservice.request_table.runtime_sync import KVRuntime, RuntimeSync
+from kvservice.request_table.tenancy import (
+    DEFAULT_TENANT,
+    TenantLedger,
+    check_tenant_blocks,
+    core_request_id,
+    tenant_cache_salt,
+)
+from kvservice.request_table.types import (
+    AllocateArgs,
+    Allocation,
+    BlockIdsPerGroup,
+    ComputedBlocks,
+    FreeMode,
+    HitBlockIds,
+    NewRequest,
+    PoolUsage,
+    ProbeArgs,
+)
+
+# Told (tenant, reason) of every allocation refused for a tenant's quota.
+RefusalSink = Callable[[str, str], None]
+
+
+class RequestOwnership(Protocol):
+    """Learns which requests come and go (the server's sessions: a session owns what
+    is added under it); called right after the change, on the table's loop."""
+
+    def adopt(self, tenant: str, request_id: str, session_id: str) -> None:
+        """``request_id`` of ``tenant`` was just added under ``session_id``."""
+        ...
+
+    def release(self, tenant: str, request_id: str) -> None:
+        """``request_id`` of ``tenant`` was just finished (forgotten)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class _PrefixHit:
+    """A lookup's hit, kept until AllocateSlots attaches it. The lookup took no
+    references, so a free hit block may be evicted meanwhile; the cache keys seen at
+    lookup time tell whether each block still holds that content."""
+
+    blocks: KVCacheBlocks
+    block_ids: HitBlockIds
+    keys: tuple[tuple[BlockHashWithGroupId | None, ...], ...]
+
+    @classmethod
+    def of(cls, blocks: KVCacheBlocks) -> _PrefixHit:
+        groups = blocks.blocks
+        return cls(
+            blocks,
+            tuple([tuple([b.block_id for b in group]) for group in groups]),
+            tuple([tuple([b.block_hash for b in group]) for group in groups]),
+        )
+
+    def first_evicted_block(self) -> int | None:
+        for group, keys in zip(self.blocks.blocks, self.keys, strict=True):
+            for block, key in zip(group, keys, strict=True):
+                if block.block_hash != key:
+                    return block.block_id
+        return None
+
+
+class RequestTable:
+    """The requests around one ``KVCacheManager``; one method per RPC.
+
+    Optional collaborators: ``observer`` (the metrics) and ``events`` (the KV event
+    log) hear of every change (``reporting``); ``runtime`` (the co-located KV
+    tensors) zeroes fresh blocks and applies copies (``runtime_sync``); ``quotas``
+    bound the blocks each tenant holds, and ``on_refusal`` hears of each allocation
+    refused for one (``tenancy``); token ids must be below ``vocab_size`` (0: no
+    bound).
+    """
+
+    def __init__(
+        self,
+        manager: KVCacheManager,
+        observer: TableObserver | None = None,
+        runtime: KVRuntime | None = None,
+        events: EventSink | None = None,
+        quotas: Mapping[str, int] | None = None,
+        on_refusal: RefusalSink | None = None,
+        vocab_size: int = 0,
+    ) -> None:
+        if vocab_size < 0:
+            raise InvalidArgumentError(f"vocab_size must be >= 0 (0: no bound), got {vocab_size}")
+        self.manager = manager
+        self.vocab_size = vocab_size
+        # By core key (``tenancy.core_request_id``): the request and its pending hit.
+        self._requests: dict[str, Request] = {}
+        self._hits: dict[str, _PrefixHit] = {}
+        # Who owns each request (set by the server's sessions).
+        self.ownership: RequestOwnership | None = None
+        self.tenants = TenantLedger(quotas)
+        self._on_refusal = on_refusal
+        self._runtime_sync = RuntimeSync(manager, runtime, self.tenants)
+        self._reporter = Reporter(manager, observer, events, self.usage)
+        self._no_new_blocks = manager.empty_kv_cache_blocks
+        self._no_new_block_ids = self._no_new_blocks.get_block_ids()
+        self._prefix_cache_queries = 0
+        self._prefix_cache_hits = 0
+        # Inside ``batched()``: the runtime's zeroing and copies wait for the batch to
+        # end, and so do the reporter's observations of the pool.
+        self._batch_depth = 0
+        self._after_change()
+
+    # -- requests -------------------------------------------------------------------
+
+    def add_request(
+        self, new: NewRequest, tenant: str = DEFAULT_TENANT, session_id: str | None = None
+    ) -> Request:
+        """Register a WAITING request of ``tenant``, owned by ``session_id`` when one
+        is given; ALREADY_EXISTS for an id the tenant already uses (another tenant's
+        ids are no concern of it)."""
+        rid = new.request_id
+        key = core_request_id(tenant, rid)
+        if key in self._requests:
+            raise AlreadyExistsError(
+                f"request {rid!r} already exists; finish it (FreeRequest FINISH) before "
+                f"reusing its id"
+            )
+        self._check_new_tokens(
+            rid, new.prompt_token_ids, 0, new.prompt_field, nonnegative=new.packed
+        )
+        for f in new.mm_features:
+            if not f.identifier:
+                raise InvalidArgumentError(
+                    f"request {rid!r}: multimodal item at offset {f.offset} has no identifier"
+                )
+        request = Request(
+            key,
+            new.prompt_token_ids,
+            self.manager.block_hasher,
+            cache_salt=tenant_cache_salt(tenant, new.cache_salt),
+            lora_name=new.lora_name,
+            mm_features=new.mm_features,
+            skip_reading_prefix_cache=new.skip_reading_prefix_cache,
+        )
+        self._requests[key] = request
+        if session_id is not None and self.ownership is not None:
+            self.ownership.adopt(tenant, rid, session_id)
+        return request
+
+    def append_tokens(
+        self, request_id: str, token_ids: Sequence[int], tenant: str = DEFAULT_TENANT
+    ) -> Request:
+        """Append sampled tokens (hashing the blocks they complete)."""
+        request = self._get(request_id, tenant)
+        self._check_new_tokens(request_id, token_ids, request.num_tokens, "token_ids")
+        request.append_output_token_ids(token_ids)
+        return request
+
+    def _check_new_tokens(
+        self,
+        rid: str,
+        token_ids: Sequence[int],
+        num_existing: int,
+        name: str,
+        *,
+        nonnegative: bool = False,
+    ) -> None:
+        """Refuse ids out of range and a request grown past max_model_len;
+        ``nonnegative``: the ids are known to be >= 0 (they came packed unsigned)."""
+        if not token_ids:
+            raise InvalidArgumentError(f"request {rid!r}: {name} must hold at least one token")
+        # min() and max() run in C; the generator that names the first bad index runs
+        # only when there is one.
+        if not nonnegative and min(token_ids) < 0:
+            negative = next(i for i, t in enumerate(token_ids) if t < 0)
+            raise InvalidArgumentError(
+                f"request {rid!r}: {name}[{negative}] = {token_ids[negative]}; token ids "
+                f"must be >= 0"
+            )
+        vocab_size = self.vocab_size
+        if vocab_size and max(token_ids) >= vocab_size:
+            outside = next(i for i, t in enumerate(token_ids) if t >= vocab_size)
+            raise InvalidArgumentError(
+                f"request {rid!r}: {name}[{outside}] = {token_ids[outside]} is outside the "
+                f"vocabulary; token ids must be < vocab_size {vocab_size}"
+            )
+        total = num_existing + len(token_ids)
+        max_len = self.manager.max_model_len
+        if total > max_len:
+            raise OutOfRangeError(
+                f"request {rid!r}: {num_existing} + {len(token_ids)} tokens = {total} exceeds "
+                f"max_model_len {max_len}"
+            )
+
+    def _get(self, request_id: str, tenant: str) -> Request:
+        # Another tenant's request answers exactly as an unknown id: no existence leak.
+        request = self._requests.get(core_request_id(tenant, request_id))
+        if request is None:
+            raise RequestNotFoundError(
+                f"request {request_id!r} is not known (never added, or finished); "
+                f"call AddRequest first"
+            )
+        return request
+
+    # -- lookup and allocation ------------------------------------------------------
+
+    def get_computed_blocks(self, request_id: str, tenant: str = DEFAULT_TENANT) -> ComputedBlocks:
+        """The cached prefix of a waiting or preempted request, remembered for the
+        next ``allocate_slots``. Side effect: records prefix cache stats."""
+        request = self._get(request_id, tenant)
+        if request.status == RequestStatus.RUNNING:
+            raise FailedPreconditionError(
+                f"request {request_id!r} is running; prefix lookups are for waiting or "
+                f"preempted requests (free it with PREEMPT to re-admit it)"
+            )
+        blocks, num_hit, boundary = self.manager.get_computed_blocks(request)
+        hit = self._hits[request.request_id] = _PrefixHit.of(blocks)
+        self._after_change()
+        return ComputedBlocks(hit.block_ids, num_hit, boundary)
+
+    def allocate_slots(
+        self, request_id: str, args: AllocateArgs, tenant: str = DEFAULT_TENANT
+    ) -> Allocation:
+        """``allocate_slots`` for a known request; counts the outcome either way.
+        RESOURCE_EXHAUSTED (nothing changed) when it would take ``tenant`` past its
+        block quota."""
+        try:
+            allocation = self._allocate(request_id, args, tenant)
+        except KVCacheError:
+            self._reporter.allocated(AllocationResult.INVALID)
+            # A refusal changes nothing, but hand on anything the core queued anyway
+            # rather than let it surface later under another call.
+            self._reporter.publish_events()
+            raise
+        ok = allocation.new_block_ids is not None
+        self._reporter.allocated(AllocationResult.OK if ok else AllocationResult.NO_SPACE)
+        # Even NO_SPACE may have released blocks that slid out of a sliding window.
+        self._reporter.changed()
+        return allocation
+
+    def _allocate(self, request_id: str, args: AllocateArgs, tenant: str) -> Allocation:
+        request = self._get(request_id, tenant)
+        key = request.request_id
+        hit = None
+        if args.num_computed_tokens is not None:
+            self._check_num_computed_tokens(request_id, args.num_computed_tokens)
+        if args.new_computed_block_ids:
+            hit = self._hit_to_attach(request_id, key, args.new_computed_block_ids)
+        previous = request.num_computed_tokens
+        if args.num_computed_tokens is not None:
+            request.num_computed_tokens = args.num_computed_tokens
+        # A tenant the ledger counts has its quota checked first and is charged the
+        # blocks the call took: tenants never share a block, so the pool's loss is
+        # exactly the tenant's gain (negative when blocks slid out of a window).
+        counted = self.tenants.counts(tenant)
+        pool = self.manager.block_pool
+        free_before = pool.get_num_free_blocks() if counted else 0
+        try:
+            if counted and self.tenants.has_quota(tenant):
+                self._check_quota(request, request_id, tenant, args, hit)
+            new_blocks = self.manager.allocate_slots(
+                request,
+                args.num_new_tokens,
+                args.num_new_computed_tokens,
+                hit,
+                args.num_lookahead_tokens,
+                args.num_external_computed_tokens,
+                args.delay_cache_blocks,
+                args.num_encoder_tokens,
+                args.full_sequence_must_fit,
+                args.reserved_blocks,
+                args.has_scheduled_reqs,
+            )
+        except Exception:
+            request.num_computed_tokens = previous
+            raise
+        finally:
+            if counted:
+                self.tenants.charge(tenant, free_before - pool.get_num_free_blocks())
+        if new_blocks is None:
+            # No room changes nothing, the value set for this call included.
+            request.num_computed_tokens = previous
+            return Allocation(request, None)
+        self._hits.pop(key, None)
+        # vLLM's scheduler advances the count right after scheduling; the next call
+        # sends num_computed_tokens only to correct it (rejected draft tokens).
+        request.num_computed_tokens += (
+            args.num_new_computed_tokens + args.num_external_computed_tokens + args.num_new_tokens
+        )
+        request.status = RequestStatus.RUNNING
+        return self._runtime_sync.allocation(
+            request, self._block_ids(new_blocks), tenant, self._batch_depth > 0
+        )
+
+    def _block_ids(self, blocks: KVCacheBlocks) -> BlockIdsPerGroup:
+        """An allocation's new block ids. Most decode allocations take no block: the
+        core answers its one shared empty ``KVCacheBlocks`` for them, and the table
+        one shared (never mutated) answer of its ids rather than list none anew."""
+        if blocks is self._no_new_blocks:
+            return self._no_new_block_ids
+        return blocks.get_block_ids()
+
+    def _check_quota(
+        self,
+        request: Request,
+        request_id: str,
+        tenant: str,
+        args: AllocateArgs,
+        hit: KVCacheBlocks | None,
+    ) -> None:
+        """Refuse an allocation that would take ``tenant`` past its quota, counted
+        with the core's own predictor: the blocks it would take from the free queue,
+        less those sliding out of view. The core's argument checks run first, so a
+        malformed call still answers its own status."""
+        needed = self.manager.num_blocks_needed(
+            request,
+            args.num_new_tokens,
+            args.num_new_computed_tokens,
+            hit,
+            args.num_lookahead_tokens,
+            args.num_external_computed_tokens,
+            args.num_encoder_tokens,
+            args.reserved_blocks,
+        )
+        try:
+            self.tenants.check(tenant, request_id, needed)
+        except QuotaExceededError:
+            if self._on_refusal is not None:
+                self._on_refusal(tenant, "quota")
+            raise
+
+    def _check_num_computed_tokens(self, rid: str, value: int) -> None:
+        if value < 0:
+            raise InvalidArgumentError(
+                f"request {rid!r}: num_computed_tokens must be >= 0, got {value}"
+            )
+        if value > self.manager.max_model_len:
+            raise OutOfRangeError(
+                f"request {rid!r}: num_computed_tokens {value} exceeds max_model_len "
+                f"{self.manager.max_model_len}"
+            )
+
+    def _hit_to_attach(self, rid: str, key: str, block_ids: HitBlockIds) -> KVCacheBlocks | None:
+        """The remembered hit the client named (``rid``, stored under ``key``),
+        checked against what it was told and against eviction since; None when the
+        client attaches nothing."""
+        if not any(block_ids):
+            return None
+        hit = self._hits.get(key)
+        if hit is None:
+            raise FailedPreconditionError(
+                f"request {rid!r}: new_computed_block_ids given but no prefix hit is "
+                f"pending; call GetComputedBlocks first"
+            )
+        if block_ids != hit.block_ids:
+            raise FailedPreconditionError(
+                f"request {rid!r}: new_computed_block_ids {[list(g) for g in block_ids]} do "
+                f"not match the last GetComputedBlocks answer {[list(g) for g in hit.block_ids]}"
+            )
+        evicted = hit.first_evicted_block()
+        if evicted is not None:
+            raise StaleHitError(
+                f"request {rid!r}: block {evicted} of the prefix hit was evicted or reset "
+                f"since GetComputedBlocks; look the prefix up again"
+            )
+        return hit.blocks
+
+    def probe(
+        self, request_id: str, args: ProbeArgs, tenant: str = DEFAULT_TENANT
+    ) -> AllocationProbe:
+        """What a lookup plus ``allocate_slots`` would do now; changes nothing (no
+        references, LRU order and prefix cache stats untouched). ``would_fit`` is also
+        false when the allocation would take the tenant past its block quota."""
+        request = self._get(request_id, tenant)
+        probe = self.manager.probe(
+            request,
+            args.num_new_tokens,
+            num_lookahead_tokens=args.num_lookahead_tokens,
+            num_external_computed_tokens=args.num_external_computed_tokens,
+            num_encoder_tokens=args.num_encoder_tokens,
+            full_sequence_must_fit=args.full_sequence_must_fit,
+            reserved_blocks=args.reserved_blocks,
+            has_scheduled_reqs=args.has_scheduled_reqs,
+        )
+        if not probe.would_fit or not self.tenants.has_quota(tenant):
+            return probe
+        # The probe counts blocks sliding out of view as free; they are the tenant's.
+        freed = probe.num_free_blocks - self.manager.block_pool.get_num_free_blocks()
+        if self.tenants.fits(tenant, probe.num_blocks_to_allocate - freed):
+            return probe
+        return dataclasses.replace(probe, would_fit=False)
+
+    # -- freeing and queries --------------------------------------------------------
+
+    def free(self, request_id: str, mode: FreeMode, tenant: str = DEFAULT_TENANT) -> Request:
+        """Release the request's blocks; PREEMPT keeps it for re-prefill, FINISH
+        forgets it."""
+        request = self._get(request_id, tenant)
+        key = request.request_id
+        if mode is FreeMode.PREEMPT and request.status != RequestStatus.RUNNING:
+            raise FailedPreconditionError(
+                f"request {request_id!r} is {request.status.name}; only a running request "
+                f"can be preempted (use FINISH to drop it)"
+            )
+        self._hits.pop(key, None)
+        if mode is FreeMode.FINISH:
+            request.status = RequestStatus.FINISHED
+            del self._requests[key]
+            if self.ownership is not None:
+                self.ownership.release(tenant, request_id)
+        if self.tenants.counts(tenant):
+            pool = self.manager.block_pool
+            free_before = pool.get_num_free_blocks()
+            self.manager.free(request)
+            self.tenants.charge(tenant, free_before - pool.get_num_free_blocks())
+        else:
+            self.manager.free(request)
+        if mode is FreeMode.PREEMPT:
+            request.preempt()
+            self._reporter.preempted()
+        self._reporter.changed()
+        return request
+
+    def get_request(self, request_id: str, tenant: str = DEFAULT_TENANT) -> Request:
+        """A known request of ``tenant``; NOT_FOUND otherwise."""
+        return self._get(request_id, tenant)
+
+    def get_block_ids(self, request_id: str, tenant: str = DEFAULT_TENANT) -> BlockIdsPerGroup:
+        """The request's block table per group; empty lists before its first
+        allocation."""
+        key = self._get(request_id, tenant).request_id
+        try:
+            return self.manager.get_block_ids(key)
+        except RequestNotFoundError:
+            # The manager learns of a request at its first allocation; to the table it
+            # already exists and simply holds nothing.
+            return tuple([] for _ in range(self.manager.num_kv_cache_groups))
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False while blocks are in use."""
+        # Remembered hits are kept: their blocks lost their keys, so attaching one now
+        # answers ABORTED, which tells the client to look up again.
+        reset = self.manager.reset_prefix_cache()
+        self._after_change()
+        return reset
+
+    @property
+    def num_requests(self) -> int:
+        """Requests the table knows (waiting, running and preempted)."""
+        return len(self._requests)
+
+    def audit(self) -> None:
+        """Raise ``InvariantViolationError`` unless the pool is consistent, every
+        block table belongs to a known request and each tenant's block count is what
+        its requests hold. O(pool size): for tests and debugging, not the hot path."""
+        check_invariants(self.manager)
+        for single in self.manager.coordinator.single_type_managers:
+            orphans = sorted(
+                rid
+                for rid, blocks in single.req_to_blocks.items()
+                if blocks and rid not in self._requests
+            )
+            if orphans:
+                raise InvariantViolationError(
+                    f"requests {orphans[:5]} hold blocks but are not known to the table"
+                )
+        check_tenant_blocks(self.manager, self.tenant_blocks())
+
+    def tenant_blocks(self) -> dict[str, int]:
+        """Blocks held per tenant (a copy; safe to read from the metrics thread)."""
+        return self.tenants.blocks_per_tenant(self.usage().num_used_blocks)
+
+    def usage(self) -> PoolUsage:
+        manager = self.manager
+        num_blocks = manager.kv_cache_config.num_blocks
+        num_free = manager.block_pool.get_num_free_blocks()
+        return PoolUsage(
+            usage=manager.usage,
+            num_free_blocks=num_free,
+            # Block 0 (the null block) is never free and never counted as used.
+            num_used_blocks=num_blocks - 1 - num_free,
+            num_blocks=num_blocks,
+            num_requests=len(self._requests),
+            prefix_cache_queries=self._prefix_cache_queries,
+            prefix_cache_hits=self._prefix_cache_hits,
+        )
+
+    # -- batching and reporting ------------------------------------------------------
+
+    @contextmanager
+    def batched(self) -> Iterator[None]:
+        """Apply the runtime's zeroing and copies, and report the pool to the
+        observer, once when the block ends instead of after every change in it (a
+        ``Step`` of many operations). The observer sees the same totals: gauges end
+        at the same values and the prefix cache counters move by the sum of the
+        batch's stats. Nothing awaits inside, so no scrape can tell apart (beyond
+        seeing a value one step old, as any gauge may)."""
+        self._batch_depth += 1
+        if self._batch_depth == 1:
+            self._reporter.begin_batch()
+        try:
+            yield
+        finally:
+            self._batch_depth -= 1
+            if not self._batch_depth:
+                try:
+                    # Also on an exception: the operations before it stay applied, so
+                    # their blocks must be zeroed all the same.
+                    self._runtime_sync.apply()
+                finally:
+                    self._reporter.end_batch()
+
+    def publish_events(self) -> None:
+        """Hand the manager's pending KV events to the event sink (none without one)."""
+        self._reporter.publish_events()
+
+    def _after_change(self) -> None:
+        """Add the change's prefix cache stats to the totals of ``usage()`` and report
+        it."""
+        stats = self.manager.make_prefix_cache_stats()
+        if stats is not None:
+            self._prefix_cache_queries += stats.queries
+            self._prefix_cache_hits += stats.hits
+        self._reporter.changed(stats)

@@ -1,0 +1,171 @@
+"""Tenants inside one pool: request keys, prefix-cache salts and block quotas.
+
+Pure bookkeeping (no gRPC): the server's RPC layer authenticates the tenant and names
+it on every call into the table. This is where limits per caller belong.
+
+* Request ids are per tenant: the table and the core key a request by
+  ``core_request_id(tenant, request_id)``, the id itself for the default tenant (a
+  server without tokens keeps vLLM's ids byte for byte) and a ``TenantRequestId``,
+  which no other tenant's id maps to, for a named one.
+* Prefix caching is per tenant: the tenant goes into the cache salt, which vLLM mixes
+  into the first block's hash only, so every later hash of the chain differs too.
+* Blocks are counted per tenant. Since no cached block is ever shared across tenants,
+  the blocks a tenant holds change by exactly the change in the pool's free count
+  around that tenant's own allocate or free, which is how the ledger counts them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kvservice.core.errors import QuotaExceededError
+from kvservice.core.invariants import InvariantViolationError
+from kvservice.core.kv_cache_manager import KVCacheManager
+
+DEFAULT_TENANT = ""
+# Separates the tenant from the request id in a core key; tenant names may not hold it.
+_SEPARATOR = "\x00"
+_SALT_PREFIX = "kvservice-tenant"
+
+
+def check_tenant_name(name: str) -> None:
+    """Raise ``ValueError`` for a name that cannot identify a tenant."""
+    if not name:
+        raise ValueError("a tenant name must not be empty (the default tenant is implicit)")
+    if _SEPARATOR in name:
+        raise ValueError(f"tenant name {name!r} must not contain a NUL character")
+
+
+class TenantRequestId(str):
+    """The key of a named tenant's request: NUL, tenant, NUL, id as a string (names
+    hold no NUL, so two tenants never share a key), which the core stores the request
+    under. It shows as the id the client knows (``repr``), so an error the core raises
+    about the request names that id, and it carries its tenant and id."""
+
+    tenant: str
+    request_id: str
+
+    def __new__(cls, tenant: str, request_id: str) -> TenantRequestId:
+        key = super().__new__(cls, f"{_SEPARATOR}{tenant}{_SEPARATOR}{request_id}")
+        key.tenant = tenant
+        key.request_id = request_id
+        return key
+
+    def __repr__(self) -> str:
+        return repr(self.request_id)
+
+    def __reduce__(self) -> tuple[type[TenantRequestId], tuple[str, str]]:
+        # copy and pickle rebuild it from its parts (str's own would pass the key).
+        return TenantRequestId, (self.tenant, self.request_id)
+
+
+def core_request_id(tenant: str, request_id: str) -> str:
+    """The key a tenant's request is stored under (see the module docstring)."""
+    if tenant == DEFAULT_TENANT:
+        return request_id
+    return TenantRequestId(tenant, request_id)
+
+
+def tenant_of(key: str) -> str:
+    """The tenant whose request ``key`` is."""
+    return key.tenant if isinstance(key, TenantRequestId) else DEFAULT_TENANT
+
+
+def client_request_id(key: str) -> str:
+    """The id the client knows the request ``key`` by."""
+    return key.request_id if isinstance(key, TenantRequestId) else key
+
+
+def tenant_cache_salt(tenant: str, cache_salt: str | None) -> str | None:
+    """The salt that enters the first block's hash: the client's own for the default
+    tenant (today's hashes, byte for byte); for a named tenant, the tenant and the
+    client's salt length-prefixed, so no (tenant, salt) pair can spell another's."""
+    if tenant == DEFAULT_TENANT:
+        return cache_salt
+    salt = cache_salt or ""
+    return f"{_SALT_PREFIX}:{len(tenant)}:{tenant}:{len(salt)}:{salt}"
+
+
+class TenantLedger:
+    """Blocks each tenant holds, against its quota (tenants without one are unbounded).
+
+    The default tenant is counted only when it has a quota: otherwise its count is
+    what the named tenants do not hold (``blocks_per_tenant``), so a server without
+    tenants does no ledger work on any call."""
+
+    def __init__(self, quotas: Mapping[str, int] | None = None) -> None:
+        self._quotas = dict(quotas or {})
+        for tenant, quota in self._quotas.items():
+            if quota < 0:
+                raise ValueError(f"tenant {tenant!r}: max_blocks must be >= 0, got {quota}")
+        self._held: dict[str, int] = {}
+        self._counts_default = DEFAULT_TENANT in self._quotas
+
+    def counts(self, tenant: str) -> bool:
+        """Whether the ledger counts ``tenant``'s blocks (see the class docstring)."""
+        return tenant != DEFAULT_TENANT or self._counts_default
+
+    def held(self, tenant: str) -> int:
+        return self._held.get(tenant, 0)
+
+    def has_quota(self, tenant: str) -> bool:
+        return tenant in self._quotas
+
+    def fits(self, tenant: str, num_blocks: int) -> bool:
+        """Whether ``tenant`` may take ``num_blocks`` more (a negative count: fewer)."""
+        quota = self._quotas.get(tenant)
+        return quota is None or num_blocks <= 0 or self.held(tenant) + num_blocks <= quota
+
+    def check(self, tenant: str, request_id: str, num_blocks: int) -> None:
+        """Raise ``QuotaExceededError`` when taking ``num_blocks`` more would put
+        ``tenant`` past its quota."""
+        if not self.fits(tenant, num_blocks):
+            held, quota = self.held(tenant), self._quotas[tenant]
+            raise QuotaExceededError(
+                f"request {request_id!r}: allocating {num_blocks} more blocks would take "
+                f"tenant {tenant!r} to {held + num_blocks}, past its quota of {quota} "
+                f"(max_blocks); free or preempt some of its requests first"
+            )
+
+    def charge(self, tenant: str, num_blocks: int) -> None:
+        """Record that ``tenant`` now holds ``num_blocks`` more (negative: fewer)."""
+        if num_blocks:
+            self._held[tenant] = self._held.get(tenant, 0) + num_blocks
+
+    def blocks_per_tenant(self, num_used_blocks: int) -> dict[str, int]:
+        """Blocks held per tenant, given the pool's used blocks (a copy: safe to read
+        from the metrics thread). An uncounted default tenant holds every used block
+        no named tenant holds: each change of the pool's free count is some tenant's,
+        and tenants share no block."""
+        held = dict(self._held)
+        if self._counts_default:
+            return held
+        default = num_used_blocks - sum(held.values())
+        if default:
+            held[DEFAULT_TENANT] = default
+        return held
+
+
+def check_tenant_blocks(manager: KVCacheManager, ledger: Mapping[str, int]) -> None:
+    """Raise ``InvariantViolationError`` unless each tenant's ``ledger`` count equals
+    the distinct blocks its requests hold and no block is held by two tenants."""
+    holders: dict[int, str] = {}
+    for single in manager.coordinator.single_type_managers:
+        for key, blocks in single.req_to_blocks.items():
+            owner = tenant_of(key)
+            for block in blocks:
+                if block.is_null:
+                    continue
+                other = holders.setdefault(block.block_id, owner)
+                if other != owner:
+                    raise InvariantViolationError(
+                        f"block {block.block_id} is held by tenants {other!r} and {owner!r}"
+                    )
+    counted: dict[str, int] = {}
+    for owner in holders.values():
+        counted[owner] = counted.get(owner, 0) + 1
+    expected = {t: n for t, n in ledger.items() if n}
+    if counted != expected:
+        raise InvariantViolationError(
+            f"blocks held per tenant {counted} do not match the quota ledger {expected}"
+        )
