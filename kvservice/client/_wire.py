@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Generic, TypeVar
 
 from kvservice.client.types import (
@@ -29,7 +28,6 @@ from kvservice.client.types import (
     RequestState,
     RequestStatus,
     Usage,
-    lazy_request_state,
 )
 from kvservice.protocol import pack_token_ids
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
@@ -64,13 +62,13 @@ def block_ids(groups: Iterable[pb.BlockIds]) -> BlockIds:
     return tuple([tuple(g.block_ids) for g in groups])
 
 
+# The common answer, a decode allocation of a one-group pool that takes no block, is
+# one shared (immutable) value instead of a fresh one per entry.
 _NO_BLOCKS: BlockIds = ((),)
-_NO_BLOCKS_OMITTED = Allocation(_NO_BLOCKS, (), OMITTED_REQUEST_STATE)
+_NO_BLOCKS_OMITTED = Allocation(_NO_BLOCKS, (), None)
 
 
 def _new_block_ids(groups: Any) -> BlockIds:
-    # The common answer, a decode step of a one-group pool, allocates nothing: one
-    # empty group, answered with a shared tuple.
     if len(groups) == 1 and not groups[0].block_ids:
         return _NO_BLOCKS
     return block_ids(groups)
@@ -106,13 +104,8 @@ def _computed_blocks(msg: pb.GetComputedBlocksResponse) -> ComputedBlocks:
 def _allocation(msg: pb.AllocateSlotsResponse) -> Allocation | None:
     if msg.outcome == pb.ALLOCATION_OUTCOME_NO_SPACE:
         return None
-    # The request state is decoded when first read (most schedulers never do), or is
-    # absent when the step asked the server to omit it.
-    request = (
-        lazy_request_state(partial(request_state, msg.request))
-        if msg.HasField("request")
-        else OMITTED_REQUEST_STATE
-    )
+    # Absent when the step asked the server to omit it.
+    request = request_state(msg.request) if msg.HasField("request") else None
     new_block_ids = _new_block_ids(msg.new_block_ids)
     zero, zeroed = msg.block_ids_to_zero, msg.block_ids_zeroed
     to_apply, applied = msg.block_copies_to_apply, msg.block_copies_applied
@@ -395,31 +388,22 @@ def _allocation_rows(msg: pb.AllocateSlotsBatchResponse) -> list[Any]:
     ids = list(msg.new_block_ids)
     extras = _ExtraColumns(msg)
     states = msg.requests
-    rows: list[Any] = []
-    pos = 0
-    for index in range(msg.num_run):
-        if num_groups == 1:
-            # The common pool; a decode allocation usually takes no block at all.
-            count = counts[index]
-            new_block_ids = (tuple(ids[pos : pos + count]),) if count else _NO_BLOCKS
-            pos += count
-        else:
-            groups = []
-            for count in counts[index * num_groups : (index + 1) * num_groups]:
-                groups.append(tuple(ids[pos : pos + count]))
-                pos += count
-            new_block_ids = tuple(groups)
-        request = (
-            lazy_request_state(partial(request_state, states[index]))
-            if states
-            else OMITTED_REQUEST_STATE
-        )
-        rows.append(extras.allocation(index, new_block_ids, request))
-    rows.extend([None] * (msg.num_requests - msg.num_run))
-    for index in msg.no_space:
-        rows[index] = None
+    rows: list[Any] = [None] * msg.num_requests
     for index, error in batch_errors(msg).items():
         rows[index] = error
+    no_space = set(msg.no_space)
+    pos = 0
+    for index in range(msg.num_run):
+        groups = []
+        for count in counts[index * num_groups : (index + 1) * num_groups]:
+            groups.append(tuple(ids[pos : pos + count]))
+            pos += count
+        if rows[index] is not None or index in no_space:
+            # Refused (its state is an empty placeholder) or no room: already answered.
+            continue
+        new_block_ids = _NO_BLOCKS if groups == [()] else tuple(groups)
+        request = request_state(states[index]) if states else None
+        rows[index] = extras.allocation(index, new_block_ids, request)
     return rows
 
 
@@ -441,10 +425,11 @@ class _ExtraColumns:
         self.to_apply = _cut(msg.num_block_copies_to_apply, msg.block_copies_to_apply, 2)
         self.applied = _cut(msg.num_block_copies_applied, msg.block_copies_applied, 2)
 
-    def allocation(self, index: int, new_block_ids: BlockIds, request: RequestState) -> Allocation:
+    def allocation(
+        self, index: int, new_block_ids: BlockIds, request: RequestState | None
+    ) -> Allocation:
         if not self.any:
-            if new_block_ids is _NO_BLOCKS and request is OMITTED_REQUEST_STATE:
-                # Most decode allocations of a step: one shared immutable answer.
+            if new_block_ids is _NO_BLOCKS and request is None:
                 return _NO_BLOCKS_OMITTED
             return Allocation(new_block_ids, (), request)
         zero, zeroed = self.zero.get(index, ()), self.zeroed.get(index, ())

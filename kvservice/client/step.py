@@ -52,16 +52,13 @@ class OpHandle(NamedTuple, Generic[T]):
     place among the step's operations (the key of ``StepResults.errors``), ``wire`` the
     place of the message operation that carries it, ``row`` its entry in that
     operation when it is a columnar one (-1 otherwise). A named tuple: one is made per
-    operation, and a tuple costs a fraction of a frozen dataclass to build."""
+    operation, and it costs a fraction of a frozen dataclass to build."""
 
     # Shadows tuple.index on purpose: the name handles have always read it by.
     index: int  # type: ignore[assignment]
     parse: Callable[[Any], T]
     wire: int
     row: int = -1
-
-
-_new_handle = tuple.__new__
 
 
 def _same(value: Any) -> Any:
@@ -132,8 +129,7 @@ class StepBuilder:
         self._open_rows = row + 1
         index = self._num_ops
         self._num_ops = index + 1
-        # The named tuple's own __new__ is a Python function: half the cost skipped.
-        return _new_handle(OpHandle, (index, _same, self._open_wire, row))
+        return OpHandle(index, _same, self._open_wire, row)
 
     def _open_entry(self, kind: str, column: str, request_id: str, value: int) -> OpHandle[Any]:
         """Open a columnar operation of ``kind`` with its first entry; nothing is left

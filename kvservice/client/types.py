@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -64,7 +62,13 @@ class RequestStateOmittedError(LookupError):
     server did not send it."""
 
 
-@dataclass(frozen=True, slots=True, repr=False, eq=False)
+_OMITTED = (
+    "the server omitted this operation's request state: the step was sent with "
+    "omit_request_state (read the request with get_request instead)"
+)
+
+
+@dataclass(frozen=True, slots=True)
 class Allocation:
     """A successful ``allocate_slots`` (no room is ``None``, as in vLLM).
 
@@ -77,111 +81,55 @@ class Allocation:
     copies after zeroing, before the model writes) or ``block_copies_applied`` (the
     server's runtime already did).
 
-    ``request`` (the request after the call) is decoded when first read; a step sent
-    with ``omit_request_state`` has none, and reading it raises
-    ``RequestStateOmittedError``.
+    ``request`` is the request after the call; a step sent with
+    ``omit_request_state`` has none (``request_state`` is None), and reading
+    ``request`` then raises ``RequestStateOmittedError``.
     """
 
     new_block_ids: BlockIds
     block_ids_to_zero: tuple[int, ...]
-    request: RequestState
+    request_state: RequestState | None
     block_ids_zeroed: tuple[int, ...] = ()
     block_copies_to_apply: tuple[tuple[int, int], ...] = ()
     block_copies_applied: tuple[tuple[int, int], ...] = ()
 
-    def _values(self) -> tuple[object, ...]:
-        # ``request`` as stored: an omitted state compares equal to another omitted one
-        # and shows in a repr instead of raising.
-        stored = _REQUEST_SLOT.__get__(self, Allocation)
-        request = stored if stored is OMITTED_REQUEST_STATE else self.request
+    @property
+    def request(self) -> RequestState:
+        """The request after the call (``RequestStateOmittedError`` when omitted)."""
+        if self.request_state is None:
+            raise RequestStateOmittedError(_OMITTED)
+        return self.request_state
+
+    def __repr__(self) -> str:
+        request = "<omitted>" if self.request_state is None else repr(self.request_state)
         return (
-            self.new_block_ids,
-            self.block_ids_to_zero,
-            request,
-            self.block_ids_zeroed,
-            self.block_copies_to_apply,
-            self.block_copies_applied,
+            f"Allocation(new_block_ids={self.new_block_ids!r}, "
+            f"block_ids_to_zero={self.block_ids_to_zero!r}, request={request}, "
+            f"block_ids_zeroed={self.block_ids_zeroed!r}, "
+            f"block_copies_to_apply={self.block_copies_to_apply!r}, "
+            f"block_copies_applied={self.block_copies_applied!r})"
         )
 
-    def __eq__(self, other: object) -> bool:
-        if other.__class__ is not self.__class__:
-            return NotImplemented
-        assert isinstance(other, Allocation)
-        return self._values() == other._values()
 
-    def __hash__(self) -> int:
-        return hash(self._values())
+class _OmittedRequestState:
+    """The answer of an ``append_tokens`` in a step sent with ``omit_request_state``:
+    it stands for the request state the server did not send, and reading any of its
+    fields raises ``RequestStateOmittedError``."""
 
-    def __repr__(self) -> str:
-        names = [f.name for f in dataclasses.fields(self)]
-        shown = ", ".join(f"{n}={v!r}" for n, v in zip(names, self._values(), strict=True))
-        return f"Allocation({shown})"
-
-
-class _Deferred:
-    """A value computed when first read, by the slot that holds it (``_LazySlot``).
-
-    Held directly rather than in a slot (an ``append_tokens`` result of a step sent
-    with ``omit_request_state`` is ``OMITTED_REQUEST_STATE`` itself), reading one of
-    its fields computes the value for that read: the omitted state raises
-    ``RequestStateOmittedError`` rather than an ``AttributeError``."""
-
-    __slots__ = ("compute", "label")
-
-    def __init__(self, compute: Callable[[], Any], label: str) -> None:
-        self.compute = compute
-        self.label = label
-
-    def __repr__(self) -> str:
-        return self.label
+    __slots__ = ()
 
     def __getattr__(self, name: str) -> Any:
-        # Only the value's own fields: protocol lookups (copy's __deepcopy__...) must
+        # Only the state's own fields: protocol lookups (copy's __deepcopy__...) must
         # keep answering "no such attribute".
         if name.startswith("__"):
             raise AttributeError(name)
-        return getattr(self.compute(), name)
+        raise RequestStateOmittedError(_OMITTED)
+
+    def __repr__(self) -> str:
+        return "<omitted>"
 
 
-class _LazySlot:
-    """A dataclass slot that may hold a ``_Deferred``: computed on the first read and
-    stored in place of it, so the cost of decoding is paid only by readers."""
-
-    def __init__(self, slot: Any) -> None:
-        self._slot = slot
-
-    def __get__(self, obj: object, owner: type | None = None) -> Any:
-        if obj is None:
-            return self
-        value = self._slot.__get__(obj, owner)
-        if value.__class__ is _Deferred:
-            value = value.compute()
-            self._slot.__set__(obj, value)
-        return value
-
-    def __set__(self, obj: object, value: object) -> None:
-        self._slot.__set__(obj, value)
-
-
-def _omitted() -> RequestState:
-    raise RequestStateOmittedError(
-        "the server omitted this operation's request state: the step was sent with "
-        "omit_request_state (read the request with get_request instead)"
-    )
-
-
-_REQUEST_SLOT: Any = Allocation.__dict__["request"]
-# Swapped in after the class is made: dataclass's __init__ stores through it
-# (object.__setattr__ finds this descriptor), so the constructor is unchanged.
-setattr(Allocation, "request", _LazySlot(_REQUEST_SLOT))  # noqa: B010
-# Stands for the request state of a step sent with omit_request_state.
-OMITTED_REQUEST_STATE = cast(RequestState, _Deferred(_omitted, "<omitted>"))
-
-
-def lazy_request_state(decode: Callable[[], RequestState]) -> RequestState:
-    """A stand-in for ``Allocation.request`` that ``decode`` turns into the state on
-    first read (for the client's wire layer, which decodes protobuf lazily)."""
-    return cast(RequestState, _Deferred(decode, "<not yet decoded>"))
+OMITTED_REQUEST_STATE = cast(RequestState, _OmittedRequestState())
 
 
 @dataclass(frozen=True, slots=True)

@@ -174,7 +174,7 @@ class Backend(Protocol):
 
 
 def _ids(groups: Sequence[Sequence[int]]) -> BlockIds:
-    return tuple(tuple(group) for group in groups)
+    return tuple(map(tuple, groups))
 
 
 class InProcessBackend:
