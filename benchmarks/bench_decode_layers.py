@@ -6,8 +6,8 @@ pool built the same way, in interleaved rounds:
 
 * ``core``: ``Request.append_output_token_ids`` + ``KVCacheManager.allocate_slots``
   (what the in-process scheduler backend pays);
-* ``allocator``: the server's ``Allocator`` (request table, argument checks, metrics
-  batching, tenant and copy bookkeeping) inside ``Allocator.batched``;
+* ``table``: the server's ``RequestTable`` (argument checks, metrics batching, tenant
+  and copy bookkeeping) inside ``RequestTable.batched``;
 * ``step``: the server's ``StepRunner`` on a serialized ``StepRequest`` as the
   scheduler's batching backends build it (``StepBuilder`` with coalescing and
   ``omit_request_state``: one AppendTokensBatch and one AllocateSlotsBatch), parsed,
@@ -16,8 +16,10 @@ pool built the same way, in interleaved rounds:
   that build each step and a ``StepResults`` read of every allocation's handle (what
   a batching backend does around each message), still without the transport.
 
-Prints microseconds per request per step (one append plus one allocation) and each
-layer's cost as a ratio to the core's, medians over rounds.
+Prints microseconds per request per step (one append plus one allocation): the
+median over rounds and the lowest and highest round (the run's own noise), and each
+layer's cost as a ratio to the core's in the same round, median over rounds. Each
+round runs the layers in another order (``kvservice.bench.measure``).
 
 Run: ``python -m benchmarks.bench_decode_layers [--requests 256] [--steps 40]
 [--rounds 5]``.
@@ -30,6 +32,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+from kvservice.bench.measure import median_ratio, rotated
 from kvservice.client import StepBuilder, StepResults
 from kvservice.core.request import Request
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
@@ -73,31 +76,31 @@ def core_steps(num_requests: int, steps: int) -> Callable[[], None]:
     return run
 
 
-def _allocator(num_requests: int, steps: int) -> RequestTable:
+def _table(num_requests: int, steps: int) -> RequestTable:
     manager = build_manager(pool(num_requests, steps))
-    allocator = RequestTable(manager, KVCacheMetrics(manager, "bench", "0"))
+    table = RequestTable(manager, KVCacheMetrics(manager, "bench", "0"))
     for i in range(num_requests):
-        allocator.add_request(NewRequest(f"r{i}", prompt(i)), "")
-        allocator.allocate_slots(f"r{i}", AllocateArgs(num_new_tokens=PROMPT_LEN), "")
-    return allocator
+        table.add_request(NewRequest(f"r{i}", prompt(i)), "")
+        table.allocate_slots(f"r{i}", AllocateArgs(num_new_tokens=PROMPT_LEN), "")
+    return table
 
 
-def allocator_steps(num_requests: int, steps: int) -> Callable[[], None]:
-    allocator = _allocator(num_requests, steps)
+def table_steps(num_requests: int, steps: int) -> Callable[[], None]:
+    table = _table(num_requests, steps)
     ids = [f"r{i}" for i in range(num_requests)]
 
     def run() -> None:
         for token in range(steps):
-            with allocator.batched():
+            with table.batched():
                 for rid in ids:
-                    allocator.append_tokens(rid, [token], "")
-                    allocator.allocate_slots(rid, ONE, "")
+                    table.append_tokens(rid, [token], "")
+                    table.allocate_slots(rid, ONE, "")
 
     return run
 
 
 def step_path(num_requests: int, steps: int) -> Callable[[], None]:
-    runner = StepRunner(_allocator(num_requests, steps), max_ops=4 * num_requests)
+    runner = StepRunner(_table(num_requests, steps), max_ops=4 * num_requests)
     messages = []
     for token in range(steps):
         builder = StepBuilder(omit_request_state=True)
@@ -117,7 +120,7 @@ def step_path(num_requests: int, steps: int) -> Callable[[], None]:
 
 
 def client_path(num_requests: int, steps: int) -> Callable[[], None]:
-    runner = StepRunner(_allocator(num_requests, steps), max_ops=4 * num_requests)
+    runner = StepRunner(_table(num_requests, steps), max_ops=4 * num_requests)
     ids = [f"r{i}" for i in range(num_requests)]
 
     def run() -> None:
@@ -140,7 +143,7 @@ def client_path(num_requests: int, steps: int) -> Callable[[], None]:
 
 LAYERS = {
     "core": core_steps,
-    "allocator": allocator_steps,
+    "table": table_steps,
     "step": step_path,
     "client": client_path,
 }
@@ -154,27 +157,24 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     pairs = args.requests * args.steps
     samples: dict[str, list[float]] = {name: [] for name in LAYERS}
-    ratios: dict[str, list[float]] = {name: [] for name in LAYERS}
-    for _ in range(args.rounds):
+    for round_index in range(args.rounds):
         # A fresh pool per layer and round (each run consumes its decode steps).
         runs = {name: build(args.requests, args.steps) for name, build in LAYERS.items()}
-        timed = {}
-        for name, run in runs.items():
+        for name in rotated(list(LAYERS), round_index):
             start = time.perf_counter()
-            run()
-            timed[name] = (time.perf_counter() - start) / pairs * 1e6
-            samples[name].append(timed[name])
-        for name in LAYERS:
-            ratios[name].append(timed[name] / timed["core"])
+            runs[name]()
+            samples[name].append((time.perf_counter() - start) / pairs * 1e6)
     print(
         f"decode steps of {args.requests} requests (one append + one allocation each), "
         f"{args.steps} steps, {args.rounds} rounds"
     )
-    print(f"{'layer':>10} {'us/request':>11} {'vs core':>8}")
+    print(f"{'layer':>10} {'us/request':>11} {'per round':>14} {'vs core':>8}")
     for name in LAYERS:
+        values = samples[name]
+        spread = f"{min(values):.2f}-{max(values):.2f}"
         print(
-            f"{name:>10} {statistics.median(samples[name]):>11.2f} "
-            f"{statistics.median(ratios[name]):>7.2f}x"
+            f"{name:>10} {statistics.median(values):>11.2f} {spread:>14} "
+            f"{median_ratio(values, samples['core']):>7.2f}x"
         )
 
 

@@ -2,12 +2,14 @@
 against the same workload run in-process, measured side by side in one run.
 
 Run: ``python -m benchmarks.bench_grpc`` (``make bench-grpc``). The server runs as a
-subprocess (``kvservice serve`` on a free port), so client and server have a core each
-on a 2-core machine. ``--profile`` instead profiles, in-process, the server's side of
-a Step (decode, run the operations, encode) with cProfile.
+subprocess (``kvservice serve`` on a free port, started by ``kvservice.bench.server``
+as ``kvservice bench`` starts it), so client and server have a core each on a 2-core
+machine; CPU times and ratios come from ``kvservice.bench.measure``. ``--profile``
+instead profiles, in-process, the server's side of a Step (decode, run the
+operations, encode) with cProfile.
 
 The floors: a raw grpc.aio echo server (one generic unary method that returns its
-request bytes; no protobuf, no interceptor, no allocator) runs as a second subprocess
+request bytes; no protobuf, no interceptor, no request table) runs as a second subprocess
 on the same event loop, called with the blocking client (what the latency rows use) and
 with the grpc.aio client; the same subprocess echoes bytes on a plain TCP socket, which
 is what Python and the loopback cost without gRPC. All are measured in the same rounds
@@ -30,15 +32,15 @@ operation sequence on a fresh set of request ids, and the ways run interleaved, 
 after round (each round starting at another way); each ratio is the median over rounds
 of (way / in-process in that round). Beside ops/s, each way reports the CPU time per
 operation of this process and the server together, read from the OS: other processes on
-a shared machine stretch the wall time but hardly the CPU time, so "CPU vs Alloc" is the
+a shared machine stretch the wall time but hardly the CPU time, so "CPU vs Table" is the
 steadier estimate of the ratio on an idle machine with a core per process.
 
-The in-process baseline is the same operations on an ``Allocator`` in this process:
-the core ``KVCacheManager`` behind the server's own request table and argument checks,
-the same work the server does per operation minus protobuf, transport and metrics
+The in-process baseline is the same operations on the server's ``RequestTable`` in
+this process (the core ``KVCacheManager`` behind the request table and its argument
+checks): the work the server does per operation minus protobuf, transport and metrics
 (arguments decoded before timing, answers kept as the Python objects it returns). The
-scheduler's ``InProcessBackend`` (the core manager with its request table, no checks)
-is printed beside it as a second, leaner in-process reference.
+scheduler's ``InProcessBackend`` (the same table behind the scheduler's ``Backend``
+protocol) is printed beside it.
 """
 
 from __future__ import annotations
@@ -47,8 +49,6 @@ import argparse
 import asyncio
 import collections
 import cProfile
-import json
-import os
 import pstats
 import socket
 import statistics
@@ -63,6 +63,8 @@ from typing import Any
 
 import grpc
 
+from kvservice.bench.measure import Meter, Sample, median_ratio, rotated
+from kvservice.bench.server import child_server
 from kvservice.client import KVClient, PendingStep
 from kvservice.client.step import OpHandle, StepBuilder
 from kvservice.client.types import FreeMode
@@ -195,71 +197,13 @@ def config() -> ServerConfig:
     )
 
 
-# -- measuring ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    """One timed run of a workload: its operations, the wall time, and the CPU time
-    this process and the server spent on it (which the 2-core box's load from other
-    processes barely moves, unlike the wall time)."""
-
-    ops: int
-    wall_s: float
-    cpu_s: float
-
-    @property
-    def ops_s(self) -> float:
-        return self.ops / self.wall_s
-
-    @property
-    def cpu_us_per_op(self) -> float:
-        return self.cpu_s / self.ops * 1e6
-
-
-def _process_cpu_s(pid: int) -> float:
-    """CPU time of every thread of a process, in nanoseconds' resolution from
-    /proc/PID/task/*/schedstat (stat's clock ticks are 10 ms); 0 without /proc."""
-    total_ns = 0
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return 0.0
-    for task in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{task}/schedstat", encoding="ascii") as stat:
-                total_ns += int(stat.read().split()[0])
-        except OSError:
-            continue  # the thread ended meanwhile
-    return total_ns / 1e9
-
-
-class Meter:
-    """Times a section: wall clock, this process's CPU, and the server's CPU."""
-
-    def __init__(self, server_pid: int | None = None) -> None:
-        self._server_pid = server_pid
-        self._start = (0.0, 0.0, 0.0)
-
-    def _now(self) -> tuple[float, float, float]:
-        server = _process_cpu_s(self._server_pid) if self._server_pid is not None else 0.0
-        return time.perf_counter(), _process_cpu_s(os.getpid()), server
-
-    def start(self) -> None:
-        self._start = self._now()
-
-    def stop(self, ops: int) -> Sample:
-        wall, cpu, server = (b - a for a, b in zip(self._start, self._now(), strict=True))
-        return Sample(ops, wall, cpu + server)
-
-
 # -- in-process ---------------------------------------------------------------------
 
 
 def run_in_process(meter: Meter, workload: Workload) -> Sample:
-    """The workload on an Allocator in this process (no protobuf, no RPC)."""
-    allocator = RequestTable(build_manager(config()))
-    calls = _domain_calls(allocator, workload)
+    """The workload on a RequestTable in this process (no protobuf, no RPC)."""
+    table = RequestTable(build_manager(config()))
+    calls = _domain_calls(table, workload)
     meter.start()
     for call in calls:
         call()
@@ -267,8 +211,7 @@ def run_in_process(meter: Meter, workload: Workload) -> Sample:
 
 
 def run_backend(meter: Meter, workload: Workload) -> Sample:
-    """The workload on the scheduler's ``InProcessBackend`` (the core manager and a
-    request table, no argument checks)."""
+    """The workload on the scheduler's ``InProcessBackend``."""
     backend = InProcessBackend(build_manager(config()))
     calls = _backend_calls(backend, workload)
     meter.start()
@@ -293,25 +236,25 @@ def run_step_in_process(
     return meter.stop(len(workload.ops))
 
 
-def _domain_calls(allocator: RequestTable, workload: Workload) -> list[Callable[[], object]]:
-    """The workload as the allocator calls an in-process scheduler would make."""
+def _domain_calls(table: RequestTable, workload: Workload) -> list[Callable[[], object]]:
+    """The workload as the table calls an in-process scheduler would make."""
     calls: list[Callable[[], object]] = []
     for op in workload.ops:
         kind = op.WhichOneof("op")
         if kind == "add_request":
             new = converters.new_request_from_pb(op.add_request)
-            calls.append(partial(allocator.add_request, new))
+            calls.append(partial(table.add_request, new))
         elif kind == "get_computed_blocks":
-            calls.append(partial(allocator.get_computed_blocks, op.get_computed_blocks.request_id))
+            calls.append(partial(table.get_computed_blocks, op.get_computed_blocks.request_id))
         elif kind == "allocate_slots":
             args = converters.allocate_args_from_pb(op.allocate_slots)
-            calls.append(partial(allocator.allocate_slots, op.allocate_slots.request_id, args))
+            calls.append(partial(table.allocate_slots, op.allocate_slots.request_id, args))
         elif kind == "append_tokens":
             msg = op.append_tokens
-            calls.append(partial(allocator.append_tokens, msg.request_id, list(msg.token_ids)))
+            calls.append(partial(table.append_tokens, msg.request_id, list(msg.token_ids)))
         else:
             mode = converters.free_mode_from_pb(op.free_request.mode)
-            calls.append(partial(allocator.free, op.free_request.request_id, mode))
+            calls.append(partial(table.free, op.free_request.request_id, mode))
     return calls
 
 
@@ -336,41 +279,6 @@ def _backend_calls(backend: InProcessBackend, workload: Workload) -> list[Callab
 
 
 # -- the server -----------------------------------------------------------------------
-
-
-@contextmanager
-def server_process(event_loop: str) -> Iterator[tuple[str, int]]:
-    """``kvservice serve`` on a free port; yields its target and pid."""
-    cfg = config()
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvservice.cli",
-            "serve",
-            "--port=0",
-            "--metrics-port=0",
-            f"--num-blocks={cfg.num_blocks}",
-            f"--max-model-len={cfg.max_model_len}",
-            "--log-level=info",
-            "--shutdown-grace=0",
-            f"--event-loop={event_loop}",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert process.stdout is not None
-    try:
-        for line in process.stdout:
-            record = json.loads(line)
-            if record.get("event") == "serving":
-                yield f"127.0.0.1:{record['port']}", process.pid
-                break
-        else:
-            raise RuntimeError("the server exited before serving")
-    finally:
-        process.terminate()
-        process.wait(30)
 
 
 ECHO_METHOD = "/bench.Echo/Echo"
@@ -468,7 +376,7 @@ def unary_latency(
 ) -> dict[str, list[float]]:
     """Blocking ping-pong in alternating rounds of 100, so the floors and the service
     see the same machine: the echoes of an AllocateSlots request's bytes; AllocateSlots
-    (decode: append untimed, allocate timed); GetUsage (almost no allocator work)."""
+    (decode: append untimed, allocate timed); GetUsage (almost no request table work)."""
     stub.AddRequest(pb.AddRequestRequest(request_id="lat", prompt_token_ids=list(range(16))))
     stub.AllocateSlots(pb.AllocateSlotsRequest(request_id="lat", num_new_tokens=16))
     alloc = pb.AllocateSlotsRequest(request_id="lat", num_new_tokens=1)
@@ -668,8 +576,9 @@ class Throughputs:
 
     def ratio(self, name: str, baseline: str) -> float:
         """Median over rounds of (ops/s of the way / of the baseline in that round)."""
-        pairs = zip(self.samples[name], self.samples[baseline], strict=True)
-        return statistics.median(a.ops_s / b.ops_s for a, b in pairs)
+        return median_ratio(
+            [s.ops_s for s in self.samples[name]], [s.ops_s for s in self.samples[baseline]]
+        )
 
     def cpu_ratio(self, name: str, baseline: str) -> float | None:
         """Median over rounds of (the baseline's CPU per op / the way's, client and
@@ -805,7 +714,18 @@ def run(
     )
     tags = (f"w{i}" for i in range(1_000_000))
     with ExitStack() as stack:
-        target, server_pid = stack.enter_context(server_process(event_loop))
+        cfg = config()
+        server = stack.enter_context(
+            child_server(
+                [
+                    f"--num-blocks={cfg.num_blocks}",
+                    f"--max-model-len={cfg.max_model_len}",
+                    "--shutdown-grace=0",
+                    f"--event-loop={event_loop}",
+                ]
+            )
+        )
+        target, server_pid = server.target, server.pid
         echo_target, tcp_port = stack.enter_context(echo_process(event_loop))
         channel = stack.enter_context(grpc.insecure_channel(target))
         echo_channel = stack.enter_context(grpc.insecure_channel(echo_target))
@@ -829,10 +749,8 @@ def run(
         for r in range(rounds):
             for name, samples in unary_latency(stub, floors, latency_samples // rounds).items():
                 latencies[name] += samples
-            # Each round starts at another way, so none always runs first (right after
-            # the latency rounds) or last.
-            shift = r % len(ways)
-            for way in ways[shift:] + ways[:shift]:
+            # None always runs first (right after the latency rounds) or last.
+            for way in rotated(ways, r):
                 throughputs.add(way.name, way.measure(workload(way.num_requests, next(tags))))
     _report(latencies, throughputs)
 
@@ -853,8 +771,8 @@ def _report(latencies: dict[str, list[float]], throughputs: Throughputs) -> None
             f"mean {statistics.fmean(samples) * 1e6:6.0f} us{over}"
         )
     print(
-        f"\n{'way':<46}{'ops/s':>9}{'vs Alloc':>10}{'vs Backend':>12}"
-        f"{'CPU us/op':>11}{'CPU vs Alloc':>14}"
+        f"\n{'way':<46}{'ops/s':>9}{'vs Table':>10}{'vs Backend':>12}"
+        f"{'CPU us/op':>11}{'CPU vs Table':>14}"
     )
     for name in throughputs.samples:
         print(
@@ -867,7 +785,7 @@ def _report(latencies: dict[str, list[float]], throughputs: Throughputs) -> None
     print(
         "ops/s and CPU: medians over rounds; ratios: medians over rounds of the ratio in "
         "each round.\nCPU us/op: this process's CPU plus the server's, per operation; "
-        "'CPU vs Alloc' = in-process CPU per op / the way's."
+        "'CPU vs Table' = in-process CPU per op / the way's."
     )
 
 

@@ -17,15 +17,18 @@ import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import ParamSpec, TypeVar
 
+from kvservice.bench.measure import process_cpu_seconds, rotated
 from kvservice.bench.progress import Progress
-from kvservice.bench.server import ChildServer, process_cpu_seconds
+from kvservice.bench.server import ChildServer
 from kvservice.client import AdmitOptions, KVClient
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.scheduler.backend import (
     AdmittedIds,
     AllocatedIds,
     Backend,
+    ForwardingBackend,
     InProcessBackend,
     PrefixHit,
     RemoteBackend,
@@ -43,6 +46,9 @@ from kvservice.workloads import (
     WorkloadConfig,
     generate,
 )
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 IN_PROCESS = "in-process"
 MODES = (IN_PROCESS, "unary", "step", "stream")
@@ -126,7 +132,7 @@ def build_workload(config: BenchConfig) -> list[RequestSpec]:
 # -- the reference run ------------------------------------------------------------------
 
 
-class CountingBackend:
+class CountingBackend(ForwardingBackend):
     """A ``Backend`` that forwards every call and counts the allocator operations.
 
     ``admit`` counts as the operations it stands for, so that ops/s still counts
@@ -138,16 +144,16 @@ class CountingBackend:
     """
 
     def __init__(self, inner: Backend) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.num_ops = 0
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
         self.num_ops += 1
-        self.inner.add_request(request_id, prompt_token_ids)
+        super().add_request(request_id, prompt_token_ids)
 
     def get_computed_blocks(self, request_id: str) -> PrefixHit:
         self.num_ops += 1
-        return self.inner.get_computed_blocks(request_id)
+        return super().get_computed_blocks(request_id)
 
     def allocate_slots(
         self,
@@ -158,17 +164,14 @@ class CountingBackend:
         full_sequence_must_fit: bool = False,
     ) -> AllocatedIds | None:
         self.num_ops += 1
-        return self.inner.allocate_slots(
+        return super().allocate_slots(
             request_id, num_new_tokens, hit, num_lookahead_tokens, full_sequence_must_fit
         )
 
     def admit(
-        self,
-        request_ids: Sequence[str],
-        token_budget: int,
-        options: AdmitOptions,
+        self, request_ids: Sequence[str], token_budget: int, options: AdmitOptions
     ) -> list[AdmittedIds]:
-        admitted = self.inner.admit(request_ids, token_budget, options)
+        admitted = super().admit(request_ids, token_budget, options)
         self.num_ops += admit_ops(
             len(request_ids),
             admitted,
@@ -179,20 +182,11 @@ class CountingBackend:
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         self.num_ops += 1
-        self.inner.append_tokens(request_id, token_ids)
+        super().append_tokens(request_id, token_ids)
 
     def free(self, request_id: str, preempt: bool = False) -> None:
         self.num_ops += 1
-        self.inner.free(request_id, preempt)
-
-    def num_free_blocks(self) -> int:
-        return self.inner.num_free_blocks()
-
-    def end_step(self) -> None:
-        self.inner.end_step()
-
-    def flush(self) -> None:
-        self.inner.flush()
+        super().free(request_id, preempt)
 
 
 def admit_ops(
@@ -210,13 +204,13 @@ def admit_ops(
     return num_ops
 
 
-class TimedBackend:
+class TimedBackend(ForwardingBackend):
     """A ``Backend`` that forwards every call and adds up the time spent inside them
     (the KV service's part of a step, RPCs included; the rest is the scheduler's own
     Python). Every mode runs behind it, so its own small cost is in all of them."""
 
     def __init__(self, inner: Backend) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.elapsed_ns = 0
 
     def take_elapsed_ns(self) -> int:
@@ -224,68 +218,12 @@ class TimedBackend:
         elapsed, self.elapsed_ns = self.elapsed_ns, 0
         return elapsed
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+    def _forward(self, call: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         start = time.perf_counter_ns()
-        self.inner.add_request(request_id, prompt_token_ids)
-        self.elapsed_ns += time.perf_counter_ns() - start
-
-    def get_computed_blocks(self, request_id: str) -> PrefixHit:
-        start = time.perf_counter_ns()
-        hit = self.inner.get_computed_blocks(request_id)
-        self.elapsed_ns += time.perf_counter_ns() - start
-        return hit
-
-    def allocate_slots(
-        self,
-        request_id: str,
-        num_new_tokens: int,
-        hit: PrefixHit | None = None,
-        num_lookahead_tokens: int = 0,
-        full_sequence_must_fit: bool = False,
-    ) -> AllocatedIds | None:
-        start = time.perf_counter_ns()
-        ids = self.inner.allocate_slots(
-            request_id, num_new_tokens, hit, num_lookahead_tokens, full_sequence_must_fit
-        )
-        self.elapsed_ns += time.perf_counter_ns() - start
-        return ids
-
-    def admit(
-        self,
-        request_ids: Sequence[str],
-        token_budget: int,
-        options: AdmitOptions,
-    ) -> list[AdmittedIds]:
-        start = time.perf_counter_ns()
-        admitted = self.inner.admit(request_ids, token_budget, options)
-        self.elapsed_ns += time.perf_counter_ns() - start
-        return admitted
-
-    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
-        start = time.perf_counter_ns()
-        self.inner.append_tokens(request_id, token_ids)
-        self.elapsed_ns += time.perf_counter_ns() - start
-
-    def free(self, request_id: str, preempt: bool = False) -> None:
-        start = time.perf_counter_ns()
-        self.inner.free(request_id, preempt)
-        self.elapsed_ns += time.perf_counter_ns() - start
-
-    def num_free_blocks(self) -> int:
-        start = time.perf_counter_ns()
-        num_free = self.inner.num_free_blocks()
-        self.elapsed_ns += time.perf_counter_ns() - start
-        return num_free
-
-    def end_step(self) -> None:
-        start = time.perf_counter_ns()
-        self.inner.end_step()
-        self.elapsed_ns += time.perf_counter_ns() - start
-
-    def flush(self) -> None:
-        start = time.perf_counter_ns()
-        self.inner.flush()
-        self.elapsed_ns += time.perf_counter_ns() - start
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.elapsed_ns += time.perf_counter_ns() - start
 
 
 @dataclass(slots=True)
@@ -525,10 +463,8 @@ def run_bench(
         progress = Progress(total, enabled=progress_enabled)
         try:
             for round_index in range(config.rounds):
-                shift = round_index % len(config.modes)
-                order = config.modes[shift:] + config.modes[:shift]
                 for pool in pools:
-                    for mode in order:
+                    for mode in rotated(config.modes, round_index):
                         result = results[(pool.num_blocks, mode)]
                         _run_mode(pool, mode, specs, config, result, progress)
         finally:

@@ -1,5 +1,6 @@
-"""A ``kvservice serve`` child process on a free loopback port, for the benchmark and
-the demo: a separate process, so the server does not share the client's GIL."""
+"""The one launcher of a ``kvservice serve`` child process on free loopback ports, for
+``kvservice bench``, ``kvservice demo`` and the scripts in ``benchmarks/``: a
+separate process, so the server does not share the client's GIL."""
 
 from __future__ import annotations
 
@@ -31,18 +32,6 @@ class ChildServer:
     target: str
     metrics_url: str | None
     pid: int | None
-
-
-def process_cpu_seconds(pid: int) -> float | None:
-    """CPU time (user + system) a process has used so far; None where /proc is not."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    # After the command name: state is field 3, utime and stime fields 14 and 15.
-    ticks = int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def free_port(host: str = "127.0.0.1") -> int:

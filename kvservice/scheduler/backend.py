@@ -9,9 +9,9 @@ to the server's pool in one RPC."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ParamSpec, Protocol, TypeVar
 
 from kvservice.client import KVClient
 from kvservice.client.types import (
@@ -28,6 +28,9 @@ from kvservice.request_table.table import RequestTable
 from kvservice.request_table.tenancy import DEFAULT_TENANT
 from kvservice.request_table.types import AllocateArgs, NewRequest
 from kvservice.request_table.types import FreeMode as TableFreeMode
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 # Block ids per KV cache group, in block-table order (as the client's ``BlockIds``).
 BlockIds = tuple[tuple[int, ...], ...]
@@ -171,6 +174,61 @@ class Backend(Protocol):
 
     def flush(self) -> None:
         """Send everything deferred (the end of a run, before reading the server)."""
+
+
+class ForwardingBackend:
+    """A ``Backend`` that forwards every call to ``inner`` through one hook,
+    ``_forward``: a wrapper (counting, timing, tracing) overrides the hook or the
+    calls it watches and inherits the rest."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+
+    def _forward(self, call: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
+        return call(*args, **kwargs)
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+        self._forward(self.inner.add_request, request_id, prompt_token_ids)
+
+    def get_computed_blocks(self, request_id: str) -> PrefixHit:
+        return self._forward(self.inner.get_computed_blocks, request_id)
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        hit: PrefixHit | None = None,
+        num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+    ) -> AllocatedIds | None:
+        return self._forward(
+            self.inner.allocate_slots,
+            request_id,
+            num_new_tokens,
+            hit,
+            num_lookahead_tokens,
+            full_sequence_must_fit,
+        )
+
+    def admit(
+        self, request_ids: Sequence[str], token_budget: int, options: AdmitOptions
+    ) -> list[AdmittedIds]:
+        return self._forward(self.inner.admit, request_ids, token_budget, options)
+
+    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+        self._forward(self.inner.append_tokens, request_id, token_ids)
+
+    def free(self, request_id: str, preempt: bool = False) -> None:
+        self._forward(self.inner.free, request_id, preempt)
+
+    def num_free_blocks(self) -> int:
+        return self._forward(self.inner.num_free_blocks)
+
+    def end_step(self) -> None:
+        self._forward(self.inner.end_step)
+
+    def flush(self) -> None:
+        self._forward(self.inner.flush)
 
 
 def _ids(groups: Sequence[Sequence[int]]) -> BlockIds:

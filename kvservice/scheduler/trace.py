@@ -23,6 +23,7 @@ from kvservice.scheduler.backend import (
     AllocatedIds,
     Backend,
     BlockIds,
+    ForwardingBackend,
     PendingBlockIds,
     PrefixHit,
     resolve_ids,
@@ -128,11 +129,11 @@ def _any_pending(admitted: Sequence[AdmittedIds]) -> bool:
     return any(isinstance(item.new_block_ids, PendingBlockIds) for item in admitted)
 
 
-class TracingBackend:
+class TracingBackend(ForwardingBackend):
     """A ``Backend`` that forwards every call to ``inner`` and records it."""
 
     def __init__(self, inner: Backend) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.entries: list[TraceEntry] = []
         # Entries whose answer a batching backend gives only at the next flush: the
         # entry's index and how to write its answer then.
@@ -142,13 +143,13 @@ class TracingBackend:
         self.entries.append(TraceEntry(op, args, result))
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
-        self.inner.add_request(request_id, prompt_token_ids)
+        super().add_request(request_id, prompt_token_ids)
         self._record(
             "add_request", {"request_id": request_id, "prompt_token_ids": list(prompt_token_ids)}
         )
 
     def get_computed_blocks(self, request_id: str) -> PrefixHit:
-        hit = self.inner.get_computed_blocks(request_id)
+        hit = super().get_computed_blocks(request_id)
         self._record("get_computed_blocks", {"request_id": request_id}, _hit_to_json(hit))
         return hit
 
@@ -160,7 +161,7 @@ class TracingBackend:
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
     ) -> AllocatedIds | None:
-        new_block_ids = self.inner.allocate_slots(
+        new_block_ids = super().allocate_slots(
             request_id, num_new_tokens, hit, num_lookahead_tokens, full_sequence_must_fit
         )
         args = {
@@ -185,7 +186,7 @@ class TracingBackend:
         options: AdmitOptions,
     ) -> list[AdmittedIds]:
         args = _admit_args(request_ids, token_budget, options)
-        admitted = self.inner.admit(request_ids, token_budget, options)
+        admitted = super().admit(request_ids, token_budget, options)
         if _any_pending(admitted):
             self._unresolved.append((len(self.entries), lambda: _admitted_to_json(admitted)))
             self._record("admit", args)
@@ -194,24 +195,24 @@ class TracingBackend:
         return admitted
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
-        self.inner.append_tokens(request_id, token_ids)
+        super().append_tokens(request_id, token_ids)
         self._record("append_tokens", {"request_id": request_id, "token_ids": list(token_ids)})
 
     def free(self, request_id: str, preempt: bool = False) -> None:
-        self.inner.free(request_id, preempt)
+        super().free(request_id, preempt)
         self._record("free", {"request_id": request_id, "preempt": preempt})
 
     def num_free_blocks(self) -> int:
-        num_free = self.inner.num_free_blocks()
+        num_free = super().num_free_blocks()
         self._record("num_free_blocks", {}, num_free)
         return num_free
 
     def end_step(self) -> None:
-        self.inner.end_step()
+        super().end_step()
         self._resolve_answers()
 
     def flush(self) -> None:
-        self.inner.flush()
+        super().flush()
         self._resolve_answers()
 
     def _resolve_answers(self) -> None:

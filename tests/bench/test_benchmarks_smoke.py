@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import bench_decode_layers, bench_grpc
+from kvservice.bench.measure import Sample
 
 
 def test_bench_grpc_smoke(capsys: pytest.CaptureFixture[str]) -> None:
@@ -36,8 +37,8 @@ def test_a_round_that_measured_no_cpu_is_left_out_of_the_cpu_ratio() -> None:
     and switches): such rounds are skipped, and a way with none has no ratio."""
     throughputs = bench_grpc.Throughputs()
     for way, cpu_s in (("base", 0.0), ("way", 0.5), ("base", 1.0), ("way", 0.5)):
-        throughputs.add(way, bench_grpc.Sample(ops=100, wall_s=1.0, cpu_s=cpu_s))
+        throughputs.add(way, Sample(ops=100, wall_s=1.0, cpu_s=cpu_s))
     assert throughputs.cpu_ratio("way", "base") == pytest.approx(2.0)
-    throughputs.add("idle", bench_grpc.Sample(ops=100, wall_s=1.0, cpu_s=0.0))
-    throughputs.add("idle", bench_grpc.Sample(ops=100, wall_s=1.0, cpu_s=0.0))
+    throughputs.add("idle", Sample(ops=100, wall_s=1.0, cpu_s=0.0))
+    throughputs.add("idle", Sample(ops=100, wall_s=1.0, cpu_s=0.0))
     assert throughputs.cpu_ratio("idle", "base") is None
