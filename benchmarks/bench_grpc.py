@@ -75,7 +75,7 @@ from kvservice.scheduler.backend import InProcessBackend
 from kvservice.server import converters
 from kvservice.server.caller import ANONYMOUS
 from kvservice.server.config import ServerConfig, build_manager
-from kvservice.server.loop import EVENT_LOOPS, default_event_loop, loop_factory
+from kvservice.server.event_loop import EVENT_LOOPS, default_event_loop, loop_factory
 from kvservice.server.metrics import KVCacheMetrics
 from kvservice.server.step import StepRunner
 

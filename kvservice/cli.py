@@ -18,8 +18,8 @@ from kvservice.bench import cli as bench_cli
 from kvservice.bench import demo
 from kvservice.core.errors import KVCacheError
 from kvservice.server.app import serve
+from kvservice.server.event_loop import loop_factory
 from kvservice.server.log import configure_logging
-from kvservice.server.loop import loop_factory
 from kvservice.server.settings import (
     CONFIG_ENV,
     OPTIONS,

@@ -350,7 +350,8 @@ class AsyncKVClient:
             call.cancel()
 
     def session(self) -> AsyncSession:
-        """A ``StepStream`` session (``async with client.session() as s``)."""
+        """One ``StepStream`` (``async with client.session() as s``); not a server
+        session, which ``open_session`` opens."""
         return AsyncSession(self._stub.StepStream(metadata=self._metadata))
 
 
@@ -373,7 +374,7 @@ class AsyncPendingStep(StepAnswer):
 
 class AsyncSession:
     """One long-lived ``StepStream``: steps run in the order sent, each answered in
-    order.
+    order. (A server session, the lease that owns requests, is an ``AsyncLease``.)
 
     ``send`` writes a step and returns at once (the server starts on it while the
     caller goes on); ``step`` is ``send`` and then its ``result()``. Closing

@@ -259,7 +259,8 @@ class KVClient:
             call.cancel()
 
     def session(self) -> Session:
-        """A ``StepStream`` session (``with client.session() as s``)."""
+        """One ``StepStream`` (``with client.session() as s``); not a server session,
+        which ``open_session`` opens."""
         return Session(self._channel, self._metadata)
 
 
@@ -292,7 +293,8 @@ class PendingStep(StepAnswer):
 
 
 class Session:
-    """One long-lived ``StepStream`` on the blocking API; see ``AsyncSession``.
+    """One long-lived ``StepStream`` on the blocking API; see ``AsyncSession``. (A
+    server session, the lease that owns requests, is a ``Lease``.)
 
     Not thread safe: one thread drives a session.
     """

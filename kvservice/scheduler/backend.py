@@ -23,7 +23,6 @@ from kvservice.client.types import (
 )
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.request_table import admission
-from kvservice.request_table.admission import AdmitArgs
 from kvservice.request_table.table import RequestTable
 from kvservice.request_table.tenancy import DEFAULT_TENANT
 from kvservice.request_table.types import AllocateArgs, NewRequest
@@ -277,7 +276,7 @@ class InProcessBackend:
     ) -> list[AdmittedIds]:
         """The table's ``admit``, as the server runs it for an ``Admit``: every id
         checked before any is admitted, so a refused call changes nothing."""
-        args = AdmitArgs(
+        args = admission.AdmitArgs(
             request_ids,
             token_budget,
             options.enable_chunked_prefill,
@@ -290,6 +289,7 @@ class InProcessBackend:
                 a.request_id,
                 a.num_hit_tokens,
                 a.num_new_tokens,
+                # An admitted request's allocation fitted: it has its ids.
                 _ids(a.allocation.new_block_ids or ()),
             )
             for a in result.admitted

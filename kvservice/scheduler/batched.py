@@ -86,7 +86,7 @@ class _RequestBlocks:
 # Not frozen: one is built per deferred allocation (most of a decode step), and a
 # frozen dataclass's __init__ costs several times a plain one's.
 @dataclass(slots=True)
-class _Deferred:
+class _DeferredAllocation:
     handle: OpHandle[Allocation | None]
     # None when the allocation was proven to take no block: its answer is already known.
     pending: PendingBlockIds | None
@@ -126,7 +126,7 @@ class BatchingBackend:
         self._start = start
         self._send_ahead_min_ops = send_ahead_min_ops
         self._builder = self._new_builder()
-        self._deferred: list[_Deferred] = []
+        self._deferred: list[_DeferredAllocation] = []
         # Operations sent ahead whose answer is not read yet (see the module docstring).
         self._ahead: PendingStep | None = None
         self._requests: dict[str, _RequestBlocks] = {}
@@ -261,10 +261,10 @@ class BatchingBackend:
         state.num_computed_tokens += num_new_tokens
         if new_blocks == self._no_new_blocks:
             # Most decode allocations: no block to wait for, only the answer to check.
-            self._deferred.append(_Deferred(handle, None, new_blocks))
+            self._deferred.append(_DeferredAllocation(handle, None, new_blocks))
             return self._no_block_ids
         pending = PendingBlockIds()
-        self._deferred.append(_Deferred(handle, pending, new_blocks))
+        self._deferred.append(_DeferredAllocation(handle, pending, new_blocks))
         self._free_lower_bound -= sum(new_blocks)
         for group, count in enumerate(new_blocks):
             state.num_blocks[group] += count
@@ -337,7 +337,7 @@ class BatchingBackend:
         return results
 
     @staticmethod
-    def _resolve(item: _Deferred, allocation: Allocation | None) -> None:
+    def _resolve(item: _DeferredAllocation, allocation: Allocation | None) -> None:
         counts = None if allocation is None else tuple(map(len, allocation.new_block_ids))
         if allocation is None or counts != item.num_new_blocks:
             raise PredictionError(
@@ -369,19 +369,19 @@ class StreamBackend(BatchingBackend):
     def __init__(
         self, client: KVClient, *, send_ahead_min_ops: int | None = SEND_AHEAD_MIN_OPS
     ) -> None:
-        self._session: Session = client.session()
-        session = self._session
+        self._stream: Session = client.session()
+        stream = self._stream
         super().__init__(
             client,
-            lambda builder: session.step(builder, stop_on_error=True),
-            lambda builder: session.send(builder, stop_on_error=True),
+            lambda builder: stream.step(builder, stop_on_error=True),
+            lambda builder: stream.send(builder, stop_on_error=True),
             send_ahead_min_ops,
         )
 
     def close(self) -> None:
         """Send what is deferred, then end the stream."""
         self.flush()
-        self._session.close()
+        self._stream.close()
 
     def __enter__(self) -> StreamBackend:
         return self
@@ -395,4 +395,4 @@ class StreamBackend(BatchingBackend):
         if exc is None:
             self.close()
         else:
-            self._session.cancel()
+            self._stream.cancel()

@@ -159,7 +159,7 @@ class KVCacheMetrics:
         self._allocations = {
             r: allocations.labels(**self.labels, result=r.value) for r in AllocationResult
         }
-        # KV events are published by a later component; declared now so dashboards and
+        # Declared whether or not the server runs with --kv-events, so dashboards and
         # alerts can be written against them.
         self.events_published = self._counter(
             "kvservice_events_published", "KV cache events published to subscribers."

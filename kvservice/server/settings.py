@@ -18,8 +18,8 @@ from typing import Any
 
 from kvservice.core.block_hashing import HASH_FUNCTIONS
 from kvservice.server.config import ServerConfig
+from kvservice.server.event_loop import EVENT_LOOPS, default_event_loop
 from kvservice.server.log import LOG_LEVELS
-from kvservice.server.loop import EVENT_LOOPS, default_event_loop
 from kvservice.server.runtime import DEVICES, RUNTIMES
 
 ENV_PREFIX = "KVSERVICE_"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvservice.cli import build_parser, main
-from kvservice.server import loop
+from kvservice.server import event_loop as loop
 from kvservice.server.config import ServerConfig
 from kvservice.server.settings import OPTIONS, SettingsError, load_settings
 
