@@ -206,6 +206,7 @@ def cache_config(msg: pb.GetCacheConfigResponse) -> CacheConfig:
         blocks_zeroed_by_server=msg.blocks_zeroed_by_server,
         runtime_device=msg.runtime_device,
         vocab_size=msg.vocab_size,
+        watermark_blocks=msg.watermark_blocks,
     )
 
 

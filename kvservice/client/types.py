@@ -271,6 +271,8 @@ class CacheConfig:
     runtime_device: str = ""
     # Token ids the server accepts are below this; 0: no upper bound.
     vocab_size: int = 0
+    # Blocks kept free for admissions while others run (vLLM's watermark).
+    watermark_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -222,22 +222,27 @@ class KVCacheManager:
 
     # -- lookup -----------------------------------------------------------------------
 
-    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
+    def get_computed_blocks(
+        self, request: Request, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
         """The cached prefix of a waiting request: ``(blocks, num_new_computed_tokens,
         shared_prefix_boundary)``.
 
-        The hit is capped at ``num_tokens - 1``: the last token must be computed to
-        produce logits, and with block-aligned hits a fully cached prompt recomputes its
-        last block. Takes no references (two requests may see the same hit before either
-        allocates). Side effects: records prefix cache stats when ``log_stats``, and
-        notes a nonzero boundary on the request, so that sparse retention keeps the
-        junction cached for the next request sharing the prefix.
+        The hit is capped at ``max_cache_hit_length``, by default ``num_tokens - 1``:
+        the last token must be computed to produce logits, and with block-aligned hits a
+        fully cached prompt recomputes its last block. Takes no references (two requests
+        may see the same hit before either allocates). Side effects: records prefix
+        cache stats when ``log_stats``, and notes a nonzero boundary on the request, so
+        that sparse retention keeps the junction cached for the next request sharing the
+        prefix.
         """
         self.checker.check_not_finished(request)
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return self.empty_kv_cache_blocks, 0, 0
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
         blocks, num_hit_tokens, num_uncached = self.coordinator.find_longest_cache_hit(
-            request.block_hashes, request.num_tokens - 1
+            request.block_hashes, max_cache_hit_length
         )
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.record(

@@ -10,6 +10,7 @@ from kvservice.core.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
+    SlidingWindowSpec,
 )
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.kv_cache_sizing import check_enough_kv_cache_memory, kv_cache_config_from_memory
@@ -51,7 +52,13 @@ class ServerConfig:
     # of this block size beside the attention group; 0: none. With a hash block below
     # its block size, prefix hits may end inside a block (copy-on-write copies).
     mamba_block_size: int = 0
+    # A sliding-window attention group of this window (tokens) and the attention
+    # block size beside the full-attention group; 0: none.
+    sliding_window: int = 0
     enable_caching: bool = True
+    # Fraction of num_blocks kept free when admitting waiting or preempted requests
+    # while others are scheduled (vLLM's --watermark).
+    watermark: float = 0.0
     needs_kv_cache_zeroing: bool = False
     model_name: str = "default"
     engine: str = "0"
@@ -106,8 +113,9 @@ class ServerConfig:
 def build_kv_cache_config(
     config: ServerConfig, available_memory: int | None = None
 ) -> KVCacheConfig:
-    """The pool: one full-attention group of ``num_layers`` layers, of ``num_blocks``
-    blocks, or of as many as ``available_memory`` bytes hold when given.
+    """The pool: one full-attention group of ``num_layers`` layers (beside it a
+    sliding-window group and a Mamba group when configured), of ``num_blocks`` blocks,
+    or of as many as ``available_memory`` bytes hold when given.
 
     Zeroing is on when the config asks for it and always with a runtime: the runtime
     zeroes what ``take_new_block_ids`` records, which it records only then.
@@ -123,6 +131,15 @@ def build_kv_cache_config(
     )
     layers = [f"model.layers.{i}.self_attn" for i in range(config.num_layers)]
     groups = [KVCacheGroupSpec(layers, spec)]
+    if config.sliding_window:
+        window = SlidingWindowSpec(
+            block_size=config.block_size,
+            num_kv_heads=config.num_kv_heads,
+            head_size=config.head_size,
+            dtype=config.dtype,
+            sliding_window=config.sliding_window,
+        )
+        groups.append(KVCacheGroupSpec(["model.layers.sliding_window"], window))
     _check_hash_block_size(config)
     if config.mamba_block_size:
         groups.append(_mamba_group(config, spec.page_size_bytes))
@@ -177,6 +194,7 @@ def build_manager(
         config.max_model_len,
         enable_caching=config.enable_caching,
         log_stats=True,
+        watermark=config.watermark,
         hash_algo=config.hash_algo,
         none_hash_seed=config.none_hash_seed,
         hash_block_size=config.hash_block_size or None,

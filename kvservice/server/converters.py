@@ -357,6 +357,7 @@ def cache_config_to_pb(
         blocks_zeroed_by_server=bool(runtime_device),
         runtime_device=runtime_device,
         vocab_size=vocab_size,
+        watermark_blocks=manager.watermark_blocks,
     )
 
 

@@ -99,7 +99,22 @@ OPTIONS: tuple[Option, ...] = (
         "the attention layers, a hybrid model (0: none)",
         "mamba_block_size",
     ),
+    Option(
+        "sliding_window",
+        int,
+        "add a sliding-window attention group of this window (in tokens, same block "
+        "size) beside the full-attention layers, as vLLM groups Gemma-style models "
+        "(0: none)",
+        "sliding_window",
+    ),
     Option("enable_caching", bool, "prefix caching", "enable_caching"),
+    Option(
+        "watermark",
+        float,
+        "fraction of the pool kept free when admitting waiting or preempted requests "
+        "while others run (vLLM's --watermark)",
+        "watermark",
+    ),
     Option(
         "zero_new_blocks",
         bool,

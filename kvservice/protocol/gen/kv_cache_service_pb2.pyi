@@ -964,6 +964,7 @@ class GetCacheConfigResponse(_message.Message):
     BLOCKS_ZEROED_BY_SERVER_FIELD_NUMBER: _builtins.int
     RUNTIME_DEVICE_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    WATERMARK_BLOCKS_FIELD_NUMBER: _builtins.int
     SCHEDULER_EPOCH_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
     """The pool size, null block (id 0) included."""
@@ -995,6 +996,10 @@ class GetCacheConfigResponse(_message.Message):
     """Token ids must be below this (0: no upper bound, only negative ids are refused):
     AddRequest and AppendTokens answer INVALID_ARGUMENT for one outside.
     """
+    watermark_blocks: _builtins.int
+    """Blocks kept free when admitting a waiting or preempted request while others are
+    scheduled (vLLM's watermark: int(watermark * num_blocks)).
+    """
     scheduler_epoch: _builtins.int
     """The caller's current scheduler epoch (the highest OpenSession epoch so far; 0
     before any). Numbered apart from the layout fields above.
@@ -1017,11 +1022,12 @@ class GetCacheConfigResponse(_message.Message):
         blocks_zeroed_by_server: _builtins.bool = ...,
         runtime_device: _builtins.str = ...,
         vocab_size: _builtins.int = ...,
+        watermark_blocks: _builtins.int = ...,
         scheduler_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_zeroed_by_server", b"blocks_zeroed_by_server", "enable_caching", b"enable_caching", "groups", b"groups", "hash_algo", b"hash_algo", "hash_block_size", b"hash_block_size", "max_model_len", b"max_model_len", "model_name", b"model_name", "needs_kv_cache_zeroing", b"needs_kv_cache_zeroing", "none_hash_seed_fingerprint", b"none_hash_seed_fingerprint", "num_blocks", b"num_blocks", "runtime_device", b"runtime_device", "scheduler_block_size", b"scheduler_block_size", "scheduler_epoch", b"scheduler_epoch", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_zeroed_by_server", b"blocks_zeroed_by_server", "enable_caching", b"enable_caching", "groups", b"groups", "hash_algo", b"hash_algo", "hash_block_size", b"hash_block_size", "max_model_len", b"max_model_len", "model_name", b"model_name", "needs_kv_cache_zeroing", b"needs_kv_cache_zeroing", "none_hash_seed_fingerprint", b"none_hash_seed_fingerprint", "num_blocks", b"num_blocks", "runtime_device", b"runtime_device", "scheduler_block_size", b"scheduler_block_size", "scheduler_epoch", b"scheduler_epoch", "vocab_size", b"vocab_size", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,1 @@
+"""Adapters that let other serving engines allocate their KV cache through kvservice."""

@@ -1,0 +1,60 @@
+"""``KVServiceScheduler``: vLLM 0.33's own ``Scheduler`` with kvservice's manager.
+
+For ``vllm serve --scheduler-cls kvservice.integrations.vllm.KVServiceScheduler``.
+Every scheduling decision is vLLM's code; only the ``KVCacheManager`` it builds is
+kvservice's (``KVServiceKVCacheManager``, configured from ``KVSERVICE_*`` variables).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import vllm.v1.core.sched.scheduler as vllm_scheduler
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from kvservice.integrations.vllm.manager import KVServiceKVCacheManager
+
+_construction = threading.Lock()
+
+
+@contextmanager
+def _kv_cache_manager_class(cls: type) -> Iterator[None]:
+    # vLLM's Scheduler.__init__ builds its manager from this module global and offers no
+    # other seam; rebinding it for the length of one construction keeps every line of
+    # vLLM's __init__ as it is, and builds no throwaway pool of vLLM's.
+    with _construction:
+        original = vllm_scheduler.KVCacheManager
+        vllm_scheduler.KVCacheManager = cls
+        try:
+            yield
+        finally:
+            vllm_scheduler.KVCacheManager = original
+
+
+class KVServiceScheduler(Scheduler):  # type: ignore[misc]
+    """vLLM's v1 ``Scheduler``, unchanged, allocating through kvservice."""
+
+    kv_cache_manager: KVServiceKVCacheManager
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        if vllm_config is not None and vllm_config.kv_transfer_config is not None:
+            raise NotImplementedError(
+                "KVServiceScheduler does not support KV connectors (--kv-transfer-config): "
+                "kvservice's manager does not serve the connector paths of vLLM's scheduler"
+            )
+        with _kv_cache_manager_class(KVServiceKVCacheManager):
+            super().__init__(*args, **kwargs)
+        if self.cache_config.enable_prefix_caching:
+            # The engine seeded vLLM's hash chain (init_none_hash) before building us.
+            self.kv_cache_manager.check_hashing(
+                self.cache_config.prefix_caching_hash_algo, kv_cache_utils._NONE_HASH_SEED
+            )
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.kv_cache_manager.close()

@@ -1,0 +1,92 @@
+"""Where ``KVServiceKVCacheManager`` gets its blocks, read from the environment.
+
+vLLM builds the scheduler and its manager itself, so the connection cannot be passed
+as an argument: ``vllm serve --scheduler-cls kvservice.integrations.vllm.KVServiceScheduler``
+plus these variables is the whole configuration.
+
+| variable | meaning |
+|---|---|
+| ``KVSERVICE_TARGET`` | ``host:port`` of a kvservice server; unset: the core in-process |
+| ``KVSERVICE_TOKEN`` | bearer token, when the server has tokens configured |
+| ``KVSERVICE_TLS_CA`` | PEM file of the CA to trust: turns TLS on |
+| ``KVSERVICE_TLS_CERT`` / ``KVSERVICE_TLS_KEY`` | client certificate and key (mTLS) |
+| ``KVSERVICE_SESSION_TTL`` | lease seconds: a dead engine's blocks return after it (default 30) |
+| ``KVSERVICE_CLIENT_ID`` | name shown in the server's logs and metrics (default ``vllm-<pid>``) |
+| ``KVSERVICE_TIMEOUT`` | seconds a call may take before the scheduler gets an error (30) |
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_SESSION_TTL_S = 30.0
+DEFAULT_TIMEOUT_S = 30.0
+
+
+class SettingsError(ValueError):
+    """A ``KVSERVICE_*`` variable that cannot be used; the message names it."""
+
+
+def _read_file(env: Mapping[str, str], name: str) -> bytes | None:
+    path = env.get(name)
+    if not path:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as error:
+        raise SettingsError(f"{name}={path}: cannot read the file ({error.strerror})") from None
+
+
+def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{name}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise SettingsError(f"{name}={raw!r} must be positive")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionSettings:
+    target: str | None
+    token: str | None = None
+    root_certificates: bytes | None = None
+    certificate_chain: bytes | None = None
+    private_key: bytes | None = None
+    session_ttl_s: float = DEFAULT_SESSION_TTL_S
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    client_id: str = ""
+
+    @property
+    def tls(self) -> bool:
+        return self.root_certificates is not None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ConnectionSettings:
+        env = os.environ if env is None else env
+        target = env.get("KVSERVICE_TARGET") or None
+        if target is None:
+            return cls(None)
+        cert, key = _read_file(env, "KVSERVICE_TLS_CERT"), _read_file(env, "KVSERVICE_TLS_KEY")
+        if (cert is None) != (key is None):
+            raise SettingsError("KVSERVICE_TLS_CERT and KVSERVICE_TLS_KEY go together (mTLS)")
+        root = _read_file(env, "KVSERVICE_TLS_CA")
+        if cert is not None and root is None:
+            raise SettingsError("KVSERVICE_TLS_CERT needs KVSERVICE_TLS_CA (the server's CA)")
+        return cls(
+            target=target,
+            token=env.get("KVSERVICE_TOKEN") or None,
+            root_certificates=root,
+            certificate_chain=cert,
+            private_key=key,
+            session_ttl_s=_positive_float(env, "KVSERVICE_SESSION_TTL", DEFAULT_SESSION_TTL_S),
+            timeout_s=_positive_float(env, "KVSERVICE_TIMEOUT", DEFAULT_TIMEOUT_S),
+            client_id=env.get("KVSERVICE_CLIENT_ID") or f"vllm-{os.getpid()}",
+        )

@@ -1,0 +1,83 @@
+"""vLLM 0.33's own scheduler, once with its built-in ``KVCacheManager`` and once with
+kvservice's, must make the same decisions step for step."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvservice.client import KVClient
+from kvservice.integrations.vllm.remote import RemoteKVCacheManager
+from kvservice.server import ServerConfig
+from tests.deploy.support import background_server
+from tests.vllm.scheduler_harness import (
+    KVServiceScheduler,
+    SchedulerSetup,
+    Workload,
+    build_scheduler,
+    first_difference,
+)
+
+SETUPS = {
+    "full": SchedulerSetup(),
+    "full-no-prefix-caching": SchedulerSetup(enable_prefix_caching=False),
+    "preempting": SchedulerSetup(num_blocks=40, max_num_batched_tokens=256, max_model_len=512),
+    "hybrid-full-sliding-window": SchedulerSetup(
+        num_blocks=160,
+        groups=(("full", 16, 0), ("sliding_window", 16, 64)),
+        max_model_len=1024,
+    ),
+    "chunked-prefill": SchedulerSetup(max_num_batched_tokens=96, long_prefill_token_threshold=40),
+    "watermark": SchedulerSetup(num_blocks=60, watermark=0.1, max_model_len=512),
+}
+
+
+@pytest.fixture(autouse=True)
+def _in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVSERVICE_TARGET", raising=False)
+
+
+@pytest.mark.parametrize("name", list(SETUPS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_in_process_matches_vllm_step_for_step(name: str, seed: int) -> None:
+    setup = SETUPS[name]
+    salts = (None, "tenant-a") if seed else (None,)
+    expected = Workload(seed, salts=salts).run(build_scheduler(setup))
+    actual = Workload(seed, salts=salts).run(build_scheduler(setup, KVServiceScheduler))
+    assert first_difference(expected, actual) is None
+
+
+def _server_config(setup: SchedulerSetup) -> ServerConfig:
+    windows = [window for kind, _, window in setup.groups if kind == "sliding_window"]
+    return ServerConfig(
+        port=0,
+        metrics_port=None,
+        num_blocks=setup.num_blocks,
+        block_size=setup.block_size,
+        max_model_len=setup.max_model_len,
+        sliding_window=windows[0] if windows else 0,
+        enable_caching=setup.enable_prefix_caching,
+        watermark=setup.watermark,
+        num_layers=2,
+        num_kv_heads=4,
+        head_size=16,
+        dtype="float16",
+        shutdown_grace_s=0,
+    )
+
+
+@pytest.mark.parametrize("name", list(SETUPS))
+def test_remote_matches_vllm_step_for_step(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    setup = SETUPS[name]
+    expected = Workload(3, salts=(None, "tenant-a")).run(build_scheduler(setup))
+    with background_server(_server_config(setup)) as server:
+        monkeypatch.setenv("KVSERVICE_TARGET", server.handle.target)
+        scheduler = build_scheduler(setup, KVServiceScheduler)
+        actual = Workload(3, salts=(None, "tenant-a")).run(scheduler)
+        assert isinstance(scheduler.kv_cache_manager, RemoteKVCacheManager)
+        assert scheduler.kv_cache_manager.round_trips <= len(actual)
+        scheduler.shutdown()
+        with KVClient(server.handle.target) as client:
+            assert client.audit().ok
+            usage = client.get_usage()
+            assert (usage.num_requests, usage.num_used_blocks) == (0, 0)
+    assert first_difference(expected, actual) is None
