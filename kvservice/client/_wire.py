@@ -327,8 +327,9 @@ def get_usage() -> Op[Usage]:
     return Op("GetUsage", "get_usage", pb.GetUsageRequest(), _usage)
 
 
-def reset_prefix_cache() -> Op[bool]:
-    return Op("ResetPrefixCache", "", pb.ResetPrefixCacheRequest(), _reset)
+def reset_prefix_cache(fresh_pool: bool = False) -> Op[bool]:
+    message = pb.ResetPrefixCacheRequest(fresh_pool=fresh_pool)
+    return Op("ResetPrefixCache", "", message, _reset)
 
 
 def _reset(msg: pb.ResetPrefixCacheResponse) -> bool:

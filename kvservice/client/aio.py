@@ -273,9 +273,10 @@ class AsyncKVClient:
     async def get_usage(self) -> Usage:
         return await self._call(_wire.get_usage())
 
-    async def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix; False while blocks are in use."""
-        return await self._call(_wire.reset_prefix_cache())
+    async def reset_prefix_cache(self, *, fresh_pool: bool = False) -> bool:
+        """Forget every cached prefix; False while blocks are in use. ``fresh_pool``
+        also puts the free blocks back in a new pool's order."""
+        return await self._call(_wire.reset_prefix_cache(fresh_pool))
 
     async def get_cache_config(self) -> CacheConfig:
         return await self._call(_wire.get_cache_config())

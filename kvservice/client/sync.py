@@ -195,9 +195,10 @@ class KVClient:
     def get_usage(self) -> Usage:
         return self._call(_wire.get_usage())
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix; False while blocks are in use."""
-        return self._call(_wire.reset_prefix_cache())
+    def reset_prefix_cache(self, *, fresh_pool: bool = False) -> bool:
+        """Forget every cached prefix; False while blocks are in use. ``fresh_pool``
+        also puts the free blocks back in a new pool's order."""
+        return self._call(_wire.reset_prefix_cache(fresh_pool))
 
     def get_cache_config(self) -> CacheConfig:
         return self._call(_wire.get_cache_config())

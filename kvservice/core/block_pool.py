@@ -388,14 +388,21 @@ class BlockPool:
             if self._maybe_evict_cached_block(self.blocks[block_id]):
                 self.num_evicted_on_request += 1
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cache entry; refused (False) while any request holds a block."""
+    def reset_prefix_cache(self, restore_block_order: bool = False) -> bool:
+        """Forget every cache entry; refused (False) while any request holds a block.
+
+        ``restore_block_order`` also puts the free queue back in block-id order: the
+        pool is then indistinguishable from a new one, for a scheduler that replays
+        its decisions from a fresh pool.
+        """
         num_used_blocks = self.num_gpu_blocks - self.get_num_free_blocks()
         if num_used_blocks != 1:  # the null block is always "used"
             return False
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         for block in self.blocks:
             block.reset_hash()
+        if restore_block_order:
+            self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
         return True

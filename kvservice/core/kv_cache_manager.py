@@ -580,9 +580,10 @@ class KVCacheManager:
     def evict_blocks(self, block_ids: set[int]) -> None:
         self.block_pool.evict_blocks(block_ids)
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix; False (nothing changed) while blocks are in use."""
-        if not self.block_pool.reset_prefix_cache():
+    def reset_prefix_cache(self, restore_block_order: bool = False) -> bool:
+        """Forget every cached prefix; False (nothing changed) while blocks are in use.
+        ``restore_block_order`` also returns the free queue to a new pool's order."""
+        if not self.block_pool.reset_prefix_cache(restore_block_order):
             return False
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.reset = True

@@ -470,11 +470,12 @@ class RequestTable:
             # already exists and simply holds nothing.
             return tuple([] for _ in range(self.manager.num_kv_cache_groups))
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix; False while blocks are in use."""
+    def reset_prefix_cache(self, fresh_pool: bool = False) -> bool:
+        """Forget every cached prefix (with ``fresh_pool``, also restore a new pool's
+        block order); False while blocks are in use."""
         # Remembered hits are kept: their blocks lost their keys, so attaching one now
         # answers ABORTED, which tells the client to look up again.
-        reset = self.manager.reset_prefix_cache()
+        reset = self.manager.reset_prefix_cache(restore_block_order=fresh_pool)
         self._after_change()
         return reset
 

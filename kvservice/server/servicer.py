@@ -125,8 +125,10 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     async def ResetPrefixCache(  # noqa: N802
         self, request: pb.ResetPrefixCacheRequest, context: Context
     ) -> pb.ResetPrefixCacheResponse:
-        """Forget every cached prefix; reset is false while blocks are in use."""
-        return pb.ResetPrefixCacheResponse(reset=self._table.reset_prefix_cache())
+        """Forget every cached prefix (``fresh_pool``: and restore a new pool's block
+        order); reset is false while blocks are in use."""
+        reset = self._table.reset_prefix_cache(request.fresh_pool)
+        return pb.ResetPrefixCacheResponse(reset=reset)
 
     async def GetUsage(  # noqa: N802
         self, request: pb.GetUsageRequest, context: Context

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from kvservice.client import KVClient
+from kvservice.integrations.vllm import KVServiceScheduler
 from kvservice.integrations.vllm.remote import RemoteKVCacheManager
 from kvservice.server import ServerConfig
 from tests.deploy.support import background_server
 from tests.vllm.scheduler_harness import (
-    KVServiceScheduler,
     SchedulerSetup,
     Workload,
     build_scheduler,
@@ -81,3 +81,13 @@ def test_remote_matches_vllm_step_for_step(name: str, monkeypatch: pytest.Monkey
             usage = client.get_usage()
             assert (usage.num_requests, usage.num_used_blocks) == (0, 0)
     assert first_difference(expected, actual) is None
+
+
+def test_the_comparison_sees_a_manager_that_decides_otherwise() -> None:
+    """The traces are rich enough to tell managers apart: one block fewer changes them."""
+    setup = SETUPS["preempting"]
+    smaller = SchedulerSetup(**{**setup.__dict__, "num_blocks": setup.num_blocks - 1})
+    trace = Workload(0).run(build_scheduler(setup))
+    assert sum(len(step["preempted"]) for step in trace) > 0
+    assert sum(step["stats"][1][3] for step in trace if step["stats"]) > 0  # prefix hits
+    assert first_difference(trace, Workload(0).run(build_scheduler(smaller))) is not None

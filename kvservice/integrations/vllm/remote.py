@@ -120,7 +120,9 @@ class RemoteKVCacheManager(InProcessKVCacheManager):
             ),
         )
         self._wait_for_idle_pool()
-        if not self._call("ResetPrefixCache", self._client.reset_prefix_cache):
+        if not self._call(
+            "ResetPrefixCache", lambda: self._client.reset_prefix_cache(fresh_pool=True)
+        ):
             raise KVServiceManagerError(f"kvservice at {target} refused to reset its prefix cache")
         self._session: Session = self._call("StepStream", self._client.session)
         self._step = StepBuilder(omit_request_state=True)

@@ -784,12 +784,20 @@ Global___GetBlockIdsResponse: _TypeAlias = GetBlockIdsResponse  # noqa: Y015
 class ResetPrefixCacheRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    FRESH_POOL_FIELD_NUMBER: _builtins.int
+    fresh_pool: _builtins.bool
+    """Also put the free blocks back in block-id order: the pool is then exactly as a
+    freshly started server's, for a scheduler that starts from an empty pool of its
+    own (vLLM's engine taking over the pool).
+    """
     def __init__(
         self,
+        *,
+        fresh_pool: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fresh_pool", b"fresh_pool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

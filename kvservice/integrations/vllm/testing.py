@@ -1,0 +1,149 @@
+"""vLLM 0.33's scheduler without a model: for tests and benchmarks of the integration.
+
+``build_scheduler`` builds vLLM's own ``Scheduler`` (or ``KVServiceScheduler``) from a
+tiny local ``config.json`` naming a stub architecture that is registered with vLLM but
+never run, so nothing is downloaded and no GPU is needed. The caller plays the model:
+it answers each ``SchedulerOutput`` with a ``ModelRunnerOutput`` of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+from vllm import ModelRegistry
+from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+VOCAB_SIZE = 64
+MAX_MODEL_LEN = 4096
+
+
+class StubForCausalLM(torch.nn.Module):
+    """Registered so that ``ModelConfig`` accepts the config; never instantiated."""
+
+    def __init__(self, *, vllm_config: Any = None, prefix: str = "") -> None:
+        super().__init__()
+
+    def embed_input_ids(self, input_ids: Any) -> Any:
+        raise NotImplementedError
+
+    def forward(self, input_ids: Any, positions: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def compute_logits(self, hidden_states: Any) -> Any:
+        raise NotImplementedError
+
+
+@cache
+def _model_dir() -> str:
+    ModelRegistry.register_model("StubForCausalLM", StubForCausalLM)
+    init_none_hash(sha256)
+    path = tempfile.mkdtemp(prefix="kvservice-vllm-stub-")
+    config = {
+        "architectures": ["StubForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": MAX_MODEL_LEN,
+    }
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(config, f)
+    return path
+
+
+@dataclass(frozen=True)
+class SchedulerSetup:
+    """One scheduler configuration; ``groups`` are (kind, block size, window)."""
+
+    num_blocks: int = 129
+    block_size: int = 16
+    groups: tuple[tuple[str, int, int], ...] = (("full", 16, 0),)
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    long_prefill_token_threshold: int = 0
+    enable_chunked_prefill: bool = True
+    watermark: float = 0.0
+    max_model_len: int = 2048
+
+
+def _spec(kind: str, block_size: int, window: int) -> Any:
+    common = {"block_size": block_size, "num_kv_heads": 4, "head_size": 16, "dtype": torch.float16}
+    if kind == "full":
+        return FullAttentionSpec(**common)
+    assert kind == "sliding_window", kind
+    return SlidingWindowSpec(**common, sliding_window=window)
+
+
+def kv_cache_config(setup: SchedulerSetup) -> Any:
+    return KVCacheConfig(
+        num_blocks=setup.num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec([f"layers.{i}"], _spec(kind, size, window))
+            for i, (kind, size, window) in enumerate(setup.groups)
+        ],
+    )
+
+
+def vllm_config(setup: SchedulerSetup) -> Any:
+    model = ModelConfig(
+        model=_model_dir(),
+        skip_tokenizer_init=True,
+        max_model_len=setup.max_model_len,
+        dtype="float16",
+        seed=0,
+    )
+    cache_config = CacheConfig(
+        block_size=setup.block_size, enable_prefix_caching=setup.enable_prefix_caching
+    )
+    cache_config.num_gpu_blocks = setup.num_blocks
+    scheduler_config = SchedulerConfig(
+        max_model_len=setup.max_model_len,
+        is_encoder_decoder=False,
+        max_num_batched_tokens=setup.max_num_batched_tokens,
+        max_num_seqs=setup.max_num_seqs,
+        long_prefill_token_threshold=setup.long_prefill_token_threshold,
+        enable_chunked_prefill=setup.enable_chunked_prefill,
+        watermark=setup.watermark,
+    )
+    return VllmConfig(
+        model_config=model, cache_config=cache_config, scheduler_config=scheduler_config
+    )
+
+
+def build_scheduler(setup: SchedulerSetup, scheduler_cls: type = Scheduler) -> Any:
+    """vLLM's ``Scheduler`` (or ``KVServiceScheduler``) for ``setup``, stats on."""
+    config = vllm_config(setup)
+    return scheduler_cls(
+        vllm_config=config,
+        kv_cache_config=kv_cache_config(setup),
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=setup.block_size,
+        log_stats=True,
+    )
+
+
+def block_hasher(block_size: int) -> Callable[[Request], list[Any]]:
+    hasher: Callable[[Request], list[Any]] = get_request_block_hasher(block_size, sha256)
+    return hasher

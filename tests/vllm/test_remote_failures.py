@@ -1,0 +1,183 @@
+"""The remote manager's failures: each is a clear exception naming the server and the
+call, never a local fallback, and never a silent divergence."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+from vllm.config import SchedulerConfig
+
+from kvservice.bench.server import free_port
+from kvservice.client import KVClient
+from kvservice.integrations.vllm import KVServiceScheduler
+from kvservice.integrations.vllm.remote import (
+    KVServiceManagerError,
+    RemoteKVCacheManager,
+    ServerConfigMismatchError,
+)
+from kvservice.integrations.vllm.testing import SchedulerSetup, build_scheduler
+from kvservice.server import ServerConfig
+from tests.deploy.support import BackgroundServer, background_server
+from tests.vllm.scheduler_harness import RequestSpec, Workload, model_runner_output
+
+SETUP = SchedulerSetup(num_blocks=64, max_model_len=512)
+POOL = ServerConfig(
+    port=0,
+    metrics_port=None,
+    num_blocks=64,
+    block_size=16,
+    max_model_len=512,
+    num_layers=2,
+    num_kv_heads=4,
+    head_size=16,
+    dtype="float16",
+    shutdown_grace_s=0,
+    session_ttl_min_s=0.5,
+)
+
+
+@contextmanager
+def remote(
+    monkeypatch: pytest.MonkeyPatch, config: ServerConfig = POOL
+) -> Iterator[BackgroundServer]:
+    with background_server(config) as server:
+        monkeypatch.setenv("KVSERVICE_TARGET", server.handle.target)
+        yield server
+
+
+def _admit(scheduler: KVServiceScheduler, count: int = 3) -> None:
+    for i in range(count):
+        spec = RequestSpec(f"held-{i}", tuple(range(40 + i)), max_tokens=100)
+        scheduler.add_request(spec.build(SETUP.block_size))
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, model_runner_output(scheduler, output))
+
+
+def test_vllm_resolves_the_scheduler_class_by_name() -> None:
+    config = SchedulerConfig(
+        max_model_len=512,
+        is_encoder_decoder=False,
+        scheduler_cls="kvservice.integrations.vllm.KVServiceScheduler",
+    )
+    assert config.get_scheduler_cls() is KVServiceScheduler
+
+
+def test_an_unreachable_server_fails_startup_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    target = f"127.0.0.1:{free_port()}"
+    monkeypatch.setenv("KVSERVICE_TARGET", target)
+    monkeypatch.setenv("KVSERVICE_TIMEOUT", "5")
+    with pytest.raises(KVServiceManagerError, match=rf"kvservice at {target}: GetCacheConfig"):
+        build_scheduler(SETUP, KVServiceScheduler)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"num_blocks": 80}, r"num_blocks: vLLM 64, kvservice 80 .*--num-blocks 64"),
+        (
+            {"block_size": 32},
+            r"KV cache groups \(kind, block size\): vLLM \[\('full_attention', 16\)\]",
+        ),
+        ({"watermark": 0.1}, r"watermark blocks: vLLM 0, kvservice 6"),
+        ({"hash_algo": "sha256_cbor"}, r"hash algorithm: vLLM sha256, kvservice sha256_cbor"),
+        ({"none_hash_seed": "other"}, r"hash seed fingerprint: vLLM [0-9a-f]{16}, kvservice"),
+        ({"sliding_window": 64, "num_blocks": 100}, r"KV cache groups"),
+    ],
+)
+def test_a_server_of_another_layout_fails_startup_naming_both_values(
+    monkeypatch: pytest.MonkeyPatch, override: dict[str, object], message: str
+) -> None:
+    config = dataclasses.replace(POOL, **override)  # type: ignore[arg-type]
+    with remote(monkeypatch, config), pytest.raises(ServerConfigMismatchError, match=message):
+        build_scheduler(SETUP, KVServiceScheduler)
+
+
+def test_a_lost_server_stops_the_scheduler_with_the_step_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with remote(monkeypatch) as server:
+        scheduler = build_scheduler(SETUP, KVServiceScheduler)
+        _admit(scheduler)
+        target = server.handle.target
+    # The server is gone: the next step's confirmation fails, before its output is used.
+    with pytest.raises(
+        KVServiceManagerError, match=rf"kvservice at {target}: Step of \d+ operations"
+    ):
+        scheduler.schedule()
+    with pytest.raises(KVServiceManagerError, match="stopped after an earlier failure"):
+        scheduler.schedule()
+
+
+def test_another_writer_on_the_pool_is_detected_not_absorbed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with remote(monkeypatch) as server:
+        scheduler = build_scheduler(SETUP, KVServiceScheduler)
+        with KVClient(server.handle.target) as intruder:
+            intruder.add_request("intruder", list(range(200)))
+            assert intruder.allocate_slots("intruder", 200) is not None
+        with pytest.raises(KVServiceManagerError, match="Is another client using this pool"):
+            Workload(5, num_requests=20).run(scheduler)
+
+
+def test_a_second_engine_on_a_held_pool_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSERVICE_SESSION_TTL", "0.5")
+    with remote(monkeypatch):
+        first = build_scheduler(SETUP, KVServiceScheduler)
+        _admit(first)
+        with pytest.raises(KVServiceManagerError, match=r"still holds \d+ blocks for 3 requests"):
+            build_scheduler(SETUP, KVServiceScheduler)
+        first.shutdown()
+        # Once the first engine is gone, a new one takes the pool over.
+        second = build_scheduler(SETUP, KVServiceScheduler)
+        assert isinstance(second.kv_cache_manager, RemoteKVCacheManager)
+        second.shutdown()
+
+
+_ENGINE = textwrap.dedent(
+    """
+    import sys, time
+    import tests.vllm  # noqa: F401  (vLLM's CPU environment)
+    from kvservice.integrations.vllm import KVServiceScheduler
+    from kvservice.integrations.vllm.testing import SchedulerSetup, build_scheduler
+    from tests.vllm.test_remote_failures import SETUP, _admit
+
+    scheduler = build_scheduler(SETUP, KVServiceScheduler)
+    _admit(scheduler)
+    print("admitted", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_a_killed_engine_gets_its_blocks_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    with remote(monkeypatch) as server, KVClient(server.handle.target) as client:
+        env = {**os.environ, "KVSERVICE_SESSION_TTL": "1"}
+        engine = subprocess.Popen(
+            [sys.executable, "-c", _ENGINE], env=env, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert engine.stdout is not None
+            assert engine.stdout.readline().strip() == "admitted"
+            held = client.get_usage()
+            assert held.num_requests == 3 and held.num_used_blocks > 0
+            engine.kill()
+            engine.wait()
+            # A safety net, not a timing: the lease (1 s) ends long before it.
+            deadline = time.monotonic() + 60
+            while client.get_usage().num_used_blocks and time.monotonic() < deadline:
+                time.sleep(0.1)
+            usage = client.get_usage()
+            assert (usage.num_requests, usage.num_used_blocks) == (0, 0)
+            assert client.audit().ok
+        finally:
+            engine.kill()
+            engine.wait()
