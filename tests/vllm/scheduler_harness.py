@@ -35,12 +35,13 @@ class RequestSpec:
     max_tokens: int
     cache_salt: str | None = None
     arrival_time: float = 0.0
+    stop_token_ids: tuple[int, ...] = (STOP_TOKEN,)
 
     def build(self, hash_block_size: int) -> Request:
         return Request(
             self.request_id,
             list(self.prompt),
-            SamplingParams(max_tokens=self.max_tokens, stop_token_ids=[STOP_TOKEN]),
+            SamplingParams(max_tokens=self.max_tokens, stop_token_ids=list(self.stop_token_ids)),
             None,
             arrival_time=self.arrival_time,
             cache_salt=self.cache_salt,
@@ -97,6 +98,7 @@ def snapshot(scheduler: Any, output: Any) -> dict[str, Any]:
         "finished": sorted(output.finished_req_ids),
         "block_ids_to_zero": output.new_block_ids_to_zero,
         "copies": output.kv_cache_block_copies,
+        "running": len(scheduler.running),
         "usage": scheduler.kv_cache_manager.usage,
         "free": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
     }
@@ -135,6 +137,8 @@ class Workload:
     abort_rate: float = 0.02
     salts: tuple[str | None, ...] = (None,)
     shared_prefixes: int = 4
+    # Stop tokens end about one answer in 64 tokens early; off, answers run to max_tokens.
+    stop_tokens: bool = True
     hash_block_size: int = 16
     _specs: list[RequestSpec] = field(default_factory=list)
 
@@ -155,6 +159,7 @@ class Workload:
                     rng.randrange(*self.max_tokens),
                     cache_salt=rng.choice(self.salts),
                     arrival_time=float(i),
+                    stop_token_ids=(STOP_TOKEN,) if self.stop_tokens else (),
                 )
             )
 

@@ -28,6 +28,17 @@ SETUPS = {
     ),
     "chunked-prefill": SchedulerSetup(max_num_batched_tokens=96, long_prefill_token_threshold=40),
     "watermark": SchedulerSetup(num_blocks=60, watermark=0.1, max_model_len=512),
+    "256-running": SchedulerSetup(num_blocks=4000, max_num_seqs=256, max_num_batched_tokens=4096),
+}
+# Traffic per setup: 256 running requests need 300 arriving in bursts.
+WORKLOADS = {
+    "256-running": {
+        "num_requests": 320,
+        "arrivals_per_step": (60, 100),
+        "max_tokens": (100, 200),
+        "stop_tokens": False,
+        "abort_rate": 0.002,
+    }
 }
 
 
@@ -41,9 +52,12 @@ def _in_process(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_in_process_matches_vllm_step_for_step(name: str, seed: int) -> None:
     setup = SETUPS[name]
     salts = (None, "tenant-a") if seed else (None,)
-    expected = Workload(seed, salts=salts).run(build_scheduler(setup))
-    actual = Workload(seed, salts=salts).run(build_scheduler(setup, KVServiceScheduler))
+    traffic = WORKLOADS.get(name, {})
+    expected = Workload(seed, salts=salts, **traffic).run(build_scheduler(setup))
+    actual = Workload(seed, salts=salts, **traffic).run(build_scheduler(setup, KVServiceScheduler))
     assert first_difference(expected, actual) is None
+    if name == "256-running":
+        assert max(step["running"] for step in actual) == 256
 
 
 def _server_config(setup: SchedulerSetup) -> ServerConfig:
@@ -68,11 +82,12 @@ def _server_config(setup: SchedulerSetup) -> ServerConfig:
 @pytest.mark.parametrize("name", list(SETUPS))
 def test_remote_matches_vllm_step_for_step(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     setup = SETUPS[name]
-    expected = Workload(3, salts=(None, "tenant-a")).run(build_scheduler(setup))
+    traffic = WORKLOADS.get(name, {})
+    expected = Workload(3, salts=(None, "tenant-a"), **traffic).run(build_scheduler(setup))
     with background_server(_server_config(setup)) as server:
         monkeypatch.setenv("KVSERVICE_TARGET", server.handle.target)
         scheduler = build_scheduler(setup, KVServiceScheduler)
-        actual = Workload(3, salts=(None, "tenant-a")).run(scheduler)
+        actual = Workload(3, salts=(None, "tenant-a"), **traffic).run(scheduler)
         assert isinstance(scheduler.kv_cache_manager, RemoteKVCacheManager)
         assert scheduler.kv_cache_manager.round_trips <= len(actual)
         scheduler.shutdown()
