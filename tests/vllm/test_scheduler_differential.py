@@ -3,6 +3,8 @@ kvservice's, must make the same decisions step for step."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvservice.client import KVClient
@@ -31,7 +33,7 @@ SETUPS = {
     "256-running": SchedulerSetup(num_blocks=4000, max_num_seqs=256, max_num_batched_tokens=4096),
 }
 # Traffic per setup: 256 running requests need 300 arriving in bursts.
-WORKLOADS = {
+WORKLOADS: dict[str, dict[str, Any]] = {
     "256-running": {
         "num_requests": 320,
         "arrivals_per_step": (60, 100),

@@ -29,7 +29,7 @@ import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from kvservice.client import (
     AllocateOptions,
@@ -317,23 +317,33 @@ class RemoteKVCacheManager(InProcessKVCacheManager):
             skip_zeroing_group_ids,
         )
         self._send_tokens(request)
-        options = AllocateOptions(
-            num_lookahead_tokens=num_lookahead_tokens,
-            num_external_computed_tokens=num_external_computed_tokens,
-            delay_cache_blocks=delay_cache_blocks,
-            num_encoder_tokens=num_encoder_tokens,
-            full_sequence_must_fit=full_sequence_must_fit,
-            reserved_blocks=reserved_blocks,
-            has_scheduled_reqs=has_scheduled_reqs,
-            num_computed_tokens=(
-                None
-                if request.num_computed_tokens == self._server_computed[request_id]
-                else request.num_computed_tokens
-            ),
-        )
-        handle = self._step.allocate_slots(
-            request_id, num_new_tokens, hit, None if options == _PLAIN else options
-        )
+        server_computed = self._server_computed[request_id]
+        options = None
+        if (
+            num_lookahead_tokens
+            or num_external_computed_tokens
+            or delay_cache_blocks
+            or num_encoder_tokens
+            or full_sequence_must_fit
+            or reserved_blocks
+            or not has_scheduled_reqs
+            or request.num_computed_tokens != server_computed
+        ):
+            options = AllocateOptions(
+                num_lookahead_tokens=num_lookahead_tokens,
+                num_external_computed_tokens=num_external_computed_tokens,
+                delay_cache_blocks=delay_cache_blocks,
+                num_encoder_tokens=num_encoder_tokens,
+                full_sequence_must_fit=full_sequence_must_fit,
+                reserved_blocks=reserved_blocks,
+                has_scheduled_reqs=has_scheduled_reqs,
+                num_computed_tokens=(
+                    None
+                    if request.num_computed_tokens == server_computed
+                    else request.num_computed_tokens
+                ),
+            )
+        handle = self._step.allocate_slots(request_id, num_new_tokens, hit, options)
         answer = None if new_blocks is None else _ids(new_blocks)
         self._expect(handle, answer, f"AllocateSlots({request_id!r}, {num_new_tokens})")
         if new_blocks is not None:
@@ -431,14 +441,9 @@ class RemoteKVCacheManager(InProcessKVCacheManager):
         self._compare(results, expected)
 
     def _compare(self, results: StepResults, expected: list[_Expected]) -> None:
+        if not results.ok:
+            self._fail_refused(results, expected)
         for item in expected:
-            error = results.error(item.handle)
-            if error is not None:
-                self._fail(
-                    KVServiceManagerError(
-                        f"kvservice at {self.target} refused {item.label}: {error}"
-                    )
-                )
             if item.answer is _ANY:
                 continue
             answer = _comparable(results[item.handle])
@@ -451,7 +456,18 @@ class RemoteKVCacheManager(InProcessKVCacheManager):
                     )
                 )
 
-    def _fail(self, error: KVServiceManagerError) -> None:
+    def _fail_refused(self, results: StepResults, expected: list[_Expected]) -> None:
+        for item in expected:
+            error = results.error(item.handle)
+            if error is not None:
+                self._fail(
+                    KVServiceManagerError(
+                        f"kvservice at {self.target} refused {item.label}: {error}"
+                    )
+                )
+        self._fail(KVServiceManagerError(f"kvservice at {self.target} refused a step"))
+
+    def _fail(self, error: KVServiceManagerError) -> NoReturn:
         self._failure = error
         raise error
 
@@ -466,7 +482,6 @@ class RemoteKVCacheManager(InProcessKVCacheManager):
             self._client.close()
 
 
-_PLAIN = AllocateOptions()
 _ANY = object()
 
 
