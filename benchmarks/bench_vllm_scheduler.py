@@ -101,40 +101,41 @@ def _output(scheduler: Any, scheduled: Any) -> Any:
     )
 
 
-def _step(scheduler: Any) -> float:
-    """One scheduler step; the seconds spent in the scheduler (and its manager)."""
-    start = time.perf_counter()
-    scheduled = scheduler.schedule()
-    elapsed = time.perf_counter() - start
-    output = _output(scheduler, scheduled)
-    start = time.perf_counter()
-    scheduler.update_from_output(scheduled, output)
-    return elapsed + time.perf_counter() - start
-
-
 @dataclass
 class Timing:
-    """Seconds in the scheduler over the timed steps, and round trips meanwhile."""
+    """The timed steps: wall seconds in the scheduler, this thread's CPU seconds there
+    (what other processes on a shared machine disturb least), round trips."""
 
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
     round_trips: int = 0
+    steps: int = 0
 
 
-def _timed(scheduler: Any, timing: Timing) -> None:
+def _step(scheduler: Any, timing: Timing) -> None:
+    """One scheduler step, timed outside the fake model's output."""
     manager = scheduler.kv_cache_manager
-    before = getattr(manager, "round_trips", 0)
-    timing.seconds += _step(scheduler)
-    timing.round_trips += getattr(manager, "round_trips", 0) - before
+    trips = getattr(manager, "round_trips", 0)
+    wall, cpu = time.perf_counter(), time.thread_time()
+    scheduled = scheduler.schedule()
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    output = _output(scheduler, scheduled)
+    start, start_cpu = time.perf_counter(), time.thread_time()
+    scheduler.update_from_output(scheduled, output)
+    timing.seconds += wall + time.perf_counter() - start
+    timing.cpu_seconds += cpu + time.thread_time() - start_cpu
+    timing.round_trips += getattr(manager, "round_trips", 0) - trips
+    timing.steps += 1
 
 
 def decode(scheduler: Any, steps: int, seed: int) -> Timing:
     for request in _requests(seed, NUM_RUNNING, (100_000, 100_001), 0):
         scheduler.add_request(request)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.requests.values()):
-        _step(scheduler)
+        _step(scheduler, Timing())
     timing = Timing()
     for _ in range(steps):
-        _timed(scheduler, timing)
+        _step(scheduler, timing)
     return timing
 
 
@@ -144,15 +145,14 @@ def churn(scheduler: Any, steps: int, seed: int) -> Timing:
     for _ in range(steps):
         while len(scheduler.requests) < NUM_RUNNING + 32:
             scheduler.add_request(next(arrivals))
-        _timed(scheduler, timing)
+        _step(scheduler, timing)
     return timing
 
 
 WORKLOADS: dict[str, Callable[[Any, int, int], Timing]] = {"decode": decode, "churn": churn}
 
 
-def _run(mode: Mode, workload: str, steps: int, seed: int) -> tuple[float, float]:
-    """Steps/s of one run, and its round trips per step."""
+def _run(mode: Mode, workload: str, steps: int, seed: int) -> Timing:
     if mode.target is None:
         os.environ.pop("KVSERVICE_TARGET", None)
     else:
@@ -161,7 +161,7 @@ def _run(mode: Mode, workload: str, steps: int, seed: int) -> tuple[float, float
     timing = WORKLOADS[workload](scheduler, steps, seed)
     scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
     scheduler.shutdown()
-    return steps / timing.seconds, timing.round_trips / steps
+    return timing
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -184,36 +184,39 @@ def main(argv: list[str] | None = None) -> None:
             Mode("kvservice remote", KVServiceScheduler, server.target),
         ]
         for workload in args.workloads:
-            rates: dict[str, list[float]] = {m.name: [] for m in modes}
-            trips: list[float] = []
+            runs: dict[str, list[Timing]] = {m.name: [] for m in modes}
             for round_ in range(args.rounds):
                 for mode in modes:
-                    rate, per_step = _run(mode, workload, args.steps, seed=round_)
-                    rates[mode.name].append(rate)
-                    if mode.target is not None:
-                        trips.append(per_step)
-            _report(workload, modes, rates, trips, args)
+                    runs[mode.name].append(_run(mode, workload, args.steps, seed=round_))
+            _report(workload, modes, runs, args)
 
 
 def _report(
-    workload: str,
-    modes: list[Mode],
-    rates: dict[str, list[float]],
-    trips: list[float],
-    args: argparse.Namespace,
+    workload: str, modes: list[Mode], runs: dict[str, list[Timing]], args: argparse.Namespace
 ) -> None:
-    base = rates[modes[0].name]
+    base = runs[modes[0].name]
     print(f"\n{workload}: {NUM_RUNNING} requests, {args.steps} steps x {args.rounds} rounds")
-    print(f"{'manager':<24}{'steps/s':>10}{'ratio':>9}{'spread':>16}")
+    print(
+        f"{'manager':<22}{'steps/s':>9}{'ratio':>8}{'spread':>13}"
+        f"{'CPU ms/step':>13}{'CPU ratio':>11}{'trips/step':>12}"
+    )
     for mode in modes:
-        ratios = [rate / b for rate, b in zip(rates[mode.name], base, strict=True)]
+        timings = runs[mode.name]
+        ratios = [b.seconds / t.seconds for t, b in zip(timings, base, strict=True)]
+        cpu_ratios = [b.cpu_seconds / t.cpu_seconds for t, b in zip(timings, base, strict=True)]
         print(
-            f"{mode.name:<24}{statistics.median(rates[mode.name]):>10.1f}"
-            f"{statistics.median(ratios):>8.2f}x"
-            f"{f'{min(ratios):.2f}-{max(ratios):.2f}x':>16}"
+            f"{mode.name:<22}{statistics.median(t.steps / t.seconds for t in timings):>9.1f}"
+            f"{statistics.median(ratios):>7.2f}x"
+            f"{f'{min(ratios):.2f}-{max(ratios):.2f}x':>13}"
+            f"{statistics.median(1000 * t.cpu_seconds / t.steps for t in timings):>13.2f}"
+            f"{statistics.median(cpu_ratios):>10.2f}x"
+            f"{statistics.median(t.round_trips / t.steps for t in timings):>12.2f}"
         )
-    if trips:
-        print(f"remote round trips per step: {statistics.median(trips):.2f} (max {max(trips):.2f})")
+    print(
+        "ratio: the built-in manager's time over this mode's, within each round (median, "
+        "lowest-highest); CPU: the scheduler thread's own CPU time (the remote server's "
+        "is not in it)"
+    )
 
 
 if __name__ == "__main__":

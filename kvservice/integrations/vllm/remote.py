@@ -28,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from kvservice.client import (
@@ -39,13 +38,12 @@ from kvservice.client import (
     FreeMode,
     KVClient,
     KVServiceError,
-    OpHandle,
     Session,
-    StepBuilder,
     StepResults,
 )
 from kvservice.integrations.vllm.inprocess import InProcessKVCacheManager
 from kvservice.integrations.vllm.settings import ConnectionSettings
+from kvservice.integrations.vllm.step_log import ANY_ANSWER, Expected, StepLog
 
 # How often startup polls a pool that a previous engine's lease still holds.
 _IDLE_POLL_S = 0.5
@@ -61,15 +59,6 @@ class ServerConfigMismatchError(KVServiceManagerError):
 
 
 BlockIds = tuple[tuple[int, ...], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class _Expected:
-    """One recorded operation: its handle, the replica's answer, and what to call it."""
-
-    handle: OpHandle[Any]
-    answer: Any
-    label: str
 
 
 def seed_fingerprint(seed: str) -> str:
@@ -125,8 +114,7 @@ class RemoteKVCacheManager(InProcessKVCacheManager):
         ):
             raise KVServiceManagerError(f"kvservice at {target} refused to reset its prefix cache")
         self._session: Session = self._call("StepStream", self._client.session)
-        self._step = StepBuilder(omit_request_state=True)
-        self._expected: list[_Expected] = []
+        self._log = StepLog()
         # Tokens the server has of each request, and its num_computed_tokens.
         self._server_tokens: dict[str, int] = {}
         self._server_computed: dict[str, int] = {}
@@ -242,9 +230,6 @@ class RemoteKVCacheManager(InProcessKVCacheManager):
                 f"the KV cache manager stopped after an earlier failure: {self._failure}"
             )
 
-    def _expect(self, handle: OpHandle[Any], answer: Any, label: str) -> None:
-        self._expected.append(_Expected(handle, answer, label))
-
     def _send_tokens(self, request: Any) -> None:
         """Record ``add_request`` for a request the server has not seen, then an append
         of the tokens it has not received."""
@@ -255,17 +240,17 @@ class RemoteKVCacheManager(InProcessKVCacheManager):
                 raise NotImplementedError(
                     "multimodal requests are not supported by kvservice's remote manager yet"
                 )
-            self._step.add_request(
+            self._log.add_request(
                 request_id,
                 request.prompt_token_ids,
-                cache_salt=request.cache_salt,
-                lora_name=request.lora_request.lora_name if request.lora_request else None,
-                skip_reading_prefix_cache=request.skip_reading_prefix_cache,
+                request.cache_salt,
+                request.lora_request.lora_name if request.lora_request else None,
+                request.skip_reading_prefix_cache,
             )
             known = request.num_prompt_tokens
             self._server_computed[request_id] = 0
         if request.num_tokens > known:
-            self._step.append_tokens(request_id, request._all_token_ids[known:])
+            self._log.append_tokens(request_id, request._all_token_ids[known:])
         self._server_tokens[request_id] = request.num_tokens
 
     # -- the scheduler's calls ------------------------------------------------------
@@ -280,8 +265,7 @@ class RemoteKVCacheManager(InProcessKVCacheManager):
         self._send_tokens(request)
         hit = ComputedBlocks(_ids(blocks), num_tokens, boundary)
         self._lookups[request.request_id] = hit
-        handle = self._step.get_computed_blocks(request.request_id)
-        self._expect(handle, hit, f"GetComputedBlocks({request.request_id!r})")
+        self._log.record("get_computed_blocks", (request.request_id,), hit)
         return blocks, num_tokens, boundary
 
     def allocate_slots(
@@ -343,9 +327,8 @@ class RemoteKVCacheManager(InProcessKVCacheManager):
                     else request.num_computed_tokens
                 ),
             )
-        handle = self._step.allocate_slots(request_id, num_new_tokens, hit, options)
         answer = None if new_blocks is None else _ids(new_blocks)
-        self._expect(handle, answer, f"AllocateSlots({request_id!r}, {num_new_tokens})")
+        self._log.record("allocate_slots", (request_id, num_new_tokens, hit, options), answer)
         if new_blocks is not None:
             self._server_computed[request_id] = (
                 request.num_computed_tokens
@@ -384,8 +367,8 @@ class RemoteKVCacheManager(InProcessKVCacheManager):
         if not known:
             return  # never reached the server: nothing to free there
         finished = request.is_finished()
-        handle = self._step.free(request_id, FreeMode.FINISH if finished else FreeMode.PREEMPT)
-        self._expect(handle, _ANY, f"Free({request_id!r})")
+        mode = FreeMode.FINISH if finished else FreeMode.PREEMPT
+        self._log.record("free", (request_id, mode), ANY_ANSWER)
         self._lookups.pop(request_id, None)
         if finished:
             del self._server_tokens[request_id], self._server_computed[request_id]
@@ -425,10 +408,10 @@ class RemoteKVCacheManager(InProcessKVCacheManager):
     def flush(self) -> None:
         """Send the recorded operations as one step and check every answer."""
         self._check_alive()
-        if not self._expected:
+        if not self._log:
             return
-        step, expected = self._step, self._expected
-        self._step, self._expected = StepBuilder(omit_request_state=True), []
+        step, expected = self._log.build()
+        self._log = StepLog()
         self.round_trips += 1
         try:
             results = self._session.step(step, stop_on_error=True)
@@ -440,11 +423,11 @@ class RemoteKVCacheManager(InProcessKVCacheManager):
             )
         self._compare(results, expected)
 
-    def _compare(self, results: StepResults, expected: list[_Expected]) -> None:
+    def _compare(self, results: StepResults, expected: list[Expected]) -> None:
         if not results.ok:
             self._fail_refused(results, expected)
         for item in expected:
-            if item.answer is _ANY:
+            if item.answer is ANY_ANSWER:
                 continue
             answer = _comparable(results[item.handle])
             if answer != item.answer:
@@ -456,7 +439,7 @@ class RemoteKVCacheManager(InProcessKVCacheManager):
                     )
                 )
 
-    def _fail_refused(self, results: StepResults, expected: list[_Expected]) -> None:
+    def _fail_refused(self, results: StepResults, expected: list[Expected]) -> None:
         for item in expected:
             error = results.error(item.handle)
             if error is not None:
@@ -480,9 +463,6 @@ class RemoteKVCacheManager(InProcessKVCacheManager):
         finally:
             self._session.close()
             self._client.close()
-
-
-_ANY = object()
 
 
 def _comparable(answer: Any) -> Any:
