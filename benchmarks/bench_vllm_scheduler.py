@@ -114,8 +114,12 @@ class Timing:
 
 def _step(scheduler: Any, timing: Timing) -> None:
     """One scheduler step, timed outside the fake model's output."""
-    manager = scheduler.kv_cache_manager
-    trips = getattr(manager, "round_trips", 0)
+    server = scheduler.kv_cache_manager.server
+
+    def round_trips() -> int:
+        return 0 if server is None else server.round_trips
+
+    trips = round_trips()
     wall, cpu = time.perf_counter(), time.thread_time()
     scheduled = scheduler.schedule()
     wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
@@ -124,7 +128,7 @@ def _step(scheduler: Any, timing: Timing) -> None:
     scheduler.update_from_output(scheduled, output)
     timing.seconds += wall + time.perf_counter() - start
     timing.cpu_seconds += cpu + time.thread_time() - start_cpu
-    timing.round_trips += getattr(manager, "round_trips", 0) - trips
+    timing.round_trips += round_trips() - trips
     timing.steps += 1
 
 

@@ -31,6 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "server": {"core", "protocol", "request_table"},
     "bench": {"core", "client", "scheduler", "server", "workloads"},
     "cli": {"core", "server", "bench"},
+    "integrations": {"core", "client"},
 }
 # Loaded by grpc itself on ``import grpc`` (aliases as grpc.health, grpc.reflection);
 # only their submodules are server code.

@@ -11,6 +11,7 @@ import textwrap
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 from vllm.config import SchedulerConfig
@@ -18,13 +19,12 @@ from vllm.config import SchedulerConfig
 from kvservice.bench.server import free_port
 from kvservice.client import KVClient
 from kvservice.integrations.vllm import KVServiceScheduler
-from kvservice.integrations.vllm.remote import (
+from kvservice.integrations.vllm.server_link import (
     KVServiceManagerError,
-    RemoteKVCacheManager,
     ServerConfigMismatchError,
 )
 from kvservice.integrations.vllm.testing import SchedulerSetup, build_scheduler
-from kvservice.server import ServerConfig
+from kvservice.server.config import ServerConfig
 from tests.deploy.support import BackgroundServer, background_server
 from tests.vllm.scheduler_harness import RequestSpec, Workload, model_runner_output
 
@@ -93,9 +93,9 @@ def test_an_unreachable_server_fails_startup_naming_it(monkeypatch: pytest.Monke
     ],
 )
 def test_a_server_of_another_layout_fails_startup_naming_both_values(
-    monkeypatch: pytest.MonkeyPatch, override: dict[str, object], message: str
+    monkeypatch: pytest.MonkeyPatch, override: dict[str, Any], message: str
 ) -> None:
-    config = dataclasses.replace(POOL, **override)  # type: ignore[arg-type]
+    config = dataclasses.replace(POOL, **override)
     with remote(monkeypatch, config), pytest.raises(ServerConfigMismatchError, match=message):
         build_scheduler(SETUP, KVServiceScheduler)
 
@@ -138,7 +138,7 @@ def test_a_second_engine_on_a_held_pool_is_refused(monkeypatch: pytest.MonkeyPat
         first.shutdown()
         # Once the first engine is gone, a new one takes the pool over.
         second = build_scheduler(SETUP, KVServiceScheduler)
-        assert isinstance(second.kv_cache_manager, RemoteKVCacheManager)
+        assert second.kv_cache_manager.server is not None
         second.shutdown()
 
 

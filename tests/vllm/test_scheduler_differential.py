@@ -9,8 +9,7 @@ import pytest
 
 from kvservice.client import KVClient
 from kvservice.integrations.vllm import KVServiceScheduler
-from kvservice.integrations.vllm.remote import RemoteKVCacheManager
-from kvservice.server import ServerConfig
+from kvservice.server.config import ServerConfig
 from tests.deploy.support import background_server
 from tests.vllm.scheduler_harness import (
     SchedulerSetup,
@@ -90,8 +89,9 @@ def test_remote_matches_vllm_step_for_step(name: str, monkeypatch: pytest.Monkey
         monkeypatch.setenv("KVSERVICE_TARGET", server.handle.target)
         scheduler = build_scheduler(setup, KVServiceScheduler)
         actual = Workload(3, salts=(None, "tenant-a"), **traffic).run(scheduler)
-        assert isinstance(scheduler.kv_cache_manager, RemoteKVCacheManager)
-        assert scheduler.kv_cache_manager.round_trips <= len(actual)
+        server_link = scheduler.kv_cache_manager.server
+        assert server_link is not None
+        assert server_link.round_trips <= len(actual)
         scheduler.shutdown()
         with KVClient(server.handle.target) as client:
             assert client.audit().ok

@@ -1,25 +1,54 @@
 """``KVServiceKVCacheManager``: vLLM 0.33's ``KVCacheManager``, answered by kvservice.
 
 vLLM's scheduler builds its manager with keyword arguments (``Scheduler.__init__``);
-this class takes exactly those. Where the answers come from is read from the
-environment, so that ``vllm serve --scheduler-cls`` needs no code: with
-``KVSERVICE_TARGET`` set, a kvservice server (``RemoteKVCacheManager``); unset, the core
-in this process (``InProcessKVCacheManager``). Either way the scheduler gets vLLM's own
-types back (``KVCacheBlocks``, ``PrefixCacheStats``, KV events) and the decisions
-vLLM's built-in manager would make.
+this class takes exactly those, and answers with vLLM's own types (``KVCacheBlocks``,
+``PrefixCacheStats``, KV events). The decisions come from kvservice's core in this
+process. With ``KVSERVICE_TARGET`` set, that core is a replica and a kvservice server is
+the authority: every decision is also sent to the server and confirmed there before
+the scheduler's output is used (``server_link``, one round trip per step). The
+connection is read from the environment so that ``vllm serve --scheduler-cls`` needs
+no code.
+
+vLLM's scheduler hands the manager its own ``Request`` objects. Each gets a core
+``Request`` sharing its token list and its block hashes (vLLM computes them with the
+engine's hash function as tokens arrive), so nothing is copied or hashed twice; the
+status and ``num_computed_tokens``, which the scheduler sets on its side, are copied
+over before each call that reads them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks as VllmKVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.kv_cache_interface import CrossAttentionSpec, EncoderOnlyAttentionSpec
 from vllm.v1.metrics.stats import PrefixCacheStats
+from vllm.v1.request import RequestStatus as VllmRequestStatus
 
+from kvservice.core.kv_cache_block import KVCacheBlock
+from kvservice.core.kv_cache_manager import KVCacheManager
+from kvservice.core.request import Request, RequestStatus
+from kvservice.integrations.vllm.cache_config import core_cache_config
+from kvservice.integrations.vllm.events import to_vllm_events
 from kvservice.integrations.vllm.settings import ConnectionSettings
+from kvservice.integrations.vllm.views import (
+    BlockPoolView,
+    CoordinatorView,
+    SingleTypeManagerView,
+)
+
+if TYPE_CHECKING:
+    from kvservice.integrations.vllm.server_link import ServerLink
+
+BlockIds = tuple[tuple[int, ...], ...]
+# allocate_slots' arguments after the hit, in vLLM's order (num_lookahead_tokens,
+# num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens,
+# full_sequence_must_fit, reserved_blocks, has_scheduled_reqs).
+RareArguments = tuple[int, int, bool, int, bool, int, bool]
+_PLAIN: RareArguments = (0, 0, False, 0, False, 0, True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,58 +89,312 @@ class ManagerArgs:
             )
 
 
+def _core_status(status: VllmRequestStatus) -> RequestStatus:
+    if VllmRequestStatus.is_finished(status):
+        return RequestStatus.FINISHED
+    if status == VllmRequestStatus.RUNNING:
+        return RequestStatus.RUNNING
+    if status == VllmRequestStatus.PREEMPTED:
+        return RequestStatus.PREEMPTED
+    return RequestStatus.WAITING  # every waiting flavour: the watermark applies
+
+
+_STATUS = {status: _core_status(status) for status in VllmRequestStatus}
+
+
+def _ids(blocks: tuple[Sequence[KVCacheBlock], ...]) -> BlockIds:
+    return tuple(tuple(block.block_id for block in group) for group in blocks)
+
+
 class KVServiceKVCacheManager:
-    """vLLM 0.33's ``KVCacheManager`` interface over kvservice.
-
-    Constructed as vLLM's scheduler constructs its manager; ``KVSERVICE_TARGET`` picks
-    the subclass (see the module docstring). The parts that do not depend on where
-    blocks live are here: the prefix-cache stats vLLM's scheduler records at admission,
-    the shared empty ``KVCacheBlocks``, and the refusals of paths kvservice does not
-    serve.
-    """
-
-    block_pool: Any
-    coordinator: Any
-
-    def __new__(cls, **kwargs: Any) -> KVServiceKVCacheManager:
-        if cls is not KVServiceKVCacheManager:
-            return object.__new__(cls)
-        # Each backend imports only what it needs: in-process serving loads no gRPC.
-        if ConnectionSettings.from_env().target is None:
-            from kvservice.integrations.vllm.inprocess import (  # noqa: PLC0415
-                InProcessKVCacheManager,
-            )
-
-            return object.__new__(InProcessKVCacheManager)
-        from kvservice.integrations.vllm.remote import RemoteKVCacheManager  # noqa: PLC0415
-
-        return object.__new__(RemoteKVCacheManager)
+    """vLLM 0.33's ``KVCacheManager`` interface over kvservice (see the module
+    docstring). ``server`` is the link to the confirming server, None in-process."""
 
     def __init__(self, **kwargs: Any) -> None:
-        self.args = ManagerArgs(**kwargs)
-        self.args.refuse_unsupported()
-        config = self.args.kv_cache_config
+        self.args = args = ManagerArgs(**kwargs)
+        args.refuse_unsupported()
+        config = args.kv_cache_config
         self.kv_cache_config = config
-        self.max_model_len = self.args.max_model_len
-        self.enable_caching = self.args.enable_caching
-        self.log_stats = self.args.log_stats
-        self.use_eagle = self.args.use_eagle
+        self.max_model_len = args.max_model_len
+        self.enable_caching = args.enable_caching
+        self.log_stats = args.log_stats
+        self.use_eagle = args.use_eagle
         self.mamba_shared_prefix_checkpoint = False
         self.num_kv_cache_groups = len(config.kv_cache_groups)
         self.prefix_cache_stats: PrefixCacheStats | None = (
-            PrefixCacheStats() if self.log_stats else None
+            PrefixCacheStats() if args.log_stats else None
         )
         self.empty_kv_cache_blocks = VllmKVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups))
         )
-        # The groups estimate_cached_tokens reads: prefix-cacheable, neither cross
-        # attention nor encoder-only.
+        self.core = KVCacheManager(
+            core_cache_config(config),
+            max_model_len=args.max_model_len,
+            scheduler_block_size=args.scheduler_block_size,
+            hash_block_size=args.hash_block_size,
+            enable_caching=args.enable_caching,
+            # vLLM's scheduler records prefix-cache stats itself, at admission.
+            log_stats=False,
+            enable_kv_cache_events=args.enable_kv_cache_events,
+            watermark=args.watermark,
+            max_in_flight_tokens=args.max_in_flight_tokens,
+            use_eagle=args.use_eagle,
+            dcp_world_size=args.dcp_world_size,
+            pcp_world_size=args.pcp_world_size,
+        )
+        self.block_pool = BlockPoolView(
+            self._free_retained_blocks,
+            self.core.block_pool.get_num_free_blocks,
+            self.core.block_pool.get_usage,
+        )
+        core_managers = self.core.coordinator.single_type_managers
+        self.coordinator = CoordinatorView(
+            [
+                SingleTypeManagerView(i, manager.block_size, group.kv_cache_spec)
+                for i, (manager, group) in enumerate(
+                    zip(core_managers, config.kv_cache_groups, strict=True)
+                )
+            ],
+            enable_partial_hash_hits=getattr(
+                self.core.coordinator, "enable_partial_hash_hits", False
+            ),
+            eagle_group_ids=self.core.coordinator.eagle_group_ids,
+            block_pool=self.block_pool,
+        )
+        # estimate_cached_tokens reads the prefix-cacheable groups that are neither
+        # cross attention nor encoder-only.
         self._cached_token_groups = tuple(
             i
             for i, group in enumerate(config.kv_cache_groups)
             if group.kv_cache_spec.prefix_cacheable
             and not isinstance(group.kv_cache_spec, CrossAttentionSpec | EncoderOnlyAttentionSpec)
         )
+        # vLLM request id -> the core's view of that request.
+        self._requests: dict[str, Request] = {}
+        self.server: ServerLink | None = None
+        settings = ConnectionSettings.from_env()
+        if settings.target is not None:
+            self.server = self._connect(settings)
+
+    def _connect(self, settings: ConnectionSettings) -> ServerLink:
+        # In-process serving loads no gRPC: the link is imported only when needed.
+        from kvservice.integrations.vllm.server_link import (  # noqa: PLC0415
+            PoolLayout,
+            ServerLink,
+        )
+
+        if self.coordinator.enable_partial_hash_hits:
+            raise NotImplementedError(
+                "partial-block prefix hits (a hash block smaller than a Mamba block) are "
+                "not supported by kvservice's remote manager yet"
+            )
+        managers = self.core.coordinator.single_type_managers
+        layout = PoolLayout(
+            groups=[(m.kv_cache_spec.kind.value, m.block_size) for m in managers],
+            sliding_windows=[getattr(m.kv_cache_spec, "sliding_window", None) for m in managers],
+            num_blocks=self.kv_cache_config.num_blocks,
+            watermark=self.args.watermark,
+            watermark_blocks=self.core.watermark_blocks,
+            enable_caching=self.enable_caching,
+            max_model_len=self.max_model_len,
+        )
+        return ServerLink(settings, layout)
+
+    # -- requests ------------------------------------------------------------------
+
+    def _sync(self, request: Any) -> Request:
+        """The core request for vLLM's ``request``, with the scheduler's latest status
+        and computed-token count."""
+        mirror = self._requests.get(request.request_id)
+        if mirror is None:
+            mirror = Request(
+                request.request_id,
+                request._all_token_ids,
+                cache_salt=request.cache_salt,
+                lora_name=request.lora_request.lora_name if request.lora_request else None,
+                skip_reading_prefix_cache=request.skip_reading_prefix_cache,
+            )
+            # Shared, not copied: vLLM appends to both as the request grows.
+            mirror.all_token_ids = request._all_token_ids
+            mirror.block_hashes = request.block_hashes
+            self._requests[request.request_id] = mirror
+        mirror.status = _STATUS[request.status]
+        mirror.num_computed_tokens = request.num_computed_tokens
+        if self.args.enable_kv_cache_events:
+            self._pad_extra_keys(mirror)
+        return mirror
+
+    @staticmethod
+    def _pad_extra_keys(mirror: Request) -> None:
+        # The core reads one extra-key entry per block hash when it emits BlockStored;
+        # vLLM's hashes come without them, and the events carry them as unknown.
+        missing = len(mirror.block_hashes) - len(mirror.block_extra_keys)
+        if missing > 0:
+            mirror.block_extra_keys.extend([None] * missing)
+
+    def _blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> Any:
+        return VllmKVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    # -- the scheduler's calls ---------------------------------------------------------
+
+    @property
+    def usage(self) -> float:
+        return self.core.usage
+
+    def get_computed_blocks(
+        self, request: Any, max_cache_hit_length: int | None = None
+    ) -> tuple[Any, int, int]:
+        server = self.server
+        if server is not None:
+            server.check_alive()
+            if max_cache_hit_length is not None:
+                self.refuse_connector_only("get_computed_blocks(max_cache_hit_length)", True)
+        blocks, num_tokens, boundary = self.core.get_computed_blocks(
+            self._sync(request), max_cache_hit_length
+        )
+        if server is not None:
+            server.looked_up(request, _ids(blocks.blocks), num_tokens, boundary)
+        return self._blocks(blocks.blocks), num_tokens, boundary
+
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Any | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> Any | None:
+        self.refuse_connector_only("skip_zeroing_group_ids", skip_zeroing_group_ids)
+        server = self.server
+        if server is not None:
+            server.check_alive()
+        hits = (
+            self.core.create_kv_cache_blocks(new_computed_blocks.blocks)
+            if new_computed_blocks is not None
+            else None
+        )
+        new_blocks = self.core.allocate_slots(
+            self._sync(request),
+            num_new_tokens,
+            num_new_computed_tokens,
+            hits,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_encoder_tokens,
+            full_sequence_must_fit,
+            reserved_blocks,
+            has_scheduled_reqs,
+        )
+        if server is not None:
+            # The rarer arguments in vLLM's order; None for a decode step's plain call.
+            rare: RareArguments | None = (
+                num_lookahead_tokens,
+                num_external_computed_tokens,
+                delay_cache_blocks,
+                num_encoder_tokens,
+                full_sequence_must_fit,
+                reserved_blocks,
+                has_scheduled_reqs,
+            )
+            if rare == _PLAIN:
+                rare = None
+            hit = (num_new_computed_tokens, _ids(hits.blocks) if hits is not None else ())
+            answer = None if new_blocks is None else _ids(new_blocks.blocks)
+            server.allocated(request, num_new_tokens, hit, rare, answer)
+        return None if new_blocks is None else self._blocks(new_blocks.blocks)
+
+    def free(self, request: Any) -> None:
+        if self.server is not None:
+            self.server.check_alive()
+        mirror = self._sync(request)
+        self.core.free(mirror)
+        if mirror.is_finished:
+            del self._requests[request.request_id]
+        if self.server is not None:
+            self.server.freed(request)
+
+    def get_blocks(self, request_id: str) -> Any:
+        if request_id not in self._requests:
+            return self.empty_kv_cache_blocks
+        return self._blocks(self.core.coordinator.get_blocks(request_id))
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return self.get_blocks(request_id).get_block_ids()  # type: ignore[no-any-return]
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        """vLLM's estimate: the shortest, over prefix-cacheable groups, of the longest
+        prefix a block of the request is cached for."""
+        if request.request_id not in self._requests:
+            return 0
+        groups = self.core.coordinator.get_blocks(request.request_id)
+        cached: int | None = None
+        for group_id in self._cached_token_groups:
+            longest = max((b.block_hash_num_tokens or 0 for b in groups[group_id]), default=0)
+            cached = longest if cached is None else min(cached, longest)
+        return cached or 0
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        if self.server is not None:
+            raise NotImplementedError(
+                "cache_blocks (async scheduling, speculative decoding) is not supported by "
+                "kvservice's remote manager"
+            )
+        if self.enable_caching:
+            self.core.coordinator.cache_blocks(self._sync(request), num_computed_tokens)
+
+    def new_step_starts(self) -> None:
+        """A scheduler step begins (vLLM calls this at the top of ``schedule()``)."""
+
+    def take_events(self) -> list[Any]:
+        return to_vllm_events(self.core.take_events())
+
+    def take_new_block_ids(self) -> list[int]:
+        return self.core.take_new_block_ids()
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[KVCacheBlock]]:
+        if self.server is not None:
+            # The scheduler's last manager call before its SchedulerOutput leaves
+            # schedule(): nothing of this step is used before the server confirmed it.
+            self.server.flush()
+        taken = self.core.take_kv_cache_block_copies()
+        copies = [KVCacheBlockCopy(copy.src_block_id, copy.dst_block_id) for copy in taken.copies]
+        return copies, taken.retained_blocks
+
+    def _free_retained_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        # The core frees retained blocks last first; vLLM's scheduler decides the order.
+        self.core.free_retained_blocks(blocks[::-1])
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Mamba "align" boundary states for a KV connector: none without one."""
+        return {}
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        if self.server is not None:
+            raise NotImplementedError("evict_blocks is not supported by kvservice's remote manager")
+        self.core.evict_blocks(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        if self.server is not None:
+            self.server.flush()
+        if not self.core.reset_prefix_cache():
+            return False
+        if self.server is not None:
+            self.server.reset_prefix_cache()
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """Deprecated in vLLM 0.33 (cascade attention was removed): zeros."""
+        return [0] * self.num_kv_cache_groups
 
     # -- prefix-cache stats: recorded by the scheduler at admission ------------------
 
@@ -135,38 +418,18 @@ class KVServiceKVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats()
         return stats
 
-    def note_prefix_cache_reset(self) -> None:
-        if self.prefix_cache_stats is not None:
-            self.prefix_cache_stats.reset = True
-
-    # -- answers that need no blocks ----------------------------------------------------
-
-    def cached_tokens_of(self, hash_lengths: Sequence[Sequence[int | None]]) -> int:
-        """vLLM's ``estimate_cached_tokens`` from each group's blocks' hashed lengths:
-        the shortest, over prefix-cacheable groups, of the longest cached prefix."""
-        cached: int | None = None
-        for group_id in self._cached_token_groups:
-            longest = max((n or 0 for n in hash_lengths[group_id]), default=0)
-            cached = longest if cached is None else min(cached, longest)
-        return cached or 0
-
-    def close(self) -> None:
-        """Release what the manager holds outside this process (nothing in-process)."""
+    # -- lifecycle ----------------------------------------------------------------------
 
     def check_hashing(self, hash_algo: str, none_hash_seed: str | None) -> None:
-        """Refuse a block store that hashes otherwise than vLLM (in-process, vLLM's own
-        hashes are used: nothing to check)."""
+        """Refuse a server that hashes otherwise than vLLM (in-process, vLLM's own hashes
+        are used: nothing to check)."""
+        if self.server is not None:
+            self.server.check_hashing(hash_algo, none_hash_seed)
 
-    def new_step_starts(self) -> None:
-        """A scheduler step begins (vLLM calls this at the top of ``schedule()``)."""
-
-    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        """Mamba "align" boundary states for a KV connector: none without one."""
-        return {}
-
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        """Deprecated in vLLM 0.33 (cascade attention was removed): zeros."""
-        return [0] * self.num_kv_cache_groups
+    def close(self) -> None:
+        """Send the server what is left and end the session (nothing in-process)."""
+        if self.server is not None:
+            self.server.close()
 
     # -- paths for KV connectors, which kvservice does not serve -------------------------
 
