@@ -40,6 +40,7 @@ from kvservice.server.sessions import (
     SessionRegistry,
 )
 from kvservice.server.tls import check_bind, server_credentials
+from kvservice.server.zmq_events.publisher import ZmqEventPublisher
 
 if TYPE_CHECKING:  # only for annotations: importing gpu_runtime imports torch
     from gpu_runtime.runtime import KVCacheRuntime
@@ -100,7 +101,8 @@ class KVCacheServer:
     ``runtime`` (also on the handle) holds the KV tensors with ``runtime="torch"``,
     else None; it is allocated here, before the server binds, so a device or memory
     problem fails startup. ``events`` is the KV event log behind ``SubscribeEvents``
-    with ``kv_events``, else None.
+    when the pool records events, else None; ``kv_event_publisher`` publishes it on
+    ZMQ as vLLM does with a ``kv_events_config`` that asks for it, else None.
     """
 
     def __init__(self, config: ServerConfig) -> None:
@@ -126,9 +128,10 @@ class KVCacheServer:
                 published=self.metrics.events_published,
                 dropped=self.metrics.events_dropped,
             )
-            if config.kv_events
+            if config.records_kv_events
             else None
         )
+        self.kv_event_publisher = self._zmq_publisher()
         self.table = RequestTable(
             manager,
             self.metrics,
@@ -155,6 +158,22 @@ class KVCacheServer:
         self._metrics_endpoint: MetricsEndpoint | None = None
         self._handle: ServerHandle | None = None
         self._drain = Drain()
+
+    def _zmq_publisher(self) -> ZmqEventPublisher | None:
+        config = self.config
+        if self.events is None or not config.kv_events_config.publishes:
+            if config.kv_events_config.publisher == "zmq":
+                log.warning("kv_events_config asks for zmq without enable_kv_cache_events")
+            return None
+        publisher = ZmqEventPublisher(
+            config.kv_events_config,
+            self.metrics,
+            bind_host=config.kv_events_bind_host,
+            allow_insecure_bind=config.allow_insecure_bind,
+            int_block_hashes=config.kv_events_int_block_hashes,
+        )
+        self.events.add_listener(publisher.collect)
+        return publisher
 
     @property
     def handle(self) -> ServerHandle:
@@ -204,6 +223,9 @@ class KVCacheServer:
             if self._credentials is not None
             else server.add_insecure_port(address)
         )
+        if self.kv_event_publisher is not None:
+            # Before the first call, whose events it must not miss.
+            self.kv_event_publisher.start()
         await server.start()
         self._server = server
         metrics_port = self._start_metrics()
@@ -246,6 +268,9 @@ class KVCacheServer:
             # cancelled; see kvservice/server/drain.py for why grpc's grace is not used.
             await self._server.stop(0)
             self._server = None
+        if self.kv_event_publisher is not None:
+            # After gRPC: the last calls' events go out too.
+            await self.kv_event_publisher.stop()
         if self._metrics_endpoint is not None:
             await self._metrics_endpoint.stop()
             self._metrics_endpoint = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvservice.core.errors import InvalidArgumentError
 from kvservice.core.kv_cache_interface import (
@@ -14,6 +14,7 @@ from kvservice.core.kv_cache_interface import (
 )
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.kv_cache_sizing import check_enough_kv_cache_memory, kv_cache_config_from_memory
+from kvservice.server.zmq_events.config import KVEventsConfig
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9400
@@ -84,6 +85,12 @@ class ServerConfig:
     kv_events_buffer_size: int = 100_000
     # Events one subscriber may fall behind by before it is dropped.
     kv_events_queue_size: int = 10_000
+    # vLLM's ``--kv-events-config``: the ZMQ stream (``zmq_events``); recording on too.
+    kv_events_config: KVEventsConfig = field(default_factory=KVEventsConfig)
+    # The address a ``*`` in a bound ZMQ endpoint binds ("0.0.0.0": every interface).
+    kv_events_bind_host: str = "127.0.0.1"
+    # ZMQ block hashes as vLLM's default int (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1), else bytes.
+    kv_events_int_block_hashes: bool = True
     # Client sessions (``sessions``): the lease bounds OpenSession accepts, the lease
     # granted for ttl_seconds = 0, and whether mutating calls need a session.
     session_ttl_min_s: float = 1.0
@@ -103,6 +110,11 @@ class ServerConfig:
     auth_tokens_file: str | None = None
     # Serve a non-loopback address without TLS plus client authentication.
     allow_insecure_bind: bool = False
+
+    @property
+    def records_kv_events(self) -> bool:
+        """Whether the pool records KV events (for SubscribeEvents, ZMQ or both)."""
+        return self.kv_events or self.kv_events_config.enable_kv_cache_events
 
     @property
     def has_runtime(self) -> bool:
@@ -188,7 +200,7 @@ def build_manager(
     config: ServerConfig, kv_cache_config: KVCacheConfig | None = None
 ) -> KVCacheManager:
     """The manager the server owns (of ``kv_cache_config``, else the config's pool);
-    stats on, so the metrics can be fed; KV events on with ``kv_events``."""
+    stats on, so the metrics can be fed; KV events on with ``records_kv_events``."""
     return KVCacheManager(
         kv_cache_config or build_kv_cache_config(config),
         config.max_model_len,
@@ -198,5 +210,5 @@ def build_manager(
         hash_algo=config.hash_algo,
         none_hash_seed=config.none_hash_seed,
         hash_block_size=config.hash_block_size or None,
-        enable_kv_cache_events=config.kv_events,
+        enable_kv_cache_events=config.records_kv_events,
     )

@@ -11,6 +11,7 @@ Each event is numbered (1, 2, 3... with no gap), turned into its protobuf messag
 once, kept in a bounded ring buffer (for subscribers that resume) and offered to every
 subscriber's bounded queue. Publishing never waits: a subscriber whose queue is full is
 dropped (its stream ends with RESOURCE_EXHAUSTED) instead of slowing the server.
+Listeners (the ZMQ publisher, ``zmq_events``) get the same events in the same order.
 
 Like the request table, it is not thread safe: one asyncio loop owns it, and nothing here
 awaits except a subscriber waiting on its own queue.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 from kvservice.core.kv_cache_block import get_block_hash, get_group_id
@@ -40,6 +41,11 @@ class EventCounters(Protocol):
     """Where published and dropped events are counted (the Prometheus counters)."""
 
     def inc(self, amount: float = 1) -> None: ...
+
+
+# Receives every run of events right after the log numbered them, in the log's order
+# (the ZMQ publisher); it must not wait.
+EventListener = Callable[[Sequence[KVCacheEvent]], None]
 
 
 class SubscriberDroppedError(Exception):
@@ -117,12 +123,17 @@ class EventLog:
         self._subscribers: set[_Subscriber] = set()
         self._published = published
         self._dropped = dropped
+        self._listeners: list[EventListener] = []
 
     @property
     def num_subscribers(self) -> int:
         return len(self._subscribers)
 
-    def publish(self, events: Iterable[KVCacheEvent]) -> None:
+    def add_listener(self, listener: EventListener) -> None:
+        """Hand every later run of events to ``listener`` too."""
+        self._listeners.append(listener)
+
+    def publish(self, events: Sequence[KVCacheEvent]) -> None:
         """Number, buffer and fan out ``events``; never waits."""
         count = 0
         for event in events:
@@ -136,6 +147,8 @@ class EventLog:
                 self._offer(subscriber, message)
         if count and self._published is not None:
             self._published.inc(count)
+        for listener in self._listeners:
+            listener(events)
 
     def _offer(self, subscriber: _Subscriber, message: pb.SubscribeEventsResponse) -> None:
         try:

@@ -167,6 +167,20 @@ class KVCacheMetrics:
         self.events_dropped = self._counter(
             "kvservice_events_dropped", "KV cache events dropped (a subscriber too slow)."
         )
+        # The ZMQ stream (``zmq_events``), counted from its publishing thread.
+        self.zmq_batches_published = self._counter(
+            "kvservice_kv_event_zmq_batches_published",
+            "KV event batches sent on the ZMQ PUB socket (vLLM's wire format).",
+        )
+        self.zmq_batches_dropped = self._counter(
+            "kvservice_kv_event_zmq_batches_dropped",
+            "KV event batches no ZMQ subscriber got: max_queue_size batches were already "
+            "waiting for the publishing thread.",
+        )
+        self.zmq_subscriber_overflows = self._counter(
+            "kvservice_kv_event_zmq_subscriber_overflows",
+            "Times a ZMQ subscriber fell hwm batches behind and began missing batches.",
+        )
 
     def _declare_rpc_series(self) -> None:
         self._rpc_duration = Histogram(

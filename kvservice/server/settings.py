@@ -21,6 +21,7 @@ from kvservice.server.config import ServerConfig
 from kvservice.server.event_loop import EVENT_LOOPS, default_event_loop
 from kvservice.server.log import LOG_LEVELS
 from kvservice.server.runtime import DEVICES, RUNTIMES
+from kvservice.server.zmq_events.config import KVEventsConfigError, parse_kv_events_config
 
 ENV_PREFIX = "KVSERVICE_"
 CONFIG_ENV = f"{ENV_PREFIX}CONFIG"
@@ -176,6 +177,29 @@ OPTIONS: tuple[Option, ...] = (
         "kv_events_queue_size",
     ),
     Option(
+        "kv_events_config",
+        str,
+        "vLLM's --kv-events-config JSON (enable_kv_cache_events, publisher, endpoint, "
+        "replay_endpoint, buffer_steps, hwm, max_queue_size, topic): publish the KV events "
+        "on ZMQ in vLLM's wire format for KV-aware routers (see README, KV events)",
+        "kv_events_config",
+    ),
+    Option(
+        "kv_events_bind_host",
+        str,
+        "the address a '*' in a bound ZMQ KV event endpoint binds (0.0.0.0: every "
+        "interface; off loopback it needs --allow-insecure-bind: the stream is plaintext "
+        "and carries every tenant's hashes and tokens)",
+        "kv_events_bind_host",
+    ),
+    Option(
+        "kv_events_int_block_hashes",
+        bool,
+        "ZMQ KV events carry block hashes as vLLM's default 64-bit ints "
+        "(VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1); false: the full hash bytes",
+        "kv_events_int_block_hashes",
+    ),
+    Option(
         "session_ttl_min",
         float,
         "shortest session lease (seconds) OpenSession accepts",
@@ -247,6 +271,8 @@ _DEFAULTS: dict[str, Any] = {
     # ServerConfig spells "no budget" None; every settings surface spells it 0.
     "kv_cache_memory_bytes": 0,
     "gpu_memory_utilization": 0.0,
+    # Off: vLLM's KVEventsConfig defaults.
+    "kv_events_config": "",
     "log_level": "info",
     "event_loop": default_event_loop(),
 }
@@ -295,6 +321,10 @@ def _settings(values: dict[str, Any]) -> Settings:
     for path in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file"):
         # An empty value (KVSERVICE_TLS_CERT_FILE=) means unset, as for the others.
         fields[path] = fields[path] or None
+    try:
+        fields["kv_events_config"] = parse_kv_events_config(fields["kv_events_config"])
+    except KVEventsConfigError as err:
+        raise SettingsError(f"kv_events_config: {err}") from None
     return Settings(
         dataclasses.replace(ServerConfig(), **fields), values["log_level"], values["event_loop"]
     )
