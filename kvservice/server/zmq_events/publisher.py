@@ -122,6 +122,11 @@ class ZmqEventPublisher:
         self.replay_endpoint = self._replay.address if self._replay is not None else None
 
     @property
+    def pending_events(self) -> int:
+        """Events collected in this loop turn, not yet in a batch."""
+        return len(self._pending)
+
+    @property
     def last_sequence(self) -> int:
         """The sequence number of the last batch handed on (-1 before the first)."""
         return self._next_sequence - 1
@@ -253,13 +258,14 @@ class _Sender(threading.Thread):
         try:
             while True:
                 ready = dict(poller.poll())
+                # Batches first: a replay asked for after a batch was handed on has it.
+                if self._inbox in ready and not self._forward():
+                    return
                 if self._replay is not None and self._replay in ready:
                     self._serve_replay()
                 if self._pub in ready:
                     # Subscriptions: ZMQ filters by topic itself; nothing to do.
                     self._pub.recv_multipart()
-                if self._inbox in ready and not self._forward():
-                    return
         except Exception:
             log.exception("the KV event thread stopped")
         finally:
