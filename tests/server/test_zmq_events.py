@@ -15,6 +15,7 @@ import zmq
 import zmq.asyncio
 
 from kvservice.client import AsyncKVClient, BlockStored, CacheSnapshot
+from kvservice.core import kv_events as core_events
 from kvservice.core.errors import InvalidArgumentError
 from kvservice.server import KVCacheServer
 from kvservice.server.settings import SettingsError, load_settings
@@ -182,3 +183,40 @@ async def test_ipc_endpoint_and_the_grpc_stream_side_by_side(tmp_path: Path) -> 
         await items.aclose()
         sub.close(linger=0)
     context.destroy(linger=0)
+
+
+# A distinct value for every field the core's events have (block hashes in bytes).
+SAMPLES: dict[str, Any] = {
+    "block_hashes": [bytes(range(32)), bytes(range(1, 33))],
+    "parent_block_hash": bytes(range(2, 34)),
+    "token_ids": [1, 2, 3],
+    "block_size": 3,
+    "lora_id": 9,
+    "medium": "GPU",
+    "lora_name": "adapter",
+    "extra_keys": [("adapter", "salt"), None],
+    "group_idx": 2,
+    "kv_cache_spec_kind": "sliding_window",
+    "kv_cache_spec_sliding_window": 128,
+}
+
+
+@pytest.mark.parametrize("core_type", [core_events.BlockStored, core_events.BlockRemoved])
+def test_every_field_the_core_fills_reaches_the_wire(core_type: type[Any]) -> None:
+    """A field the core's events gain under vLLM's name must be carried: this fails
+    until ``WireEncoder.event`` (and SAMPLES) name it."""
+    names = [f.name for f in dataclasses.fields(core_type)]
+    unknown = [n for n in names if n not in SAMPLES]
+    assert not unknown, f"{core_type.__name__} gained {unknown}: carry them in WireEncoder"
+    event = core_type(**{n: SAMPLES[n] for n in names})
+    for int_hashes in (True, False):
+        convert = wire.int_block_hash if int_hashes else bytes
+        converted = wire.WireEncoder(int_hashes).event(event)
+        assert type(converted).__name__ == core_type.__name__
+        for name in names:
+            expected = SAMPLES[name]
+            if name == "block_hashes":
+                expected = [convert(h) for h in expected]
+            elif name == "parent_block_hash":
+                expected = convert(expected)
+            assert getattr(converted, name) == expected, name

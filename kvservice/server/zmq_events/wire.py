@@ -11,7 +11,6 @@ encoder writes the same bytes for the same values (tests/vllm/test_zmq_wire.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import fields
 from typing import Any
 
 import msgspec
@@ -79,21 +78,6 @@ def _bytes_block_hash(block_hash: bytes) -> bytes:
     return block_hash
 
 
-def _shared(core_type: type[Any], wire_type: type[msgspec.Struct]) -> tuple[str, ...]:
-    """The fields both structs have, except the hashes (converted one by one). A field
-    the core's events gain under vLLM's name is carried without a change here."""
-    core_names = {f.name for f in fields(core_type)}
-    return tuple(
-        name
-        for name in wire_type.__struct_fields__
-        if name in core_names and name not in ("block_hashes", "parent_block_hash")
-    )
-
-
-_STORED_FIELDS = _shared(core.BlockStored, BlockStored)
-_REMOVED_FIELDS = _shared(core.BlockRemoved, BlockRemoved)
-
-
 class WireEncoder:
     """Encodes the core's events as one vLLM ``KVEventBatch`` payload.
 
@@ -114,18 +98,27 @@ class WireEncoder:
         return self._encoder.encode(batch)
 
     def event(self, event: core.KVCacheEvent) -> WireEvent:
+        """The wire event of ``event``: each field the core's event has (a field it
+        lacks, e.g. ``session_id``, stays at vLLM's default, None)."""
         convert = self._hash
         if isinstance(event, core.BlockStored):
             parent = event.parent_block_hash
             return BlockStored(
-                block_hashes=[convert(h) for h in event.block_hashes],
-                parent_block_hash=None if parent is None else convert(parent),
-                **{name: getattr(event, name) for name in _STORED_FIELDS},
+                [convert(h) for h in event.block_hashes],
+                None if parent is None else convert(parent),
+                event.token_ids,
+                event.block_size,
+                event.lora_id,
+                event.medium,
+                event.lora_name,
+                event.extra_keys,
+                event.group_idx,
+                event.kv_cache_spec_kind,
+                event.kv_cache_spec_sliding_window,
             )
         if isinstance(event, core.BlockRemoved):
             return BlockRemoved(
-                block_hashes=[convert(h) for h in event.block_hashes],
-                **{name: getattr(event, name) for name in _REMOVED_FIELDS},
+                [convert(h) for h in event.block_hashes], event.medium, event.group_idx
             )
         if isinstance(event, core.AllBlocksCleared):
             return AllBlocksCleared()
