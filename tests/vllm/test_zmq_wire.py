@@ -170,8 +170,9 @@ def test_config_keys_and_defaults_are_vllms() -> None:
     }
     assert dataclasses.asdict(KVEventsConfig()) == theirs
     for raw in ({"enable_kv_cache_events": True}, {}, {"publisher": "zmq"}):
-        ours = parse_kv_events_config(json.dumps(raw))
-        assert dataclasses.asdict(ours) == dataclasses.asdict(VllmKVEventsConfig(**raw))
+        theirs = dataclasses.asdict(VllmKVEventsConfig(**raw))
+        assert dataclasses.asdict(parse_kv_events_config(json.dumps(raw))) == theirs
+        assert dataclasses.asdict(KVEventsConfig(**raw)) == theirs
 
 
 @pytest.mark.parametrize(

@@ -29,12 +29,12 @@ class KVEventsConfig:
     """vLLM's ``KVEventsConfig``, field for field, with its defaults.
 
     ``enable_kv_cache_events`` makes the pool record events (as ``--kv-events`` does);
-    ``publisher`` "zmq" also publishes them on ZMQ. vLLM's default publisher is "zmq"
-    when events are enabled, else "null"; ``parse_kv_events_config`` resolves it.
+    ``publisher`` "zmq" also publishes them on ZMQ. As in vLLM, no publisher means "zmq"
+    when events are enabled, else "null".
     """
 
     enable_kv_cache_events: bool = False
-    publisher: str = "null"
+    publisher: str | None = None
     endpoint: str = "tcp://*:5557"
     replay_endpoint: str | None = None
     # Batches kept for the replay socket.
@@ -44,6 +44,11 @@ class KVEventsConfig:
     # Batches waiting between the event loop and the publishing thread.
     max_queue_size: int = 100_000
     topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            publisher = "zmq" if self.enable_kv_cache_events else "null"
+            object.__setattr__(self, "publisher", publisher)
 
     @property
     def publishes(self) -> bool:
@@ -71,10 +76,7 @@ def parse_kv_events_config(text: str) -> KVEventsConfig:
     unknown = sorted(set(raw) - set(_KEYS))
     if unknown:
         raise KVEventsConfigError(f"unknown keys {unknown} (known: {', '.join(_KEYS)})")
-    values = {key: _checked(key, value) for key, value in raw.items()}
-    if values.get("publisher") is None:
-        values["publisher"] = "zmq" if values.get("enable_kv_cache_events") else "null"
-    config = KVEventsConfig(**values)
+    config = KVEventsConfig(**{key: _checked(key, value) for key, value in raw.items()})
     endpoint_is_bound(config.endpoint)  # validates the grammar
     if config.replay_endpoint is not None:
         _split(config.replay_endpoint)
