@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from kvservice.server.settings import SettingsError, load_settings
 from kvservice.server.tls import SecurityConfigError
 from kvservice.server.zmq_events import wire
 from kvservice.server.zmq_events.config import KVEventsConfig, parse_kv_events_config
-from tests.server.support import SMALL_POOL, running_server, tokens
+from tests.server.support import SMALL_POOL, THREAD_TIMEOUT_S, running_server, tokens
 
 ON = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}'
 
@@ -220,3 +221,36 @@ def test_every_field_the_core_fills_reaches_the_wire(core_type: type[Any]) -> No
             elif name == "parent_block_hash":
                 expected = convert(expected)
             assert getattr(converted, name) == expected, name
+
+
+async def test_stop_sends_the_last_batch_and_ends_the_thread() -> None:
+    """The batch of the calls just before shutdown goes out, and the publishing thread
+    is gone once stop returns."""
+    context = zmq.asyncio.Context()
+    server = pool(ON)
+    await server.start()
+    assert server.kv_event_publisher is not None
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.connect(server.kv_event_publisher.endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    async with AsyncKVClient(server.handle.target) as client:
+        # The SUB socket joins asynchronously: send until a batch arrives.
+        for i in range(1_000):
+            await client.add_request(f"r{i}", tokens(16, start=100 * i))
+            assert await client.allocate_slots(f"r{i}", 16)
+            if await sub.poll(10):
+                break
+        await client.add_request("last", tokens(32, start=99_999))
+        assert await client.allocate_slots("last", 32)
+    await server.stop(grace=0)
+    assert not [t for t in threading.enumerate() if t.name == "kv-events-zmq"]
+    decoder = msgspec.msgpack.Decoder(wire.KVEventBatch)
+    while True:  # the batches before it, then the last one
+        assert await sub.poll(THREAD_TIMEOUT_S * 1000), "the last batch never came"
+        events = decoder.decode((await sub.recv_multipart())[2]).events
+        stored = [e for e in events if isinstance(e, wire.BlockStored)]
+        if stored and stored[-1].token_ids == tokens(32, start=99_999):
+            break
+    sub.close(linger=0)
+    context.destroy(linger=0)

@@ -191,8 +191,11 @@ class ZmqEventPublisher:
             inbox.send(b"")  # the stop, behind every batch already handed on
         except zmq.Again:
             log.warning("the KV event thread did not take its stop; closing anyway")
-        inbox.close(linger=0)
+        # Open until the thread is done: closing drops what it has not read yet.
         await asyncio.to_thread(sender.join, _STOP_TIMEOUT_MS / 1000)
+        inbox.close(linger=0)
+        # Ends a thread still running (its poll fails), then waits for the PUB socket's
+        # linger.
         await asyncio.to_thread(context.term)
 
 
