@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
 
-from kvservice.client import AsyncKVClient, CacheSnapshot, StepBuilder
+from kvservice.client import AsyncKVClient, CachedBlocksView, CacheSnapshot, StepBuilder
 from kvservice.client import BlockRemoved as GrpcRemoved
 from kvservice.client import BlockStored as GrpcStored
 from kvservice.server.tenancy import tenant_cache_salt
@@ -126,7 +126,10 @@ async def test_vllm_subscriber_rebuilds_the_pool_and_matches_vllms_own_events(
     ):
         subscriber = VllmSubscriber(zmq_context, server)
         grpc_items = client.subscribe_events()
-        assert isinstance(await anext(grpc_items), CacheSnapshot)
+        view = CachedBlocksView()
+        snapshot = await anext(grpc_items)
+        assert isinstance(snapshot, CacheSnapshot)
+        view.apply(snapshot)
         reference = VllmReference(DIFF_POOL)
         await Workload(client, reference, seed=16).run(rounds=120)
 
@@ -148,10 +151,12 @@ async def test_vllm_subscriber_rebuilds_the_pool_and_matches_vllms_own_events(
         assert len(subscriber.events) == event_log.last_sequence
         for expected in subscriber.events:
             item = await anext(grpc_items)
+            view.apply(item)
             assert type(item).__name__ == type(expected).__name__
             if isinstance(item, GrpcStored | GrpcRemoved):
                 assert [int_block_hash(h) for h in item.block_hashes] == expected.block_hashes
                 assert item.group_idx == expected.group_idx
+        assert {(g, int_block_hash(h)): n for (g, h), n in view.counts.items()} == subscriber.keys
         assert metric(server, "kvservice_kv_event_zmq_batches_published_total") == last + 1
         assert metric(server, "kvservice_kv_event_zmq_batches_dropped_total") == 0
         await grpc_items.aclose()
