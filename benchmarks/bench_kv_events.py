@@ -37,8 +37,9 @@ from multiprocessing.connection import Connection
 import msgspec
 import zmq
 
-from kvservice.server import KVCacheServer, ServerConfig
-from kvservice.server.allocation import AllocateArgs, FreeMode, NewRequest
+from kvservice.request_table.types import AllocateArgs, FreeMode, NewRequest
+from kvservice.server.app import KVCacheServer
+from kvservice.server.config import ServerConfig
 from kvservice.server.zmq_events.config import KVEventsConfig
 from kvservice.server.zmq_events.wire import KVEventBatch
 
@@ -92,7 +93,7 @@ class Workload:
         return asyncio.get_event_loop().run_until_complete(self._run(server))
 
     async def _run(self, server: KVCacheServer) -> Sample:
-        allocator = server.allocator
+        allocator = server.table
         rng = random.Random(self.seed)
         prefixes = [[rng.randrange(50_000) for _ in range(PREFIX_TOKENS)] for _ in range(8)]
         remaining: dict[str, int] = {}
@@ -121,7 +122,7 @@ class Workload:
                     continue
                 remaining[rid] = rng.randrange(16, 128)
             for rid in list(remaining):
-                allocator.append_tokens(rid, [rng.randrange(50_000)], None)
+                allocator.append_tokens(rid, [rng.randrange(50_000)])
                 ops += 2
                 remaining[rid] -= 1
                 fits = allocator.allocate_slots(rid, ONE).new_block_ids is not None
@@ -215,7 +216,7 @@ def _join(server: KVCacheServer, conn: Connection) -> None:
     """Publish one small batch at a time until the subscriber has one (its SUB socket
     joins asynchronously), so the timed run reaches it whole."""
     loop = asyncio.get_event_loop()
-    allocator = server.allocator
+    allocator = server.table
     for i in range(10_000):
         rid = f"warm{i}"
         allocator.add_request(NewRequest(rid, [i % 50_000] * BLOCK_SIZE))

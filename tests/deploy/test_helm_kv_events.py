@@ -12,7 +12,7 @@ import kubernetes_validate  # type: ignore[import-untyped]
 import pytest
 
 from kvservice.cli import build_parser
-from kvservice.server import KVCacheServer
+from kvservice.server.app import KVCacheServer
 from kvservice.server.config import ServerConfig
 from kvservice.server.settings import load_settings
 from kvservice.server.zmq_events.config import KVEventsConfig

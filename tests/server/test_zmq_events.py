@@ -18,7 +18,7 @@ import zmq.asyncio
 from kvservice.client import AsyncKVClient, BlockStored, CacheSnapshot
 from kvservice.core import kv_events as core_events
 from kvservice.core.errors import InvalidArgumentError
-from kvservice.server import KVCacheServer
+from kvservice.server.app import KVCacheServer
 from kvservice.server.settings import SettingsError, load_settings
 from kvservice.server.tls import SecurityConfigError
 from kvservice.server.zmq_events import wire
@@ -96,7 +96,7 @@ def test_what_each_config_turns_on() -> None:
     vLLM collects without publishing. zmq without enable: nothing, as vLLM."""
     recorded = pool('{"enable_kv_cache_events": true, "publisher": "null"}')
     assert recorded.events is not None and recorded.kv_event_publisher is None
-    assert recorded.allocator.manager.block_pool.enable_kv_cache_events
+    assert recorded.table.manager.block_pool.enable_kv_cache_events
     off = pool('{"publisher": "zmq"}')
     assert off.events is None and off.kv_event_publisher is None
     both = pool(ON, kv_events=True)

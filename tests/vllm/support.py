@@ -27,7 +27,8 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request
 
 from kvservice.core.kv_cache_block import get_block_hash, get_group_id
-from kvservice.server import KVCacheServer, ServerConfig
+from kvservice.server.app import KVCacheServer
+from kvservice.server.config import ServerConfig
 from kvservice.server.zmq_events.config import KVEventsConfig
 from kvservice.server.zmq_events.publisher import ZmqEventPublisher as OurPublisher
 from kvservice.server.zmq_events.wire import int_block_hash
@@ -56,7 +57,7 @@ def publisher(server: KVCacheServer) -> OurPublisher:
 
 def server_keys(server: KVCacheServer, int_hashes: bool = True) -> Counter[Key]:
     """The pool's prefix cache map as (group, hash) -> blocks, hashes in the stream's form."""
-    cache = server.allocator.manager.block_pool.cached_block_hash_to_block
+    cache = server.table.manager.block_pool.cached_block_hash_to_block
     form = int_block_hash if int_hashes else bytes
     return Counter(
         {(get_group_id(k), form(get_block_hash(k))): len(cache.blocks_of(k)) for k in cache}

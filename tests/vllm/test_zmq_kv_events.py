@@ -23,7 +23,7 @@ from vllm.distributed.kv_events import BlockStored, KVEventBatch
 from kvservice.client import AsyncKVClient, CachedBlocksView, CacheSnapshot, StepBuilder
 from kvservice.client import BlockRemoved as GrpcRemoved
 from kvservice.client import BlockStored as GrpcStored
-from kvservice.server.tenancy import tenant_cache_salt
+from kvservice.request_table.tenancy import tenant_cache_salt
 from kvservice.server.zmq_events.wire import int_block_hash
 from tests.server.support import HYBRID_POOL, running_server, tokens
 from tests.server.test_tenants import write_tokens_file
