@@ -24,7 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks as VllmKVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
-from vllm.v1.kv_cache_interface import CrossAttentionSpec, EncoderOnlyAttentionSpec
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    CrossAttentionSpec,
+    EncoderOnlyAttentionSpec,
+)
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import RequestStatus as VllmRequestStatus
 
@@ -329,6 +333,33 @@ class KVServiceKVCacheManager:
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return self.get_blocks(request_id).get_block_ids()  # type: ignore[no-any-return]
 
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int], ...]:
+        """Each attention group's blocks up to ``num_computed_tokens`` (cross attention,
+        encoder-only and state groups whole), as vLLM hands them to a connector."""
+        clipped = []
+        for ids, manager in zip(
+            self.get_block_ids(request_id), self.coordinator.single_type_managers, strict=True
+        ):
+            spec = manager.kv_cache_spec
+            whole = not isinstance(spec, AttentionSpec) or isinstance(
+                spec, CrossAttentionSpec | EncoderOnlyAttentionSpec
+            )
+            clipped.append(ids if whole else ids[: -(-num_computed_tokens // spec.block_size)])
+        return tuple(clipped)
+
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        """Release the blocks a window no longer reads (a connector path of vLLM's)."""
+        self.refuse_remote("remove_skipped_blocks")
+        if request_id in self._requests:
+            self.core.coordinator.remove_skipped_blocks(request_id, processed_computed_tokens)
+
     def estimate_cached_tokens(self, request: Any) -> int:
         """vLLM's estimate: the shortest, over prefix-cacheable groups, of the longest
         prefix a block of the request is cached for."""
@@ -342,11 +373,7 @@ class KVServiceKVCacheManager:
         return cached or 0
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
-        if self.server is not None:
-            raise NotImplementedError(
-                "cache_blocks (async scheduling, speculative decoding) is not supported by "
-                "kvservice's remote manager"
-            )
+        self.refuse_remote("cache_blocks (async scheduling, speculative decoding)")
         if self.enable_caching:
             self.core.coordinator.cache_blocks(self._sync(request), num_computed_tokens)
 
@@ -432,6 +459,10 @@ class KVServiceKVCacheManager:
             self.server.close()
 
     # -- paths for KV connectors, which kvservice does not serve -------------------------
+
+    def refuse_remote(self, call: str) -> None:
+        if self.server is not None:
+            raise NotImplementedError(f"{call} is not supported by kvservice's remote manager yet")
 
     @staticmethod
     def refuse_connector_only(call: str, value: object) -> None:
