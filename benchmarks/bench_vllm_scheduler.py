@@ -2,7 +2,8 @@
 
 The scheduler is vLLM's ``Scheduler`` in every column; only its manager changes:
 vLLM's built-in ``KVCacheManager``, kvservice's core in-process, and kvservice over a
-server on loopback (a child process). Each round runs every mode once, in turn, on the
+server on loopback (a child process), confirming each step before its output or, with
+``overlap``, before the next step. Each round runs every mode once, in turn, on the
 same seeded workload, and times ``schedule()`` plus ``update_from_output()`` (the fake
 model's output is built outside the timer):
 
@@ -12,9 +13,11 @@ model's output is built outside the timer):
 
 It prints steps/s per mode (median over rounds), each kvservice mode's ratio to the
 built-in manager measured within every round (median and spread), and the round trips
-per step of the remote mode.
+per step of the remote modes. ``KVSERVICE_CONFIRM=overlap`` waits for the server's
+answer before the next step instead of before the output: its round trip hides behind
+the forward pass, which ``--forward-ms`` simulates (a sleep outside the timer).
 
-    python -m benchmarks.bench_vllm_scheduler [--rounds 5] [--steps 200]
+    python -m benchmarks.bench_vllm_scheduler [--rounds 5] [--steps 200] [--forward-ms 0]
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class Mode:
     name: str
     scheduler_cls: type
     target: str | None
+    confirm: str = "sync"
 
 
 def _token(request_id: str, position: int) -> int:
@@ -112,9 +116,9 @@ class Timing:
     steps: int = 0
 
 
-def _step(scheduler: Any, timing: Timing) -> None:
+def _step(scheduler: Any, timing: Timing, forward_s: float = 0.0) -> None:
     """One scheduler step, timed outside the fake model's output."""
-    server = scheduler.kv_cache_manager.server
+    server = getattr(scheduler.kv_cache_manager, "server", None)
 
     def round_trips() -> int:
         return 0 if server is None else server.round_trips
@@ -124,6 +128,8 @@ def _step(scheduler: Any, timing: Timing) -> None:
     scheduled = scheduler.schedule()
     wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
     output = _output(scheduler, scheduled)
+    if forward_s:
+        time.sleep(forward_s)  # the model's forward pass, in no mode's time
     start, start_cpu = time.perf_counter(), time.thread_time()
     scheduler.update_from_output(scheduled, output)
     timing.seconds += wall + time.perf_counter() - start
@@ -132,37 +138,38 @@ def _step(scheduler: Any, timing: Timing) -> None:
     timing.steps += 1
 
 
-def decode(scheduler: Any, steps: int, seed: int) -> Timing:
+def decode(scheduler: Any, steps: int, seed: int, forward_s: float) -> Timing:
     for request in _requests(seed, NUM_RUNNING, (100_000, 100_001), 0):
         scheduler.add_request(request)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.requests.values()):
         _step(scheduler, Timing())
     timing = Timing()
     for _ in range(steps):
-        _step(scheduler, timing)
+        _step(scheduler, timing, forward_s)
     return timing
 
 
-def churn(scheduler: Any, steps: int, seed: int) -> Timing:
+def churn(scheduler: Any, steps: int, seed: int, forward_s: float) -> Timing:
     arrivals = iter(_requests(seed, NUM_RUNNING * 40, (8, 64), 0))
     timing = Timing()
     for _ in range(steps):
         while len(scheduler.requests) < NUM_RUNNING + 32:
             scheduler.add_request(next(arrivals))
-        _step(scheduler, timing)
+        _step(scheduler, timing, forward_s)
     return timing
 
 
-WORKLOADS: dict[str, Callable[[Any, int, int], Timing]] = {"decode": decode, "churn": churn}
+WORKLOADS: dict[str, Callable[[Any, int, int, float], Timing]] = {"decode": decode, "churn": churn}
 
 
-def _run(mode: Mode, workload: str, steps: int, seed: int) -> Timing:
+def _run(mode: Mode, workload: str, steps: int, seed: int, forward_s: float) -> Timing:
     if mode.target is None:
         os.environ.pop("KVSERVICE_TARGET", None)
     else:
         os.environ["KVSERVICE_TARGET"] = mode.target
+    os.environ["KVSERVICE_CONFIRM"] = mode.confirm
     scheduler = build_scheduler(SETUP, mode.scheduler_cls)
-    timing = WORKLOADS[workload](scheduler, steps, seed)
+    timing = WORKLOADS[workload](scheduler, steps, seed, forward_s)
     scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
     scheduler.shutdown()
     return timing
@@ -173,6 +180,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument(
+        "--forward-ms",
+        type=float,
+        default=0.0,
+        help="sleep this long between schedule() and update_from_output(), as a model's "
+        "forward pass would take (untimed; what KVSERVICE_CONFIRM=overlap hides its "
+        "round trip behind)",
+    )
     args = parser.parse_args(argv)
     server_args = [
         f"--num-blocks={SETUP.num_blocks}",
@@ -186,12 +201,14 @@ def main(argv: list[str] | None = None) -> None:
             Mode("vllm built-in", Scheduler, None),
             Mode("kvservice in-process", KVServiceScheduler, None),
             Mode("kvservice remote", KVServiceScheduler, server.target),
+            Mode("kvservice remote overlap", KVServiceScheduler, server.target, "overlap"),
         ]
         for workload in args.workloads:
             runs: dict[str, list[Timing]] = {m.name: [] for m in modes}
             for round_ in range(args.rounds):
                 for mode in modes:
-                    runs[mode.name].append(_run(mode, workload, args.steps, seed=round_))
+                    timing = _run(mode, workload, args.steps, round_, args.forward_ms / 1000)
+                    runs[mode.name].append(timing)
             _report(workload, modes, runs, args)
 
 

@@ -116,6 +116,23 @@ def test_a_lost_server_stops_the_scheduler_with_the_step_named(
         scheduler.schedule()
 
 
+def test_with_overlap_a_lost_server_stops_the_next_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVSERVICE_CONFIRM", "overlap")
+    with remote(monkeypatch) as server:
+        scheduler = build_scheduler(SETUP, KVServiceScheduler)
+        _admit(scheduler)
+        output = scheduler.schedule()  # sent, its answer not waited for
+        target = server.handle.target
+    # The step was sent before the server went: whether its answer came back or the
+    # next send fails, no later step is planned without a confirmed predecessor.
+    scheduler.update_from_output(output, model_runner_output(scheduler, output))
+    with pytest.raises(KVServiceManagerError, match=rf"kvservice at {target}"):
+        scheduler.schedule()
+        scheduler.schedule()
+
+
 def test_another_writer_on_the_pool_is_detected_not_absorbed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

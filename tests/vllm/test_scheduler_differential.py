@@ -80,9 +80,18 @@ def _server_config(setup: SchedulerSetup) -> ServerConfig:
     )
 
 
-@pytest.mark.parametrize("name", list(SETUPS))
-def test_remote_matches_vllm_step_for_step(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+REMOTE_CASES = [(name, "sync") for name in SETUPS] + [
+    ("preempting", "overlap"),
+    ("hybrid-full-sliding-window", "overlap"),
+]
+
+
+@pytest.mark.parametrize(("name", "confirm"), REMOTE_CASES)
+def test_remote_matches_vllm_step_for_step(
+    name: str, confirm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     setup = SETUPS[name]
+    monkeypatch.setenv("KVSERVICE_CONFIRM", confirm)
     traffic = WORKLOADS.get(name, {})
     expected = Workload(3, salts=(None, "tenant-a"), **traffic).run(build_scheduler(setup))
     with background_server(_server_config(setup)) as server:

@@ -378,7 +378,10 @@ class KVServiceKVCacheManager:
             self.core.coordinator.cache_blocks(self._sync(request), num_computed_tokens)
 
     def new_step_starts(self) -> None:
-        """A scheduler step begins (vLLM calls this at the top of ``schedule()``)."""
+        """A scheduler step begins (vLLM calls this at the top of ``schedule()``): no
+        step is planned on a previous one the server has not confirmed."""
+        if self.server is not None:
+            self.server.confirm()
 
     def take_events(self) -> list[Any]:
         return to_vllm_events(self.core.take_events())

@@ -41,6 +41,7 @@ from kvservice.client import (
     FreeMode,
     KVClient,
     KVServiceError,
+    PendingStep,
     Session,
     StepResults,
 )
@@ -121,6 +122,8 @@ class ServerLink:
             raise KVServiceManagerError(f"kvservice at {self.target} refused to reset its pool")
         self._session: Session = self._call("StepStream", self._client.session)
         self._log = StepLog()
+        # With confirm="overlap": the step sent last, not yet checked, and its answers.
+        self._unconfirmed: tuple[PendingStep, list[Expected], int] | None = None
         # Tokens the server has of each request, and its num_computed_tokens.
         self._server_tokens: dict[str, int] = {}
         self._server_computed: dict[str, int] = {}
@@ -327,19 +330,33 @@ class ServerLink:
     # -- sending --------------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Send the recorded operations as one step and check every answer."""
+        """Send the recorded operations as one step and check every answer (with
+        ``confirm="overlap"``, check them at ``confirm`` instead, before the next step
+        is planned)."""
         self.check_alive()
         if not self._log:
             return
         step, expected = self._log.build()
         self._log = StepLog()
         self.round_trips += 1
+        pending = self._session.send(step, stop_on_error=True)
+        self.confirm()
+        self._unconfirmed = (pending, expected, len(step))
+        if self.settings.confirm == "sync":
+            self.confirm()
+
+    def confirm(self) -> None:
+        """Wait for the last step sent and check its answers."""
+        if self._unconfirmed is None:
+            return
+        pending, expected, num_ops = self._unconfirmed
+        self._unconfirmed = None
         try:
-            results = self._session.step(step, stop_on_error=True)
+            results = pending.result()
         except KVServiceError as error:
             self._fail(
                 KVServiceManagerError(
-                    f"kvservice at {self.target}: Step of {len(step)} operations failed: {error}"
+                    f"kvservice at {self.target}: Step of {num_ops} operations failed: {error}"
                 )
             )
         self._compare(results, expected)
@@ -393,6 +410,7 @@ class ServerLink:
         try:
             if self._failure is None:
                 self.flush()
+                self.confirm()
         finally:
             self._session.close()
             self._client.close()

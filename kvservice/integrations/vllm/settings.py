@@ -13,6 +13,12 @@ plus these variables is the whole configuration.
 | ``KVSERVICE_SESSION_TTL`` | lease seconds: a dead engine's blocks return after it (default 30) |
 | ``KVSERVICE_CLIENT_ID`` | name shown in the server's logs and metrics (default ``vllm-<pid>``) |
 | ``KVSERVICE_TIMEOUT`` | seconds a call may take before the scheduler gets an error (30) |
+| ``KVSERVICE_CONFIRM`` | ``sync`` (default) or ``overlap``, below |
+
+``KVSERVICE_CONFIRM``: with ``sync`` the server confirms each step before the
+scheduler's output leaves ``schedule()``; with ``overlap``, before the next step is
+planned (the round trip overlaps the forward pass: a step the server then refuses was
+executed, and the engine stops before planning another).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from pathlib import Path
 
 DEFAULT_SESSION_TTL_S = 30.0
 DEFAULT_TIMEOUT_S = 30.0
+CONFIRM_MODES = ("sync", "overlap")
 
 
 class SettingsError(ValueError):
@@ -63,6 +70,7 @@ class ConnectionSettings:
     session_ttl_s: float = DEFAULT_SESSION_TTL_S
     timeout_s: float = DEFAULT_TIMEOUT_S
     client_id: str = ""
+    confirm: str = "sync"
 
     @property
     def tls(self) -> bool:
@@ -77,6 +85,9 @@ class ConnectionSettings:
         cert, key = _read_file(env, "KVSERVICE_TLS_CERT"), _read_file(env, "KVSERVICE_TLS_KEY")
         if (cert is None) != (key is None):
             raise SettingsError("KVSERVICE_TLS_CERT and KVSERVICE_TLS_KEY go together (mTLS)")
+        confirm = env.get("KVSERVICE_CONFIRM") or "sync"
+        if confirm not in CONFIRM_MODES:
+            raise SettingsError(f"KVSERVICE_CONFIRM={confirm!r}: use one of {list(CONFIRM_MODES)}")
         root = _read_file(env, "KVSERVICE_TLS_CA")
         if cert is not None and root is None:
             raise SettingsError("KVSERVICE_TLS_CERT needs KVSERVICE_TLS_CA (the server's CA)")
@@ -89,4 +100,5 @@ class ConnectionSettings:
             session_ttl_s=_positive_float(env, "KVSERVICE_SESSION_TTL", DEFAULT_SESSION_TTL_S),
             timeout_s=_positive_float(env, "KVSERVICE_TIMEOUT", DEFAULT_TIMEOUT_S),
             client_id=env.get("KVSERVICE_CLIENT_ID") or f"vllm-{os.getpid()}",
+            confirm=confirm,
         )
