@@ -156,6 +156,7 @@ def test_alert_rules_are_complete_and_tested() -> None:
         "KVServicePrefixCacheHitRateDrop",
         "KVServiceAllocationNoSpace",
         "KVServiceRpcLatencyHigh",
+        "KVServiceKVEventsLost",
     }
     for rule in rules:
         assert rule["labels"]["severity"] in {"warning", "critical"}, rule["alert"]
