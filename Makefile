@@ -4,17 +4,26 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup tools serve test lint typecheck unit proto bench bench-runtime clean
+.PHONY: setup build tools serve test lint typecheck unit proto bench bench-runtime clean
 
+# Installing the project compiles kvservice/core with mypyc (setup.py, in pip's build
+# environment from pyproject.toml's build-system pins) into kvservice/core/_compiled/.
 # vLLM 0.33.0 (the differential tests' reference) goes in with --no-deps: its own
 # dependency list pulls CUDA packages; requirements/vllm-test.txt pins what it imports here.
-$(STAMP): pyproject.toml requirements/vllm-test.txt
+$(STAMP): pyproject.toml setup.py requirements/vllm-test.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,runtime]'
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -r requirements/vllm-test.txt
 	touch $(STAMP)
 
-setup: $(STAMP)
+## The compiled core, rebuilt whenever it differs from the sources: compared by content
+## (kvservice/core/compiled.py), so an edit, a checkout or a pull all count.
+build: $(STAMP)
+	@$(BIN)/python -P kvservice/core/compiled.py || { \
+		$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e . \
+		&& $(BIN)/python -P kvservice/core/compiled.py; }
+
+setup: build
 
 ## Prometheus and promtool for the deploy tests: Debian's `prometheus` package, unpacked
 ## (never installed) into .tools/prometheus/. Idempotent; refreshes apt's lists if needed.
@@ -41,21 +50,26 @@ serve: setup
 ## Lint, type-check and run the whole test suite.
 test: lint typecheck unit
 
-lint: setup
+lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-typecheck: setup
+typecheck: $(STAMP)
 	$(BIN)/mypy
 
+## The whole suite on the compiled core, then the core's own tests (conformance and
+## state machines included), the vLLM differential tests and the build's on its sources.
+PURE_PYTHON_TESTS := tests/core tests/vllm tests/server/test_vllm_vectors.py tests/build
+
 unit: setup tools
-	$(BIN)/pytest
+	KVSERVICE_PURE_PYTHON=0 $(BIN)/pytest
+	KVSERVICE_PURE_PYTHON=1 $(BIN)/pytest $(PURE_PYTHON_TESTS)
 
 ## Regenerate the protobuf/gRPC modules from proto/.
 proto: setup
 	$(BIN)/python tools/gen_proto.py
 
-## The core allocator benchmark (ops/s across pool sizes).
+## The core side by side: vLLM 0.33.0's KVCacheManager, kvservice pure, kvservice compiled.
 bench: setup
 	$(BIN)/python -m benchmarks.bench_core
 
@@ -68,4 +82,4 @@ bench-runtime: setup
 	$(BIN)/python -m benchmarks.bench_paged_attention
 
 clean:
-	rm -rf $(VENV) $(TOOLS) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TOOLS) build kvservice/core/_compiled .mypy_cache .pytest_cache .ruff_cache
