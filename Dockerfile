@@ -23,11 +23,18 @@ RUN if ! command -v python3 >/dev/null 2>&1 || ! python3 -c 'import venv, ensure
 
 # Build: a virtual environment with the project and its pinned dependencies.
 FROM base AS build
+# Installing compiles kvservice/core with mypyc (setup.py): a C compiler, and Python's
+# headers where the base lacks them (python:*-slim has them, an apt python3 needs -dev).
+RUN if python3 -c 'import os, sys, sysconfig as s; sys.exit(not os.path.exists(s.get_paths()["include"] + "/Python.h"))'; \
+    then headers=""; else headers=python3-dev; fi; \
+    apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev $headers \
+    && rm -rf /var/lib/apt/lists/*
 # Optional extras from pyproject.toml, e.g. EXTRAS=runtime for torch.
 ARG EXTRAS=""
 RUN python3 -m venv /opt/kvservice
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY kvservice/ kvservice/
 COPY gpu_runtime/ gpu_runtime/
 RUN /opt/kvservice/bin/pip install --no-compile ".${EXTRAS:+[${EXTRAS}]}"

@@ -45,12 +45,13 @@ def test_runs_as_the_charts_non_root_user() -> None:
 
 
 def test_installs_the_project_from_the_repo() -> None:
-    """Only the repository's own files go in: pyproject.toml and the packages it names."""
+    """Only the repository's own files go in: pyproject.toml, setup.py (which compiles
+    the core) and the packages they name; never a local build of the core."""
     copies = [
         rest for keyword, rest in instructions() if keyword == "COPY" and "--from" not in rest
     ]
     assert copies == [
-        "pyproject.toml README.md ./",
+        "pyproject.toml setup.py README.md ./",
         "kvservice/ kvservice/",
         "gpu_runtime/ gpu_runtime/",
     ]
@@ -61,7 +62,8 @@ def test_installs_the_project_from_the_repo() -> None:
     )
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
     assert {".venv", ".tools", ".git", "tests"} <= ignored
-    assert not {"pyproject.toml", "README.md", "kvservice", "gpu_runtime"} & ignored
+    assert not {"pyproject.toml", "setup.py", "README.md", "kvservice", "gpu_runtime"} & ignored
+    assert "kvservice/core/_compiled" in ignored
 
 
 def test_entrypoint_is_kvservice_serve_with_the_charts_flags() -> None:
