@@ -1,81 +1,132 @@
-"""Core allocator throughput: a seeded scheduler-like workload replayed in-process.
+"""Core allocator throughput, side by side in one run: vLLM 0.33.0's own
+``KVCacheManager``, kvservice's core from its sources (``KVSERVICE_PURE_PYTHON=1``) and
+the same core compiled by mypyc.
 
-Each operation is one call a scheduler makes into ``KVCacheManager``: adding a request
-(``new_request``, which hashes its prompt), a lookup
-(``get_computed_blocks``), an admission or refused admission (``allocate_slots``), a
-decode step (``allocate_slots(req, 1)``), a ``free`` (finish or preemption).
-The same seeded workload (same concurrency, same prompts) runs against pools of
-different sizes, so the ratios printed side by side show whether the cost of an
-operation grows with the pool. Run: ``make bench`` or
-``python -m benchmarks.bench_core [--ops N] [--sizes 64,1000000] [--hash sha256]``.
+Each engine lives in a worker process of its own (``--worker ENGINE``: the two kvservice
+modes cannot share one process, and vLLM's imports stay out of kvservice's). The workers
+take turns, never run at once, and every round runs each workload in every engine, the
+engines' order rotating from round to round, so all three see the same machine.
+
+A workload is a seeded scheduler-like loop, the same code for every engine: new requests
+(building one hashes its prompt), their prefix lookup and admission (``allocate_slots``
+with the hit, or ``None``), a decode step of one token per running request
+(``allocate_slots(req, 1)``, preempting the newest request when the pool is full),
+and ``free`` when a request finishes or is preempted. Each of those manager calls is one
+op. Every engine must make the same decisions (the same op mix and prefix-hit tokens):
+a difference is printed. Run: ``make bench`` or ``python -m benchmarks.bench_core``.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib
+import json
+import os
 import random
+import statistics
+import subprocess
+import sys
 import time
 import tracemalloc
-from dataclasses import dataclass, field
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kvservice.core.invariants import check_invariants
-from kvservice.core.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from kvservice.core.kv_cache_manager import KVCacheManager
-from kvservice.core.request import Request, RequestStatus
+if TYPE_CHECKING:
+    from kvservice.core.kv_cache_interface import KVCacheSpec
 
 BLOCK_SIZE = 16
-# vLLM 0.33.0's own KVCacheManager on this 2-core machine, 64 blocks, sha256, as stated
-# in the issue that asked for this benchmark (quoted, not measured here).
-VLLM_REFERENCE_OPS_PER_S = 33_000
+MAX_MODEL_LEN = 8192
+ENGINES = ("vllm", "pure", "compiled")
+ENGINE_TITLES = {"vllm": "vLLM", "pure": "pure", "compiled": "compiled"}
+VLLM_ENV = {
+    "VLLM_TARGET_DEVICE": "cpu",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_LOGGING_LEVEL": "ERROR",
+}
+BIG_POOL = 1_000_000
 
 
-@dataclass
-class Workload:
-    """Seeded request shapes: shared system prompts, random suffixes, decode lengths."""
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """The shape of a seeded workload (lengths in tokens unless named blocks)."""
 
-    seed: int
-    num_prefixes: int = 4
-    prefix_blocks: tuple[int, int] = (1, 3)
-    suffix_tokens: tuple[int, int] = (1, 40)
-    decode_tokens: tuple[int, int] = (1, 48)
-    max_running: int = 6
-    num_prompts: int = 4096
-    rng: random.Random = field(init=False)
-    prompts: list[list[int]] = field(init=False)
-    tokens: list[int] = field(init=False)
+    name: str
+    num_blocks: int
+    max_running: int
+    num_prefixes: int  # shared system prompts
+    prefix_blocks: tuple[int, int]
+    suffix_tokens: tuple[int, int]
+    decode_tokens: tuple[int, int]
+    # None: every request's suffix is new; N: requests cycle through N prompts, so
+    # whole prompts come back (retries, repeated questions: full prefix hits).
+    distinct_prompts: int | None = None
+    sliding_window: int | None = None  # a second KV cache group with this window
 
-    def __post_init__(self) -> None:
-        # Generated before the clock starts: the benchmark times the manager, not the RNG.
-        self.rng = random.Random(self.seed)
-        rand = self.rng.getrandbits
-        prefixes = [
-            [rand(15) for _ in range(BLOCK_SIZE * self.rng.randint(*self.prefix_blocks))]
-            for _ in range(self.num_prefixes)
-        ]
-        self.prompts = [
-            self.rng.choice(prefixes)
-            + [rand(15) for _ in range(self.rng.randint(*self.suffix_tokens))]
-            for _ in range(self.num_prompts)
-        ]
-        self.tokens = [rand(15) for _ in range(8192)]
-        self._next_prompt = 0
-        self._next_token = 0
 
-    def new_prompt(self) -> list[int]:
-        # Cycling through a fixed set also replays prompts whole: full prefix hits.
-        prompt = self.prompts[self._next_prompt % self.num_prompts]
-        self._next_prompt += 1
-        return prompt
+def workloads(big_pool: int = BIG_POOL) -> list[WorkloadSpec]:
+    return [
+        # Long decodes: most ops are allocate_slots(req, 1) that take no block; the
+        # pool is small enough for refused admissions and preemptions.
+        WorkloadSpec("decode-heavy", 640, 48, 4, (1, 3), (1, 40), (128, 512)),
+        # Long prompts behind shared system prompts, a few tokens each: hashing,
+        # lookups and admissions.
+        WorkloadSpec("admission-heavy", 10_000, 16, 8, (4, 16), (16, 256), (1, 4)),
+        # Full attention and a 128-token sliding window drawing from one pool.
+        WorkloadSpec("hybrid", 10_000, 24, 4, (2, 8), (1, 128), (16, 256), sliding_window=128),
+        # Short requests, a quarter of the prompts seen before, on a small and a big pool.
+        WorkloadSpec("mixed", 10_000, 16, 4, (1, 3), (1, 40), (1, 48), distinct_prompts=4096),
+        WorkloadSpec(
+            f"mixed {_blocks(big_pool)}",
+            big_pool,
+            16,
+            4,
+            (1, 3),
+            (1, 40),
+            (1, 48),
+            distinct_prompts=4096,
+        ),
+    ]
 
-    def next_token(self) -> int:
-        self._next_token += 1
-        return self.tokens[self._next_token % len(self.tokens)]
+
+def _blocks(n: int) -> str:
+    return f"{n // 1_000_000}M" if n % 1_000_000 == 0 else f"{n // 1000}k"
+
+
+# -- the workload, one code path for every engine ---------------------------------------
+
+
+class SchedRequest(Protocol):
+    num_computed_tokens: int
+    status: Any
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    def append_output_token_ids(self, token_ids: int) -> None: ...
+
+
+class Engine(Protocol):
+    """What the workload needs besides the manager's three calls."""
+
+    running: Any
+    finished: Any
+
+    def make_manager(self, spec: WorkloadSpec) -> Any: ...
+
+    def request_factory(self, manager: Any) -> Callable[[str, list[int]], SchedRequest]: ...
+
+    def preempt(self, request: SchedRequest) -> None: ...
 
 
 @dataclass
 class OpMix:
-    """What a run did: manager calls by kind (each counts as one op)."""
+    """What a run did: manager calls by kind (each is one op), and the prefix-hit tokens
+    (which must agree between engines)."""
 
     adds: int = 0
     lookups: int = 0
@@ -84,162 +135,484 @@ class OpMix:
     decodes: int = 0
     frees: int = 0
     preemptions: int = 0
+    hit_tokens: int = 0
 
     @property
     def ops(self) -> int:
         return self.adds + self.lookups + self.admissions + self.refused + self.decodes + self.frees
 
 
-def _admit(manager: KVCacheManager, req: Request, mix: OpMix) -> bool:
-    hit, num_hit, _ = manager.get_computed_blocks(req)
-    new = manager.allocate_slots(req, req.num_tokens - num_hit, num_hit, hit)
-    mix.lookups += 1
-    if new is None:
-        mix.refused += 1
-        return False
-    mix.admissions += 1
-    req.num_computed_tokens = req.num_tokens
-    req.status = RequestStatus.RUNNING
-    return True
+@dataclass
+class Prompts:
+    """Seeded prompts and decode lengths, generated before the clock starts: enough for
+    ``num_requests`` requests."""
 
+    spec: WorkloadSpec
+    seed: int
+    num_requests: int
+    prompts: list[list[int]] = field(init=False)
+    decode_lengths: list[int] = field(init=False)
+    tokens: list[int] = field(init=False)
 
-def _decode_step(
-    manager: KVCacheManager,
-    running: list[list[Request | int]],
-    waiting: list[Request],
-    wl: Workload,
-    mix: OpMix,
-) -> None:
-    """One decode token for every running request, finishing and preempting as vLLM's
-    scheduler does (the newest running request is the victim)."""
-    i = 0
-    while i < len(running):
-        req, left = running[i]
-        assert isinstance(req, Request) and isinstance(left, int)
-        if left == 0:
-            req.status = RequestStatus.FINISHED
-            manager.free(req)
-            mix.frees += 1
-            running.pop(i)
-            continue
-        req.append_output_token_ids(wl.next_token())
-        new = manager.allocate_slots(req, 1)
-        mix.decodes += 1
-        while new is None:
-            victim = running.pop()[0]
-            assert isinstance(victim, Request)
-            manager.free(victim)
-            victim.preempt()
-            mix.frees += 1
-            mix.preemptions += 1
-            waiting.insert(0, victim)
-            if victim is req:
-                break
-            new = manager.allocate_slots(req, 1)
-            mix.decodes += 1
-        if new is None:
-            continue
-        req.num_computed_tokens += 1
-        running[i][1] = left - 1
-        i += 1
+    def __post_init__(self) -> None:
+        rng = random.Random(self.seed)
+        spec = self.spec
+        # Suffixes are slices of one random stream: distinct, and cheap to make.
+        stream = [rng.getrandbits(15) for _ in range(1 << 18)]
+        prefixes = [
+            stream[i : i + BLOCK_SIZE * rng.randint(*spec.prefix_blocks)]
+            for i in range(0, spec.num_prefixes * 4096, 4096)
+        ]
+        n = min(self.num_requests, spec.distinct_prompts or self.num_requests)
+        self.prompts = []
+        for _ in range(n):
+            start = rng.randrange(len(stream) - spec.suffix_tokens[1])
+            suffix = stream[start : start + rng.randint(*spec.suffix_tokens)]
+            self.prompts.append(rng.choice(prefixes) + suffix)
+        self.decode_lengths = [rng.randint(*spec.decode_tokens) for _ in range(n)]
+        self.tokens = stream[-8191:]
 
 
 def run_workload(
-    manager: KVCacheManager, num_ops: int, seed: int, max_decode: int = 48
+    engine: Engine, spec: WorkloadSpec, num_ops: int, seed: int
 ) -> tuple[OpMix, float]:
-    """Replay about ``num_ops`` manager calls; returns what was done and the seconds."""
-    wl = Workload(seed, decode_tokens=(1, max_decode))
-    running: list[list[Request | int]] = []  # [request, tokens left to decode]
-    waiting: list[Request] = []
-    next_id = 0
+    """About ``num_ops`` manager calls on a fresh manager: what was done, and the CPU
+    seconds they took (process time, so that other load on the machine does not count)."""
+    manager = engine.make_manager(spec)
+    # A request takes four ops at least (add, lookup, admission, free).
+    data = Prompts(spec, seed, num_ops // 4 + 1)
+    prompts, decode_lengths, tokens = data.prompts, data.decode_lengths, data.tokens
+    num_prompts, num_tokens = len(prompts), len(tokens)
+    request_ids = [f"r{i}" for i in range(num_ops)]
+    new_request = engine.request_factory(manager)
+    lookup, allocate, free = manager.get_computed_blocks, manager.allocate_slots, manager.free
+    preempt, running_status, finished_status = engine.preempt, engine.running, engine.finished
+    running: list[SchedRequest] = []
+    left: dict[int, int] = {}  # id(request) -> tokens still to decode
+    waiting: list[SchedRequest] = []
     mix = OpMix()
-    start = time.perf_counter()
-    while mix.ops < num_ops:
-        if len(running) + len(waiting) < wl.max_running:
-            # Building the request hashes its prompt: the work of the service's AddRequest.
-            waiting.append(manager.new_request(f"r{next_id}", wl.new_prompt()))
-            mix.adds += 1
-            next_id += 1
-        if waiting and _admit(manager, waiting[0], mix):
-            running.append([waiting.pop(0), wl.rng.randint(*wl.decode_tokens)])
-        _decode_step(manager, running, waiting, wl, mix)
-    return mix, time.perf_counter() - start
-
-
-def make_manager(num_blocks: int, hash_algo: str) -> KVCacheManager:
-    spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=8, head_size=128, dtype="bfloat16")
-    config = KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(["layers"], spec)])
-    return KVCacheManager(config, max_model_len=8192, hash_algo=hash_algo)
-
-
-def measure_construction(num_blocks: int) -> tuple[float, float]:
-    """Seconds to build a manager of ``num_blocks``, and the MiB it allocates."""
+    next_id = 0
+    next_token = 0
     gc.collect()
+    start = time.process_time()
+    while mix.ops < num_ops:
+        while len(running) + len(waiting) < spec.max_running:
+            i = next_id % num_prompts
+            request = new_request(request_ids[next_id], prompts[i])
+            left[id(request)] = decode_lengths[i]
+            waiting.append(request)
+            next_id += 1
+            mix.adds += 1
+        # Admissions in order, until one does not fit (vLLM's scheduler stops there).
+        while waiting:
+            request = waiting[0]
+            hit, num_hit, _ = lookup(request)
+            mix.lookups += 1
+            mix.hit_tokens += num_hit
+            if allocate(request, request.num_tokens - num_hit, num_hit, hit) is None:
+                mix.refused += 1
+                break
+            mix.admissions += 1
+            request.num_computed_tokens = request.num_tokens
+            request.status = running_status
+            running.append(waiting.pop(0))
+        # One decode token per running request; the newest is preempted for room.
+        i = 0
+        while i < len(running):
+            request = running[i]
+            if left[id(request)] == 0:
+                request.status = finished_status
+                free(request)
+                mix.frees += 1
+                del left[id(request)]
+                running.pop(i)
+                continue
+            next_token += 1
+            request.append_output_token_ids(tokens[next_token % num_tokens])
+            mix.decodes += 1
+            while allocate(request, 1) is None:
+                victim = running.pop()
+                free(victim)
+                preempt(victim)
+                mix.frees += 1
+                mix.preemptions += 1
+                waiting.insert(0, victim)
+                if victim is request:
+                    break
+                mix.decodes += 1
+            else:
+                request.num_computed_tokens += 1
+                left[id(request)] -= 1
+                i += 1
+    return mix, time.process_time() - start
+
+
+# -- engines ---------------------------------------------------------------------------
+
+
+class KVServiceEngine:
+    """kvservice's core, compiled or from its sources as the worker's environment says.
+
+    Imported here, not at the top: the environment chooses the build at import, and
+    the vLLM worker never imports kvservice.core.
+    """
+
+    def __init__(self) -> None:
+        from kvservice.core import (  # noqa: PLC0415
+            COMPILED,
+            block_pool,
+            kv_cache_interface,
+            kv_cache_manager,
+            request,
+        )
+
+        self.compiled = COMPILED
+        self.block_pool_file = block_pool.__file__
+        self.interface = kv_cache_interface
+        self.manager_cls = kv_cache_manager.KVCacheManager
+        self.running = request.RequestStatus.RUNNING
+        self.finished = request.RequestStatus.FINISHED
+
+    def make_manager(self, spec: WorkloadSpec) -> Any:
+        kvi = self.interface
+        shape: dict[str, Any] = {"num_kv_heads": 8, "head_size": 128, "dtype": "bfloat16"}
+        specs: list[KVCacheSpec] = [kvi.FullAttentionSpec(block_size=BLOCK_SIZE, **shape)]
+        if spec.sliding_window is not None:
+            window = spec.sliding_window
+            specs.append(
+                kvi.SlidingWindowSpec(block_size=BLOCK_SIZE, sliding_window=window, **shape)
+            )
+        groups = [kvi.KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)]
+        config = kvi.KVCacheConfig(spec.num_blocks, [], groups)
+        return self.manager_cls(config, max_model_len=MAX_MODEL_LEN, hash_algo="sha256")
+
+    def request_factory(self, manager: Any) -> Callable[[str, list[int]], SchedRequest]:
+        new_request: Callable[[str, list[int]], SchedRequest] = manager.new_request
+        return new_request
+
+    def preempt(self, request: Any) -> None:
+        request.preempt()
+
+
+class VLLMEngine:
+    """vLLM 0.33.0's ``KVCacheManager`` and ``Request``, hashing with sha256 as it does by
+    default."""
+
+    def __init__(self) -> None:
+        for key, value in VLLM_ENV.items():
+            os.environ.setdefault(key, value)
+        # Its modules are loaded by name: vLLM is a test dependency, in this worker only.
+        vllm = {
+            name: importlib.import_module(name)
+            for name in (
+                "torch",
+                "vllm",
+                "vllm.sampling_params",
+                "vllm.utils.hashing",
+                "vllm.v1.core.kv_cache_manager",
+                "vllm.v1.core.kv_cache_utils",
+                "vllm.v1.kv_cache_interface",
+                "vllm.v1.request",
+            )
+        }
+        self.version: str = vllm["vllm"].__version__
+        self.bfloat16 = vllm["torch"].bfloat16
+        self.interface = vllm["vllm.v1.kv_cache_interface"]
+        self.manager_cls = vllm["vllm.v1.core.kv_cache_manager"].KVCacheManager
+        utils, sha256 = vllm["vllm.v1.core.kv_cache_utils"], vllm["vllm.utils.hashing"].sha256
+        utils.init_none_hash(sha256)
+        self.hasher = utils.get_request_block_hasher(BLOCK_SIZE, sha256)
+        self.request_cls = vllm["vllm.v1.request"].Request
+        self.sampling_params = vllm["vllm.sampling_params"].SamplingParams(max_tokens=MAX_MODEL_LEN)
+        status = vllm["vllm.v1.request"].RequestStatus
+        self.running, self.finished, self.preempted = (
+            status.RUNNING,
+            status.FINISHED_STOPPED,
+            status.PREEMPTED,
+        )
+
+    def make_manager(self, spec: WorkloadSpec) -> Any:
+        vki = self.interface
+        shape: dict[str, Any] = {"num_kv_heads": 8, "head_size": 128, "dtype": self.bfloat16}
+        specs = [vki.FullAttentionSpec(block_size=BLOCK_SIZE, **shape)]
+        if spec.sliding_window is not None:
+            window = spec.sliding_window
+            specs.append(
+                vki.SlidingWindowSpec(block_size=BLOCK_SIZE, sliding_window=window, **shape)
+            )
+        groups = [vki.KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)]
+        config = vki.KVCacheConfig(spec.num_blocks, [], groups)
+        return self.manager_cls(
+            config,
+            max_model_len=MAX_MODEL_LEN,
+            scheduler_block_size=BLOCK_SIZE,
+            hash_block_size=BLOCK_SIZE,
+        )
+
+    def request_factory(self, manager: Any) -> Callable[[str, list[int]], SchedRequest]:
+        request_cls, params, hasher = self.request_cls, self.sampling_params, self.hasher
+
+        def new_request(request_id: str, prompt: list[int]) -> SchedRequest:
+            request: SchedRequest = request_cls(
+                request_id, prompt, params, None, block_hasher=hasher
+            )
+            return request
+
+        return new_request
+
+    def preempt(self, request: Any) -> None:
+        # What vLLM's scheduler does to a request it preempts, after freeing it.
+        request.status = self.preempted
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+
+
+# -- the worker process ----------------------------------------------------------------
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def measure_build(engine: Engine, spec: WorkloadSpec) -> dict[str, float]:
+    """Seconds to build a manager of ``spec``'s pool, the resident memory it adds, and
+    the memory Python traces for it (a second build, traced)."""
+    gc.collect()
+    rss_before = _rss_mib()
     start = time.perf_counter()
-    manager = make_manager(num_blocks, "sha256")
+    manager = engine.make_manager(spec)
     seconds = time.perf_counter() - start
+    rss_added = _rss_mib() - rss_before
     del manager
     gc.collect()
     tracemalloc.start()
-    manager = make_manager(num_blocks, "sha256")
-    current, _ = tracemalloc.get_traced_memory()
+    manager = engine.make_manager(spec)
+    traced, _ = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     del manager
-    return seconds, current / 2**20
+    gc.collect()
+    return {"seconds": seconds, "rss_mib": rss_added, "traced_mib": traced / 2**20}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--ops", type=int, default=200_000)
-    parser.add_argument("--sizes", default="64,1024,65536,1000000")
-    parser.add_argument("--hash", default="sha256")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=3, help="best of N rounds")
-    parser.add_argument(
-        "--max-decode",
-        type=int,
-        default=48,
-        help="tokens decoded per request, drawn from 1..N (small N: admission-heavy mix)",
-    )
-    args = parser.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
+def spec_from_json(fields: dict[str, Any]) -> WorkloadSpec:
+    pairs = ("prefix_blocks", "suffix_tokens", "decode_tokens")
+    return WorkloadSpec(**{**fields, **{k: tuple(fields[k]) for k in pairs}})
 
-    print(
-        f"workload: seed {args.seed}, {args.ops} ops per run, hash {args.hash}, "
-        f"decode 1..{args.max_decode} tokens per request, "
-        f"best of {args.repeats} rounds (sizes interleaved in each round)"
-    )
-    builds = {n: measure_construction(n) for n in sizes}
-    best: dict[int, float] = dict.fromkeys(sizes, 0.0)
-    mixes: dict[int, OpMix] = {}
-    for _ in range(args.repeats):
-        for num_blocks in sizes:
-            manager = make_manager(num_blocks, args.hash)
-            gc.collect()
-            mix, seconds = run_workload(manager, args.ops, args.seed, args.max_decode)
-            if num_blocks <= 65536:
-                check_invariants(manager)
-            best[num_blocks] = max(best[num_blocks], mix.ops / seconds)
-            mixes[num_blocks] = mix
-    print(
-        f"{'blocks':>9} {'build s':>8} {'build MiB':>9} {'ops/s':>9} "
-        f"{'vs first':>8} {'vs vLLM*':>8}  op mix"
-    )
-    first = best[sizes[0]]
-    for num_blocks in sizes:
-        build_s, build_mib = builds[num_blocks]
-        mix = mixes[num_blocks]
-        print(
-            f"{num_blocks:>9} {build_s:>8.3f} {build_mib:>9.1f} {best[num_blocks]:>9.0f} "
-            f"{best[num_blocks] / first:>8.2f} {best[num_blocks] / VLLM_REFERENCE_OPS_PER_S:>8.2f}"
-            f"  adds {mix.adds}, lookups {mix.lookups}, decodes {mix.decodes}, frees {mix.frees}, "
-            f"refused {mix.refused}, preemptions {mix.preemptions}"
+
+def worker(engine_name: str) -> int:
+    """Answer the parent's commands, one JSON line in, one out, until stdin closes."""
+    # Replies own the real stdout; anything a library prints goes to stderr.
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    engine: Engine
+    info: dict[str, Any] = {"engine": engine_name}
+    if engine_name == "vllm":
+        warnings.simplefilter("ignore")  # its optional-dependency warnings
+        vllm_engine = VLLMEngine()
+        info["version"] = vllm_engine.version
+        engine = vllm_engine
+    else:
+        kvservice_engine = KVServiceEngine()
+        if kvservice_engine.compiled is not (engine_name == "compiled"):
+            raise SystemExit(f"worker {engine_name}: kvservice.core.COMPILED is wrong")
+        info["block_pool"] = kvservice_engine.block_pool_file
+        engine = kvservice_engine
+    replies.write(json.dumps(info) + "\n")
+    replies.flush()
+    for line in sys.stdin:
+        command = json.loads(line)
+        spec = spec_from_json(command["workload"])
+        if command["cmd"] == "build":
+            reply: dict[str, Any] = measure_build(engine, spec)
+        else:
+            mix, seconds = run_workload(engine, spec, command["ops"], command["seed"])
+            reply = {"mix": asdict(mix), "ops": mix.ops, "seconds": seconds}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+    return 0
+
+
+class Worker:
+    def __init__(self, engine: str) -> None:
+        env = dict(os.environ)
+        if engine == "vllm":
+            env.update(VLLM_ENV)
+        else:
+            env["KVSERVICE_PURE_PYTHON"] = "1" if engine == "pure" else "0"
+        self.engine = engine
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.bench_core", "--worker", engine],
+            cwd=Path(__file__).resolve().parents[1],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
         )
+        self.info = self._read()
+
+    def ask(self, command: dict[str, Any]) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def _read(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise SystemExit(f"the {self.engine} worker exited ({self.process.wait()})")
+        answer: dict[str, Any] = json.loads(line)
+        return answer
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait()
+
+
+# -- the parent: rounds, table ---------------------------------------------------------
+
+
+@dataclass
+class Cell:
+    """One (workload, engine): its best ops/s over the rounds, each round's ops/s."""
+
+    per_round: list[float] = field(default_factory=list)
+    mix: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def best(self) -> float:
+        return max(self.per_round)
+
+
+def _ratio_range(a: Cell, b: Cell) -> str:
+    ratios = [x / y for x, y in zip(a.per_round, b.per_round, strict=True)]
+    return f"{min(ratios):.2f}-{max(ratios):.2f}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ops", type=int, default=60_000, help="manager calls per run")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; each engine's best")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--big-pool", type=int, default=BIG_POOL, help="the big pool's blocks")
+    parser.add_argument("--engines", default=",".join(ENGINES))
+    parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args.worker)
+    engines = args.engines.split(",")
+    specs = workloads(args.big_pool)
     print(
-        f"* vs vLLM: ratio to the {VLLM_REFERENCE_OPS_PER_S} ops/s quoted for vLLM 0.33.0 "
-        f"(64 blocks, sha256), not measured in this run"
+        f"bench_core: {args.ops} manager calls per run, seed {args.seed}, block size "
+        f"{BLOCK_SIZE}, sha256 prefix hashing; {args.rounds} rounds, engines in turn (order "
+        "rotating), one worker process each; ops/s: per CPU second of the worker, best round; "
+        "ratios per round: lowest-highest"
+    )
+    workers = {name: Worker(name) for name in engines}
+    try:
+        for w in workers.values():
+            print(
+                f"  {w.engine:>8}: "
+                + ", ".join(f"{k} {v}" for k, v in w.info.items() if k != "engine")
+            )
+        builds = {
+            name: w.ask({"cmd": "build", "workload": asdict(specs[-1])})
+            for name, w in workers.items()
+        }
+        cells = {(s.name, e): Cell() for s in specs for e in engines}
+        for r in range(args.rounds):
+            order = engines[r % len(engines) :] + engines[: r % len(engines)]
+            for spec in specs:
+                for name in order:
+                    answer = workers[name].ask(
+                        {
+                            "cmd": "run",
+                            "workload": asdict(spec),
+                            "ops": args.ops,
+                            "seed": args.seed,
+                        }
+                    )
+                    cell = cells[(spec.name, name)]
+                    cell.per_round.append(answer["ops"] / answer["seconds"])
+                    cell.mix = answer["mix"]
+    finally:
+        for w in workers.values():
+            w.close()
+    print_table(specs, engines, cells)
+    print_scaling(specs, engines, cells)
+    print_builds(specs[-1].num_blocks, engines, builds)
+    return 0
+
+
+def print_table(
+    specs: list[WorkloadSpec], engines: list[str], cells: dict[tuple[str, str], Cell]
+) -> None:
+    head = f"{'workload':<16} {'blocks':>9}" + "".join(
+        f" {ENGINE_TITLES[e] + ' ops/s':>14}" for e in engines
+    )
+    pairs = [
+        (a, b)
+        for a, b in (("pure", "vllm"), ("compiled", "vllm"), ("compiled", "pure"))
+        if a in engines and b in engines
+    ]
+    head += "".join(
+        f" {ENGINE_TITLES[a] + '/' + ENGINE_TITLES[b]:>15} {'per round':>10}" for a, b in pairs
+    )
+    print(head)
+    medians: dict[tuple[str, str], list[float]] = {p: [] for p in pairs}
+    for spec in specs:
+        row = f"{spec.name:<16} {spec.num_blocks:>9}"
+        row += "".join(f" {cells[(spec.name, e)].best:>14.0f}" for e in engines)
+        for a, b in pairs:
+            ca, cb = cells[(spec.name, a)], cells[(spec.name, b)]
+            medians[(a, b)].append(ca.best / cb.best)
+            row += f" {ca.best / cb.best:>15.2f} {_ratio_range(ca, cb):>10}"
+        print(row)
+    row = f"{'median':<16} {'':>9}" + "".join(f" {'':>14}" for _ in engines)
+    row += "".join(f" {statistics.median(medians[p]):>15.2f} {'':>10}" for p in pairs)
+    print(row)
+    for spec in specs:
+        mixes = {e: cells[(spec.name, e)].mix for e in engines}
+        first = mixes[engines[0]]
+        if any(m != first for m in mixes.values()):
+            print(
+                f"DECISIONS DIFFER in {spec.name}: "
+                + "; ".join(f"{e} {m}" for e, m in mixes.items())
+            )
+        else:
+            print(
+                f"  {spec.name}: "
+                + ", ".join(f"{k} {v}" for k, v in first.items())
+                + " (every engine)"
+            )
+
+
+def print_scaling(
+    specs: list[WorkloadSpec], engines: list[str], cells: dict[tuple[str, str], Cell]
+) -> None:
+    small, big = specs[-2], specs[-1]
+    print(
+        f"cost per op, {big.num_blocks} blocks vs {small.num_blocks} (same workload; target for "
+        "compiled: within 10%): "
+        + ", ".join(
+            f"{ENGINE_TITLES[e]} {cells[(small.name, e)].best / cells[(big.name, e)].best - 1:+.1%}"
+            for e in engines
+        )
+    )
+
+
+def print_builds(num_blocks: int, engines: list[str], builds: dict[str, dict[str, float]]) -> None:
+    print(
+        f"building a {num_blocks}-block pool (target: under 0.5 s and 150 MB): "
+        + "; ".join(
+            f"{ENGINE_TITLES[e]} {b['seconds']:.3f} s, +{b['rss_mib']:.0f} MiB resident, "
+            f"{b['traced_mib']:.0f} MiB traced"
+            for e, b in builds.items()
+        )
     )
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import bench_decode_layers, bench_grpc
+from benchmarks import bench_core, bench_decode_layers, bench_grpc
 from kvservice.bench.measure import Sample
 
 
@@ -23,6 +23,18 @@ def test_bench_grpc_smoke(capsys: pytest.CaptureFixture[str]) -> None:
         "StepStream 256 StepBuilder+omit, 2 in flight",
     ):
         assert row in out
+
+
+def test_bench_core_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    """Its three workers (vLLM, kvservice pure and compiled) run every workload and
+    agree on every decision."""
+    assert bench_core.main(["--ops", "400", "--rounds", "1", "--big-pool", "20000"]) == 0
+    out = capsys.readouterr().out
+    for row in [spec.name for spec in bench_core.workloads(20_000)]:
+        assert f"\n{row} " in out
+    for line in ("median", "cost per op", "building a 20000-block pool"):
+        assert line in out
+    assert "DECISIONS DIFFER" not in out
 
 
 def test_bench_decode_layers_smoke(capsys: pytest.CaptureFixture[str]) -> None:
