@@ -15,7 +15,7 @@ import os
 import pickle
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import cbor2
 import xxhash
@@ -150,12 +150,22 @@ def generate_block_hash_extra_keys(
     return (tuple(keys) if keys else None), next_mm_idx
 
 
+# Blocks remembered by BlockHasher; about 6 MB when full.
+HASH_MEMO_CAPACITY: Final = 16384
+
+
 class BlockHasher:
     """Computes a request's new full-block hashes as its tokens arrive.
 
     One per pool: ``hash_block_size`` tokens per hashed block, one hash function, one
     chain seed. ``none_hash_seed_fingerprint`` lets a client check that it hashes the
     same way without the seed itself leaving the process.
+
+    It remembers the hashes of recent blocks, keyed by exactly what was hashed (parent
+    hash, token ids, extra keys), so requests that share a prefix (a system prompt, the
+    earlier turns of a chat) hash its blocks once. Token ids are ints: equal keys pickle
+    to equal bytes, so a remembered hash is the hash. A request stops looking at its
+    first miss: every later block's parent is then a hash never seen before.
     """
 
     def __init__(
@@ -169,6 +179,7 @@ class BlockHasher:
         seed = none_hash_seed if none_hash_seed is not None else default_none_hash_seed(hash_algo)
         self.none_hash: BlockHash = self.hash_fn(seed)
         self.none_hash_seed_fingerprint = hashlib.sha256(seed.encode()).hexdigest()[:16]
+        self._memo: dict[tuple[BlockHash, tuple[int, ...], ExtraKeys], BlockHash] = {}
 
     def __call__(self, request: Request) -> tuple[list[BlockHash], list[ExtraKeys]]:
         """Hashes (and their extra keys) of the full blocks not yet in
@@ -186,12 +197,22 @@ class BlockHasher:
         parent = hashes[-1] if hashes else None
         tokens = request.all_token_ids
         plain = not (request.lora_name or request.mm_features or request.cache_salt)
-        hash_fn, none_hash = self.hash_fn, self.none_hash
+        hash_fn, memo = self.hash_fn, self._memo
+        looking = True  # until a block is not remembered: each later parent is then new
         while start + bs <= num_tokens:
             keys: ExtraKeys = None
             if not plain:
                 keys, mm_idx = generate_block_hash_extra_keys(request, start, start + bs, mm_idx)
-            parent = hash_block_tokens(hash_fn, parent, tokens[start : start + bs], keys, none_hash)
+            # What hash_block_tokens hashes.
+            block = (parent or self.none_hash, tuple(tokens[start : start + bs]), keys)
+            block_hash = memo.get(block) if looking else None
+            if block_hash is None:
+                looking = False
+                block_hash = hash_fn(block)
+                if len(memo) >= HASH_MEMO_CAPACITY:
+                    memo.clear()  # cheaper than keeping LRU order; shared blocks come back
+                memo[block] = block_hash
+            parent = block_hash
             new_hashes.append(parent)
             new_keys.append(keys)
             start += bs
