@@ -80,15 +80,12 @@ class AllocationChecker:
         the last allocation's, past ``max_model_len``, hits that do not fit the call."""
         rid = request.request_id
         if (
-            min(
-                num_new_tokens,
-                num_new_computed_tokens,
-                num_lookahead_tokens,
-                num_external_computed_tokens,
-                num_encoder_tokens,
-                reserved_blocks,
-            )
-            < 0
+            num_new_tokens < 0
+            or num_new_computed_tokens < 0
+            or num_lookahead_tokens < 0
+            or num_external_computed_tokens < 0
+            or num_encoder_tokens < 0
+            or reserved_blocks < 0
         ):
             counts = {
                 "num_new_tokens": num_new_tokens,
