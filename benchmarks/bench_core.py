@@ -183,15 +183,17 @@ def run_workload(
     data = Prompts(spec, seed, num_ops // 4 + 1)
     prompts, decode_lengths, tokens = data.prompts, data.decode_lengths, data.tokens
     num_prompts, num_tokens = len(prompts), len(tokens)
-    request_ids = [f"r{i}" for i in range(num_ops)]
+    request_ids = [f"r{i}" for i in range(num_ops + spec.max_running)]
     new_request = engine.request_factory(manager)
     lookup, allocate, free = manager.get_computed_blocks, manager.allocate_slots, manager.free
     preempt, running_status, finished_status = engine.preempt, engine.running, engine.finished
+    # Requests, and beside each the tokens it still has to decode.
     running: list[SchedRequest] = []
-    left: dict[int, int] = {}  # id(request) -> tokens still to decode
+    running_left: list[int] = []
     waiting: list[SchedRequest] = []
-    mix = OpMix()
-    next_id = 0
+    waiting_left: list[int] = []
+    # The loop is the part of the measure that is not the manager: plain locals only.
+    adds = lookups = admissions = refused = decodes = frees = preemptions = hit_tokens = 0
     next_token = 0
     # As vLLM's engine does after startup, the heap built so far (the pool, and here the
     # workload's prompts) is frozen out of the collector's scans: a collection during
@@ -199,57 +201,58 @@ def run_workload(
     gc.collect()
     gc.freeze()
     start = time.process_time()
-    while mix.ops < num_ops:
+    while adds + lookups + admissions + refused + decodes + frees < num_ops:
         while len(running) + len(waiting) < spec.max_running:
-            i = next_id % num_prompts
-            request = new_request(request_ids[next_id], prompts[i])
-            left[id(request)] = decode_lengths[i]
-            waiting.append(request)
-            next_id += 1
-            mix.adds += 1
+            i = adds % num_prompts
+            waiting.append(new_request(request_ids[adds], prompts[i]))
+            waiting_left.append(decode_lengths[i])
+            adds += 1
         # Admissions in order, until one does not fit (vLLM's scheduler stops there).
         while waiting:
             request = waiting[0]
             hit, num_hit, _ = lookup(request)
-            mix.lookups += 1
-            mix.hit_tokens += num_hit
+            lookups += 1
+            hit_tokens += num_hit
             if allocate(request, request.num_tokens - num_hit, num_hit, hit) is None:
-                mix.refused += 1
+                refused += 1
                 break
-            mix.admissions += 1
+            admissions += 1
             request.num_computed_tokens = request.num_tokens
             request.status = running_status
             running.append(waiting.pop(0))
+            running_left.append(waiting_left.pop(0))
         # One decode token per running request; the newest is preempted for room.
         i = 0
         while i < len(running):
             request = running[i]
-            if left[id(request)] == 0:
+            if running_left[i] == 0:
                 request.status = finished_status
                 free(request)
-                mix.frees += 1
-                del left[id(request)]
+                frees += 1
                 running.pop(i)
+                running_left.pop(i)
                 continue
             next_token += 1
             request.append_output_token_ids(tokens[next_token % num_tokens])
-            mix.decodes += 1
+            decodes += 1
             while allocate(request, 1) is None:
                 victim = running.pop()
+                waiting.insert(0, victim)
+                waiting_left.insert(0, running_left.pop())
                 free(victim)
                 preempt(victim)
-                mix.frees += 1
-                mix.preemptions += 1
-                waiting.insert(0, victim)
+                frees += 1
+                preemptions += 1
                 if victim is request:
                     break
-                mix.decodes += 1
+                decodes += 1
             else:
                 request.num_computed_tokens += 1
-                left[id(request)] -= 1
+                running_left[i] -= 1
                 i += 1
     seconds = time.process_time() - start
     gc.unfreeze()
+    mix = OpMix(adds, lookups, admissions, refused, decodes, frees, preemptions, hit_tokens)
     return mix, seconds
 
 
@@ -382,13 +385,13 @@ def _rss_mib() -> float:
 
 
 def measure_build(engine: Engine, spec: WorkloadSpec) -> dict[str, float]:
-    """Seconds to build a manager of ``spec``'s pool, the resident memory it adds, and
-    the memory Python traces for it (a second build, traced)."""
+    """CPU seconds to build a manager of ``spec``'s pool, the resident memory it adds,
+    and the memory Python traces for it (a second build, traced)."""
     gc.collect()
     rss_before = _rss_mib()
-    start = time.perf_counter()
+    start = time.process_time()
     manager = engine.make_manager(spec)
-    seconds = time.perf_counter() - start
+    seconds = time.process_time() - start
     rss_added = _rss_mib() - rss_before
     del manager
     gc.collect()
@@ -613,7 +616,7 @@ def print_builds(num_blocks: int, engines: list[str], builds: dict[str, dict[str
     print(
         f"building a {num_blocks}-block pool (target: under 0.5 s and 150 MB): "
         + "; ".join(
-            f"{ENGINE_TITLES[e]} {b['seconds']:.3f} s, +{b['rss_mib']:.0f} MiB resident, "
+            f"{ENGINE_TITLES[e]} {b['seconds']:.3f} CPU s, +{b['rss_mib']:.0f} MiB resident, "
             f"{b['traced_mib']:.0f} MiB traced"
             for e, b in builds.items()
         )
