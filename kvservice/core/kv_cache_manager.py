@@ -611,5 +611,9 @@ class KVCacheManager:
         return self.coordinator.take_new_block_ids()
 
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:
-        # One shared empty object: most decode steps allocate nothing.
-        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
+        # One shared empty object: most decode steps allocate nothing. (A loop, not
+        # any(): the compiled core would call any() through a generic Python call.)
+        for group in blocks:
+            if group:
+                return KVCacheBlocks(blocks)
+        return self.empty_kv_cache_blocks
