@@ -256,10 +256,9 @@ class SingleTypeKVCacheManager(ABC):
     def _swap_in_private_copy(self, request_id: str) -> list[KVCacheBlock]:
         """Copy-on-write for a hit that ended inside a shared block: a fresh block
         replaces it in the table and a (source, copy) copy is queued."""
-        partial = self._partial_hit_reqs.pop(request_id, None)
-        if partial is None:
-            return []
-        index, source = partial
+        if request_id not in self._partial_hit_reqs:
+            return []  # the common case; compiled, a membership test is cheaper than pop
+        index, source = self._partial_hit_reqs.pop(request_id)
         req_blocks = self.req_to_blocks[request_id]
         assert req_blocks[index] is source and not source.is_null and source.ref_cnt > 0
         copy = self.block_pool.get_new_blocks(1)[0]
