@@ -3,17 +3,21 @@
 A block's hash covers ``(parent_hash, token_ids, extra_keys)``: chaining the parent in
 makes one lookup per block enough to prove the whole prefix matches. The chain starts
 from ``NONE_HASH = hash_fn(seed)``. Extra keys keep blocks with equal tokens apart when
-their meaning differs: the LoRA adapter name, multimodal items (identifier and offset
-relative to the block start) and the cache salt (first block only, so it poisons every
-later hash through the chain).
+their meaning differs, each tagged by its kind so that equal strings of different kinds
+never collide: ``("lora", name, path)`` on every block of a LoRA request,
+``("mm", identifier, offset)`` per multimodal item overlapping the block (offset
+relative to the block start), ``("cache_salt", salt)`` on the first block only (it
+poisons every later hash through the chain) and ``("prompt_embeds", digest)`` of the
+block's prompt embeddings.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -70,15 +74,21 @@ def get_hash_fn_by_name(name: str) -> HashFn:
         ) from None
 
 
-def default_none_hash_seed(hash_algo: str) -> str:
-    """The chain seed when none is configured.
+def resolve_none_hash_seed(hash_algo: str, none_hash_seed: str | None = None) -> str:
+    """The seed ``NONE_HASH`` derives from, as vLLM's ``resolve_none_hash_seed``.
 
-    SHA variants use vLLM's fixed seed, so independent processes agree on every hash
-    (``cache_salt`` is the isolation mechanism). A known seed would let anyone craft
-    xxhash collisions offline, so the non-cryptographic ones get a random seed, as in
-    vLLM; configure one explicitly to share an xxhash cache across processes.
-    ``PYTHONHASHSEED`` is deliberately not consulted.
+    ``PYTHONHASHSEED`` wins when set, so a pool and vLLM instances started the usual way
+    for a shared prefix cache compute the same hashes. Otherwise the SHA variants use
+    vLLM's fixed seed (``cache_salt`` is the isolation mechanism), and the
+    non-cryptographic ones a random seed, since a known seed would let anyone craft
+    xxhash collisions offline. An explicit ``none_hash_seed`` (kvservice's
+    ``--none-hash-seed``) wins over all of these.
     """
+    if none_hash_seed is not None:
+        return none_hash_seed
+    env_seed = os.environ.get("PYTHONHASHSEED")
+    if env_seed is not None:
+        return env_seed
     if hash_algo in CRYPTOGRAPHIC_HASHES:
         return DEFAULT_NONE_HASH_SEED
     return os.urandom(32).hex()
@@ -106,16 +116,39 @@ def hash_block_tokens(
     return hash_fn((parent_block_hash, tuple(curr_block_token_ids), extra_keys))
 
 
+def get_mm_features_in_window(
+    features: Sequence[MultiModalFeature], start: int, end: int
+) -> tuple[int, int]:
+    """``(lo, hi)``: the indices of the items overlapping ``[start, end)``. Items are
+    sorted by offset and do not overlap, so their ends are sorted too."""
+    lo = bisect.bisect_left(features, start + 1, key=_feature_end)
+    hi = bisect.bisect_left(features, end, key=_feature_offset)
+    return lo, hi
+
+
+def _feature_end(feature: MultiModalFeature) -> int:
+    return feature.offset + feature.length
+
+
+def _feature_offset(feature: MultiModalFeature) -> int:
+    return feature.offset
+
+
+def first_mm_index(features: Sequence[MultiModalFeature], start: int, end: int) -> int:
+    """Where the multimodal scan of a window ``[start, end)`` begins: the first item
+    overlapping it, when some item ends after ``start``; else 0."""
+    if start > 0 and features and _feature_end(features[-1]) > start:
+        return get_mm_features_in_window(features, start, end)[0]
+    return 0
+
+
 def _gen_mm_extra_hash_keys(
     features: Sequence[MultiModalFeature], start: int, end: int, start_mm_idx: int
 ) -> tuple[list[Any], int]:
-    """Keys of the multimodal items overlapping ``[start, end)``, and the index of the
-    item the next block should start from. Items are sorted by offset."""
+    """``("mm", identifier, offset - start)`` for the items overlapping ``[start, end)``,
+    and the index of the item the next block should start from."""
     keys: list[Any] = []
-    if not features:
-        return keys, start_mm_idx
-    last = features[-1]
-    if last.offset + last.length < start:
+    if not features or _feature_end(features[-1]) <= start:
         return keys, start_mm_idx
     if start_mm_idx < 0:
         start_mm_idx += len(features)
@@ -124,10 +157,10 @@ def _gen_mm_extra_hash_keys(
         item = features[idx]
         if end <= item.offset:
             break  # the block has not reached this item
-        if start > item.offset + item.length:
+        if start >= item.offset + item.length:
             idx += 1  # the block has passed this item
             continue
-        keys.append((item.identifier, item.offset - start))
+        keys.append(("mm", item.identifier, item.offset - start))
         if end < item.offset + item.length:
             break  # the item goes on past this block
         idx += 1  # the block holds the item's end and may hold the next item
@@ -137,16 +170,20 @@ def _gen_mm_extra_hash_keys(
 def generate_block_hash_extra_keys(
     request: Request, start_token_idx: int, end_token_idx: int, start_mm_idx: int
 ) -> tuple[ExtraKeys, int]:
-    """Extra keys of the block ``[start_token_idx, end_token_idx)`` in vLLM's order:
-    LoRA name, multimodal items, cache salt (first block only)."""
-    lora_keys: list[Any] = [request.lora_name] if request.lora_name else []
+    """Extra keys of the window ``[start_token_idx, end_token_idx)`` in vLLM's order
+    (LoRA, multimodal items, cache salt, prompt embeddings), or None; and the
+    multimodal index the next window starts from."""
     mm_keys, next_mm_idx = _gen_mm_extra_hash_keys(
         request.mm_features, start_token_idx, end_token_idx, start_mm_idx
     )
-    salt_keys: list[Any] = (
-        [request.cache_salt] if start_token_idx == 0 and request.cache_salt else []
-    )
-    keys = lora_keys + mm_keys + salt_keys
+    keys: list[Any] = []
+    if request.lora_name:
+        keys.append(("lora", request.lora_name, request.lora_path))
+    keys += mm_keys
+    if start_token_idx == 0 and request.cache_salt:
+        keys.append(("cache_salt", request.cache_salt))
+    if request.prompt_embeds is not None:
+        keys.append(("prompt_embeds", request.prompt_embeds_digest(start_token_idx, end_token_idx)))
     return (tuple(keys) if keys else None), next_mm_idx
 
 
@@ -154,12 +191,24 @@ def generate_block_hash_extra_keys(
 HASH_MEMO_CAPACITY: Final = 16384
 
 
+def to_event_extra_keys(extra_keys: Iterable[ExtraKeys]) -> list[ExtraKeys] | None:
+    """The per-block extra keys a ``BlockStored`` event publishes: untagged, in the
+    shapes KV event consumers parse (an mm key becomes ``(identifier, offset)``, every
+    other key its bare value); None without blocks."""
+    event_keys = [
+        None if keys is None else tuple(k[1:] if k[0] == "mm" else k[1] for k in keys)
+        for keys in extra_keys
+    ]
+    return event_keys or None
+
+
 class BlockHasher:
     """Computes a request's new full-block hashes as its tokens arrive.
 
     One per pool: ``hash_block_size`` tokens per hashed block, one hash function, one
-    chain seed. ``none_hash_seed_fingerprint`` lets a client check that it hashes the
-    same way without the seed itself leaving the process.
+    chain seed (``none_hash_seed``, resolved as ``resolve_none_hash_seed`` says).
+    ``none_hash_seed_fingerprint`` lets a client check that it hashes the same way
+    without the seed itself leaving the process.
 
     It remembers the hashes of recent blocks, keyed by exactly what was hashed (parent
     hash, token ids, extra keys), so requests that share a prefix (a system prompt, the
@@ -176,27 +225,25 @@ class BlockHasher:
         self.hash_block_size = hash_block_size
         self.hash_algo = hash_algo
         self.hash_fn = get_hash_fn_by_name(hash_algo)
-        seed = none_hash_seed if none_hash_seed is not None else default_none_hash_seed(hash_algo)
-        self.none_hash: BlockHash = self.hash_fn(seed)
-        self.none_hash_seed_fingerprint = hashlib.sha256(seed.encode()).hexdigest()[:16]
+        self.none_hash_seed = resolve_none_hash_seed(hash_algo, none_hash_seed)
+        self.none_hash: BlockHash = self.hash_fn(self.none_hash_seed)
+        seed_digest = hashlib.sha256(self.none_hash_seed.encode()).hexdigest()
+        self.none_hash_seed_fingerprint = seed_digest[:16]
         self._memo: dict[tuple[BlockHash, tuple[int, ...], ExtraKeys], BlockHash] = {}
 
-    def __call__(self, request: Request) -> tuple[list[BlockHash], list[ExtraKeys]]:
-        """Hashes (and their extra keys) of the full blocks not yet in
-        ``request.block_hashes``."""
+    def __call__(self, request: Request) -> list[BlockHash]:
+        """Hashes of the full blocks not yet in ``request.block_hashes``."""
         bs = self.hash_block_size
         hashes = request.block_hashes
         start = len(hashes) * bs
         num_tokens = request.num_tokens
         new_hashes: list[BlockHash] = []
-        new_keys: list[ExtraKeys] = []
         if start + bs > num_tokens:
-            return new_hashes, new_keys
-        # Blocks of generated tokens can only overlap the last multimodal item.
-        mm_idx = 0 if start == 0 else -1
+            return new_hashes
+        mm_idx = first_mm_index(request.mm_features, start, start + bs)
         parent = hashes[-1] if hashes else None
         tokens = request.all_token_ids
-        plain = not (request.lora_name or request.mm_features or request.cache_salt)
+        plain = not request.has_extra_keys
         hash_fn, memo = self.hash_fn, self._memo
         looking = True  # until a block is not remembered: each later parent is then new
         while start + bs <= num_tokens:
@@ -214,6 +261,5 @@ class BlockHasher:
                 memo[block] = block_hash
             parent = block_hash
             new_hashes.append(parent)
-            new_keys.append(keys)
             start += bs
-        return new_hashes, new_keys
+        return new_hashes

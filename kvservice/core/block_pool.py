@@ -14,6 +14,12 @@ import gc
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
+from kvservice.core.block_hashing import (
+    ExtraKeys,
+    first_mm_index,
+    generate_block_hash_extra_keys,
+    to_event_extra_keys,
+)
 from kvservice.core.errors import InvalidArgumentError
 from kvservice.core.kv_cache_block import (
     BlockHash,
@@ -219,7 +225,6 @@ class BlockPool:
         )
         gid_suffix = kv_cache_group_id.to_bytes(4, "big")
         insert = self.cached_block_hash_to_block.insert
-        stored: list[bytes] = []
         stored_indices: list[int] = []
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
@@ -231,19 +236,20 @@ class BlockPool:
             key = hashes[i] + gid_suffix
             block.set_block_hash(key, (i + 1) * block_size)
             insert(key, block)
-            if self.enable_kv_cache_events:
-                stored.append(hashes[i])
-                stored_indices.append(i)
-        if stored:
-            self._emit_block_stored(
-                request,
-                hashes,
-                stored,
-                stored_indices,
-                num_cached_blocks,
-                num_full_blocks,
-                block_size,
-                kv_cache_group_id,
+            stored_indices.append(i)
+        if self.enable_kv_cache_events and stored_indices:
+            parent = hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
+            self.kv_event_queue.append(
+                self._block_stored(
+                    request,
+                    [hashes[i] for i in stored_indices],
+                    parent,
+                    num_cached_blocks * block_size,
+                    num_full_blocks * block_size,
+                    block_size,
+                    kv_cache_group_id,
+                    self._event_extra_keys(request, stored_indices, block_size),
+                )
             )
 
     def cache_partial_block(
@@ -278,17 +284,19 @@ class BlockPool:
         block.set_block_hash(key, num_tokens)
         self.cached_block_hash_to_block.insert(key, block)
         if self.enable_kv_cache_events:
+            start = num_tokens - hbs
+            mm_idx = first_mm_index(request.mm_features, start, num_tokens)
+            extra_keys, _ = generate_block_hash_extra_keys(request, start, num_tokens, mm_idx)
             self.kv_event_queue.append(
-                BlockStored(
-                    block_hashes=[request.block_hashes[fine_index]],
-                    parent_block_hash=request.block_hashes[fine_index - 1] if fine_index else None,
-                    token_ids=request.all_token_ids[num_tokens - hbs : num_tokens],
-                    block_size=hbs,
-                    lora_id=None,
-                    medium=MEDIUM_GPU,
-                    lora_name=request.lora_name,
-                    extra_keys=None,
-                    group_idx=kv_cache_group_id,
+                self._block_stored(
+                    request,
+                    [request.block_hashes[fine_index]],
+                    request.block_hashes[fine_index - 1] if fine_index else None,
+                    start,
+                    num_tokens,
+                    hbs,
+                    kv_cache_group_id,
+                    to_event_extra_keys([extra_keys]),
                 )
             )
         return key
@@ -321,39 +329,43 @@ class BlockPool:
         it is no prefix-cache entry."""
         return not block.is_null and block.ref_cnt == 1 and block.block_hash is None
 
-    def _emit_block_stored(
+    def _event_extra_keys(
+        self, request: Request, indices: Sequence[int], block_size: int
+    ) -> list[ExtraKeys] | None:
+        """Per cached block, the extra keys of its whole window of ``block_size``
+        tokens, in the untagged form events publish."""
+        if not request.has_extra_keys:
+            return [None] * len(indices) if indices else None
+        keys: list[ExtraKeys] = []
+        mm_idx = 0
+        for i in indices:
+            block_keys, mm_idx = generate_block_hash_extra_keys(
+                request, i * block_size, (i + 1) * block_size, mm_idx
+            )
+            keys.append(block_keys)
+        return to_event_extra_keys(keys)
+
+    def _block_stored(
         self,
         request: Request,
-        hashes: Sequence[BlockHash],
-        stored: list[bytes],
-        stored_indices: list[int],
-        num_cached_blocks: int,
-        num_full_blocks: int,
+        block_hashes: list[BlockHash],
+        parent_block_hash: BlockHash | None,
+        start_token_idx: int,
+        end_token_idx: int,
         block_size: int,
         kv_cache_group_id: int,
-    ) -> None:
-        # The parent is the logical previous block, even when its physical block is null.
-        parent = hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
-        # Extra keys are per hash block; they describe a coarser block only when equal.
-        extra_keys = (
-            [request.block_extra_keys[i] for i in stored_indices]
-            if block_size == self.hash_block_size
-            else None
-        )
-        self.kv_event_queue.append(
-            BlockStored(
-                block_hashes=stored,
-                parent_block_hash=parent,
-                token_ids=request.all_token_ids[
-                    num_cached_blocks * block_size : num_full_blocks * block_size
-                ],
-                block_size=block_size,
-                lora_id=None,
-                medium=MEDIUM_GPU,
-                lora_name=request.lora_name,
-                extra_keys=extra_keys,
-                group_idx=kv_cache_group_id,
-            )
+        extra_keys: list[ExtraKeys] | None,
+    ) -> BlockStored:
+        return BlockStored(
+            block_hashes=block_hashes,
+            parent_block_hash=parent_block_hash,
+            token_ids=request.all_token_ids[start_token_idx:end_token_idx],
+            block_size=block_size,
+            lora_id=request.lora_int_id if request.lora_name else None,
+            medium=MEDIUM_GPU,
+            lora_name=request.lora_name,
+            extra_keys=extra_keys,
+            group_idx=kv_cache_group_id,
         )
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:

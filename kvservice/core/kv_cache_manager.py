@@ -208,6 +208,9 @@ class KVCacheManager:
         lora_name: str | None = None,
         mm_features: Iterable[MultiModalFeature] = (),
         skip_reading_prefix_cache: bool = False,
+        lora_path: str | None = None,
+        lora_int_id: int | None = None,
+        prompt_embeds: bytes | None = None,
     ) -> Request:
         """A ``Request`` hashed with this manager's hash function and block size."""
         return Request(
@@ -218,6 +221,9 @@ class KVCacheManager:
             lora_name=lora_name,
             mm_features=mm_features,
             skip_reading_prefix_cache=skip_reading_prefix_cache,
+            lora_path=lora_path,
+            lora_int_id=lora_int_id,
+            prompt_embeds=prompt_embeds,
         )
 
     # -- lookup -----------------------------------------------------------------------

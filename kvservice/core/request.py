@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 from collections.abc import Iterable, Sequence
 
-from kvservice.core.block_hashing import BlockHasher, ExtraKeys, MultiModalFeature
+from kvservice.core.block_hashing import BlockHasher, MultiModalFeature
 from kvservice.core.errors import FailedPreconditionError, InvalidArgumentError
 from kvservice.core.kv_cache_block import BlockHash
 
@@ -24,19 +25,30 @@ class Request:
 
     ``num_computed_tokens`` is set by the caller, as vLLM's scheduler does after each
     successful ``allocate_slots``.
+
+    What enters the block hashes besides the tokens: the LoRA adapter (``lora_name``
+    and ``lora_path``), multimodal items, the cache salt and the prompt embeddings
+    (``prompt_embeds``: the raw bytes of a row-major ``[num_prompt_tokens, hidden]``
+    tensor, as vLLM hashes ``tensor_data`` of its rows). ``lora_int_id`` is vLLM's
+    ``lora_request.adapter_id``, reported as ``lora_id`` in KV events.
     """
 
     __slots__ = (
         "_block_hasher",
         "_num_computed_tokens",
+        "_prompt_embeds_digests",
         "all_token_ids",
-        "block_extra_keys",
         "block_hashes",
         "cache_salt",
+        "has_extra_keys",
+        "lora_int_id",
         "lora_name",
+        "lora_path",
         "mm_features",
         "num_preemptions",
         "num_prompt_tokens",
+        "prompt_embeds",
+        "prompt_embeds_row_bytes",
         "request_id",
         "shared_prefix_boundary",
         "skip_reading_prefix_cache",
@@ -53,6 +65,9 @@ class Request:
         lora_name: str | None = None,
         mm_features: Iterable[MultiModalFeature] = (),
         skip_reading_prefix_cache: bool = False,
+        lora_path: str | None = None,
+        lora_int_id: int | None = None,
+        prompt_embeds: bytes | None = None,
     ) -> None:
         if not request_id:
             raise InvalidArgumentError("request_id must be a non-empty string")
@@ -62,7 +77,11 @@ class Request:
             raise InvalidArgumentError(f"request {request_id!r}: the prompt is empty")
         self.num_prompt_tokens = len(self.all_token_ids)
         self.cache_salt = cache_salt or None
+        # A LoRA adapter is keyed by name and path: re-pointing a name at another
+        # adapter must not reuse its KV. ``lora_int_id`` only labels KV events.
         self.lora_name = lora_name or None
+        self.lora_path = lora_path
+        self.lora_int_id = lora_int_id
         self.mm_features: list[MultiModalFeature] = sorted(mm_features, key=lambda f: f.offset)
         for f in self.mm_features:
             if f.offset < 0 or f.length <= 0 or f.offset + f.length > self.num_prompt_tokens:
@@ -71,6 +90,12 @@ class Request:
                     f"{f.offset} with length {f.length} does not lie inside the "
                     f"{self.num_prompt_tokens}-token prompt"
                 )
+        self.prompt_embeds = prompt_embeds
+        self.prompt_embeds_row_bytes = self._row_bytes(prompt_embeds)
+        self._prompt_embeds_digests: dict[tuple[int, int], bytes] = {}
+        self.has_extra_keys = bool(
+            self.lora_name or self.mm_features or self.cache_salt or prompt_embeds is not None
+        )
         # Prompt-logprob and pooling requests must recompute every token: they write
         # the prefix cache but never read it.
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
@@ -81,9 +106,32 @@ class Request:
         self.num_preemptions = 0
         self._num_computed_tokens = 0
         self.block_hashes: list[BlockHash] = []
-        self.block_extra_keys: list[ExtraKeys] = []
         self._block_hasher = block_hasher
         self._update_block_hashes()
+
+    def _row_bytes(self, prompt_embeds: bytes | None) -> int:
+        """Bytes per token of the prompt embeddings (row-major, one row per token)."""
+        if prompt_embeds is None:
+            return 0
+        if not prompt_embeds or len(prompt_embeds) % self.num_prompt_tokens:
+            raise InvalidArgumentError(
+                f"request {self.request_id!r}: {len(prompt_embeds)} bytes of prompt "
+                f"embeddings do not split into one row per prompt token "
+                f"({self.num_prompt_tokens} tokens)"
+            )
+        return len(prompt_embeds) // self.num_prompt_tokens
+
+    def prompt_embeds_digest(self, start: int, end: int) -> bytes:
+        """SHA-256 of the prompt embeddings of tokens ``[start, end)`` (empty past the
+        prompt), computed once per window as vLLM does."""
+        assert self.prompt_embeds is not None
+        window = (start, end)
+        digest = self._prompt_embeds_digests.get(window)
+        if digest is None:
+            row = self.prompt_embeds_row_bytes
+            digest = hashlib.sha256(self.prompt_embeds[start * row : end * row]).digest()
+            self._prompt_embeds_digests[window] = digest
+        return digest
 
     @property
     def num_tokens(self) -> int:
@@ -143,10 +191,7 @@ class Request:
             return
         if len(self.all_token_ids) < (len(self.block_hashes) + 1) * hasher.hash_block_size:
             return  # no block completed: the common decode step
-        hashes, keys = hasher(self)
-        if hashes:
-            self.block_hashes.extend(hashes)
-            self.block_extra_keys.extend(keys)
+        self.block_hashes.extend(hasher(self))
 
     def __repr__(self) -> str:
         return (

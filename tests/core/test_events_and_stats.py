@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
+from kvservice.core.block_hashing import MultiModalFeature
 from kvservice.core.invariants import check_invariants
 from kvservice.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvservice.core.stats import CachingMetrics, PrefixCacheStats
 from tests.core.helpers import finish, make_manager, prefill
 from tests.core.support import full, sliding
+from tests.core.test_mamba import mamba
 
 
-def stored_events(events: list[object]) -> list[BlockStored]:
+def stored_events(events: Sequence[object]) -> list[BlockStored]:
     return [e for e in events if isinstance(e, BlockStored)]
 
 
@@ -84,7 +88,7 @@ class TestKVCacheEvents:
     @pytest.mark.parametrize("n", [2, 3, 10])
     def test_kv_cache_events_with_lora(self, n: int) -> None:
         """27 (adapted): a LoRA request's BlockStored carries its adapter name (lora_id
-        stays None) and extra keys; without LoRA lora_name is None."""
+        stays None without an int id) and extra keys; without LoRA lora_name is None."""
         m = make_manager(n + 1, enable_kv_cache_events=True)
         req = m.new_request("0", [0] * (16 * n), lora_name="test_lora")
         assert m.allocate_slots(req, 16 * n) is not None
@@ -284,3 +288,60 @@ class TestPrefixCacheStats:
         assert m.reset_prefix_cache() is True
         stats = m.make_prefix_cache_stats()
         assert stats is not None and stats.reset is True
+
+
+class TestEventExtraKeys:
+    """BlockStored carries one extra-keys entry per block, in the untagged form vLLM
+    publishes (``to_event_extra_keys``); values observed on vLLM 0.33.0."""
+
+    def test_one_untagged_entry_per_block(self) -> None:
+        """The salt on block 0, an image on block 1, nothing on block 2 (None); a
+        LoRA adapter's name on every block, with its int id as lora_id."""
+        m = make_manager(20, full(4), enable_kv_cache_events=True)
+        req = m.new_request(
+            "0", list(range(12)), cache_salt="s", mm_features=[MultiModalFeature("img", 5, 2)]
+        )
+        assert m.allocate_slots(req, 12) is not None
+        (event,) = m.take_events()
+        assert isinstance(event, BlockStored)
+        assert event.extra_keys == [("s",), (("img", 1),), None]
+        lora = m.new_request(
+            "1", list(range(100, 112)), lora_name="a", lora_path="/a", lora_int_id=7
+        )
+        assert m.allocate_slots(lora, 12) is not None
+        (event,) = m.take_events()
+        assert isinstance(event, BlockStored)
+        assert (event.lora_id, event.lora_name) == (7, "a")
+        assert event.extra_keys == [("a",)] * 3
+
+    def test_a_coarser_group_keys_its_whole_block(self) -> None:
+        """A Mamba group of 8-token blocks hashed every 4 tokens: its block's entry
+        holds the keys of all 8 tokens (the image at 5, the salt)."""
+        m = make_manager(20, full(4), mamba(8, "align"), enable_kv_cache_events=True)
+        req = m.new_request(
+            "0", list(range(12)), cache_salt="s", mm_features=[MultiModalFeature("img", 5, 2)]
+        )
+        assert m.allocate_slots(req, 8) is not None
+        attention, state = stored_events(m.take_events())
+        assert (attention.block_size, attention.extra_keys) == (4, [("s",), (("img", 1),)])
+        assert (state.block_size, state.extra_keys) == (8, [(("img", 5), "s")])
+
+    def test_partial_entries_carry_their_hash_blocks_keys(self) -> None:
+        """The prompt's partial entry at 4 (inside 8-token blocks) is published as one
+        hash block of 4 tokens, in each group, with that window's keys."""
+        m = make_manager(
+            20, full(8), mamba(8, "align"), hash_block_size=4, enable_kv_cache_events=True
+        )
+        req = m.new_request(
+            "0", [1, 2, 3, 4, 5, 6, 7], cache_salt="s", mm_features=[MultiModalFeature("img", 2, 3)]
+        )
+        assert m.allocate_slots(req, 4) is not None
+        events = stored_events(m.take_events())
+        assert [(e.group_idx, e.block_size, e.token_ids) for e in events] == [
+            (0, 4, [1, 2, 3, 4]),
+            (1, 4, [1, 2, 3, 4]),
+        ]
+        for event in events:
+            assert event.block_hashes == [req.block_hashes[0]]
+            assert event.parent_block_hash is None
+            assert event.extra_keys == [(("img", 2), "s")]
