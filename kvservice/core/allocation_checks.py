@@ -97,10 +97,11 @@ class AllocationChecker:
             }
             negative = {k: v for k, v in counts.items() if v < 0}
             raise InvalidArgumentError(f"request {rid!r}: counts must be >= 0, got {negative}")
-        if num_new_tokens == 0 and num_external_computed_tokens == 0:
+        if num_new_tokens == 0 and num_external_computed_tokens + num_new_computed_tokens == 0:
+            # As vLLM: a step may take no slots of its own while adopting computed tokens.
             raise InvalidArgumentError(
                 f"request {rid!r}: num_new_tokens must be greater than 0 when there are no "
-                f"external computed tokens"
+                f"computed tokens to adopt (external or prefix hits)"
             )
         if request.status is RequestStatus.FINISHED:
             self.check_not_finished(request)

@@ -69,6 +69,13 @@ class BlockHashToBlockMap:
     def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
         return self._first.get(key)
 
+    def contain(self, key: BlockHashWithGroupId, block_id: int) -> bool:
+        """Whether block ``block_id`` is filed under ``key``."""
+        first = self._first.get(key)
+        if first is None:
+            return False
+        return first.block_id == block_id or block_id in self._duplicates.get(key, {})
+
     def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
         if key not in self._first:
             self._first[key] = block
@@ -177,6 +184,9 @@ class BlockPool:
             self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
             self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.cached_block_hash_to_block = BlockHashToBlockMap()
+        # Block id -> the keys a block is filed under besides its primary block_hash:
+        # partial entries of a block cached for a longer prefix.
+        self.cached_block_hashes_by_block: dict[int, set[BlockHashWithGroupId]] = {}
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.enable_kv_cache_events = enable_kv_cache_events
@@ -214,7 +224,7 @@ class BlockPool:
         """Enter ``blocks[num_cached_blocks:num_full_blocks]`` into the prefix cache.
 
         Null blocks and blocks the mask leaves out stay unhashed. One ``BlockStored``
-        event describes the whole call.
+        event describes the whole call, even when every block was left out.
         """
         if num_cached_blocks >= num_full_blocks:
             return
@@ -230,14 +240,20 @@ class BlockPool:
             block = blocks[i]
             if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
                 continue
+            num_tokens = (i + 1) * block_size
             if block.block_hash is not None:
-                # Only a partial entry of this very block may precede its full key.
-                self._drop_partial_key(block, (i + 1) * block_size)
+                # Only shorter (partial) entries of this very block may precede its full key.
+                current = block.block_hash_num_tokens
+                assert current is not None and current < num_tokens, (
+                    f"block {block.block_id} is already cached for {current} tokens; it "
+                    f"cannot be cached again for {num_tokens}"
+                )
+                self._emit_block_removed(self._remove_cached_block_hashes(block))
             key = hashes[i] + gid_suffix
-            block.set_block_hash(key, (i + 1) * block_size)
+            block.set_block_hash(key, num_tokens)
             insert(key, block)
             stored_indices.append(i)
-        if self.enable_kv_cache_events and stored_indices:
+        if self.enable_kv_cache_events:
             parent = hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
             self.kv_event_queue.append(
                 self._block_stored(
@@ -259,39 +275,46 @@ class BlockPool:
         num_tokens: int,
         kv_cache_group_id: int,
         block_size: int,
+        replace_existing_hashes: bool = False,
     ) -> BlockHashWithGroupId | None:
-        """Register ``block`` as the cache entry of the prefix ending at ``num_tokens``,
-        a hash boundary inside the block (a partial entry, for partial-block hits).
+        """Make ``block`` the cache entry of the prefix ending at ``num_tokens``, a hash
+        boundary that may lie inside the block (a partial entry, for partial-block hits).
 
-        A shorter partial entry of the block is replaced; a block already registered
-        for as many tokens or more is left alone (None). The null block is never
-        registered (None).
+        A block already cached for a longer prefix keeps that key and gains this one
+        beside it; a shorter entry is replaced, and so is every key when
+        ``replace_existing_hashes`` (the block's content was replaced). Returns the key
+        (also when the block already had it), or None for the null block.
         """
         if block.is_null:
             return None
         hbs = self.hash_block_size
-        assert block_size > hbs and num_tokens % hbs == 0 and num_tokens % block_size != 0, (
-            f"a partial entry ends on a hash boundary inside a block, got {num_tokens} tokens "
+        assert block_size % hbs == 0 and num_tokens % hbs == 0, (
+            f"a partial entry ends on a hash boundary, got {num_tokens} tokens "
             f"(block {block_size}, hash block {hbs})"
         )
+        num_hash_blocks = num_tokens // hbs
+        assert 0 < num_hash_blocks <= len(request.block_hashes)
+        block_hash = request.block_hashes[num_hash_blocks - 1]
+        key = make_block_hash_with_group_id(block_hash, kv_cache_group_id)
+        already_cached = block.block_hash == key or self.cached_block_hash_to_block.contain(
+            key, block.block_id
+        )
         current = block.block_hash_num_tokens
-        if block.block_hash is not None:
-            if current is None or current >= num_tokens:
-                return None
-            self._drop_partial_key(block, num_tokens)
-        fine_index = num_tokens // hbs - 1
-        key = make_block_hash_with_group_id(request.block_hashes[fine_index], kv_cache_group_id)
-        block.set_block_hash(key, num_tokens)
-        self.cached_block_hash_to_block.insert(key, block)
-        if self.enable_kv_cache_events:
+        if replace_existing_hashes:
+            self._emit_block_removed(self._remove_cached_block_hashes(block))
+            already_cached = False
+        elif not already_cached and current is not None and current < num_tokens:
+            self._emit_block_removed(self._remove_cached_block_hashes(block))
+        self._insert_block_hash(key, block, num_tokens)
+        if self.enable_kv_cache_events and not already_cached:
             start = num_tokens - hbs
             mm_idx = first_mm_index(request.mm_features, start, num_tokens)
             extra_keys, _ = generate_block_hash_extra_keys(request, start, num_tokens, mm_idx)
             self.kv_event_queue.append(
                 self._block_stored(
                     request,
-                    [request.block_hashes[fine_index]],
-                    request.block_hashes[fine_index - 1] if fine_index else None,
+                    [block_hash],
+                    request.block_hashes[num_hash_blocks - 2] if num_hash_blocks > 1 else None,
                     start,
                     num_tokens,
                     hbs,
@@ -301,27 +324,45 @@ class BlockPool:
             )
         return key
 
-    def _drop_partial_key(self, block: KVCacheBlock, new_num_tokens: int) -> None:
-        """Remove ``block``'s partial entry before it is registered for a longer prefix."""
-        current = block.block_hash_num_tokens
-        assert current is not None and current < new_num_tokens, (
-            f"block {block.block_id} is already cached for {current} tokens; it cannot be "
-            f"registered again for {new_num_tokens}"
-        )
-        self._maybe_evict_cached_block(block)
+    def _insert_block_hash(
+        self, key: BlockHashWithGroupId, block: KVCacheBlock, num_tokens: int | None
+    ) -> None:
+        """File ``block`` under ``key``: as its primary key if it has none, else as one
+        more (alias) key; nothing if it already carries it."""
+        if block.block_hash == key or self.cached_block_hash_to_block.contain(key, block.block_id):
+            return
+        if block.block_hash is None:
+            block.set_block_hash(key, num_tokens)
+        else:
+            self.cached_block_hashes_by_block.setdefault(block.block_id, set()).add(key)
+        self.cached_block_hash_to_block.insert(key, block)
+
+    def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[BlockHashWithGroupId]:
+        """Unfile ``block`` from every key it carries (primary first, then aliases);
+        returns the keys that were filed."""
+        keys: list[BlockHashWithGroupId] = []
+        if block.block_hash is not None:
+            keys.append(block.block_hash)
+        keys.extend(self.cached_block_hashes_by_block.pop(block.block_id, ()))
+        if not keys:
+            return keys
+        pop = self.cached_block_hash_to_block.pop
+        removed = [key for key in keys if pop(key, block.block_id) is not None]
+        block.reset_hash()
+        return removed
+
+    def aliases_of(self, block: KVCacheBlock) -> set[BlockHashWithGroupId]:
+        """The keys ``block`` is filed under besides its primary ``block_hash``."""
+        return self.cached_block_hashes_by_block.get(block.block_id, set())
 
     def move_block_hashes(self, src: KVCacheBlock, dst: KVCacheBlock) -> None:
-        """Re-point ``src``'s cache entry at ``dst`` (which will receive a copy of its
+        """Re-point ``src``'s cache entries at ``dst`` (which will receive a copy of its
         content), so that ``src`` can be written again. No events: the cached content
         stays the same."""
-        key = src.block_hash
-        assert key is not None and dst.block_hash is None and not dst.is_null
+        assert dst.block_hash is None and dst.block_id not in self.cached_block_hashes_by_block
         num_tokens = src.block_hash_num_tokens
-        popped = self.cached_block_hash_to_block.pop(key, src.block_id)
-        assert popped is src, f"block {src.block_id} carries a key the map does not file"
-        src.reset_hash()
-        dst.set_block_hash(key, num_tokens)
-        self.cached_block_hash_to_block.insert(key, dst)
+        for key in self._remove_cached_block_hashes(src):
+            self._insert_block_hash(key, dst, num_tokens)  # the first becomes the primary
 
     @staticmethod
     def is_block_writable(block: KVCacheBlock) -> bool:
@@ -368,15 +409,10 @@ class BlockPool:
             group_idx=kv_cache_group_id,
         )
 
-    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
-        """Drop ``block``'s cache entry, if it has one; True if it had."""
-        key = block.block_hash
-        if key is None:
-            return False
-        if self.cached_block_hash_to_block.pop(key, block.block_id) is None:
-            return False
-        block.reset_hash()
-        if self.enable_kv_cache_events:
+    def _emit_block_removed(self, keys: list[BlockHashWithGroupId]) -> None:
+        if not self.enable_kv_cache_events:
+            return
+        for key in keys:
             self.kv_event_queue.append(
                 BlockRemoved(
                     block_hashes=[get_block_hash(key)],
@@ -384,6 +420,13 @@ class BlockPool:
                     group_idx=get_group_id(key),
                 )
             )
+
+    def _maybe_evict_cached_block(self, block: KVCacheBlock) -> bool:
+        """Drop every cache entry of ``block``; True if it had one."""
+        removed = self._remove_cached_block_hashes(block)
+        if not removed:
+            return False
+        self._emit_block_removed(removed)
         return True
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
@@ -411,6 +454,7 @@ class BlockPool:
         if num_used_blocks != 1:  # the null block is always "used"
             return False
         self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.cached_block_hashes_by_block.clear()
         for block in self.blocks:
             block.reset_hash()
         if restore_block_order:

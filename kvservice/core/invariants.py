@@ -92,13 +92,13 @@ def check_invariants(manager: KVCacheManager) -> None:
 
 
 def _copy_holds(manager: KVCacheManager, queued_ids: set[int]) -> Counter[int]:
-    """The references held for copies: queued ones (their ends must stay out of the
-    free queue, so neither is handed to a new owner before the copy is taken) and
-    taken ones whose holds the caller has not released yet."""
+    """The references held for copies, one on each end: queued ones (their ends must
+    stay out of the free queue, so neither is handed to a new owner before the copy is
+    taken) and taken ones whose holds the caller has not released yet."""
     holds: Counter[int] = Counter(manager.retained_holds)
     for group_id, single in enumerate(manager.coordinator.single_type_managers):
-        holds.update(b.block_id for b in single.copy_holds)
         for src, dst in single.pending_cow_copies:
+            holds.update((src.block_id, dst.block_id))
             if src.is_null or dst.is_null or src is dst:
                 _fail(f"group {group_id}: copy {src.block_id} -> {dst.block_id} is malformed")
             for end in (src, dst):
@@ -125,21 +125,33 @@ def _check_writable_blocks_unshared(manager: KVCacheManager, table_holders: Coun
 
 
 def _check_hash_map(manager: KVCacheManager) -> None:
+    """The map files each block exactly under the keys it carries: its primary
+    ``block_hash`` and its aliases (partial entries beside a longer key)."""
     pool = manager.block_pool
     cache = pool.cached_block_hash_to_block
-    mapped: set[int] = set()
+    mapped: set[tuple[int, bytes]] = set()
     for key in cache:
         for block in cache.blocks_of(key):
-            if block.block_hash != key:
-                _fail(f"hash map: block {block.block_id} is filed under a key it does not carry")
-            if block.block_id in mapped:
-                _fail(f"hash map: block {block.block_id} is filed twice")
-            mapped.add(block.block_id)
-    hashed = {b.block_id for b in pool.blocks if b.block_hash is not None}
-    if hashed != mapped:
+            if (block.block_id, key) in mapped:
+                _fail(f"hash map: block {block.block_id} is filed twice under one key")
+            mapped.add((block.block_id, key))
+    carried: set[tuple[int, bytes]] = set()
+    for block in pool.blocks:
+        aliases = pool.aliases_of(block)
+        if block.block_hash is None:
+            if aliases:
+                _fail(f"block {block.block_id} has alias keys but no primary key")
+            continue
+        if block.block_hash in aliases:
+            _fail(f"block {block.block_id} carries its primary key as an alias too")
+        carried.add((block.block_id, block.block_hash))
+        carried.update((block.block_id, key) for key in aliases)
+    if carried != mapped:
+        missing = sorted(block_id for block_id, _ in carried - mapped)[:5]
+        stray = sorted(block_id for block_id, _ in mapped - carried)[:5]
         _fail(
-            f"blocks with a hash {sorted(hashed - mapped)[:5]} are missing from the map, "
-            f"mapped blocks {sorted(mapped - hashed)[:5]} carry no hash"
+            f"blocks {missing} carry keys missing from the map; the map files blocks "
+            f"{stray} under keys they do not carry"
         )
-    if not pool.enable_caching and hashed:
+    if not pool.enable_caching and carried:
         _fail("caching is off but blocks carry hashes")

@@ -27,6 +27,7 @@ from kvservice.core.kv_cache_interface import (
 from kvservice.core.single_type_kv_cache_manager import (
     BlockCopy,
     HitBlocks,
+    MambaManager,
     SingleTypeKVCacheManager,
     get_manager_for_kv_cache_spec,
     manager_class_for_spec,
@@ -180,6 +181,10 @@ class KVCacheCoordinator(ABC):
         self.eagle_group_ids = _eagle_group_ids(kv_cache_config, use_eagle)
         for gid in self.eagle_group_ids:
             self.single_type_managers[gid].use_eagle = True
+        for manager in self.single_type_managers:
+            if isinstance(manager, MambaManager):
+                # Mamba checkpoints follow EAGLE's replay boundary.
+                manager.drop_eagle_checkpoint_block = use_eagle
         _validate_retention_interval(kv_cache_config, scheduler_block_size)
         self.retention_interval = kv_cache_config.prefix_cache_retention_interval
         for manager in self.single_type_managers:
@@ -232,8 +237,11 @@ class KVCacheCoordinator(ABC):
 
         Two phases: if one group allocated its external blocks before another group had
         touched its hits, the allocation could evict those untouched hit blocks and hand
-        the same physical block out twice.
+        the same physical block out twice. A running request gets no new hits: nothing.
         """
+        if any(request_id in m.num_cached_block for m in self.single_type_managers):
+            assert not any(new_computed_blocks), "a running request cannot get new prefix hits"
+            return
         for i, manager in enumerate(self.single_type_managers):
             hits = new_computed_blocks[i] if new_computed_blocks else ()
             manager.add_local_computed_blocks(
@@ -259,20 +267,18 @@ class KVCacheCoordinator(ABC):
             for i, manager in enumerate(self.single_type_managers)
         )
 
-    def take_pending_cow_copies(self) -> tuple[list[BlockCopy], list[KVCacheBlock]]:
-        """Every group's queued copies and the blocks held for them (see
+    def take_pending_cow_copies(self) -> list[BlockCopy]:
+        """Every group's queued copies, group by group (see
         ``SingleTypeKVCacheManager.take_pending_cow_copies``)."""
         copies: list[BlockCopy] = []
-        holds: list[KVCacheBlock] = []
         for manager in self.single_type_managers:
-            group_copies, group_holds = manager.take_pending_cow_copies()
-            copies += group_copies
-            holds += group_holds
-        return copies, holds
+            copies += manager.take_pending_cow_copies()
+        return copies
 
-    def pending_copy_destinations(self) -> set[int]:
-        """Blocks whose content arrives by a copy not yet taken by the runtime."""
-        return {dst.block_id for m in self.single_type_managers for _, dst in m.pending_cow_copies}
+    def new_step_starts(self) -> None:
+        """The scheduler starts a new step: states cached in the last one are usable."""
+        for manager in self.single_type_managers:
+            manager.new_step_starts()
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         boundaries = self.get_reachable_boundaries(request)
@@ -437,7 +443,6 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         )
         for manager in self.single_type_managers:
             manager.cache_hit_alignment_tokens = self.alignment_tokens
-            manager.partial_hits = self.enable_partial_hash_hits
         self.attention_groups = self._split_attention_groups()
 
     def _partial_hash_hits_possible(self) -> bool:
@@ -549,19 +554,22 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         result = tuple(hits if hits is not None else [] for hits in hits_by_group)
         return result, hit_length, longest - hit_length
 
+    def _align_cacheable(self, num_tokens: int) -> int:
+        """The longest prefix of ``num_tokens`` a later hit could match: hits end on
+        scheduler-block boundaries, or anywhere with partial hits (rounding there would
+        register a moved Mamba entry again)."""
+        if self.enable_partial_hash_hits:
+            return num_tokens
+        return num_tokens - num_tokens % self.scheduler_block_size
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        # Hits end on scheduler-block boundaries, so a block past the last one is useless,
-        # except to an EAGLE group: it needs the block after the boundary for its drop.
-        # With partial hits any hash boundary can end a hit: cache everything.
-        aligned = num_computed_tokens
-        if not self.enable_partial_hash_hits:
-            aligned -= num_computed_tokens % self.scheduler_block_size
+        aligned = self._align_cacheable(num_computed_tokens)
         boundaries = self.get_reachable_boundaries(request)
         for manager in self.single_type_managers:
-            if manager.use_eagle:
+            num_tokens = aligned
+            if manager.use_eagle and aligned > 0:
+                # EAGLE matches one block past the aligned boundary, then drops it.
                 num_tokens = min(num_computed_tokens, aligned + manager.block_size)
-            else:
-                num_tokens = aligned
             manager.cache_blocks(request, num_tokens, boundaries)
 
 

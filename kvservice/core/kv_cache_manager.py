@@ -226,6 +226,13 @@ class KVCacheManager:
             prompt_embeds=prompt_embeds,
         )
 
+    def new_step_starts(self) -> None:
+        """Tell the manager that the scheduler starts a new step, as vLLM's scheduler
+        does at the top of each ``schedule()``. A Mamba state cached during a step is
+        only written by that step's forward pass (or copy), so a prefix hit on it is
+        refused (``allocate_slots`` answers None) until the next step starts."""
+        self.coordinator.new_step_starts()
+
     # -- lookup -----------------------------------------------------------------------
 
     def get_computed_blocks(
@@ -238,12 +245,13 @@ class KVCacheManager:
         the last token must be computed to produce logits, and with block-aligned hits a
         fully cached prompt recomputes its last block. Takes no references (two requests
         may see the same hit before either allocates). Side effects: records prefix
-        cache stats when ``log_stats``, and notes a nonzero boundary on the request, so
-        that sparse retention keeps the junction cached for the next request sharing the
-        prefix.
+        cache stats when ``log_stats``, and notes the boundary on the request (0: none),
+        so that sparse retention keeps the junction cached for the next request sharing
+        the prefix.
         """
         self.checker.check_not_finished(request)
         if not self.enable_caching or request.skip_reading_prefix_cache:
+            request.shared_prefix_boundary = 0
             return self.empty_kv_cache_blocks, 0, 0
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
@@ -257,8 +265,7 @@ class KVCacheManager:
                 preempted=request.num_preemptions > 0,
             )
         boundary = num_hit_tokens + num_uncached if num_uncached else 0
-        if boundary:
-            request.shared_prefix_boundary = boundary
+        request.shared_prefix_boundary = boundary  # as vLLM's scheduler records it
         return self.create_kv_cache_blocks(blocks), num_hit_tokens, boundary
 
     # -- allocation -------------------------------------------------------------------
@@ -290,11 +297,13 @@ class KVCacheManager:
         tokens a KV connector will load; new = tokens to compute; lookahead = speculative
         slots (allocated, never hashed).
 
-        Returns the newly allocated blocks per group (never the hit blocks; a private
-        copy of a hit block that the hit ends inside comes first), or None when the pool
-        cannot take the request now, or when a hit block's content still awaits a copy
-        not yet taken (the request retries next step); None changes no state. Blocks that fill up
-        are hashed into the prefix cache now, up to ``request.num_tokens`` (draft tokens
+        Returns the entries appended to each group's block table (never the hit blocks;
+        a private copy of a hit block that the hit ends inside comes first; a Mamba
+        "align" group lists its null padding too), or None when the pool cannot take
+        the request now, or when its Mamba hit was cached earlier in this step (see
+        ``new_step_starts``). None changes no block table nor reference, though blocks
+        that slid out of view are released first, as in vLLM. Blocks that fill up are
+        hashed into the prefix cache now, up to ``request.num_tokens`` (draft tokens
         that may be rejected are never cached), unless ``delay_cache_blocks``.
 
         Raises ``InvalidArgumentError`` for negative counts or zero tokens,
@@ -322,15 +331,18 @@ class KVCacheManager:
 
         watermark_blocks = self._watermark_blocks_for(request, has_scheduled_reqs)
         if full_sequence_must_fit and not self._full_sequence_fits(
-            request, hits, num_encoder_tokens, total_computed_tokens, watermark_blocks
+            request,
+            hits,
+            num_encoder_tokens,
+            num_local_computed_tokens,
+            total_computed_tokens,
+            watermark_blocks,
         ):
             return None
 
         num_tokens_main_model = total_computed_tokens + num_new_tokens
         num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
 
-        if hits and self._hits_await_copy(hits):
-            return None
         # Free what has slid out of view before counting, so the request may cover its
         # need with memory it just released. Safe even if the request is refused below.
         coordinator.remove_skipped_blocks(request_id, total_computed_tokens)
@@ -359,31 +371,25 @@ class KVCacheManager:
             coordinator.cache_blocks(request, min(num_tokens_main_model, request.num_tokens))
         return self.create_kv_cache_blocks(new_blocks)
 
-    def _hits_await_copy(self, hits: tuple[Sequence[KVCacheBlock], ...]) -> bool:
-        """Whether a hit block's content is still to arrive by a copy not yet taken (a
-        partial entry moved this step): such a hit waits for the next step, as vLLM
-        defers it."""
-        if not any(m.pending_cow_copies for m in self.coordinator.single_type_managers):
-            return False
-        pending = self.coordinator.pending_copy_destinations()
-        return any(block.block_id in pending for group in hits for block in group)
-
     def take_kv_cache_block_copies(self) -> KVCacheBlockCopies:
         """The copy-on-write copies queued since the last call, for the runtime.
 
-        Each copy's source and destination stay held (``retained_blocks``) until the
-        caller passes them to ``free_retained_blocks``, once the copies are applied:
-        as in vLLM 0.33, where the scheduler frees them after the copy's step.
+        Each copy's source and destination stay held (``retained_blocks``: source,
+        destination, source, ... in copy order) until the caller passes them to
+        ``free_retained_blocks``, once the copies are applied: as in vLLM 0.33, where
+        the scheduler frees them after the copy's step. Holding the source keeps it from
+        being reused (and zeroed) before the copy reads it.
         """
-        copies, holds = self.coordinator.take_pending_cow_copies()
-        self._retained_holds.update(b.block_id for b in holds)
+        copies = self.coordinator.take_pending_cow_copies()
+        retained = [block for pair in copies for block in pair]
+        self._retained_holds.update(b.block_id for b in retained)
         return KVCacheBlockCopies(
-            [KVCacheBlockCopy(src.block_id, dst.block_id) for src, dst in copies], holds
+            [KVCacheBlockCopy(src.block_id, dst.block_id) for src, dst in copies], retained
         )
 
     def free_retained_blocks(self, retained_blocks: Sequence[KVCacheBlock]) -> None:
-        """Release the holds of ``take_kv_cache_block_copies`` (last first, like a
-        request's blocks)."""
+        """Release the holds of ``take_kv_cache_block_copies``, in the order given, as
+        vLLM's scheduler does (the order decides which blocks are evicted first)."""
         releasing = Counter(b.block_id for b in retained_blocks)
         for block_id, count in releasing.items():
             if self._retained_holds[block_id] < count:
@@ -391,7 +397,7 @@ class KVCacheManager:
                     f"block {block_id} is not held for a copy; retained blocks are released once"
                 )
         self._retained_holds -= releasing  # also drops the counts reaching zero
-        self.block_pool.free_blocks(reversed(retained_blocks))
+        self.block_pool.free_blocks(retained_blocks)
 
     @property
     def retained_holds(self) -> Counter[int]:
@@ -409,6 +415,7 @@ class KVCacheManager:
         request: Request,
         hits: tuple[Sequence[KVCacheBlock], ...],
         num_encoder_tokens: int,
+        num_local_computed_tokens: int,
         total_computed_tokens: int,
         watermark_blocks: int,
     ) -> bool:
@@ -422,6 +429,8 @@ class KVCacheManager:
             num_encoder_tokens,
             total_computed_tokens,
             apply_admission_cap=True,
+            num_local_computed_tokens=num_local_computed_tokens,
+            num_tokens_main_model=full_num_tokens,
         )
         return num_required + watermark_blocks <= self.block_pool.get_num_free_blocks()
 
@@ -475,7 +484,12 @@ class KVCacheManager:
         total_computed_tokens = num_computed_tokens + num_hit_tokens + num_external_computed_tokens
         watermark_blocks = self._watermark_blocks_for(request, has_scheduled_reqs)
         fits = not full_sequence_must_fit or self._full_sequence_fits(
-            request, hits, num_encoder_tokens, total_computed_tokens, watermark_blocks
+            request,
+            hits,
+            num_encoder_tokens,
+            num_computed_tokens + num_hit_tokens,
+            total_computed_tokens,
+            watermark_blocks,
         )
         num_free = self.block_pool.get_num_free_blocks() + (
             self.coordinator.get_num_blocks_freed_by_skipping(request_id, total_computed_tokens)
@@ -490,7 +504,6 @@ class KVCacheManager:
             num_encoder_tokens,
         )
         fits = fits and num_required + watermark_blocks <= num_free - reserved_blocks
-        fits = fits and not (hits and self._hits_await_copy(hits))
         return AllocationProbe(num_hit_tokens, num_new_tokens, num_required, num_free, fits)
 
     def num_blocks_needed(

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from kvservice.core.block_pool import BlockPool, resolve_block_hashes
-from kvservice.core.kv_cache_block import BlockHash, KVCacheBlock
+from kvservice.core.kv_cache_block import BlockHash, BlockHashWithGroupId, KVCacheBlock
 from kvservice.core.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -95,7 +95,7 @@ class SingleTypeKVCacheManager(ABC):
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
         # The boundary a prefix hit may end on; the hybrid coordinator raises it to the
-        # LCM of all groups' block sizes.
+        # LCM of all groups' block sizes (or lowers it to the hash block size).
         self.cache_hit_alignment_tokens = self.block_size
         self._null_block = block_pool.null_block
         self._record_new_block_ids = record_new_block_ids
@@ -106,16 +106,13 @@ class SingleTypeKVCacheManager(ABC):
         # Sparse retention (KVCacheConfig.prefix_cache_retention_interval), set by the
         # coordinator; only window-bounded and Mamba groups make use of it.
         self.retention_interval: int | None = None
-        # Partial-block hits (set by the hybrid coordinator): hits may end on a hash
-        # boundary inside a block, and prompts register their last hash boundary.
-        self.partial_hits = False
-        # Requests whose hit ends inside a shared block: (table index, source block),
-        # until the next allocation swaps a private copy in.
+        # Requests whose hit ends inside a block: (table index, block), until the next
+        # allocation gives them a private copy of it.
         self._partial_hit_reqs: dict[str, tuple[int, KVCacheBlock]] = {}
-        # Copies not yet taken by the runtime, and the references held meanwhile so
-        # that neither end of a copy is recycled before the copy is applied.
+        # (source, destination) copies not yet taken by the runtime. Each holds one
+        # reference on both ends beyond the block tables', so that neither is recycled
+        # (and zeroed) before the copy reads and writes it.
         self._pending_cow_copies: list[BlockCopy] = []
-        self._copy_holds: list[KVCacheBlock] = []
 
     # Hash-unit granularity lookups: full attention and Mamba can end a hit inside a
     # block; the other types need block-aligned hits (they turn partial hits off).
@@ -144,7 +141,7 @@ class SingleTypeKVCacheManager(ABC):
         the admission gate's upper bound). ``num_local_computed_tokens`` defaults to
         ``total_computed_tokens``.
         """
-        num_required_blocks = -(-num_tokens // self.block_size)
+        num_required_blocks = cdiv(num_tokens, self.block_size)
         cap = self._max_admission_blocks_per_request
         if apply_admission_cap and cap is not None:
             num_required_blocks = min(num_required_blocks, cap)
@@ -157,37 +154,24 @@ class SingleTypeKVCacheManager(ABC):
         num_local_blocks = len(new_computed_blocks) + num_held
         num_new_blocks = max(num_required_blocks - max(num_skipped_blocks, num_local_blocks), 0)
         num_skipped_hits = max(0, num_skipped_blocks - num_held)
-        num_evictable = sum(
-            1
-            for block in new_computed_blocks[num_skipped_hits:]
-            if block.ref_cnt == 0 and not block.is_null
-        )
-        num_local = total_computed_tokens
-        if num_local_computed_tokens is not None:
-            num_local = num_local_computed_tokens
-        num_cow = (
-            1
-            if self._partial_hit_index(new_computed_blocks, num_local, total_computed_tokens)
-            is not None
-            else 0
-        )
-        return num_new_blocks + num_evictable + num_cow
+        num_evictable = self._num_evictable(new_computed_blocks[num_skipped_hits:])
+        num_local = num_local_computed_tokens
+        if num_local is None:
+            num_local = total_computed_tokens
+        if self._has_partial_local_hit(new_computed_blocks, num_local):
+            num_new_blocks += 1  # the private copy of the block the hit ends inside
+        return num_new_blocks + num_evictable
 
-    def _partial_hit_index(
-        self,
-        new_computed_blocks: Sequence[KVCacheBlock],
-        num_local_computed_tokens: int,
-        total_computed_tokens: int,
-    ) -> int | None:
-        """The table index of the shared block a hit ends inside (the request must get
-        a private copy before writing the rest of it), or None."""
-        if not new_computed_blocks or num_local_computed_tokens % self.block_size == 0:
-            return None
-        index = num_local_computed_tokens // self.block_size
-        num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
-        if index < num_skipped_blocks or index >= len(new_computed_blocks):
-            return None  # out of view: never read, so never copied
-        return index
+    @staticmethod
+    def _num_evictable(blocks: Sequence[KVCacheBlock]) -> int:
+        return sum(1 for block in blocks if block.ref_cnt == 0 and not block.is_null)
+
+    def _has_partial_local_hit(
+        self, new_computed_blocks: Sequence[KVCacheBlock], num_local_computed_tokens: int
+    ) -> bool:
+        """Whether the local hit ends inside one of this group's blocks: the request
+        must not write into that shared block, so it gets a private copy."""
+        return len(new_computed_blocks) > 0 and num_local_computed_tokens % self.block_size != 0
 
     # -- allocation -------------------------------------------------------------------
 
@@ -202,40 +186,40 @@ class SingleTypeKVCacheManager(ABC):
 
         Hits that are already out of this group's window are replaced by null blocks.
         """
-        if request_id in self.num_cached_block:
-            assert not new_computed_blocks, "a running request cannot get new prefix hits"
-            return
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
         assert not req_blocks, f"request {request_id!r} already holds blocks in this group"
         total = num_local_computed_tokens + num_external_computed_tokens
-        num_skipped_blocks = self.get_num_skipped_tokens(total) // self.block_size
+        num_skipped_blocks = max(self.get_num_skipped_tokens(total) // self.block_size, 0)
         hits = new_computed_blocks[num_skipped_blocks:]
         if self.enable_caching:
             self.block_pool.touch(hits)
         else:
             assert not hits, "prefix hits with caching disabled"
-        req_blocks.extend([self._null_block] * min(num_skipped_blocks, len(new_computed_blocks)))
+        req_blocks.extend([self._null_block] * num_skipped_blocks)
         req_blocks.extend(hits)
         self.num_cached_block[request_id] = len(req_blocks)
-        index = self._partial_hit_index(new_computed_blocks, num_local_computed_tokens, total)
-        if index is not None:
+        if self._has_partial_local_hit(hits, num_local_computed_tokens):
             # The shared tail block is never written: the next allocation swaps a private
             # copy in, and that copy is cached afresh once it fills.
-            self._partial_hit_reqs[request_id] = (index, req_blocks[index])
+            index = num_local_computed_tokens // self.block_size
+            self._partial_hit_reqs[request_id] = (index, hits[-1])
             self.num_cached_block[request_id] = index
 
     def allocate_external_computed_blocks(
         self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int
     ) -> None:
         """Allocate the blocks a KV connector will load ``num_external_computed_tokens``
-        into, after the local hits (skipped positions become null blocks)."""
-        if num_external_computed_tokens == 0:
+        into, after the local hits (and their null padding)."""
+        total = num_local_computed_tokens + num_external_computed_tokens
+        num_skipped_tokens = self.get_num_skipped_tokens(total)
+        if num_skipped_tokens > 0:
+            # Some external tokens may be out of view already.
+            num_external_computed_tokens = min(
+                total - num_skipped_tokens, num_external_computed_tokens
+            )
+        if num_external_computed_tokens <= 0:
             return
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
-        total = num_local_computed_tokens + num_external_computed_tokens
-        num_skipped_blocks = self.get_num_skipped_tokens(total) // self.block_size
-        if num_skipped_blocks > len(req_blocks):
-            req_blocks.extend([self._null_block] * (num_skipped_blocks - len(req_blocks)))
         num_new = max(0, cdiv(total, self.block_size) - len(req_blocks))
         self._append_new_blocks(req_blocks, num_new)
 
@@ -244,53 +228,44 @@ class SingleTypeKVCacheManager(ABC):
     ) -> list[KVCacheBlock]:
         """Grow the request's table to hold ``num_tokens`` slots; return the new blocks
         (a private copy of a partially hit block first)."""
-        cow_blocks = self._swap_in_private_copy(request_id)
-        req_blocks = self.req_to_blocks.get(request_id)
-        if req_blocks is None:
-            req_blocks = self.req_to_blocks[request_id] = []
-        num_new = -(-num_tokens // self.block_size) - len(req_blocks)
+        cow_blocks: list[KVCacheBlock] = []
+        partial = self._partial_hit_reqs.pop(request_id, None)
+        if partial is not None:
+            index, source = partial
+            copy = self.block_pool.get_new_blocks(1)[0]
+            self._apply_cow(request_id, index, source, copy)
+            if self._record_new_block_ids:
+                self.new_block_ids.append(copy.block_id)
+            cow_blocks.append(copy)
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        num_new = cdiv(num_tokens, self.block_size) - len(req_blocks)
         if num_new <= 0:
             return cow_blocks
         return cow_blocks + self._append_new_blocks(req_blocks, num_new)
 
-    def _swap_in_private_copy(self, request_id: str) -> list[KVCacheBlock]:
-        """Copy-on-write for a hit that ended inside a shared block: a fresh block
-        replaces it in the table and a (source, copy) copy is queued."""
-        if request_id not in self._partial_hit_reqs:
-            return []  # the common case; compiled, a membership test is cheaper than pop
-        index, source = self._partial_hit_reqs.pop(request_id)
+    def _apply_cow(
+        self, request_id: str, index: int, source: KVCacheBlock, copy: KVCacheBlock
+    ) -> None:
+        """Swap a private copy in for the partially hit ``source`` and queue the copy.
+
+        The source keeps the reference the hit took (it is no longer in the table: that
+        reference now holds it for the copy); the copy takes one beyond the table's.
+        """
         req_blocks = self.req_to_blocks[request_id]
         assert req_blocks[index] is source and not source.is_null and source.ref_cnt > 0
-        copy = self.block_pool.get_new_blocks(1)[0]
         req_blocks[index] = copy
-        # The source keeps the reference the hit took (it is read by the copy); the
-        # copy gets one more, so a free in the same step cannot recycle it either.
+        self._pending_cow_copies.append((source, copy))
         copy.ref_cnt += 1
-        self._queue_copy(source, copy, holds=(source, copy))
-        if self._record_new_block_ids:
-            self.new_block_ids.append(copy.block_id)
-        return [copy]
 
-    def _queue_copy(
-        self, source: KVCacheBlock, dest: KVCacheBlock, holds: Sequence[KVCacheBlock]
-    ) -> None:
-        self._pending_cow_copies.append((source, dest))
-        self._copy_holds.extend(holds)
-
-    def take_pending_cow_copies(self) -> tuple[list[BlockCopy], list[KVCacheBlock]]:
-        """The copies queued since the last call, and the blocks held for them; the
-        caller releases the holds once the copies have been applied."""
+    def take_pending_cow_copies(self) -> list[BlockCopy]:
+        """The copies queued since the last call. Both ends of each stay held: the
+        caller releases them once the copies have been applied."""
         copies, self._pending_cow_copies = self._pending_cow_copies, []
-        holds, self._copy_holds = self._copy_holds, []
-        return copies, holds
+        return copies
 
     @property
     def pending_cow_copies(self) -> Sequence[BlockCopy]:
         return self._pending_cow_copies
-
-    @property
-    def copy_holds(self) -> Sequence[KVCacheBlock]:
-        return self._copy_holds
 
     def _append_new_blocks(
         self, req_blocks: list[KVCacheBlock], num_new: int
@@ -306,6 +281,9 @@ class SingleTypeKVCacheManager(ABC):
         ids, self.new_block_ids = self.new_block_ids, []
         return ids
 
+    def new_step_starts(self) -> None:
+        """The scheduler starts a new step (only Mamba keeps per-step state)."""
+
     # -- caching ----------------------------------------------------------------------
 
     def cache_blocks(
@@ -319,45 +297,10 @@ class SingleTypeKVCacheManager(ABC):
         """
         request_id = request.request_id
         num_cached_blocks = self.num_cached_block.get(request_id, 0)
-        num_full_blocks = num_tokens // self.block_size
-        if num_cached_blocks < num_full_blocks:
-            self._cache_full_blocks(
-                request, num_cached_blocks, num_full_blocks, reachable_boundaries
-            )
-        if self.partial_hits and self.block_size > self.block_pool.hash_block_size:
-            self._cache_partial_tail_block(request, num_tokens)
-
-    def _cache_partial_tail_block(self, request: Request, num_tokens: int) -> None:
-        """Register the prompt's last hash boundary inside a block, so that a later
-        request sharing the prompt can hit up to it (attention groups: once the tokens
-        up to it are computed)."""
-        boundary = self._partial_tail_boundary(request)
-        if boundary == 0 or boundary > num_tokens:
+        num_hashed_tokens = len(request.block_hashes) * self.block_pool.hash_block_size
+        num_full_blocks = min(num_tokens, num_hashed_tokens) // self.block_size
+        if num_cached_blocks >= num_full_blocks:
             return
-        self._register_partial(request, boundary)
-
-    def _partial_tail_boundary(self, request: Request) -> int:
-        """The prompt's last hash boundary if it falls inside a block, else 0."""
-        hbs = self.block_pool.hash_block_size
-        boundary = request.num_prompt_tokens // hbs * hbs
-        return 0 if boundary % self.block_size == 0 else boundary
-
-    def _register_partial(self, request: Request, boundary: int) -> None:
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        index = boundary // self.block_size
-        if index < len(blocks):
-            self.block_pool.cache_partial_block(
-                request, blocks[index], boundary, self.kv_cache_group_id, self.block_size
-            )
-
-    def _cache_full_blocks(
-        self,
-        request: Request,
-        num_cached_blocks: int,
-        num_full_blocks: int,
-        reachable_boundaries: Sequence[int],
-    ) -> None:
-        request_id = request.request_id
         self.block_pool.cache_full_blocks(
             request=request,
             blocks=self.req_to_blocks[request_id],
@@ -391,36 +334,30 @@ class SingleTypeKVCacheManager(ABC):
         """Leading tokens that no future token attends to (their blocks can go)."""
         return 0
 
-    def _skipped_blocks(self, request_id: str, total_computed_tokens: int) -> list[int]:
-        """Table indices ``remove_skipped_blocks`` would release, last first."""
+    def _num_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> int:
+        """The leading table entries ``remove_skipped_blocks`` releases up to."""
         num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
         blocks = self.req_to_blocks.get(request_id)
         if num_skipped_tokens <= 0 or not blocks:
-            return []
+            return 0
+        return min(num_skipped_tokens // self.block_size, len(blocks))
+
+    def _indices_to_remove(self, request_id: str, first: int, last: int) -> list[int]:
+        """Table indices in ``[first, last)`` that ``_remove_blocks_in_range`` frees,
+        last first: it stops at the first null block (everything before it was removed
+        earlier)."""
+        blocks = self.req_to_blocks.get(request_id, [])
         indices: list[int] = []
-        for i in range(min(num_skipped_tokens // self.block_size, len(blocks)) - 1, -1, -1):
-            if blocks[i] is self._null_block:
-                break  # everything before it was removed earlier
+        for i in range(min(last, len(blocks)) - 1, first - 1, -1):
+            if blocks[i].is_null:
+                break
             indices.append(i)
         return indices
 
-    def get_num_blocks_freed_by_skipping(self, request_id: str, total_computed_tokens: int) -> int:
-        """How many blocks ``remove_skipped_blocks`` would return to the free queue now
-        (shared blocks only lose a reference). No side effects."""
-        blocks = self.req_to_blocks.get(request_id, [])
-        return sum(
-            1
-            for i in self._skipped_blocks(request_id, total_computed_tokens)
-            if blocks[i].ref_cnt == 1
-        )
-
-    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
-        """Free the blocks no future token attends to, replacing them with the null block.
-
-        Walks from the last skipped block backwards and stops at the first null one
-        (everything before it was removed earlier), so the later block is freed first.
-        """
-        indices = self._skipped_blocks(request_id, total_computed_tokens)
+    def _remove_blocks_in_range(self, request_id: str, first: int, last: int) -> None:
+        """Free the table entries in ``[first, last)``, later ones first, replacing them
+        with the null block."""
+        indices = self._indices_to_remove(request_id, first, last)
         if not indices:
             return
         blocks = self.req_to_blocks[request_id]
@@ -428,6 +365,27 @@ class SingleTypeKVCacheManager(ABC):
         for i in indices:
             blocks[i] = self._null_block
         self.block_pool.free_blocks(removed)
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        """Free the blocks no future token attends to, replacing them with the null block."""
+        num_skipped_blocks = self._num_skipped_blocks(request_id, total_computed_tokens)
+        if num_skipped_blocks:
+            self._remove_blocks_in_range(request_id, 0, num_skipped_blocks)
+
+    def _indices_freed_by_skipping(self, request_id: str, total_computed_tokens: int) -> list[int]:
+        """Table indices ``remove_skipped_blocks`` would release now."""
+        num_skipped_blocks = self._num_skipped_blocks(request_id, total_computed_tokens)
+        return self._indices_to_remove(request_id, 0, num_skipped_blocks)
+
+    def get_num_blocks_freed_by_skipping(self, request_id: str, total_computed_tokens: int) -> int:
+        """How many blocks ``remove_skipped_blocks`` would return to the free queue now
+        (shared blocks only lose a reference). No side effects."""
+        blocks = self.req_to_blocks.get(request_id, [])
+        return sum(
+            1
+            for i in self._indices_freed_by_skipping(request_id, total_computed_tokens)
+            if blocks[i].ref_cnt == 1
+        )
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> int:
         """Leading blocks shared by every request holding blocks (cascade attention)."""
@@ -552,6 +510,33 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         for blocks, block in zip(computed, hit, strict=True):
             blocks.append(block)
         return (fine_index + 1) * alignment_tokens
+
+    def cache_blocks(
+        self, request: Request, num_tokens: int, reachable_boundaries: Sequence[int] = ()
+    ) -> None:
+        super().cache_blocks(request, num_tokens, reachable_boundaries)
+        if self.block_size != self.block_pool.hash_block_size:
+            self._cache_partial_tail_block(request, num_tokens)
+
+    def _cache_partial_tail_block(self, request: Request, num_tokens: int) -> None:
+        """Register the prompt's last reusable hash boundary as a partial entry when it
+        falls inside a block, once the tokens up to it are computed (the same call
+        registers it again after its block filled up, beside the block's full key).
+
+        A resend of the prompt hits at most ``num_prompt_tokens - 1`` tokens; an EAGLE
+        lookup reads the whole prompt before giving one hash block back.
+        """
+        hbs = self.block_pool.hash_block_size
+        limit = request.num_prompt_tokens if self.use_eagle else request.num_prompt_tokens - 1
+        boundary = min(limit // hbs, len(request.block_hashes)) * hbs
+        if boundary == 0 or boundary > num_tokens or boundary % self.block_size == 0:
+            return
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        index = boundary // self.block_size
+        if index < len(blocks):
+            self.block_pool.cache_partial_block(
+                request, blocks[index], boundary, self.kv_cache_group_id, self.block_size
+            )
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         """Nothing to remove: every past token stays in view."""
@@ -722,16 +707,36 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         return (num_computed_tokens // self.attention_chunk_size) * self.attention_chunk_size
 
 
+def mamba_prefill_checkpoint_position(
+    num_tokens: int, hash_block_size: int, drop_eagle_block: bool
+) -> int:
+    """The last hash boundary of a prefill of ``num_tokens`` whose state a later
+    request can reuse: a resend recomputes at least its last token; with EAGLE the
+    hit gives one hash block back, so the boundary is one hash block lower."""
+    proof_limit = num_tokens if drop_eagle_block else num_tokens - 1
+    position = proof_limit // hash_block_size * hash_block_size
+    if drop_eagle_block:
+        position -= hash_block_size
+    return max(position, 0)
+
+
 class MambaManager(SingleTypeKVCacheManager):
     """State-space layers: a block holds the state after its last token, and only the
     latest state is read, so everything before the block of the last computed token
     is released (and stays a prefix-cache entry until evicted).
 
-    Mode "all" allocates a block per ``block_size`` tokens like attention. Mode
-    "align" places the state of each step in the block of its last token and pads the
-    rest with null blocks: a request holds one state block (plus the previous one
-    while a step reads it) and its speculative blocks, which move to the end of the
-    table instead of being allocated again.
+    Mode "align" (vLLM's prefix caching mode) places the state of each step in the
+    block of its last token and pads the positions before it with null blocks, which
+    ``allocate_slots`` returns too, so the worker's block table stays aligned with the
+    tokens. A request holds its current state block, the previous one until the next
+    step has read it, and its speculative blocks, which move to the end of the table
+    instead of being allocated again. With a hash block smaller than the block, the
+    prompt's last reusable hash boundary is also registered (a partial entry), and a
+    request that keeps writing into that block first moves the entry to a private copy.
+
+    Mode "none" holds one state (plus the speculative ones) and caches nothing. Mode
+    "all" is a kvservice extension, not in vLLM 0.33: it allocates a state block per
+    ``block_size`` tokens like attention and caches each; only asked for by name.
     """
 
     spec_type = MambaSpec
@@ -757,15 +762,22 @@ class MambaManager(SingleTypeKVCacheManager):
         assert isinstance(kv_cache_spec, MambaSpec)
         self.mode = kv_cache_spec.mamba_cache_mode
         self.num_speculative_blocks = kv_cache_spec.num_speculative_blocks
-        # Align mode: requests that hold their speculative blocks (the table ends with
-        # them); their next allocations move those blocks instead of taking new ones.
-        self._align_allocated: set[str] = set()
-        # The ``num_tokens`` of the cache_blocks call in progress (align mode's mask).
-        self._num_tokens_being_cached = 0
+        # Set by the coordinator with EAGLE: checkpoints follow its replay boundary.
+        self.drop_eagle_checkpoint_block = False
+        # Keys cached during the current scheduler step. A state cached this step is
+        # written by this step's forward pass (or copied by this step's copies), so a
+        # request cannot start from it before the next step: see new_step_starts.
+        self.cached_blocks_this_step: set[BlockHashWithGroupId] = set()
+        # Align mode: the table index of the state block the previous step wrote (it is
+        # read by the next step, then freed), the table entries already retired, and
+        # the requests that took their first allocation (they hold their speculative
+        # blocks, at the end of the table).
+        self.last_state_block_idx: dict[str, int] = {}
+        self._num_retired_blocks: dict[str, int] = {}
+        self._allocated_block_reqs: set[str] = set()
 
-    @property
-    def _num_speculative_tokens(self) -> int:
-        return self.num_speculative_blocks * self.block_size
+    def new_step_starts(self) -> None:
+        self.cached_blocks_this_step.clear()
 
     def get_num_blocks_to_allocate(
         self,
@@ -778,147 +790,234 @@ class MambaManager(SingleTypeKVCacheManager):
         num_local_computed_tokens: int | None = None,
         num_tokens_main_model: int | None = None,
     ) -> int:
-        n_main = num_tokens if num_tokens_main_model is None else num_tokens_main_model
-        state_index = cdiv(n_main, self.block_size) - 1
-        table = self.req_to_blocks.get(request_id, [])
+        if new_computed_blocks:
+            last_hit = new_computed_blocks[-1].block_hash
+            if last_hit is not None and last_hit in self.cached_blocks_this_step:
+                # A state cached earlier in this step is not there yet: more blocks than
+                # the pool has, so the request waits for the next step.
+                return self.block_pool.num_gpu_blocks + 1
         if self.mode != "align":
-            stale = self._stale_partial_state(table, state_index, n_main)
-            return (1 if stale is not None else 0) + super().get_num_blocks_to_allocate(
+            # Draft tokens get state blocks of their own, beyond the main model's tokens.
+            return super().get_num_blocks_to_allocate(
                 request_id,
-                num_tokens + self._num_speculative_tokens,
+                num_tokens + self.num_speculative_blocks * self.block_size,
                 new_computed_blocks,
                 total_computed_tokens,
                 apply_admission_cap,
                 num_local_computed_tokens=num_local_computed_tokens,
             )
-        if request_id in self._align_allocated:
-            body = table[: len(table) - self.num_speculative_blocks]
-            num_new = 1 if state_index >= len(body) else 0
-            return num_new + (1 if self._stale_partial_state(body, state_index, n_main) else 0)
-        num_local = total_computed_tokens
-        if num_local_computed_tokens is not None:
-            num_local = num_local_computed_tokens
-        # Evictable hits and the private copy of a partial hit, as for any group.
-        count = super().get_num_blocks_to_allocate(
-            request_id,
-            0,
-            new_computed_blocks,
-            total_computed_tokens,
-            num_local_computed_tokens=num_local,
+        # Draft models have no Mamba layers: lookahead slots take no state block.
+        n_main = num_tokens if num_tokens_main_model is None else num_tokens_main_model
+        num_local = num_local_computed_tokens
+        if num_local is None:
+            num_local = total_computed_tokens
+        # Negative when speculative blocks were over-allocated earlier: the sum over the
+        # groups is what vLLM compares with the free blocks.
+        num_new_blocks = (
+            cdiv(n_main, self.block_size)
+            + self.num_speculative_blocks
+            - len(new_computed_blocks)
+            - len(self.req_to_blocks.get(request_id, ()))
         )
-        length = len(table) + len(new_computed_blocks)
-        if total_computed_tokens > num_local:
-            num_external_end = cdiv(total_computed_tokens, self.block_size)
-            count += 1 if num_external_end > length else 0
-            length = max(length, num_external_end)
-        return count + (1 if state_index >= length else 0) + self.num_speculative_blocks
+        has_partial_hit = (
+            self._has_partial_local_hit(new_computed_blocks, num_local)
+            or request_id in self._partial_hit_reqs
+        )
+        if has_partial_hit:
+            num_new_blocks = max(num_new_blocks, 0) + 1
+        if num_new_blocks > 0:
+            # The table grows by nulls; only the state block (and the copy, and the
+            # speculative blocks of a first allocation) are physical.
+            cap = 1 + int(has_partial_hit)
+            if request_id not in self._allocated_block_reqs:
+                cap += self.num_speculative_blocks
+            num_new_blocks = min(num_new_blocks, cap)
+        return num_new_blocks + self._num_evictable(new_computed_blocks)
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int | None = None
     ) -> list[KVCacheBlock]:
-        n_main = num_tokens if num_tokens_main_model is None else num_tokens_main_model
+        """Align mode returns every entry the step appends to the table, null padding
+        included, so the worker's table stays aligned; a private copy of a partially
+        hit block comes first."""
         if self.mode != "align":
-            if request_id not in self._partial_hit_reqs:  # else its hit block is copied
-                table = self.req_to_blocks.get(request_id, [])
-                self._move_stale_partial_state(table, cdiv(n_main, self.block_size) - 1, n_main)
-            # Draft tokens get state blocks of their own, beyond the main model's tokens.
             return super().allocate_new_blocks(
-                request_id, num_tokens + self._num_speculative_tokens
+                request_id, num_tokens + self.num_speculative_blocks * self.block_size
             )
-        cow_blocks = self._swap_in_private_copy(request_id)
-        table = self.req_to_blocks.setdefault(request_id, [])
-        state_index = cdiv(n_main, self.block_size) - 1
+        n_main = num_tokens if num_tokens_main_model is None else num_tokens_main_model
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
         num_spec = self.num_speculative_blocks
-        if request_id in self._align_allocated:
-            body, spec = table[: len(table) - num_spec], table[len(table) - num_spec :]
-            self._move_stale_partial_state(body, state_index, n_main)
-        else:
-            body, spec = table, []
-        new_blocks: list[KVCacheBlock] = []
-        if state_index >= len(body):
-            body = [*body, *[self._null_block] * (state_index - len(body))]
-            new_blocks = self.block_pool.get_new_blocks(1)
-            body += new_blocks
-        if request_id not in self._align_allocated:
-            spec = self.block_pool.get_new_blocks(num_spec)
-            new_blocks += spec
-            self._align_allocated.add(request_id)
-        table[:] = body + spec
+        num_required = cdiv(n_main, self.block_size) + num_spec
+        partial = self._partial_hit_reqs.pop(request_id, None)
+        allocated = request_id in self._allocated_block_reqs
+        self._allocated_block_reqs.add(request_id)
+        if num_required <= len(req_blocks) and partial is None:
+            return []  # the state stays in its block
+        prev_len = len(req_blocks)
+        # The state the previous step wrote (or the hit's) is read by this step.
+        if allocated:
+            self.last_state_block_idx[request_id] = prev_len - 1 - num_spec
+        elif prev_len > 0:
+            self.last_state_block_idx[request_id] = prev_len - 1
+        state_index = num_required - num_spec - 1
+        if prev_len < state_index:
+            req_blocks.extend([self._null_block] * (state_index - prev_len))
+        if allocated:
+            self._relocate_speculative_blocks(req_blocks, prev_len, state_index)
+        num_new = max(num_required - len(req_blocks), 0) + (1 if partial is not None else 0)
+        new_blocks = self.block_pool.get_new_blocks(num_new)
+        returned = req_blocks[prev_len:]
+        if partial is not None:
+            copy, new_blocks = new_blocks[0], new_blocks[1:]
+            index, source = partial
+            if allocated:
+                self._move_partial_entry(request_id, index, source, copy)
+            else:
+                self._apply_cow(request_id, index, source, copy)
+                returned.insert(0, copy)
+            if self._record_new_block_ids:
+                self.new_block_ids.append(copy.block_id)
+        req_blocks.extend(new_blocks)
         if self._record_new_block_ids:
             self.new_block_ids.extend(b.block_id for b in new_blocks)
-        return cow_blocks + new_blocks
+        return returned + new_blocks
 
-    def _stale_partial_state(
-        self, body: Sequence[KVCacheBlock], state_index: int, n_main: int
-    ) -> KVCacheBlock | None:
-        """The request's own state block that is a partial prefix-cache entry and that
-        this step would overwrite in place (its state at the entry's boundary must be
-        kept for hits), or None."""
-        if state_index >= len(body):
-            return None
-        block = body[state_index]
-        num_tokens = block.block_hash_num_tokens
-        if block.is_null or block.block_hash is None or num_tokens is None:
-            return None
-        if num_tokens % self.block_size == 0 or num_tokens >= n_main:
-            return None
-        return block
-
-    def _move_stale_partial_state(
-        self, body: Sequence[KVCacheBlock], state_index: int, n_main: int
+    def _relocate_speculative_blocks(
+        self, req_blocks: list[KVCacheBlock], prev_len: int, state_index: int
     ) -> None:
-        """Before the owner of a partial entry writes over it, the entry moves to a
-        private copy of the block (held until the copy is applied)."""
-        block = self._stale_partial_state(body, state_index, n_main)
-        if block is None:
-            return
-        copy = self.block_pool.get_new_blocks(1)[0]
-        self.block_pool.move_block_hashes(block, copy)
-        self._queue_copy(block, copy, holds=(copy,))
-        if self._record_new_block_ids:
-            self.new_block_ids.append(copy.block_id)
-
-    def _cache_partial_tail_block(self, request: Request, num_tokens: int) -> None:
-        """A state exists only where a step ended: register the prompt's last hash
-        boundary when the computed tokens end exactly there."""
-        boundary = self._partial_tail_boundary(request)
-        if boundary and boundary == num_tokens:
-            self._register_partial(request, boundary)
-
-    def _register_partial(self, request: Request, boundary: int) -> None:
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        index = cdiv(boundary, self.block_size) - 1
-        if index < len(blocks):
-            self.block_pool.cache_partial_block(
-                request, blocks[index], boundary, self.kv_cache_group_id, self.block_size
+        """Move the speculative blocks this step leaves behind the new state to the end
+        of the table (they are scratch: exclusively owned, never cached)."""
+        for index in range(prev_len - self.num_speculative_blocks, prev_len):
+            if index >= state_index:
+                break
+            block = req_blocks[index]
+            assert self.block_pool.is_block_writable(block), (
+                f"speculative block {block.block_id} is shared or cached"
             )
+            req_blocks.append(block)
+            req_blocks[index] = self._null_block
+
+    def _move_partial_entry(
+        self, request_id: str, index: int, source: KVCacheBlock, copy: KVCacheBlock
+    ) -> None:
+        """The owner of a partial entry writes on into its block (a running request's
+        table only grows), so the entry moves to ``copy``, which the queued copy fills
+        before the step overwrites ``source``. A hit on it waits for the next step."""
+        assert self.req_to_blocks[request_id][index] is source
+        self.block_pool.move_block_hashes(source, copy)
+        self._pending_cow_copies.append((source, copy))
+        source.ref_cnt += 1  # the copy's hold; ``copy`` holds only the one it was born with
+        if copy.block_hash is not None:
+            self.cached_blocks_this_step.add(copy.block_hash)
+
+    def cache_blocks(
+        self, request: Request, num_tokens: int, reachable_boundaries: Sequence[int] = ()
+    ) -> None:
+        request_id = request.request_id
+        num_cached_before = self.num_cached_block.get(request_id, 0)
+        super().cache_blocks(request, num_tokens, reachable_boundaries)
+        num_cached_after = self.num_cached_block.get(request_id, 0)
+        if self.mode == "align":
+            partial_key = self._cache_partial_tail_block(request, num_tokens)
+            if partial_key is not None:
+                self.cached_blocks_this_step.add(partial_key)
+        if num_cached_after > num_cached_before:
+            blocks = self.req_to_blocks[request_id]
+            for block in blocks[num_cached_before:num_cached_after]:
+                if not block.is_null and block.block_hash is not None:
+                    self.cached_blocks_this_step.add(block.block_hash)
+
+    def _cache_partial_tail_block(
+        self, request: Request, num_tokens: int
+    ) -> BlockHashWithGroupId | None:
+        """A state exists only where a step ended: when the computed tokens end exactly
+        on the prompt's last reusable hash boundary, register that state. Inside a
+        block, the request becomes the entry's owner: its next allocation moves the
+        entry to a private copy before writing on."""
+        hbs = self.block_pool.hash_block_size
+        if num_tokens <= 0 or num_tokens % hbs:
+            return None
+        boundary = mamba_prefill_checkpoint_position(
+            request.num_prompt_tokens, hbs, self.drop_eagle_checkpoint_block
+        )
+        if num_tokens != boundary:
+            return None
+        index = cdiv(num_tokens, self.block_size) - 1
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        if index >= len(blocks) or blocks[index].is_null:
+            return None
+        source = blocks[index]
+        if source.block_hash_num_tokens == num_tokens:
+            return None  # already keyed here (a hit, or an earlier step)
+        key = self.block_pool.cache_partial_block(
+            request, source, num_tokens, self.kv_cache_group_id, self.block_size
+        )
+        if key is not None and num_tokens % self.block_size:
+            self._partial_hit_reqs[request.request_id] = (index, source)
+            self.num_cached_block[request.request_id] = index
+        return key
 
     def free(self, request_id: str) -> None:
         super().free(request_id)
-        self._align_allocated.discard(request_id)
+        self._allocated_block_reqs.discard(request_id)
+        self.last_state_block_idx.pop(request_id, None)
+        self._num_retired_blocks.pop(request_id, None)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Only the state after the last computed token is read again."""
-        return max(num_computed_tokens - 1, 0)
+        return num_computed_tokens - 1
 
-    def _skipped_blocks(self, request_id: str, total_computed_tokens: int) -> list[int]:
+    def _indices_to_remove(self, request_id: str, first: int, last: int) -> list[int]:
         if self.mode != "align":
-            return super()._skipped_blocks(request_id, total_computed_tokens)
-        # Align mode leaves null gaps between states: look past them.
-        blocks = self.req_to_blocks.get(request_id)
-        if not blocks:
-            return []
-        num_skipped_blocks = self.get_num_skipped_tokens(total_computed_tokens) // self.block_size
-        end = min(num_skipped_blocks, len(blocks) - self.num_speculative_blocks)
-        return [i for i in range(end - 1, -1, -1) if not blocks[i].is_null]
+            return super()._indices_to_remove(request_id, first, last)
+        # Align mode leaves null gaps between states: look past them, from the entries
+        # not retired yet.
+        blocks = self.req_to_blocks.get(request_id, [])
+        first = max(first, self._num_retired_blocks.get(request_id, 0))
+        last = min(last, len(blocks))
+        return [i for i in range(last - 1, first - 1, -1) if not blocks[i].is_null]
+
+    def _remove_blocks_in_range(self, request_id: str, first: int, last: int) -> None:
+        super()._remove_blocks_in_range(request_id, first, last)
+        if self.mode == "align":
+            blocks = self.req_to_blocks.get(request_id, [])
+            last = min(last, len(blocks))
+            if max(first, self._num_retired_blocks.get(request_id, 0)) < last:
+                self._num_retired_blocks[request_id] = last
+
+    def _stale_state_index(self, request_id: str, total_computed_tokens: int) -> int | None:
+        """Align mode: the table index of the previous step's state once this step no
+        longer reads it, if it is still held."""
+        index = self.last_state_block_idx.get(request_id)
+        if index is None or index >= cdiv(total_computed_tokens, self.block_size) - 1:
+            return None
+        if self.req_to_blocks[request_id][index].is_null:
+            return None
+        return index
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        super().remove_skipped_blocks(request_id, total_computed_tokens)
+        if self.mode != "align":
+            return
+        index = self._stale_state_index(request_id, total_computed_tokens)
+        if index is not None:
+            blocks = self.req_to_blocks[request_id]
+            self.block_pool.free_blocks([blocks[index]])
+            blocks[index] = self._null_block
+
+    def _indices_freed_by_skipping(self, request_id: str, total_computed_tokens: int) -> list[int]:
+        indices = super()._indices_freed_by_skipping(request_id, total_computed_tokens)
+        if self.mode == "align":
+            index = self._stale_state_index(request_id, total_computed_tokens)
+            if index is not None and index not in indices:
+                indices.append(index)
+        return indices
 
     def reachable_block_mask(
         self, num_cached_blocks: int, num_full_blocks: int, reachable_boundaries: Sequence[int]
     ) -> list[bool] | None:
-        """A hit reads one state, at an aligned boundary: keep those states only. In
-        align mode a block holds its boundary's state only if a step ended exactly
-        there, which is the last block being cached when ``num_tokens`` is aligned."""
-        mask = sparse_retention_mask(
+        """A hit reads one state, at an aligned boundary: keep those states only."""
+        return sparse_retention_mask(
             range(num_cached_blocks, num_full_blocks),
             self.block_size,
             1,
@@ -927,19 +1026,6 @@ class MambaManager(SingleTypeKVCacheManager):
             self.retention_interval,
             reachable_boundaries,
         )
-        if self.mode != "align":
-            return mask
-        last = num_full_blocks - 1 if self._num_tokens_being_cached % self.block_size == 0 else -1
-        return [
-            i == last and (mask is None or mask[i - num_cached_blocks])
-            for i in range(num_cached_blocks, num_full_blocks)
-        ]
-
-    def cache_blocks(
-        self, request: Request, num_tokens: int, reachable_boundaries: Sequence[int] = ()
-    ) -> None:
-        self._num_tokens_being_cached = num_tokens
-        super().cache_blocks(request, num_tokens, reachable_boundaries)
 
     @classmethod
     def find_longest_cache_hit(

@@ -345,3 +345,13 @@ class TestEventExtraKeys:
             assert event.block_hashes == [req.block_hashes[0]]
             assert event.parent_block_hash is None
             assert event.extra_keys == [(("img", 2), "s")]
+
+    def test_a_call_caching_only_null_blocks_is_reported(self) -> None:
+        """A Mamba "align" group whose newly full blocks are all null padding still
+        reports the call: a BlockStored without hashes (extra_keys None)."""
+        m = make_manager(20, full(8), mamba(8, "align"), enable_kv_cache_events=True)
+        req = m.new_request("0", list(range(20)), cache_salt="s")
+        assert m.allocate_slots(req, 20) is not None
+        attention, state = stored_events(m.take_events())
+        assert attention.extra_keys == [("s",), None]
+        assert (state.block_hashes, state.extra_keys, len(state.token_ids)) == ([], None, 16)

@@ -99,6 +99,7 @@ class TestMambaPrefixCaching:
         req = m.new_request("0", list(range(40)))
         prefill(m, req)
         finish(m, req)
+        m.new_step_starts()  # states cached in a step are hit from the next one on
         again = m.new_request("1", list(range(40)))
         free_before = m.block_pool.get_num_free_blocks()
         hit, num_hit, new = prefill(m, again)
@@ -163,10 +164,11 @@ class TestMambaAlign:
 
     def test_prefill_hybrid_model_mamba_align(self) -> None:
         """Catalogue 7: [full, mamba_align], 30 blocks: 55 tokens get four attention
-        blocks and one state block, at the index of the last token's block."""
+        blocks and one state block, at the index of the last token's block; the answer
+        lists the null padding before it, as vLLM's (the worker's table stays aligned)."""
         m = make_manager(30, full(16), mamba(16, "align"))
         _, _, new = prefill(m, m.new_request("0", list(range(55))))
-        assert ids(new) == ([1, 2, 3, 4], [5])
+        assert ids(new) == ([1, 2, 3, 4], [0, 0, 0, 5])
         assert m.get_block_ids("0") == ([1, 2, 3, 4], [0, 0, 0, 5])
 
     def test_hybrid_cache_mamba_align_shared_prefix_detection(self) -> None:
@@ -188,39 +190,76 @@ class TestMambaAlign:
         m = make_manager(30, full(16), mamba(16, "align", num_speculative_blocks=1))
         req = m.new_request("0", list(range(20)))
         _, _, new = prefill(m, req, num_lookahead_tokens=3)
-        assert ids(new) == ([1, 2], [3, 4])
+        assert ids(new) == ([1, 2], [0, 3, 4])
         assert m.get_block_ids("0") == ([1, 2], [0, 3, 4])
         req.append_output_token_ids(7)
         assert ids(m.allocate_slots(req, 1, num_lookahead_tokens=1)) == ([], [])
 
-    def test_speculative_blocks_move_to_the_end(self) -> None:
-        """Crossing into a new block takes one block for the state; the draft block is
-        moved behind it, and the state of two steps ago is freed (still cached)."""
+    def test_speculative_block_becomes_the_next_state(self) -> None:
+        """The speculative block sits at the table position after the state: crossing
+        into the next block makes it the state block and takes one fresh block as the
+        new speculative block; the state of two steps ago is freed (still cached)."""
         m = make_manager(10, mamba(4, "align", num_speculative_blocks=1))
         req = m.new_request("0", list(range(6)))
         _, _, new = prefill(m, req)
-        assert ids(new) == ([1, 2],)
-        assert m.get_block_ids("0") == ([0, 1, 2],)
+        assert ids(new) == ([0, 1, 2],)
         assert ids(decode(m, req, 6)) == ([],)
         assert ids(decode(m, req, 7)) == ([],)  # 8 tokens: the state at 8 is cached
         assert m.block_pool.blocks[1].block_hash_num_tokens == 8
         assert ids(decode(m, req, 8)) == ([3],)
-        assert m.get_block_ids("0") == ([0, 1, 3, 2],)
+        assert m.get_block_ids("0") == ([0, 1, 2, 3],)
         decode(m, req, 9)
-        assert m.get_block_ids("0") == ([0, 0, 3, 2],)
+        assert m.get_block_ids("0") == ([0, 0, 2, 3],)
         assert m.block_pool.blocks[1].ref_cnt == 0
         assert m.block_pool.blocks[1].block_hash is not None
 
-    def test_only_states_where_a_step_ended_are_cached(self) -> None:
-        """A chunk from 6 to 12 tokens leaves the state at 6 in block index 1, which
-        must not be cached as the state at 8; the state at 12 is."""
+    def test_speculative_blocks_left_behind_move_to_the_end(self) -> None:
+        """A chunk that jumps past the speculative block's position leaves it behind
+        the new state: it moves to the end of the table (a null takes its place) and is
+        listed among the step's entries; it becomes the state block, a fresh block the
+        speculative one."""
+        m = make_manager(10, mamba(4, "align", num_speculative_blocks=1))
+        req = m.new_request("0", list(range(14)))
+        assert ids(m.allocate_slots(req, 4)) == ([1, 2],)
+        req.num_computed_tokens = 4
+        assert ids(m.allocate_slots(req, 8)) == ([2, 3],)
+        assert m.get_block_ids("0") == ([1, 0, 2, 3],)
+        assert m.block_pool.blocks[2].block_hash_num_tokens == 12
+        req.num_computed_tokens = 12
+        assert ids(m.allocate_slots(req, 2)) == ([4],)
+        assert m.get_block_ids("0") == ([0, 0, 2, 3, 4],)
+        assert m.block_pool.blocks[1].ref_cnt == 0  # the state at 4: read, then freed
+
+    def test_every_block_a_chunk_fills_is_cached(self) -> None:
+        """As in vLLM, every non-null block a chunk fills is cached at its block
+        boundary, the one holding an earlier step's state too: a chunk from 6 to 12
+        tokens registers block index 1 (written at 6) for 8 tokens. vLLM's scheduler
+        never ends a chunk inside a block before the prompt's end, which keeps this
+        from happening there."""
         m = make_manager(10, mamba(4, "align"))
         req = m.new_request("0", list(range(14)))
-        assert ids(m.allocate_slots(req, 6)) == ([1],)
+        assert ids(m.allocate_slots(req, 6)) == ([0, 1],)
         req.num_computed_tokens = 6
         assert ids(m.allocate_slots(req, 6)) == ([2],)
         assert m.get_block_ids("0") == ([0, 1, 2],)
-        assert m.block_pool.blocks[1].block_hash is None
+        assert m.block_pool.blocks[1].block_hash_num_tokens == 8
         assert m.block_pool.blocks[2].block_hash_num_tokens == 12
+        m.new_step_starts()
         hit, num_hit, _ = m.get_computed_blocks(m.new_request("1", list(range(14))))
         assert (num_hit, ids(hit)) == (12, ([0, 0, 2],))
+
+    def test_a_state_cached_this_step_is_hit_next_step(self) -> None:
+        """vLLM's cached_blocks_this_step: a state cached earlier in the same scheduler
+        step is only written by that step's forward pass, so a request hitting it is
+        refused (None, nothing attached) until new_step_starts."""
+        m = make_manager(20, full(16), mamba(16, "align"))
+        prefill(m, m.new_request("0", list(range(32))))  # caches the state at 32
+        req1 = m.new_request("1", list(range(40)))
+        hit, num_hit, _ = m.get_computed_blocks(req1)
+        assert num_hit == 32
+        assert not m.probe(req1).would_fit
+        assert m.allocate_slots(req1, 8, num_hit, hit) is None
+        assert m.coordinator.get_blocks("1") == ([], [])
+        m.new_step_starts()
+        hit, num_hit, new = prefill(m, req1)
+        assert (num_hit, ids(new)) == (32, ([4], [5]))

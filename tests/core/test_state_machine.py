@@ -169,6 +169,9 @@ class PoolState:
     hash_map: dict[bytes, tuple[int, ...]]  # key -> block ids, first inserted first
     tables: tuple[dict[str, tuple[int, ...]], ...]  # per group: request -> block ids
     cached: tuple[dict[str, int], ...]  # per group: num_cached_block
+    hash_tokens: tuple[int | None, ...]  # the prefix length the primary key stands for
+    # Keys besides the primary (partial entries of a filled block), in the pool's order.
+    aliases: tuple[tuple[bytes, ...], ...]
 
 
 def take_state(manager: KVCacheManager) -> PoolState:
@@ -185,6 +188,8 @@ def take_state(manager: KVCacheManager) -> PoolState:
             for m in managers
         ),
         cached=tuple(dict(m.num_cached_block) for m in managers),
+        hash_tokens=tuple(b.block_hash_num_tokens for b in pool.blocks),
+        aliases=tuple(tuple(pool.aliases_of(b)) for b in pool.blocks),
     )
 
 
@@ -196,6 +201,51 @@ def assert_same_state(actual: PoolState, expected: PoolState, what: str) -> None
     assert actual.hash_map == expected.hash_map, f"{what}: hash map"
     assert actual.tables == expected.tables, f"{what}: block tables"
     assert actual.cached == expected.cached, f"{what}: num_cached_block"
+    assert actual.hash_tokens == expected.hash_tokens, f"{what}: cached prefix lengths"
+    assert [set(a) for a in actual.aliases] == [set(a) for a in expected.aliases], (
+        f"{what}: second keys"
+    )
+
+
+class _CacheModel:
+    """The prefix cache as an allocation should leave it: each block's primary key, the
+    prefix length it stands for and its second keys, and the map (key -> blocks)."""
+
+    def __init__(self, before: PoolState) -> None:
+        self.hashes = list(before.hashes)
+        self.hash_tokens = list(before.hash_tokens)
+        self.aliases = [list(a) for a in before.aliases]
+        self.hash_map = {k: list(ids) for k, ids in before.hash_map.items()}
+
+    def removals(self, before: PoolState | None, block_id: int) -> list[KVCacheEvent]:
+        """One BlockRemoved per key of the block (primary first), as dropping it emits."""
+        if before is not None:
+            keys = [before.hashes[block_id], *before.aliases[block_id]]
+        else:
+            keys = [self.hashes[block_id], *self.aliases[block_id]]
+        return [
+            BlockRemoved([get_block_hash(key)], MEDIUM_GPU, get_group_id(key))
+            for key in keys
+            if key is not None
+        ]
+
+    def drop(self, block_ids: Sequence[int]) -> None:
+        for block_id in block_ids:
+            for key in (self.hashes[block_id], *self.aliases[block_id]):
+                if key is not None:
+                    self.hash_map[key].remove(block_id)
+            self.hashes[block_id] = self.hash_tokens[block_id] = None
+            self.aliases[block_id] = []
+
+    def insert(self, key: bytes, block_id: int, num_tokens: int) -> None:
+        if self.hashes[block_id] is None:
+            self.hashes[block_id], self.hash_tokens[block_id] = key, num_tokens
+        else:
+            self.aliases[block_id].append(key)
+        self.hash_map.setdefault(key, []).append(block_id)
+
+    def hash_map_state(self) -> dict[bytes, tuple[int, ...]]:
+        return {k: tuple(v) for k, v in self.hash_map.items() if v}
 
 
 def is_subsequence(needle: Sequence[int], haystack: Sequence[int]) -> bool:
@@ -339,6 +389,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         argument count and name and leans towards the first, which starved the
         decode steps in favour of ``reset_prefix_cache``."""
         self.clean = False
+        if data.draw(st.booleans(), label="a new scheduler step"):
+            # States cached in the last step become usable (Mamba hits wait for it).
+            self.m.new_step_starts()
         actions: list[tuple[Callable[[st.DataObject], None], int]] = [(self.reset_prefix_cache, 1)]
         if len(self.requests) < MAX_LIVE_REQUESTS:
             actions.append((self.add_request, 3))
@@ -430,13 +483,12 @@ class AllocatorMachine(RuleBasedStateMachine):
         if all_free:
             assert after.hash_map == {}
             assert all(h is None for h in after.hashes)
-            expected = PoolState(
-                before.ref_cnts,
-                before.queue,
-                after.hashes,
-                after.hash_map,
-                before.tables,
-                before.cached,
+            expected = dataclasses.replace(
+                before,
+                hashes=after.hashes,
+                hash_map=after.hash_map,
+                hash_tokens=after.hash_tokens,
+                aliases=after.aliases,
             )
             assert_same_state(after, expected, "successful reset_prefix_cache")
         else:
@@ -461,26 +513,29 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         m.evict_blocks(ids)
         hashes = list(before.hashes)
+        hash_tokens = list(before.hash_tokens)
+        aliases = list(before.aliases)
         hash_map = {key: list(ids_) for key, ids_ in before.hash_map.items()}
         for block_id in sorted(ids):
             key = before.hashes[block_id]
             if key is None:
                 continue
             event("evict_blocks dropped an entry")
-            hashes[block_id] = None
-            hash_map[key].remove(block_id)
+            for dropped in (key, *before.aliases[block_id]):
+                hash_map[dropped].remove(block_id)
+            hashes[block_id] = hash_tokens[block_id] = None
+            aliases[block_id] = ()
             for group, table_map in enumerate(before.tables):
                 for rid, table in table_map.items():
                     self.evicted_held.update(
                         (group, rid, i) for i, b in enumerate(table) if b == block_id
                     )
-        expected = PoolState(
-            before.ref_cnts,
-            before.queue,
-            tuple(hashes),
-            {k: tuple(v) for k, v in hash_map.items() if v},
-            before.tables,
-            before.cached,
+        expected = dataclasses.replace(
+            before,
+            hashes=tuple(hashes),
+            hash_map={k: tuple(v) for k, v in hash_map.items() if v},
+            hash_tokens=tuple(hash_tokens),
+            aliases=tuple(aliases),
         )
         assert_same_state(take_state(m), expected, "evict_blocks")
 
@@ -541,6 +596,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         event("prefix hit" if num_hit else "prefix miss")
         specs = self.specs()
         rid = request.request_id
+        # Every lookup records its boundary (0: none), as vLLM's scheduler does.
+        assert request.shared_prefix_boundary == boundary
+        self.shared_boundary[rid] = boundary
         if not self.cfg.enable_caching or request.skip_reading_prefix_cache:
             assert num_hit == 0 and not any(hits.blocks) and boundary == 0
             return hits, num_hit
@@ -549,9 +607,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert num_hit % m.scheduler_block_size == 0
         assert boundary == 0 or boundary > num_hit
         if boundary:
-            self.shared_boundary[rid] = boundary
             event("shared prefix boundary")
-        assert request.shared_prefix_boundary == self.shared_boundary.get(rid)
         assert len(hits.blocks) == len(specs)
         first_block = m.block_pool.cached_block_hash_to_block.get_one_block
         for group, (spec, blocks) in enumerate(zip(specs, hits.blocks, strict=True)):
@@ -743,7 +799,16 @@ class AllocatorMachine(RuleBasedStateMachine):
         free_before = pool.get_num_free_blocks()
         removed = self.blocks_to_skip(rid, total)
         freed_by_skip = sum(1 for group in removed for _, b in group if b.ref_cnt == 1)
-        predicted = m.coordinator.get_num_blocks_to_allocate(rid, need_slot, hit_lists, 0, total)
+        num_local = request.num_computed_tokens + num_hit
+        predicted = m.coordinator.get_num_blocks_to_allocate(
+            rid,
+            need_slot,
+            hit_lists,
+            0,
+            total,
+            num_local_computed_tokens=num_local,
+            num_tokens_main_model=total + num_new,
+        )
         watermark = (
             int(cfg.watermark * cfg.num_blocks)  # only for admissions while others run
             if step.has_scheduled_reqs
@@ -760,6 +825,8 @@ class AllocatorMachine(RuleBasedStateMachine):
                 0,
                 total,
                 apply_admission_cap=True,
+                num_local_computed_tokens=num_local,
+                num_tokens_main_model=min(request.num_tokens, cfg.max_model_len),
             )
             refused = refused or whole + watermark > free_before
 
@@ -812,13 +879,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         if result is None:
             event("allocate_slots -> None")
             # Nothing changes but the out-of-window blocks the removal released.
-            expected = PoolState(
-                tuple(ref),
-                tuple(queue),
-                before.hashes,
-                before.hash_map,
-                tuple(tables),
-                before.cached,
+            expected = dataclasses.replace(
+                before, ref_cnts=tuple(ref), queue=tuple(queue), tables=tuple(tables)
             )
             assert_same_state(after, expected, "allocate_slots -> None")
             return None
@@ -843,7 +905,8 @@ class AllocatorMachine(RuleBasedStateMachine):
                         queue.remove(block.block_id)
                         touched_free += 1
                     ref[block.block_id] += 1
-                table = [NULL] * min(num_skipped, len(group_hits)) + [b.block_id for b in kept]
+                # Null padding for every skipped position, beyond the hits too.
+                table = [NULL] * num_skipped + [b.block_id for b in kept]
                 prev_cached.append(len(table))
             else:
                 prev_cached.append(before.cached[group].get(rid, 0))
@@ -852,9 +915,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         for group, spec in enumerate(specs):
             table = list(tables[group][rid])
             popped: list[int] = []
-            if num_external:
-                num_skipped = num_skipped_tokens(spec, total) // spec.block_size
-                table += [NULL] * max(0, num_skipped - len(table))
+            # External tokens already out of view need no block.
+            if min(num_external, total - num_skipped_tokens(spec, total)) > 0:
                 n = max(0, cdiv(total, spec.block_size) - len(table))
                 popped, queue = queue[:n], queue[n:]
                 for block_id in popped:
@@ -910,29 +972,31 @@ class AllocatorMachine(RuleBasedStateMachine):
         # (aligned down to the scheduler block size with several groups, one block
         # further in an EAGLE group) get the request's hash unless the retention rule
         # leaves them out; popped blocks lost theirs. Lookahead slots are never cached.
-        hashes = list(before.hashes)
-        hash_map = {k: [b for b in ids if b not in all_new] for k, ids in before.hash_map.items()}
-        for block_id in all_new:
-            hashes[block_id] = None
+        # A full-attention group whose block is larger than the hash block also enters
+        # the prompt's last reusable hash boundary (a partial entry) in its block.
+        model = _CacheModel(before)
         tokens_to_cache = min(total + num_new, request.num_tokens)
         aligned = tokens_to_cache
         if self.hybrid:
             aligned -= tokens_to_cache % m.scheduler_block_size
         boundaries = self.reachable_boundaries(request)
-        # Events: one removal per popped cached block, in pop order; then one
-        # BlockStored per group that cached a block (parent: the logical block before).
+        # Events: one removal per key of each popped cached block, in pop order; then per
+        # group one BlockStored for the blocks cached (parent: the logical block before)
+        # and the partial entry's.
         expected_events: list[KVCacheEvent] = [
-            BlockRemoved([get_block_hash(key)], MEDIUM_GPU, get_group_id(key))
+            removed
             for ids in external_ids + new_ids
             for b in ids
-            if (key := before.hashes[b]) is not None
+            for removed in model.removals(before, b)
         ]
+        model.drop(all_new)
         for group, spec in enumerate(specs):
             cached_now = prev_cached[group]
             group_tokens = aligned
-            if self.hybrid and self.eagle[group]:
+            if self.hybrid and self.eagle[group] and aligned > 0:
                 group_tokens = min(tokens_to_cache, aligned + spec.block_size)
-            if caching and not step.delay_cache_blocks:
+            caches = caching and not step.delay_cache_blocks
+            if caches:
                 cached_now = max(cached_now, group_tokens // spec.block_size)
             assert after.cached[group].get(rid, 0) == cached_now, f"group {group} cached count"
             final_table = tables[group][rid]
@@ -944,11 +1008,12 @@ class AllocatorMachine(RuleBasedStateMachine):
                 if not self.retained(group, i, boundaries):
                     event("retention left a block out")
                     continue
+                expected_events += model.removals(None, block_id)  # a partial entry
+                model.drop([block_id])
                 key = self.expected_key(request, group, i)
-                hashes[block_id] = key
-                hash_map.setdefault(key, []).append(block_id)
+                model.insert(key, block_id, (i + 1) * spec.block_size)
                 stored.append(get_block_hash(key))
-            if stored:
+            if cached_now > prev_cached[group]:
                 first, bs = prev_cached[group], spec.block_size
                 expected_events.append(
                     BlockStored(
@@ -966,8 +1031,12 @@ class AllocatorMachine(RuleBasedStateMachine):
                         group_idx=group,
                     )
                 )
-        assert after.hashes == tuple(hashes), "block hashes after allocation"
-        assert after.hash_map == {k: tuple(v) for k, v in hash_map.items() if v}, "hash map"
+            if caches and isinstance(spec, FullAttentionSpec):
+                expected_events += self.partial_tail(model, request, group, group_tokens, tables)
+        assert after.hashes == tuple(model.hashes), "block hashes after allocation"
+        assert after.hash_tokens == tuple(model.hash_tokens), "cached prefix lengths"
+        assert [set(a) for a in after.aliases] == [set(a) for a in model.aliases], "second keys"
+        assert after.hash_map == model.hash_map_state(), "hash map"
         if cfg.events:
             emitted = [
                 dataclasses.replace(e, extra_keys=None) if isinstance(e, BlockStored) else e
@@ -975,6 +1044,75 @@ class AllocatorMachine(RuleBasedStateMachine):
             ]
             assert emitted == expected_events, "events of allocate_slots"
         return result
+
+    def partial_tail(
+        self,
+        model: _CacheModel,
+        request: Request,
+        group: int,
+        num_tokens: int,
+        tables: list[dict[str, tuple[int, ...]]],
+    ) -> list[KVCacheEvent]:
+        """vLLM's FullAttentionManager._cache_partial_tail_block: the prompt's partial
+        entry (``partial_tail_entry``) is entered in its block once computed; as a
+        second key when the block already has its longer full key, replacing a shorter
+        entry. Returns the events (removals, then the entry's BlockStored)."""
+        entry = self.partial_tail_entry(request, group)
+        if entry is None:
+            return []
+        boundary, key = entry
+        hbs = self.m.hash_block_size
+        table = tables[group][request.request_id]
+        index = boundary // self.specs()[group].block_size
+        if boundary > num_tokens or index >= len(table):
+            return []  # not computed yet
+        block_id = table[index]
+        if model.hashes[block_id] == key or key in model.aliases[block_id]:
+            return []
+        fine = get_block_hash(key)
+        events: list[KVCacheEvent] = []
+        current = model.hash_tokens[block_id]
+        if current is not None and current < boundary:
+            events += model.removals(None, block_id)
+            model.drop([block_id])
+        model.insert(key, block_id, boundary)
+        event("a partial entry was registered")
+        events.append(
+            BlockStored(
+                block_hashes=[fine],
+                parent_block_hash=request.block_hashes[boundary // hbs - 2]
+                if boundary > hbs
+                else None,
+                token_ids=request.all_token_ids[boundary - hbs : boundary],
+                block_size=hbs,
+                lora_id=None,
+                medium=MEDIUM_GPU,
+                lora_name=request.lora_name,
+                group_idx=group,
+            )
+        )
+        return events
+
+    def partial_tail_entry(self, request: Request, group: int) -> tuple[int, bytes] | None:
+        """(boundary, key) of the partial entry a full-attention group enters for the
+        request's prompt: its last reusable hash boundary (num_prompt_tokens - 1, all
+        of it with EAGLE, rounded down to the hash block) if it lies inside a block."""
+        spec = self.specs()[group]
+        hbs = self.m.hash_block_size
+        if not isinstance(spec, FullAttentionSpec) or spec.block_size == hbs:
+            return None
+        limit = request.num_prompt_tokens - (0 if self.eagle[group] else 1)
+        boundary = min(limit // hbs, len(request.block_hashes)) * hbs
+        if boundary == 0 or boundary % spec.block_size == 0:
+            return None
+        return boundary, request.block_hashes[boundary // hbs - 1] + group.to_bytes(4, "big")
+
+    def partial_keys(self, request: Request, group: int, index: int) -> set[bytes]:
+        """The keys of the hash boundaries strictly inside block ``index``."""
+        scale = self.specs()[group].block_size // self.m.hash_block_size
+        suffix = group.to_bytes(4, "big")
+        fine = request.block_hashes[index * scale : (index + 1) * scale - 1]
+        return {block_hash + suffix for block_hash in fine}
 
     def check_skipped_are_null(self, request_id: str, total_computed_tokens: int) -> None:
         """After ``allocate_slots`` every block before the window is the null block."""
@@ -1031,13 +1169,12 @@ class AllocatorMachine(RuleBasedStateMachine):
         if len(backs) == 1:
             assert tail == backs[0]
 
-        expected = PoolState(
-            tuple(ref),
-            after.queue,
-            before.hashes,
-            before.hash_map,
-            tuple({r: t for r, t in g.items() if r != rid} for g in before.tables),
-            tuple({r: n for r, n in g.items() if r != rid} for g in before.cached),
+        expected = dataclasses.replace(
+            before,
+            ref_cnts=tuple(ref),
+            queue=after.queue,
+            tables=tuple({r: t for r, t in g.items() if r != rid} for g in before.tables),
+            cached=tuple({r: n for r, n in g.items() if r != rid} for g in before.cached),
         )
         assert_same_state(after, expected, "free")
         self.evicted_held = {entry for entry in self.evicted_held if entry[1] != rid}
@@ -1080,6 +1217,14 @@ class AllocatorMachine(RuleBasedStateMachine):
                 for i, block in enumerate(blocks):
                     if block.is_null:
                         assert not isinstance(spec, FullAttentionSpec), "null in a full table"
+                        continue
+                    # Partial entries (a prompt's boundary inside the block, this
+                    # request's or another's sharing the block) stand for a shorter
+                    # prefix of the same tokens.
+                    partial = self.partial_keys(request, group, i)
+                    aliases = m.block_pool.aliases_of(block)
+                    assert aliases <= partial, "a second key for another prefix"
+                    if block.block_hash in partial:
                         continue
                     if i >= num_cached:
                         assert block.block_hash is None, (
@@ -1129,13 +1274,14 @@ class AllocatorMachine(RuleBasedStateMachine):
             if isinstance(ev, BlockStored):
                 assert ev.group_idx is not None and 0 <= ev.group_idx < len(specs)
                 spec = specs[ev.group_idx]
-                assert ev.block_size == spec.block_size, "BlockStored block size"
+                # A cache_full_blocks call (its blocks), or a partial entry (one hash block).
+                assert ev.block_size in (spec.block_size, m.hash_block_size), "block size"
                 assert ev.kv_cache_spec_kind == spec.kind.value
                 window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
                 assert ev.kv_cache_spec_sliding_window == window
                 assert ev.medium == MEDIUM_GPU
-                assert len(ev.token_ids) % spec.block_size == 0
-                assert 1 <= len(ev.block_hashes) <= len(ev.token_ids) // spec.block_size
+                assert len(ev.token_ids) % ev.block_size == 0
+                assert len(ev.block_hashes) <= len(ev.token_ids) // ev.block_size
                 for block_hash in ev.block_hashes:
                     model[(ev.group_idx, block_hash)] += 1
             elif isinstance(ev, BlockRemoved):

@@ -135,7 +135,7 @@ class PartialHitMachine(RuleBasedStateMachine):
             hit, num_hit, _ = m.get_computed_blocks(request)
         self.check_hit_shape(hit.blocks, num_hit)
         remaining = request.num_tokens - num_hit
-        num_new = data.draw(st.integers(1, remaining), label="chunk")
+        num_new = self.split(request, num_hit, data.draw(st.integers(1, remaining), label="chunk"))
         if self.allocate(request, num_new, num_hit, hit):
             request.status = RequestStatus.RUNNING
             self.running[request.request_id] = request
@@ -154,7 +154,30 @@ class PartialHitMachine(RuleBasedStateMachine):
             request.append_output_token_ids(data.draw(st.integers(0, 5)))
             remaining = 1
         num_new = data.draw(st.integers(1, remaining), label="chunk")
-        self.allocate(request, num_new, 0, None)
+        self.allocate(request, self.split(request, request.num_computed_tokens, num_new), 0, None)
+
+    def split(self, request: Request, start: int, num_new: int) -> int:
+        """Clip a prefill chunk where vLLM's scheduler clips it for Mamba "align"
+        (``_mamba_block_aligned_split``): a state exists only where a chunk ends, so
+        chunks before the prompt's end stop on block boundaries, at the last boundary
+        whose state a later request can reuse, and at the prompt's last reusable hash
+        boundary; one starting inside a block stops at that block's end."""
+        m = self.manager
+        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
+        if start >= prefill_end:
+            return num_new
+        bs = m.scheduler_block_size
+        end = start + num_new
+        if end < prefill_end and end // bs * bs > start:
+            end = end // bs * bs
+        last_cache_position = max(request.num_tokens - 1, 0) // bs * bs
+        tail = max(request.num_prompt_tokens - 1, 0) // HASH_BLOCK * HASH_BLOCK
+        stops = (
+            (start // bs + 1) * bs if start % bs else 0,
+            last_cache_position,
+            tail if last_cache_position < tail < request.num_prompt_tokens else 0,
+        )
+        return min((stop for stop in stops if start < stop < end), default=end) - start
 
     @rule()
     def end_step(self) -> None:
@@ -178,6 +201,7 @@ class PartialHitMachine(RuleBasedStateMachine):
             planned.request.num_computed_tokens = planned.start + planned.num_tokens
         self.planned.clear()
         m.free_retained_blocks(taken.retained_blocks)
+        m.new_step_starts()
 
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:
@@ -294,7 +318,14 @@ class PartialHitMachine(RuleBasedStateMachine):
             prefix = self.prefix_of[get_block_hash(key)]
             spec = self.specs[get_group_id(key)]
             for block in cache.blocks_of(key):
-                assert block.block_hash_num_tokens == len(prefix)
+                num_tokens = block.block_hash_num_tokens
+                assert num_tokens is not None
+                if key != block.block_hash:
+                    # A second key: a shorter prefix ending inside an attention block
+                    # that since filled up (its first slots still hold that prefix).
+                    assert not isinstance(spec, MambaSpec) and len(prefix) < num_tokens
+                else:
+                    assert num_tokens == len(prefix)
                 if isinstance(spec, MambaSpec):
                     assert self.memory.blocks.get(block.block_id) == prefix, (
                         f"cached state block {block.block_id} was overwritten"
