@@ -82,8 +82,8 @@ def _validate_mamba(group_id: int, spec: MambaSpec, enable_caching: bool) -> Non
     if enable_caching and spec.mamba_cache_mode == "none":
         raise InvalidArgumentError(
             f"KV cache group {group_id} is Mamba with mamba_cache_mode 'none', which keeps no "
-            f"prefix-cache states; with enable_caching=True mamba_cache_mode must be one of "
-            f"['align', 'all'] (or set enable_caching=False)"
+            f"prefix-cache states; with enable_caching=True mamba_cache_mode must be 'align' "
+            f"(or the kvservice extension 'all', by name; or set enable_caching=False)"
         )
     if not enable_caching and spec.mamba_cache_mode != "none":
         raise InvalidArgumentError(

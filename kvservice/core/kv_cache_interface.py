@@ -175,21 +175,28 @@ class CrossAttentionSpec(AttentionSpec):
         return cdiv(self.max_num_encoder_input_tokens, self.block_size) * self.page_size_bytes
 
 
-MAMBA_CACHE_MODES = ("none", "align", "all")
+# vLLM 0.33's MambaCacheMode. "all" is a kvservice extension (see MambaSpec), accepted
+# only when named, never a default.
+MAMBA_CACHE_MODES = ("align", "none")
+MAMBA_CACHE_MODE_EXTENSIONS = ("all",)
 
 
 @dataclass(frozen=True, slots=True)
 class MambaSpec(KVCacheSpec):
     """State-space layers: one recurrent state per request, not one entry per token.
 
-    A block holds the state after its last token. ``mamba_cache_mode``: "none" keeps
-    only the live state (no prefix caching; usually ``block_size = max_model_len``);
-    "all" keeps the state at every block boundary as a prefix-cache entry; "align"
-    keeps only the states of steps that end on a block boundary (the scheduler splits
-    chunks there), holding one state block per request plus the previous one, and with
-    a hash block smaller than the block it also keeps mid-block states, which enables
-    partial-block prefix hits. Speculative decoding adds ``num_speculative_blocks``
-    state blocks per request.
+    A block holds the state after its last token. ``mamba_cache_mode`` (vLLM 0.33's
+    modes): "none" keeps only the live state (no prefix caching; usually
+    ``block_size = max_model_len``); "align" keeps only the states of steps that end on
+    a block boundary (the scheduler splits chunks there), holding one state block per
+    request plus the previous one, and with a hash block smaller than the block it also
+    keeps the prompt's last reusable mid-block state, which enables partial-block
+    prefix hits. Speculative decoding adds ``num_speculative_blocks`` state blocks per
+    request.
+
+    "all" is a kvservice extension that vLLM 0.33 does not have: it keeps the state at
+    every block boundary as a prefix-cache entry, one block per ``block_size`` tokens
+    like attention. It is never a default; it applies only when asked for by name.
     """
 
     shapes: tuple[tuple[int, ...], ...] = ()
@@ -201,10 +208,11 @@ class MambaSpec(KVCacheSpec):
 
     def __post_init__(self) -> None:
         super(MambaSpec, self).__post_init__()
-        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES + MAMBA_CACHE_MODE_EXTENSIONS:
             raise InvalidArgumentError(
                 f"mamba_cache_mode {self.mamba_cache_mode!r} is not supported; use one of "
-                f"{list(MAMBA_CACHE_MODES)}"
+                f"{list(MAMBA_CACHE_MODES)} (vLLM 0.33's modes), or the kvservice "
+                f"extension 'all' by name"
             )
         if self.num_speculative_blocks < 0:
             raise InvalidArgumentError(

@@ -1,12 +1,18 @@
-"""Mamba groups: one state per request, prefix-cached at block boundaries in mode
-"all", alone and beside attention groups."""
+"""Mamba groups: one state per request, prefix-cached in vLLM's mode "align" (and in
+kvservice's extension "all", at every block boundary), alone and beside attention
+groups."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvservice.core.errors import InvalidArgumentError
-from kvservice.core.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MambaSpec
+from kvservice.core.kv_cache_interface import (
+    MAMBA_CACHE_MODES,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+)
 from kvservice.core.kv_cache_manager import KVCacheManager
 from tests.core.helpers import decode, finish, free_queue_ids, ids, make_manager, prefill
 from tests.core.support import full, sliding
@@ -34,8 +40,8 @@ class TestMambaSpec:
         [
             (
                 {"mamba_cache_mode": "latest"},
-                r"mamba_cache_mode 'latest' is not supported; "
-                r"use one of \['none', 'align', 'all'\]",
+                r"mamba_cache_mode 'latest' is not supported; use one of "
+                r"\['align', 'none'\] \(vLLM 0.33's modes\), or the kvservice extension 'all'",
             ),
             ({"num_speculative_blocks": -1}, "num_speculative_blocks must be >= 0"),
             ({"dtypes": ("float32",)}, "one dtype"),
@@ -68,10 +74,20 @@ class TestMambaWithoutCaching:
         assert ids(new) == ([1, 2, 3],)
         assert ids(decode(m, req, 7)) == ([],)
 
-    def test_caching_needs_mode_all(self) -> None:
-        """Prefix caching with mode "none" has no states to reuse: refused."""
-        with pytest.raises(InvalidArgumentError, match="mamba_cache_mode 'none'"):
+    def test_caching_needs_mode_align(self) -> None:
+        """Prefix caching with mode "none" has no states to reuse: refused, naming
+        vLLM's "align" (kvservice's "all" only as the extension it is)."""
+        with pytest.raises(
+            InvalidArgumentError, match=r"mamba_cache_mode must be 'align' \(or the kvservice"
+        ):
             make_manager(8, mamba(16, "none"))
+
+    def test_mode_all_is_an_extension_never_a_default(self) -> None:
+        """vLLM 0.33's modes are "align" and "none"; "all" is accepted only by name and
+        the default is "none"."""
+        assert MAMBA_CACHE_MODES == ("align", "none")
+        assert MambaSpec(16, ((2,),), ("float32",)).mamba_cache_mode == "none"
+        assert mamba(16, "all").mamba_cache_mode == "all"
 
     def test_mode_all_needs_caching(self) -> None:
         """Mode "all" without prefix caching is a contradiction: refused."""
