@@ -162,6 +162,11 @@ class BlockPool:
     The null block stands in for positions a request no longer needs (outside a sliding
     window, before a local-attention chunk) so block tables stay index-aligned. It is
     never freed, hashed, evicted or counted as free: usable capacity is N - 1.
+
+    A cached block is the entry of the prefix its ``block_hash`` stands for, and may be
+    filed under more keys: partial entries of shorter prefixes ending inside it (a
+    prompt's last reusable hash boundary, kept after the block filled up). Evicting,
+    promoting or moving the block handles all of its keys.
     """
 
     def __init__(

@@ -27,7 +27,8 @@ class Request:
     successful ``allocate_slots``.
 
     What enters the block hashes besides the tokens: the LoRA adapter (``lora_name``
-    and ``lora_path``), multimodal items, the cache salt and the prompt embeddings
+    and ``lora_path``; a name given without a path keys the path as None), multimodal
+    items, the cache salt and the prompt embeddings
     (``prompt_embeds``: the raw bytes of a row-major ``[num_prompt_tokens, hidden]``
     tensor, as vLLM hashes ``tensor_data`` of its rows). ``lora_int_id`` is vLLM's
     ``lora_request.adapter_id``, reported as ``lora_id`` in KV events.
