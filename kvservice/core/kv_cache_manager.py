@@ -175,6 +175,10 @@ class KVCacheManager:
         ]
         # Block id -> holds handed out by take_kv_cache_block_copies, not yet released.
         self._retained_holds: Counter[int] = Counter()
+        # Whether the caller announces its scheduler steps (new_step_starts). Until it
+        # first does, each allocate_slots is a step of its own: a caller unaware of
+        # steps must not see Mamba hits refused for good.
+        self._caller_steps = False
         self.checker = AllocationChecker(
             max_model_len,
             [
@@ -230,7 +234,11 @@ class KVCacheManager:
         """Tell the manager that the scheduler starts a new step, as vLLM's scheduler
         does at the top of each ``schedule()``. A Mamba state cached during a step is
         only written by that step's forward pass (or copy), so a prefix hit on it is
-        refused (``allocate_slots`` answers None) until the next step starts."""
+        refused (``allocate_slots`` answers None) until the next step starts.
+
+        A manager never told of steps treats every ``allocate_slots`` call as a step of
+        its own; the first call of this method hands the steps to the caller."""
+        self._caller_steps = True
         self.coordinator.new_step_starts()
 
     # -- lookup -----------------------------------------------------------------------
@@ -369,6 +377,8 @@ class KVCacheManager:
 
         if self.enable_caching and not delay_cache_blocks:
             coordinator.cache_blocks(request, min(num_tokens_main_model, request.num_tokens))
+        if not self._caller_steps:
+            coordinator.new_step_starts()
         return self.create_kv_cache_blocks(new_blocks)
 
     def take_kv_cache_block_copies(self) -> KVCacheBlockCopies:

@@ -269,6 +269,7 @@ class TestMambaAlign:
         step is only written by that step's forward pass, so a request hitting it is
         refused (None, nothing attached) until new_step_starts."""
         m = make_manager(20, full(16), mamba(16, "align"))
+        m.new_step_starts()  # the caller announces its steps
         prefill(m, m.new_request("0", list(range(32))))  # caches the state at 32
         req1 = m.new_request("1", list(range(40)))
         hit, num_hit, _ = m.get_computed_blocks(req1)
@@ -278,4 +279,12 @@ class TestMambaAlign:
         assert m.coordinator.get_blocks("1") == ([], [])
         m.new_step_starts()
         hit, num_hit, new = prefill(m, req1)
+        assert (num_hit, ids(new)) == (32, ([4], [5]))
+
+    def test_without_announced_steps_each_allocation_is_a_step(self) -> None:
+        """A caller that never calls new_step_starts (one unaware of steps) is not
+        refused for good: each allocate_slots call is a step of its own."""
+        m = make_manager(20, full(16), mamba(16, "align"))
+        prefill(m, m.new_request("0", list(range(32))))
+        _, num_hit, new = prefill(m, m.new_request("1", list(range(40))))
         assert (num_hit, ids(new)) == (32, ([4], [5]))

@@ -181,6 +181,7 @@ class TestMambaPartialHit:
         """req1 hits the state req0 cached in this very step: refused (None) and
         nothing attached, until new_step_starts."""
         m = manager(full(2), mamba(4, "align"))
+        m.new_step_starts()  # the caller announces its steps
         compute(m, m.new_request("0", PROMPT), 6)
         req1 = m.new_request("1", [*PROMPT, 3, 3, 4])
         hit, num_hit, _ = m.get_computed_blocks(req1)
