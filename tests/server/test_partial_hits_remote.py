@@ -20,19 +20,22 @@ from kvservice.server.config import build_kv_cache_config
 from kvservice.server.settings import load_settings
 from tests.server.support import HYBRID_POOL
 
-PROMPT = [11, 12, 13, 14]  # one hash block: its state and KV are a partial entry
+# req0's prompt; its first chunk (one hash block) ends on the prompt's last reusable
+# boundary (num_prompt_tokens - 1 rounded down, as vLLM 0.33 registers it), so its
+# state and KV there are a partial entry.
+PROMPT = [11, 12, 13, 14, 19]
+CHUNK = 4
+SHARING = [11, 12, 13, 14, 15, 16, 17, 18]  # req1: PROMPT's first chunk, then its own
 
 
 async def partial_hit(client: AsyncKVClient) -> tuple[Allocation, list[list[int]]]:
-    """req0 computes PROMPT; req1 (PROMPT + 4 tokens) hits its 4 tokens, which end
+    """req0 computes PROMPT's first chunk; req1 (that chunk + 4 tokens) hits its 4 tokens, which end
     inside an 8-token block of each group. Returns req1's allocation and req0's
     tables (the copies' sources)."""
     await client.add_request("req0", PROMPT)
-    first = await client.allocate_slots(
-        "req0", len(PROMPT), await client.get_computed_blocks("req0")
-    )
+    first = await client.allocate_slots("req0", CHUNK, await client.get_computed_blocks("req0"))
     assert first is not None
-    await client.add_request("req1", [*PROMPT, 15, 16, 17, 18])
+    await client.add_request("req1", SHARING)
     hit = await client.get_computed_blocks("req1")
     assert hit.num_computed_tokens == 4
     allocation = await client.allocate_slots("req1", 4, hit)
@@ -78,15 +81,13 @@ async def test_colocated_runtime_applies_the_copies_before_answering() -> None:
         runtime = handle.runtime
         assert runtime is not None
         await client.add_request("req0", PROMPT)
-        first = await client.allocate_slots(
-            "req0", len(PROMPT), await client.get_computed_blocks("req0")
-        )
+        first = await client.allocate_slots("req0", CHUNK, await client.get_computed_blocks("req0"))
         assert first is not None
         source = first.new_block_ids[0][0]
         # The model writing req0's KV into its attention block.
         for view in runtime.kv_cache.groups:
             view[:, :, source].copy_(torch.randn_like(view[:, :, source]))
-        await client.add_request("req1", [*PROMPT, 15, 16, 17, 18])
+        await client.add_request("req1", SHARING)
         allocation = await client.allocate_slots(
             "req1", 4, await client.get_computed_blocks("req1")
         )
@@ -139,15 +140,13 @@ async def test_a_step_applies_its_copies_after_zeroing_once() -> None:
         runtime = handle.runtime
         assert runtime is not None
         await client.add_request("req0", PROMPT)
-        first = await client.allocate_slots(
-            "req0", len(PROMPT), await client.get_computed_blocks("req0")
-        )
+        first = await client.allocate_slots("req0", CHUNK, await client.get_computed_blocks("req0"))
         assert first is not None
         source = first.new_block_ids[0][0]
         for view in runtime.kv_cache.groups:
             view[:, :, source].copy_(torch.randn_like(view[:, :, source]))
         written = [view[:, :, source].clone() for view in runtime.kv_cache.groups]
-        await client.add_request("req1", [*PROMPT, 15, 16, 17, 18])
+        await client.add_request("req1", SHARING)
         hit = await client.get_computed_blocks("req1")
         step = StepBuilder()
         allocated = step.allocate_slots("req1", 4, hit)

@@ -32,6 +32,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import RequestStatus as VllmRequestStatus
 
+from kvservice.core.block_hashing import MultiModalFeature
 from kvservice.core.kv_cache_block import KVCacheBlock
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.request import Request, RequestStatus
@@ -211,11 +212,19 @@ class KVServiceKVCacheManager:
         and computed-token count."""
         mirror = self._requests.get(request.request_id)
         if mirror is None:
+            # Hashes come from vLLM; the keys' inputs are for the KV events' extra_keys.
+            lora = request.lora_request
             mirror = Request(
                 request.request_id,
                 request._all_token_ids,
                 cache_salt=request.cache_salt,
-                lora_name=request.lora_request.lora_name if request.lora_request else None,
+                lora_name=lora.lora_name if lora else None,
+                lora_path=lora.lora_path if lora else None,
+                lora_int_id=lora.lora_int_id if lora else None,
+                mm_features=[
+                    MultiModalFeature(f.identifier, f.mm_position.offset, f.mm_position.length)
+                    for f in request.mm_features or ()
+                ],
                 skip_reading_prefix_cache=request.skip_reading_prefix_cache,
             )
             # Shared, not copied: vLLM appends to both as the request grows.
@@ -224,17 +233,7 @@ class KVServiceKVCacheManager:
             self._requests[request.request_id] = mirror
         mirror.status = _STATUS[request.status]
         mirror.num_computed_tokens = request.num_computed_tokens
-        if self.args.enable_kv_cache_events:
-            self._pad_extra_keys(mirror)
         return mirror
-
-    @staticmethod
-    def _pad_extra_keys(mirror: Request) -> None:
-        # The core reads one extra-key entry per block hash when it emits BlockStored;
-        # vLLM's hashes come without them, and the events carry them as unknown.
-        missing = len(mirror.block_hashes) - len(mirror.block_extra_keys)
-        if missing > 0:
-            mirror.block_extra_keys.extend([None] * missing)
 
     def _blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> Any:
         return VllmKVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
@@ -382,6 +381,7 @@ class KVServiceKVCacheManager:
         step is planned on a previous one the server has not confirmed."""
         if self.server is not None:
             self.server.confirm()
+        self.core.new_step_starts()
 
     def take_events(self) -> list[Any]:
         return to_vllm_events(self.core.take_events())

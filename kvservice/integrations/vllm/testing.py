@@ -53,7 +53,6 @@ class StubForCausalLM(torch.nn.Module):
 @cache
 def _model_dir() -> str:
     ModelRegistry.register_model("StubForCausalLM", StubForCausalLM)
-    init_none_hash(sha256)
     path = tempfile.mkdtemp(prefix="kvservice-vllm-stub-")
     config = {
         "architectures": ["StubForCausalLM"],
@@ -133,8 +132,11 @@ def vllm_config(setup: SchedulerSetup) -> Any:
 
 
 def build_scheduler(setup: SchedulerSetup, scheduler_cls: type = Scheduler) -> Any:
-    """vLLM's ``Scheduler`` (or ``KVServiceScheduler``) for ``setup``, stats on."""
+    """vLLM's ``Scheduler`` (or ``KVServiceScheduler``) for ``setup``, stats on. As
+    vLLM's engine does before building its scheduler, the hash chain's seed is set for
+    the configured algorithm (sha256) first."""
     config = vllm_config(setup)
+    init_none_hash(sha256)
     return scheduler_cls(
         vllm_config=config,
         kv_cache_config=kv_cache_config(setup),
