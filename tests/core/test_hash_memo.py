@@ -19,12 +19,14 @@ def reference_hashes(
     algo: str, tokens: list[int], lora: str | None = None, salt: str | None = None
 ) -> list[bytes]:
     """vLLM's chain, from the reference hash function: LoRA keys every block, the salt
-    the first only."""
+    the first only, each tagged with its kind (a LoRA name without a path keys None)."""
     ref = REF_HASH_FNS[algo]
     parent = ref(DEFAULT_SEED)
     hashes = []
     for start in range(0, len(tokens) // BLOCK * BLOCK, BLOCK):
-        keys = ([lora] if lora else []) + ([salt] if salt and start == 0 else [])
+        keys = ([("lora", lora, None)] if lora else []) + (
+            [("cache_salt", salt)] if salt and start == 0 else []
+        )
         parent = ref((parent, tuple(tokens[start : start + BLOCK]), tuple(keys) or None))
         hashes.append(parent)
     return hashes
