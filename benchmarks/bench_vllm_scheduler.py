@@ -44,6 +44,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
+from kvservice.bench.measure import process_cpu_seconds  # noqa: E402
 from kvservice.bench.server import child_server  # noqa: E402
 from kvservice.integrations.vllm import KVServiceScheduler  # noqa: E402
 from kvservice.integrations.vllm.testing import (  # noqa: E402
@@ -68,6 +69,7 @@ class Mode:
     scheduler_cls: type
     target: str | None
     confirm: str = "sync"
+    server_pid: int | None = None
 
 
 def _token(request_id: str, position: int) -> int:
@@ -112,12 +114,17 @@ class Timing:
 
     seconds: float = 0.0
     cpu_seconds: float = 0.0
+    server_cpu_seconds: float = 0.0
     round_trips: int = 0
     steps: int = 0
 
 
-def _step(scheduler: Any, timing: Timing, forward_s: float = 0.0) -> None:
-    """One scheduler step, timed outside the fake model's output."""
+def _step(
+    scheduler: Any, timing: Timing, forward_s: float = 0.0, server_pid: int | None = None
+) -> None:
+    """One scheduler step, timed outside the fake model's output; with ``server_pid``,
+    the server process's CPU time over the step too."""
+    server_cpu = process_cpu_seconds(server_pid) if server_pid else None
     server = getattr(scheduler.kv_cache_manager, "server", None)
 
     def round_trips() -> int:
@@ -136,30 +143,39 @@ def _step(scheduler: Any, timing: Timing, forward_s: float = 0.0) -> None:
     timing.cpu_seconds += cpu + time.thread_time() - start_cpu
     timing.round_trips += round_trips() - trips
     timing.steps += 1
+    if server_pid and server_cpu is not None:
+        timing.server_cpu_seconds += (process_cpu_seconds(server_pid) or 0.0) - server_cpu
 
 
-def decode(scheduler: Any, steps: int, seed: int, forward_s: float) -> Timing:
+def decode(
+    scheduler: Any, steps: int, seed: int, forward_s: float, server_pid: int | None
+) -> Timing:
     for request in _requests(seed, NUM_RUNNING, (100_000, 100_001), 0):
         scheduler.add_request(request)
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.requests.values()):
         _step(scheduler, Timing())
     timing = Timing()
     for _ in range(steps):
-        _step(scheduler, timing, forward_s)
+        _step(scheduler, timing, forward_s, server_pid)
     return timing
 
 
-def churn(scheduler: Any, steps: int, seed: int, forward_s: float) -> Timing:
+def churn(
+    scheduler: Any, steps: int, seed: int, forward_s: float, server_pid: int | None
+) -> Timing:
     arrivals = iter(_requests(seed, NUM_RUNNING * 40, (8, 64), 0))
     timing = Timing()
     for _ in range(steps):
         while len(scheduler.requests) < NUM_RUNNING + 32:
             scheduler.add_request(next(arrivals))
-        _step(scheduler, timing, forward_s)
+        _step(scheduler, timing, forward_s, server_pid)
     return timing
 
 
-WORKLOADS: dict[str, Callable[[Any, int, int, float], Timing]] = {"decode": decode, "churn": churn}
+WORKLOADS: dict[str, Callable[[Any, int, int, float, int | None], Timing]] = {
+    "decode": decode,
+    "churn": churn,
+}
 
 
 def _run(mode: Mode, workload: str, steps: int, seed: int, forward_s: float) -> Timing:
@@ -169,7 +185,7 @@ def _run(mode: Mode, workload: str, steps: int, seed: int, forward_s: float) -> 
         os.environ["KVSERVICE_TARGET"] = mode.target
     os.environ["KVSERVICE_CONFIRM"] = mode.confirm
     scheduler = build_scheduler(SETUP, mode.scheduler_cls)
-    timing = WORKLOADS[workload](scheduler, steps, seed, forward_s)
+    timing = WORKLOADS[workload](scheduler, steps, seed, forward_s, mode.server_pid)
     scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
     scheduler.shutdown()
     return timing
@@ -200,8 +216,10 @@ def main(argv: list[str] | None = None) -> None:
         modes = [
             Mode("vllm built-in", Scheduler, None),
             Mode("kvservice in-process", KVServiceScheduler, None),
-            Mode("kvservice remote", KVServiceScheduler, server.target),
-            Mode("kvservice remote overlap", KVServiceScheduler, server.target, "overlap"),
+            Mode("kvservice remote", KVServiceScheduler, server.target, "sync", server.pid),
+            Mode(
+                "kvservice remote overlap", KVServiceScheduler, server.target, "overlap", server.pid
+            ),
         ]
         for workload in args.workloads:
             runs: dict[str, list[Timing]] = {m.name: [] for m in modes}
@@ -219,7 +237,7 @@ def _report(
     print(f"\n{workload}: {NUM_RUNNING} requests, {args.steps} steps x {args.rounds} rounds")
     print(
         f"{'manager':<22}{'steps/s':>9}{'ratio':>8}{'spread':>13}"
-        f"{'CPU ms/step':>13}{'CPU ratio':>11}{'trips/step':>12}"
+        f"{'CPU ms/step':>13}{'CPU ratio':>11}{'trips/step':>12}{'server CPU ms/step':>20}"
     )
     for mode in modes:
         timings = runs[mode.name]
@@ -232,6 +250,7 @@ def _report(
             f"{statistics.median(1000 * t.cpu_seconds / t.steps for t in timings):>13.2f}"
             f"{statistics.median(cpu_ratios):>10.2f}x"
             f"{statistics.median(t.round_trips / t.steps for t in timings):>12.2f}"
+            f"{statistics.median(1000 * t.server_cpu_seconds / t.steps for t in timings):>20.2f}"
         )
     print(
         "ratio: the built-in manager's time over this mode's, within each round (median, "

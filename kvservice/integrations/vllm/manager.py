@@ -54,6 +54,7 @@ BlockIds = tuple[tuple[int, ...], ...]
 # full_sequence_must_fit, reserved_blocks, has_scheduled_reqs).
 RareArguments = tuple[int, int, bool, int, bool, int, bool]
 _PLAIN: RareArguments = (0, 0, False, 0, False, 0, True)
+_NO_HIT: tuple[int, BlockIds] = (0, ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +133,7 @@ class KVServiceKVCacheManager:
         self.empty_kv_cache_blocks = VllmKVCacheBlocks(
             tuple(() for _ in range(self.num_kv_cache_groups))
         )
+        self._no_block_ids: BlockIds = tuple(() for _ in range(self.num_kv_cache_groups))
         self.core = KVCacheManager(
             core_cache_config(config),
             max_model_len=args.max_model_len,
@@ -274,7 +276,8 @@ class KVServiceKVCacheManager:
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> Any | None:
-        self.refuse_connector_only("skip_zeroing_group_ids", skip_zeroing_group_ids)
+        if skip_zeroing_group_ids:
+            self.refuse_connector_only("skip_zeroing_group_ids", skip_zeroing_group_ids)
         server = self.server
         if server is not None:
             server.check_alive()
@@ -309,8 +312,13 @@ class KVServiceKVCacheManager:
             )
             if rare == _PLAIN:
                 rare = None
-            hit = (num_new_computed_tokens, _ids(hits.blocks) if hits is not None else ())
-            answer = None if new_blocks is None else _ids(new_blocks.blocks)
+            hit = _NO_HIT if hits is None else (num_new_computed_tokens, _ids(hits.blocks))
+            if new_blocks is None:
+                answer = None
+            elif new_blocks is self.core.empty_kv_cache_blocks:
+                answer = self._no_block_ids  # most decode steps: one shared answer
+            else:
+                answer = _ids(new_blocks.blocks)
             server.allocated(request, num_new_tokens, hit, rare, answer)
         return None if new_blocks is None else self._blocks(new_blocks.blocks)
 

@@ -243,6 +243,9 @@ class ServerLink:
         the tokens it has not received."""
         request_id = request.request_id
         known = self._server_tokens.get(request_id)
+        num_tokens = request.num_tokens
+        if known == num_tokens:
+            return  # nothing new: most lookups, preempted requests coming back
         if known is None:
             if request.mm_features:
                 raise NotImplementedError(
@@ -257,9 +260,9 @@ class ServerLink:
             )
             known = request.num_prompt_tokens
             self._server_computed[request_id] = 0
-        if request.num_tokens > known:
+        if num_tokens > known:
             self._log.append_tokens(request_id, request._all_token_ids[known:])
-        self._server_tokens[request_id] = request.num_tokens
+        self._server_tokens[request_id] = num_tokens
 
     def looked_up(
         self, request: Any, block_ids: BlockIds, num_tokens: int, shared_prefix_boundary: int
@@ -282,29 +285,28 @@ class ServerLink:
         ``request`` with ``hit`` (tokens, block ids) attached; ``rare`` the arguments
         after the hit in vLLM's order (None: vLLM's defaults)."""
         request_id = request.request_id
-        options = None if rare is None else AllocateOptions(*rare)
-        attached = self._attached_hit(request_id, hit)
+        attached = self._attached_hit(request_id, hit) if hit[0] else None
         self._send_tokens(request)
+        options = None if rare is None else AllocateOptions(*rare)
         # The server counts computed tokens as the scheduler does; send the count only
         # where the scheduler moved it otherwise (rejected draft tokens).
-        server_computed = self._server_computed[request_id]
-        if request.num_computed_tokens != server_computed:
+        num_computed_tokens = request.num_computed_tokens
+        if num_computed_tokens != self._server_computed[request_id]:
             options = dataclasses.replace(
-                options or AllocateOptions(), num_computed_tokens=request.num_computed_tokens
+                options or AllocateOptions(), num_computed_tokens=num_computed_tokens
             )
         self._log.record("allocate_slots", (request_id, num_new_tokens, attached, options), answer)
         if answer is not None:
             external = options.num_external_computed_tokens if options else 0
             self._server_computed[request_id] = (
-                request.num_computed_tokens + hit[0] + external + num_new_tokens
+                num_computed_tokens + hit[0] + external + num_new_tokens
             )
-            self._lookups.pop(request_id, None)
+            if attached is not None:
+                del self._lookups[request_id]
 
-    def _attached_hit(self, request_id: str, hit: tuple[int, BlockIds]) -> ComputedBlocks | None:
+    def _attached_hit(self, request_id: str, hit: tuple[int, BlockIds]) -> ComputedBlocks:
         """The lookup an allocation attaches: the server takes only its last lookup's
         blocks, so a hit the scheduler changed cannot be forwarded."""
-        if not hit[0]:
-            return None
         lookup = self._lookups.get(request_id)
         if lookup is None or (lookup.num_computed_tokens, lookup.block_ids) != hit:
             raise NotImplementedError(

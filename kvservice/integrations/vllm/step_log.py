@@ -17,7 +17,9 @@ from typing import Any
 from kvservice.client import OpHandle, StepBuilder
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one is made per operation of every step sent, and a frozen dataclass's
+# __init__ costs several times a plain one's.
+@dataclass(slots=True)
 class Expected:
     """One operation of a sent step: where its answer is, the replica's answer (or
     ``ANY_ANSWER``), and the call that made it, for a message that names it."""
