@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kvservice import __version__
 from kvservice.bench import cli as bench_cli
 from kvservice.bench import demo
 from kvservice.core.errors import KVCacheError
@@ -50,14 +51,21 @@ def _text_type(option: Option) -> Callable[[str], object]:
 
 
 def _add_option(parser: argparse.ArgumentParser, option: Option) -> None:
-    text = f"{option.help} (env {option.env}; default: {default_of(option)})"
+    allowed = f"one of: {', '.join(option.choices)}; " if option.choices else ""
+    text = f"{option.help} ({allowed}env {option.env}; default: {default_of(option)})"
+    flags = (option.flag, *option.aliases)
     if option.kind is bool:
         parser.add_argument(
-            option.flag, action=argparse.BooleanOptionalAction, default=None, help=text
+            *flags,
+            dest=option.name,
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=text,
         )
         return
     parser.add_argument(
-        option.flag,
+        *flags,
+        dest=option.name,
         type=_text_type(option),
         default=None,
         choices=option.choices,
@@ -72,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="vLLM's KV-cache block manager as a gRPC service.",
         epilog="Run `kvservice serve --help` for the server's options.",
     )
+    parser.add_argument("--version", action="version", version=f"kvservice {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     run = commands.add_parser(
         "serve",

@@ -71,7 +71,7 @@ def child_server(args: Sequence[str], *, metrics: bool = False) -> Iterator[Chil
     """Run ``kvservice serve <args>`` on free loopback ports until the block ends, then
     stop it with SIGTERM (its graceful shutdown) and wait for it."""
     port = free_port()
-    metrics_port = free_port() if metrics else 0
+    metrics_port = free_port() if metrics else None
     command = [
         sys.executable,
         "-m",
@@ -79,7 +79,7 @@ def child_server(args: Sequence[str], *, metrics: bool = False) -> Iterator[Chil
         "serve",
         "--host=127.0.0.1",
         f"--port={port}",
-        f"--metrics-port={metrics_port}",
+        f"--metrics-port={metrics_port}" if metrics_port is not None else "--no-metrics",
         "--log-level=warning",
         *args,
     ]

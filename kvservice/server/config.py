@@ -28,8 +28,9 @@ class ServerConfig:
     128-dim, bfloat16 model with 32 layers; only ``num_blocks``, ``block_size`` and
     ``max_model_len`` change what the request table does, the rest is reported.
 
-    ``port=0`` binds a free port. ``metrics_port=None`` disables the Prometheus
-    endpoint and ``0`` binds a free port (the CLI maps its ``0`` to ``None``).
+    ``port=0`` binds a free port, and so does ``metrics_port=0``; ``metrics_port=None``
+    disables the HTTP endpoint (metrics, health and readiness; the CLI's
+    ``--no-metrics``).
     """
 
     host: str = "127.0.0.1"

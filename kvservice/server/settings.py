@@ -25,6 +25,7 @@ from kvservice.server.zmq_events.config import KVEventsConfigError, parse_kv_eve
 
 ENV_PREFIX = "KVSERVICE_"
 CONFIG_ENV = f"{ENV_PREFIX}CONFIG"
+_MAX_PORT = 65535
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -44,6 +45,9 @@ class Option:
     # event_loop).
     field: str | None = None
     choices: tuple[str, ...] | None = None
+    # Other flags for the same setting: vLLM's names, so a vLLM command line's cache
+    # flags work unchanged.
+    aliases: tuple[str, ...] = ()
 
     @property
     def flag(self) -> str:
@@ -57,9 +61,20 @@ class Option:
 OPTIONS: tuple[Option, ...] = (
     Option("host", str, "gRPC bind address", "host"),
     Option("port", int, "gRPC port (0: any free port)", "port"),
-    Option("metrics_host", str, "Prometheus /metrics bind address", "metrics_host"),
-    Option("metrics_port", int, "Prometheus /metrics port (0 disables it)", "metrics_port"),
-    Option("num_blocks", int, "KV cache blocks in the pool, null block included", "num_blocks"),
+    Option(
+        "metrics",
+        bool,
+        "serve HTTP /metrics (Prometheus), /health and /ready on metrics_host:metrics_port",
+    ),
+    Option("metrics_host", str, "HTTP /metrics, /health and /ready bind address", "metrics_host"),
+    Option("metrics_port", int, "HTTP metrics port (0: any free port)", "metrics_port"),
+    Option(
+        "num_blocks",
+        int,
+        "KV cache blocks in the pool, null block included",
+        "num_blocks",
+        aliases=("--num-gpu-blocks-override",),
+    ),
     Option("block_size", int, "tokens per block", "block_size"),
     Option("max_model_len", int, "the longest sequence, in tokens", "max_model_len"),
     Option(
@@ -79,6 +94,7 @@ OPTIONS: tuple[Option, ...] = (
         "prefix cache block hash",
         "hash_algo",
         choices=tuple(sorted(HASH_FUNCTIONS)),
+        aliases=("--prefix-caching-hash-algo",),
     ),
     Option(
         "none_hash_seed",
@@ -108,7 +124,13 @@ OPTIONS: tuple[Option, ...] = (
         "(0: none)",
         "sliding_window",
     ),
-    Option("enable_caching", bool, "prefix caching", "enable_caching"),
+    Option(
+        "enable_caching",
+        bool,
+        "prefix caching",
+        "enable_caching",
+        aliases=("--enable-prefix-caching",),
+    ),
     Option(
         "watermark",
         float,
@@ -273,6 +295,7 @@ _DEFAULTS: dict[str, Any] = {
     "gpu_memory_utilization": 0.0,
     # Off: vLLM's KVEventsConfig defaults.
     "kv_events_config": "",
+    "metrics": True,
     "log_level": "info",
     "event_loop": default_event_loop(),
 }
@@ -309,13 +332,17 @@ def load_settings(
                 f"{option.name} must be one of {', '.join(option.choices)}, "
                 f"got {values[option.name]!r}"
             )
+    for name in ("port", "metrics_port"):
+        if not 0 <= values[name] <= _MAX_PORT:
+            raise SettingsError(f"{name} must be between 0 and {_MAX_PORT}, got {values[name]}")
     return _settings(values)
 
 
 def _settings(values: dict[str, Any]) -> Settings:
     fields = {o.field: values[o.name] for o in OPTIONS if o.field is not None}
-    # 0 disables the endpoint on every surface; ServerConfig spells that None.
-    fields["metrics_port"] = fields["metrics_port"] or None
+    # Port 0 is any free port, as for gRPC; ServerConfig spells "no endpoint" None.
+    if not values["metrics"]:
+        fields["metrics_port"] = None
     fields["kv_cache_memory_bytes"] = fields["kv_cache_memory_bytes"] or None
     fields["gpu_memory_utilization"] = fields["gpu_memory_utilization"] or None
     for path in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file"):

@@ -93,7 +93,7 @@ async def kvservice_serve(*flags: str) -> AsyncIterator[ServeProcess]:
         *kvservice_command(),
         "serve",
         "--port=0",
-        "--metrics-port=0",
+        "--no-metrics",
         "--num-blocks=64",
         "--max-model-len=256",
         *flags,

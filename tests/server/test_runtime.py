@@ -354,7 +354,7 @@ async def test_bad_device_fails_startup_with_exit_code_2() -> None:
         *kvservice_command(),
         "serve",
         "--port=0",
-        "--metrics-port=0",
+        "--no-metrics",
         "--runtime=torch",
         "--device=cuda",
         stdout=asyncio.subprocess.PIPE,
@@ -376,7 +376,7 @@ def test_the_default_server_does_not_import_torch() -> None:
         "from kvservice.cli import build_parser\n"
         "from kvservice.server.app import KVCacheServer\n"
         "from kvservice.server.settings import load_settings\n"
-        "args = build_parser().parse_args(['serve', '--port=0', '--metrics-port=0'])\n"
+        "args = build_parser().parse_args(['serve', '--port=0', '--no-metrics'])\n"
         "KVCacheServer(load_settings(vars(args), os.environ).server)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'gpu_runtime')))\n"
     )

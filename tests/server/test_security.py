@@ -469,7 +469,7 @@ async def test_the_cli_refuses_an_unprotected_public_bind() -> None:
         "serve",
         "--host=0.0.0.0",
         "--port=0",
-        "--metrics-port=0",
+        "--no-metrics",
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )

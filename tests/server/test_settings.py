@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,8 @@ from kvservice.cli import build_parser, main
 from kvservice.server import event_loop as loop
 from kvservice.server.config import ServerConfig
 from kvservice.server.settings import OPTIONS, SettingsError, load_settings
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def settings_for(argv: list[str], env: dict[str, str], config: Path | None = None) -> object:
@@ -48,11 +51,11 @@ class TestPrecedence:
     def test_config_path_from_env_and_booleans(self, tmp_path: Path) -> None:
         """KVSERVICE_CONFIG names the file; booleans parse from env and flags."""
         config = tmp_path / "c.toml"
-        config.write_text("zero_new_blocks = true\nmetrics_port = 0\n")
+        config.write_text("zero_new_blocks = true\nmetrics = false\n")
         env = {"KVSERVICE_CONFIG": str(config), "KVSERVICE_ENABLE_CACHING": "off"}
         server = settings_for([], env).server  # type: ignore[attr-defined]
         assert (server.needs_kv_cache_zeroing, server.enable_caching) == (True, False)
-        assert server.metrics_port is None  # 0 disables the endpoint
+        assert server.metrics_port is None  # metrics = false disables the endpoint
         flagged = settings_for(["--enable-caching", "--no-zero-new-blocks"], env)
         assert flagged.server.enable_caching  # type: ignore[attr-defined]
         assert not flagged.server.needs_kv_cache_zeroing  # type: ignore[attr-defined]
@@ -133,3 +136,66 @@ class TestEventLoop:
         monkeypatch.setattr(loop, "uvloop_installed", lambda: False)
         with pytest.raises(ValueError, match="pip install"):
             loop.loop_factory("uvloop")
+
+
+class TestOperatorSurface:
+    """What an operator used to vLLM and to other servers expects of the command line."""
+
+    def test_metrics_port_zero_is_any_free_port_and_no_metrics_disables(self) -> None:
+        """--metrics-port 0 means any free port, as --port 0 does; the endpoint is
+        turned off by --no-metrics (KVSERVICE_METRICS=0, metrics = false)."""
+        assert settings_for(["--metrics-port", "0"], {}).server.metrics_port == 0  # type: ignore[attr-defined]
+        assert settings_for(["--no-metrics"], {}).server.metrics_port is None  # type: ignore[attr-defined]
+        assert settings_for([], {"KVSERVICE_METRICS": "0"}).server.metrics_port is None  # type: ignore[attr-defined]
+        assert settings_for(["--metrics"], {"KVSERVICE_METRICS": "0"}).server.metrics_port == 9400  # type: ignore[attr-defined]
+
+    def test_ports_outside_the_tcp_range_are_refused(self) -> None:
+        with pytest.raises(SettingsError, match="port must be between 0 and 65535"):
+            settings_for(["--port", "70000"], {})
+        with pytest.raises(SettingsError, match="metrics_port must be between 0 and 65535"):
+            settings_for([], {"KVSERVICE_METRICS_PORT": "-1"})
+
+    def test_vllm_flag_names_are_accepted(self) -> None:
+        """vLLM's names for the same settings work as aliases of serve's own."""
+        server = settings_for(
+            [
+                "--no-enable-prefix-caching",
+                "--prefix-caching-hash-algo",
+                "xxhash",
+                "--num-gpu-blocks-override",
+                "1234",
+                "--block-size",
+                "32",
+                "--max-model-len",
+                "4096",
+                "--gpu-memory-utilization",
+                "0.5",
+            ],
+            {},
+        ).server  # type: ignore[attr-defined]
+        assert server.enable_caching is False
+        assert server.hash_algo == "xxhash"
+        assert server.num_blocks == 1234
+        assert (server.block_size, server.max_model_len) == (32, 4096)
+        assert server.gpu_memory_utilization == 0.5
+        assert settings_for(["--enable-prefix-caching"], {}).server.enable_caching  # type: ignore[attr-defined]
+
+    def test_help_lists_the_allowed_values(self, capsys: pytest.CaptureFixture[str]) -> None:
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        for allowed in (
+            "one of: sha256, sha256_cbor, xxhash, xxhash_cbor",
+            "one of: cpu, cuda",
+            "one of: none, torch",
+        ):
+            assert allowed in text
+
+    def test_version(self, capsys: pytest.CaptureFixture[str]) -> None:
+        """`kvservice --version` prints the installed version, the one pyproject.toml
+        declares."""
+        with pytest.raises(SystemExit) as exited:
+            main(["--version"])
+        assert exited.value.code == 0
+        declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+        assert capsys.readouterr().out.strip() == f"kvservice {declared}"
