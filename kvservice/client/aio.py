@@ -345,7 +345,7 @@ class AsyncKVClient:
                 if item is not None:
                     yield item
         except grpc.aio.AioRpcError as err:
-            raise error_from_rpc(err) from None
+            raise error_from_rpc(err, subscription=True) from None
         finally:
             # Closing the iterator early must end the server's stream too.
             call.cancel()

@@ -51,9 +51,24 @@ class ServiceUnavailableError(KVServiceError):
     """UNAVAILABLE: the server is unreachable or shutting down; retry with backoff."""
 
 
-class SubscriberDroppedError(KVServiceError):
+class ResourceExhaustedError(KVServiceError):
+    """RESOURCE_EXHAUSTED: a limit of the server or of the caller's tenant is reached
+    (requests held, waiting tokens, block quota, rate limit); the message names it.
+    Nothing changed: finish or admit requests, or retry later."""
+
+
+class SubscriberDroppedError(ResourceExhaustedError):
     """RESOURCE_EXHAUSTED on SubscribeEvents: the subscriber fell too far behind and
     was dropped; resubscribe from the last sequence received."""
+
+
+class PermissionDeniedError(KVServiceError):
+    """PERMISSION_DENIED: the caller's tenant may not make this call (an admin-only,
+    pool-wide one)."""
+
+
+class UnauthenticatedError(KVServiceError):
+    """UNAUTHENTICATED: no bearer token, or one the server does not know."""
 
 
 _BY_CODE: dict[grpc.StatusCode, type[KVServiceError]] = {
@@ -65,7 +80,9 @@ _BY_CODE: dict[grpc.StatusCode, type[KVServiceError]] = {
     grpc.StatusCode.ABORTED: StaleHitError,
     grpc.StatusCode.CANCELLED: NotRunError,
     grpc.StatusCode.UNAVAILABLE: ServiceUnavailableError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: SubscriberDroppedError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
 }
 _CODES_BY_NUMBER: dict[int, grpc.StatusCode] = {c.value[0]: c for c in grpc.StatusCode}
 
@@ -80,6 +97,10 @@ def error_for_number(number: int, message: str) -> KVServiceError:
     return error_for(_CODES_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN), message)
 
 
-def error_from_rpc(err: grpc.RpcError) -> KVServiceError:
-    """The typed error for a failed call (sync or aio)."""
-    return error_for(err.code(), err.details() or "")
+def error_from_rpc(err: grpc.RpcError, *, subscription: bool = False) -> KVServiceError:
+    """The typed error for a failed call (sync or aio); on an event ``subscription``
+    RESOURCE_EXHAUSTED means the subscriber was dropped."""
+    code, message = err.code(), err.details() or ""
+    if subscription and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return SubscriberDroppedError(code, message)
+    return error_for(code, message)

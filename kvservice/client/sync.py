@@ -255,7 +255,7 @@ class KVClient:
                 if item is not None:
                     yield item
         except grpc.RpcError as err:
-            raise error_from_rpc(err) from None
+            raise error_from_rpc(err, subscription=True) from None
         finally:
             call.cancel()
 

@@ -16,3 +16,14 @@ class StaleHitError(KVCacheError):
     """A remembered prefix hit lost a block to eviction before it was attached."""
 
     status = "ABORTED"
+
+
+class LimitExceededError(KVCacheError):
+    """A tenant holds as many requests, or waiting tokens, as it may; nothing changed.
+    ``limit`` names the setting."""
+
+    status = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, limit: str, message: str) -> None:
+        super().__init__(message)
+        self.limit = limit

@@ -30,7 +30,8 @@ from kvservice.core.invariants import InvariantViolationError, check_invariants
 from kvservice.core.kv_cache_block import BlockHashWithGroupId
 from kvservice.core.kv_cache_manager import AllocationProbe, KVCacheBlocks, KVCacheManager
 from kvservice.core.request import Request, RequestStatus
-from kvservice.request_table.errors import AlreadyExistsError, StaleHitError
+from kvservice.request_table.errors import AlreadyExistsError, LimitExceededError, StaleHitError
+from kvservice.request_table.limits import LimitError, RequestLimits
 from kvservice.request_table.reporting import (
     AllocationResult,
     EventSink,
@@ -40,6 +41,7 @@ from kvservice.request_table.reporting import (
 from kvservice.request_table.runtime_sync import KVRuntime, RuntimeSync
 from kvservice.request_table.tenancy import (
     DEFAULT_TENANT,
+    RequestLedger,
     TenantLedger,
     check_tenant_blocks,
     core_request_id,
@@ -57,7 +59,8 @@ from kvservice.request_table.types import (
     ProbeArgs,
 )
 
-# Told (tenant, reason) of every allocation refused for a tenant's quota.
+# Told (tenant, reason) of every call refused for a limit: "quota" (max_blocks), or
+# the name of the ``RequestLimits`` setting.
 RefusalSink = Callable[[str, str], None]
 
 
@@ -107,9 +110,10 @@ class RequestTable:
     Optional collaborators: ``observer`` (the metrics) and ``events`` (the KV event
     log) hear of every change (``reporting``); ``runtime`` (the co-located KV
     tensors) zeroes fresh blocks and applies copies (``runtime_sync``); ``quotas``
-    bound the blocks each tenant holds, and ``on_refusal`` hears of each allocation
-    refused for one (``tenancy``); token ids must be below ``vocab_size`` (0: no
-    bound).
+    bound the blocks each tenant holds (``tenancy``), ``limits`` the sizes of a new
+    request's fields and the requests and waiting tokens each tenant holds
+    (``limits``), and ``on_refusal`` hears of each call refused for one of them; token
+    ids must be below ``vocab_size`` (0: no bound).
     """
 
     def __init__(
@@ -121,6 +125,7 @@ class RequestTable:
         quotas: Mapping[str, int] | None = None,
         on_refusal: RefusalSink | None = None,
         vocab_size: int = 0,
+        limits: RequestLimits | None = None,
     ) -> None:
         if vocab_size < 0:
             raise InvalidArgumentError(f"vocab_size must be >= 0 (0: no bound), got {vocab_size}")
@@ -132,6 +137,10 @@ class RequestTable:
         # Who owns each request (set by the server's sessions).
         self.ownership: RequestOwnership | None = None
         self.tenants = TenantLedger(quotas)
+        self.limits = limits or RequestLimits()
+        self.requests_per_tenant = RequestLedger(
+            self.limits.max_requests_per_tenant, self.limits.max_waiting_tokens_per_tenant
+        )
         self._on_refusal = on_refusal
         self._runtime_sync = RuntimeSync(manager, runtime, self.tenants)
         self._reporter = Reporter(manager, observer, events, self.usage)
@@ -153,6 +162,8 @@ class RequestTable:
         is given; ALREADY_EXISTS for an id the tenant already uses (another tenant's
         ids are no concern of it)."""
         rid = new.request_id
+        with self._reporting_limits(tenant):
+            self.limits.check_fields(rid, new.cache_salt, new.lora_name, new.mm_features)
         key = core_request_id(tenant, rid)
         if key in self._requests:
             raise AlreadyExistsError(
@@ -167,6 +178,8 @@ class RequestTable:
                 raise InvalidArgumentError(
                     f"request {rid!r}: multimodal item at offset {f.offset} has no identifier"
                 )
+        with self._reporting_limits(tenant):
+            self.requests_per_tenant.check_add(tenant, rid, len(new.prompt_token_ids))
         request = Request(
             key,
             new.prompt_token_ids,
@@ -177,9 +190,18 @@ class RequestTable:
             skip_reading_prefix_cache=new.skip_reading_prefix_cache,
         )
         self._requests[key] = request
+        self.requests_per_tenant.added(tenant, request.num_tokens)
         if session_id is not None and self.ownership is not None:
             self.ownership.adopt(tenant, rid, session_id)
         return request
+
+    def check_request_size(self, request_id: str, num_mm_items: int, tenant: str) -> None:
+        """The checks of ``add_request`` that need only the id and the number of
+        multimodal items, for a caller to run before it builds the request's values
+        (reading a message's items costs far more than counting them)."""
+        with self._reporting_limits(tenant):
+            self.limits.check_request_id(request_id)
+            self.limits.check_mm_item_count(request_id, num_mm_items)
 
     def append_tokens(
         self, request_id: str, token_ids: Sequence[int], tenant: str = DEFAULT_TENANT
@@ -187,8 +209,25 @@ class RequestTable:
         """Append sampled tokens (hashing the blocks they complete)."""
         request = self._get(request_id, tenant)
         self._check_new_tokens(request_id, token_ids, request.num_tokens, "token_ids")
+        if request.status is RequestStatus.RUNNING:
+            request.append_output_token_ids(token_ids)
+            return request
+        # Tokens of a request that is not running count against the waiting limit.
+        with self._reporting_limits(tenant):
+            self.requests_per_tenant.check_waiting(tenant, request_id, len(token_ids))
         request.append_output_token_ids(token_ids)
+        self.requests_per_tenant.waiting_changed(tenant, len(token_ids))
         return request
+
+    @contextmanager
+    def _reporting_limits(self, tenant: str) -> Iterator[None]:
+        """Tell the refusal sink of a limit the block refuses the call for."""
+        try:
+            yield
+        except (LimitError, LimitExceededError) as err:
+            if self._on_refusal is not None:
+                self._on_refusal(tenant, err.limit)
+            raise
 
     def _check_new_tokens(
         self,
@@ -321,7 +360,9 @@ class RequestTable:
         request.num_computed_tokens += (
             args.num_new_computed_tokens + args.num_external_computed_tokens + args.num_new_tokens
         )
-        request.status = RequestStatus.RUNNING
+        if request.status is not RequestStatus.RUNNING:
+            self.requests_per_tenant.waiting_changed(tenant, -request.num_tokens)
+            request.status = RequestStatus.RUNNING
         return self._runtime_sync.allocation(
             request, self._block_ids(new_blocks), tenant, self._batch_depth > 0
         )
@@ -438,8 +479,10 @@ class RequestTable:
             )
         self._hits.pop(key, None)
         if mode is FreeMode.FINISH:
+            waiting = 0 if request.status == RequestStatus.RUNNING else request.num_tokens
             request.status = RequestStatus.FINISHED
             del self._requests[key]
+            self.requests_per_tenant.finished(tenant, waiting)
             if self.ownership is not None:
                 self.ownership.release(tenant, request_id)
         if self.tenants.counts(tenant):
@@ -451,6 +494,9 @@ class RequestTable:
             self.manager.free(request)
         if mode is FreeMode.PREEMPT:
             request.preempt()
+            # Never refused (the scheduler needs the room): it may take the tenant past
+            # its waiting limit, which then refuses new requests until it is back under.
+            self.requests_per_tenant.waiting_changed(tenant, request.num_tokens)
             self._reporter.preempted()
         self._reporter.changed()
         return request
@@ -500,6 +546,7 @@ class RequestTable:
                     f"requests {orphans[:5]} hold blocks but are not known to the table"
                 )
         check_tenant_blocks(self.manager, self.tenant_blocks())
+        self.requests_per_tenant.check(self._requests)
 
     def tenant_blocks(self) -> dict[str, int]:
         """Blocks held per tenant (a copy; safe to read from the metrics thread)."""

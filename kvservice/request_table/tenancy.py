@@ -12,6 +12,9 @@ it on every call into the table. This is where limits per caller belong.
 * Blocks are counted per tenant. Since no cached block is ever shared across tenants,
   the blocks a tenant holds change by exactly the change in the pool's free count
   around that tenant's own allocate or free, which is how the ledger counts them.
+* Requests are counted per tenant, and so are the tokens of its requests that are not
+  running (waiting or preempted): they hold no blocks, so only these counts bound the
+  memory they take (``RequestLedger``, against ``limits.RequestLimits``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from collections.abc import Mapping
 from kvservice.core.errors import QuotaExceededError
 from kvservice.core.invariants import InvariantViolationError
 from kvservice.core.kv_cache_manager import KVCacheManager
+from kvservice.core.request import Request, RequestStatus
+from kvservice.request_table.errors import LimitExceededError
 
 DEFAULT_TENANT = ""
 # Separates the tenant from the request id in a core key; tenant names may not hold it.
@@ -169,3 +174,104 @@ def check_tenant_blocks(manager: KVCacheManager, ledger: Mapping[str, int]) -> N
         raise InvariantViolationError(
             f"blocks held per tenant {counted} do not match the quota ledger {expected}"
         )
+
+
+def describe_tenant(tenant: str) -> str:
+    """How a message names ``tenant``."""
+    if tenant == DEFAULT_TENANT:
+        return "the default tenant (every caller of a server without a tokens file)"
+    return f"tenant {tenant!r}"
+
+
+class RequestLedger:
+    """Requests each tenant holds, and the tokens of those not running, against
+    ``max_requests`` and ``max_waiting_tokens`` per tenant.
+
+    The table tells it every change: a request added (waiting) or finished, a request
+    starting to run or preempted, tokens appended to one that is not running. A
+    preemption is never refused, so it may take a tenant past its waiting-token limit;
+    it then adds nothing until it is back under."""
+
+    def __init__(self, max_requests: int, max_waiting_tokens: int) -> None:
+        self.max_requests = max_requests
+        self.max_waiting_tokens = max_waiting_tokens
+        self._requests: dict[str, int] = {}
+        self._waiting_tokens: dict[str, int] = {}
+
+    def requests(self, tenant: str) -> int:
+        return self._requests.get(tenant, 0)
+
+    def waiting_tokens(self, tenant: str) -> int:
+        return self._waiting_tokens.get(tenant, 0)
+
+    def check_add(self, tenant: str, request_id: str, num_tokens: int) -> None:
+        """Raise ``LimitExceededError`` unless ``tenant`` may add a waiting request of
+        ``num_tokens`` tokens."""
+        held = self.requests(tenant)
+        if held >= self.max_requests:
+            raise LimitExceededError(
+                "max_requests_per_tenant",
+                f"request {request_id!r}: {describe_tenant(tenant)} already holds {held} "
+                f"requests, as many as it may (max_requests_per_tenant "
+                f"{self.max_requests}); finish some before adding more",
+            )
+        self.check_waiting(tenant, request_id, num_tokens)
+
+    def check_waiting(self, tenant: str, request_id: str, num_tokens: int) -> None:
+        """Raise ``LimitExceededError`` unless ``tenant`` may have ``num_tokens`` more
+        tokens waiting."""
+        waiting = self.waiting_tokens(tenant)
+        if waiting + num_tokens > self.max_waiting_tokens:
+            raise LimitExceededError(
+                "max_waiting_tokens_per_tenant",
+                f"request {request_id!r}: {num_tokens} more waiting tokens would take "
+                f"{describe_tenant(tenant)} to {waiting + num_tokens}, past its limit of "
+                f"{self.max_waiting_tokens} (max_waiting_tokens_per_tenant); admit or "
+                f"finish waiting requests first",
+            )
+
+    def added(self, tenant: str, num_tokens: int) -> None:
+        """A waiting request of ``num_tokens`` tokens was added."""
+        self._requests[tenant] = self.requests(tenant) + 1
+        self.waiting_changed(tenant, num_tokens)
+
+    def finished(self, tenant: str, num_waiting_tokens: int) -> None:
+        """A request was forgotten; ``num_waiting_tokens``: its tokens if it was not
+        running, else 0."""
+        left = self.requests(tenant) - 1
+        if left:
+            self._requests[tenant] = left
+        else:
+            self._requests.pop(tenant, None)
+        self.waiting_changed(tenant, -num_waiting_tokens)
+
+    def waiting_changed(self, tenant: str, num_tokens: int) -> None:
+        """``tenant``'s waiting tokens changed by ``num_tokens`` (negative: fewer)."""
+        if num_tokens:
+            total = self.waiting_tokens(tenant) + num_tokens
+            if total:
+                self._waiting_tokens[tenant] = total
+            else:
+                self._waiting_tokens.pop(tenant, None)
+
+    def per_tenant(self) -> dict[str, tuple[int, int]]:
+        """(requests, waiting tokens) of every tenant holding a request (a copy: safe
+        to read from the metrics thread)."""
+        waiting = dict(self._waiting_tokens)
+        return {t: (n, waiting.get(t, 0)) for t, n in list(self._requests.items())}
+
+    def check(self, requests: Mapping[str, Request]) -> None:
+        """Raise ``InvariantViolationError`` unless the counts are those of
+        ``requests`` (by core key)."""
+        expected: dict[str, tuple[int, int]] = {}
+        for key, request in requests.items():
+            tenant = tenant_of(key)
+            count, waiting = expected.get(tenant, (0, 0))
+            if request.status is not RequestStatus.RUNNING:
+                waiting += request.num_tokens
+            expected[tenant] = (count + 1, waiting)
+        if expected != self.per_tenant():
+            raise InvariantViolationError(
+                f"requests and waiting tokens per tenant {expected} do not match the "
+                f"request ledger {self.per_tenant()}"
+            )

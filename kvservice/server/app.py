@@ -140,6 +140,7 @@ class KVCacheServer:
             quotas=self.tokens.quotas if self.tokens is not None else None,
             on_refusal=self.metrics.record_refusal,
             vocab_size=config.vocab_size,
+            limits=config.request_limits,
         )
         self.clients = ClientTracker()
         # Sessions own requests (the registry hooks into the table); the reaper
@@ -153,6 +154,7 @@ class KVCacheServer:
         )
         self.metrics.watch(manager, lambda: self.table.num_requests, self.clients)
         self.metrics.watch_tenants(self.table.tenant_blocks)
+        self.metrics.watch_tenant_requests(self.table.requests_per_tenant.per_tenant)
         self._health = health.aio.HealthServicer()
         self._server: Any = None
         self._metrics_endpoint: MetricsEndpoint | None = None

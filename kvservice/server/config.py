@@ -14,7 +14,10 @@ from kvservice.core.kv_cache_interface import (
 )
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.kv_cache_sizing import check_enough_kv_cache_memory, kv_cache_config_from_memory
+from kvservice.request_table.limits import RequestLimits
 from kvservice.server.zmq_events.config import KVEventsConfig
+
+_LIMITS = RequestLimits()
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9400
@@ -111,6 +114,28 @@ class ServerConfig:
     auth_tokens_file: str | None = None
     # Serve a non-loopback address without TLS plus client authentication.
     allow_insecure_bind: bool = False
+    # What one caller may send and hold (``RequestLimits``): field lengths, multimodal
+    # items per prompt, and per tenant the requests held and their waiting tokens.
+    max_request_id_length: int = _LIMITS.max_request_id_length
+    max_cache_salt_length: int = _LIMITS.max_cache_salt_length
+    max_lora_name_length: int = _LIMITS.max_lora_name_length
+    max_mm_identifier_length: int = _LIMITS.max_mm_identifier_length
+    max_mm_items_per_prompt: int = _LIMITS.max_mm_items_per_prompt
+    max_requests_per_tenant: int = _LIMITS.max_requests_per_tenant
+    max_waiting_tokens_per_tenant: int = _LIMITS.max_waiting_tokens_per_tenant
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        """The limits above; ``InvalidArgumentError`` for one that is not positive."""
+        return RequestLimits(
+            max_request_id_length=self.max_request_id_length,
+            max_cache_salt_length=self.max_cache_salt_length,
+            max_lora_name_length=self.max_lora_name_length,
+            max_mm_identifier_length=self.max_mm_identifier_length,
+            max_mm_items_per_prompt=self.max_mm_items_per_prompt,
+            max_requests_per_tenant=self.max_requests_per_tenant,
+            max_waiting_tokens_per_tenant=self.max_waiting_tokens_per_tenant,
+        )
 
     @property
     def records_kv_events(self) -> bool:

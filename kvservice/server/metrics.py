@@ -231,13 +231,17 @@ class KVCacheMetrics:
         )
 
     def _declare_security_series(self) -> None:
-        """Refused calls by tenant and reason (``auth``, quotas in the request table);
-        tenant names come from the tokens file, so the label set stays bounded."""
+        """Refused calls by tenant and reason (``auth``, quotas and limits in the
+        request table); tenant names come from the tokens file and reasons are a fixed
+        set, so the label set stays bounded."""
         self._refusals = Counter(
             "kvservice_refusals",
-            "Calls refused for security reasons: unauthenticated (no or wrong token; "
-            "tenant empty), permission_denied (an admin-only call), rate_limited, quota "
-            "(an allocation past the tenant's max_blocks).",
+            "Calls refused by a security check or a limit: unauthenticated (no or wrong "
+            "token; tenant empty), permission_denied (an admin-only call), rate_limited, "
+            "quota (an allocation past the tenant's max_blocks), or the name of the "
+            "request limit (max_requests_per_tenant, max_waiting_tokens_per_tenant, "
+            "max_request_id_length, max_cache_salt_length, max_lora_name_length, "
+            "max_mm_identifier_length, max_mm_items_per_prompt).",
             (*_LABELS, "tenant", "reason"),
             registry=self.registry,
         )
@@ -249,6 +253,10 @@ class KVCacheMetrics:
     def watch_tenants(self, blocks: Callable[[], Mapping[str, int]]) -> None:
         """Export ``blocks()`` (tenant -> blocks held) at scrape time."""
         self.registry.register(_TenantCollector(blocks, self.labels))
+
+    def watch_tenant_requests(self, counts: Callable[[], Mapping[str, tuple[int, int]]]) -> None:
+        """Export ``counts()`` (tenant -> requests held, waiting tokens) at scrape time."""
+        self.registry.register(_TenantRequestsCollector(counts, self.labels))
 
     def _export_cache_config(self, manager: KVCacheManager) -> None:
         config = manager.kv_cache_config
@@ -324,6 +332,45 @@ class _TenantCollector:
             "kvservice_tenant_blocks",
             "KV cache blocks held by each tenant's requests (the default tenant: empty).",
             labels=(*_LABELS, "tenant"),
+        )
+
+
+class _TenantRequestsCollector:
+    """``kvservice_tenant_requests`` and ``kvservice_tenant_waiting_tokens``, what the
+    per-tenant request limits count, read at scrape time (from a copy)."""
+
+    def __init__(
+        self, counts: Callable[[], Mapping[str, tuple[int, int]]], labels: dict[str, str]
+    ) -> None:
+        self._counts = counts
+        self._label_values = [labels[name] for name in _LABELS]
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        requests, waiting = self._families()
+        for tenant, (num_requests, num_waiting) in sorted(self._counts().items()):
+            requests.add_metric([*self._label_values, tenant], num_requests)
+            waiting.add_metric([*self._label_values, tenant], num_waiting)
+        yield from (requests, waiting)
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        labels = (*_LABELS, "tenant")
+        return (
+            GaugeMetricFamily(
+                "kvservice_tenant_requests",
+                "Requests each tenant holds, waiting, running or preempted (limit: "
+                "max_requests_per_tenant; the default tenant: empty).",
+                labels=labels,
+            ),
+            GaugeMetricFamily(
+                "kvservice_tenant_waiting_tokens",
+                "Tokens of each tenant's requests that are not running (limit: "
+                "max_waiting_tokens_per_tenant).",
+                labels=labels,
+            ),
         )
 
 

@@ -49,6 +49,9 @@ def add_request(
     with_state: bool,
     /,
 ) -> None:
+    # Before the message's items are read into Python values: an oversized one costs
+    # only its refusal.
+    table.check_request_size(msg.request_id, len(msg.mm_features), caller.tenant)
     new = converters.new_request_from_pb(msg)
     added = table.add_request(new, caller.tenant, caller.session_id)
     converters.fill_request_state(out.request, added)

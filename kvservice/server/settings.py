@@ -278,6 +278,52 @@ OPTIONS: tuple[Option, ...] = (
         "allow a non-loopback host without TLS plus tokens or mTLS (logs a warning)",
         "allow_insecure_bind",
     ),
+    Option(
+        "max_request_id_length",
+        int,
+        "longest request id AddRequest accepts, in characters (INVALID_ARGUMENT past it)",
+        "max_request_id_length",
+    ),
+    Option(
+        "max_cache_salt_length",
+        int,
+        "longest cache_salt AddRequest accepts, in characters",
+        "max_cache_salt_length",
+    ),
+    Option(
+        "max_lora_name_length",
+        int,
+        "longest lora_name AddRequest accepts, in characters",
+        "max_lora_name_length",
+    ),
+    Option(
+        "max_mm_identifier_length",
+        int,
+        "longest multimodal item identifier AddRequest accepts, in characters",
+        "max_mm_identifier_length",
+    ),
+    Option(
+        "max_mm_items_per_prompt",
+        int,
+        "most multimodal items one prompt may carry (vLLM's limit_mm_per_prompt, all "
+        "modalities together)",
+        "max_mm_items_per_prompt",
+    ),
+    Option(
+        "max_requests_per_tenant",
+        int,
+        "most requests (waiting, running or preempted) one tenant may hold; "
+        "RESOURCE_EXHAUSTED past it (without a tokens file every caller is one tenant)",
+        "max_requests_per_tenant",
+    ),
+    Option(
+        "max_waiting_tokens_per_tenant",
+        int,
+        "most tokens one tenant's requests that are not running (waiting or preempted) "
+        "may hold; they hold no blocks, so this bounds their memory (about 40 bytes a "
+        "token)",
+        "max_waiting_tokens_per_tenant",
+    ),
     Option("log_level", str, "log level", choices=LOG_LEVELS),
     Option(
         "event_loop",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import json
 import re
 import tomllib
@@ -18,6 +19,7 @@ import pytest
 import yaml
 
 from kvservice.cli import build_parser
+from kvservice.request_table.limits import RequestLimits
 from tests.deploy.support import ALERTS, CHART, DASHBOARD
 
 KUBE_VERSION = "1.30.0"
@@ -221,6 +223,11 @@ def test_container_args_are_kvservice_serve_flags() -> None:
         "--log-level": "info",
         "--shutdown-grace": "5",
         "--none-hash-seed": "shared",
+        # The chart's limits are the server's own defaults.
+        **{
+            "--" + field.name.replace("_", "-"): str(getattr(RequestLimits(), field.name))
+            for field in dataclasses.fields(RequestLimits)
+        },
     }
     # The CLI accepts what the chart passes (the $(VAR)s expanded as the kubelet does).
     build_parser().parse_args(

@@ -1,0 +1,115 @@
+"""How much one caller may send and hold: the sizes of a request's fields and, per
+tenant, the requests it holds and the tokens of those waiting.
+
+Waiting requests hold no blocks, so neither the pool nor a tenant's ``max_blocks``
+bounds the memory they take; nor does anything bound a string field but the message
+size. These limits do. A field too long, or a prompt with too many multimodal items,
+is refused INVALID_ARGUMENT (malformed whatever the state); a request past a tenant's
+count or waiting-token limit RESOURCE_EXHAUSTED (``LimitExceededError``: finish some
+first). Each message names the limit by its setting's name, and each refusal is
+reported to the table's refusal sink under that name (the server counts them in
+``kvservice_refusals_total{reason}``). The per-tenant counts themselves are kept by
+``tenancy.RequestLedger``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from kvservice.core.block_hashing import MultiModalFeature
+from kvservice.core.errors import InvalidArgumentError
+
+# How much of an over-long value an error message quotes.
+QUOTED_CHARS = 32
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """The limits of one server; each must be positive.
+
+    Lengths are in characters. The defaults leave room for anything vLLM sends (its
+    request ids, salts and LoRA names are short; a multimodal identifier is a 64-digit
+    hash or a client's uuid; vLLM allows 999 items per modality and prompt) and bound
+    a tenant's waiting requests to a few hundred MB (about 40 bytes per token).
+    """
+
+    max_request_id_length: int = 512
+    max_cache_salt_length: int = 1024
+    max_lora_name_length: int = 256
+    max_mm_identifier_length: int = 256
+    max_mm_items_per_prompt: int = 4096
+    max_requests_per_tenant: int = 16_384
+    max_waiting_tokens_per_tenant: int = 8_388_608
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if type(value) is not int or value < 1:
+                raise InvalidArgumentError(f"{field.name} must be a positive int, got {value!r}")
+
+    def check_request_id(self, request_id: str) -> None:
+        """Raise ``LimitError`` for an id over the limit (checked before anything
+        else, so no later message quotes it whole)."""
+        if len(request_id) > self.max_request_id_length:
+            raise LimitError(
+                "max_request_id_length",
+                f"request_id is {len(request_id)} characters (starting "
+                f"{_quoted(request_id)}); this server accepts at most "
+                f"{self.max_request_id_length} (max_request_id_length)",
+            )
+
+    def check_mm_item_count(self, request_id: str, num_items: int) -> None:
+        """Raise ``LimitError`` for a prompt with too many multimodal items; called
+        before the items are read, so an oversized list costs nothing."""
+        if num_items > self.max_mm_items_per_prompt:
+            raise LimitError(
+                "max_mm_items_per_prompt",
+                f"request {request_id!r}: {num_items} multimodal items; this server "
+                f"accepts at most {self.max_mm_items_per_prompt} per prompt "
+                f"(max_mm_items_per_prompt)",
+            )
+
+    def check_fields(
+        self,
+        request_id: str,
+        cache_salt: str | None,
+        lora_name: str | None,
+        mm_features: tuple[MultiModalFeature, ...],
+    ) -> None:
+        """Raise ``LimitError`` for the first field of a new request over its limit."""
+        self.check_request_id(request_id)
+        for name, value, limit in (
+            ("cache_salt", cache_salt, self.max_cache_salt_length),
+            ("lora_name", lora_name, self.max_lora_name_length),
+        ):
+            if value and len(value) > limit:
+                raise LimitError(
+                    f"max_{name}_length",
+                    f"request {request_id!r}: {name} is {len(value)} characters (starting "
+                    f"{_quoted(value)}); this server accepts at most {limit} "
+                    f"(max_{name}_length)",
+                )
+        self.check_mm_item_count(request_id, len(mm_features))
+        limit = self.max_mm_identifier_length
+        for index, feature in enumerate(mm_features):
+            if len(feature.identifier) > limit:
+                raise LimitError(
+                    "max_mm_identifier_length",
+                    f"request {request_id!r}: mm_features[{index}].identifier is "
+                    f"{len(feature.identifier)} characters (starting "
+                    f"{_quoted(feature.identifier)}); this server accepts at most {limit} "
+                    f"(max_mm_identifier_length)",
+                )
+
+
+class LimitError(InvalidArgumentError):
+    """A field over its length limit, or too many multimodal items; ``limit`` names
+    the setting."""
+
+    def __init__(self, limit: str, message: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+def _quoted(value: str) -> str:
+    return repr(value[:QUOTED_CHARS]) + ("..." if len(value) > QUOTED_CHARS else "")
