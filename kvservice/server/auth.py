@@ -41,6 +41,7 @@ from kvservice.protocol import AUTHORIZATION_KEY, RETRY_AFTER_KEY
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.request_table.tenancy import check_tenant_name
 from kvservice.server.caller import CURRENT_CALLER
+from kvservice.server.log import clip
 from kvservice.server.tls import SecurityConfigError
 
 log = structlog.get_logger("kvservice.auth")
@@ -258,7 +259,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
         policy, refusal = self._admit(method, handler_call_details.invocation_metadata)
         if refusal is not None:
             tenant = policy.name if policy is not None else ""
-            log.info("rpc refused", method=method, tenant=tenant, reason=refusal.reason)
+            log.info("rpc refused", method=clip(method), tenant=tenant, reason=refusal.reason)
             if self._on_refusal is not None:
                 self._on_refusal(tenant, refusal.reason)
             return _refusing_handler(method, refusal)

@@ -29,6 +29,7 @@ from kvservice.core.errors import InvalidArgumentError, KVCacheError
 from kvservice.protocol import CALL_ID_KEY, CLIENT_ID_KEY
 from kvservice.server.drain import SHUTTING_DOWN, Drain
 from kvservice.server.errors import status_code_of, status_message_of
+from kvservice.server.log import clip
 from kvservice.server.metrics import ClientTracker, KVCacheMetrics, RpcInstruments
 
 log = structlog.get_logger("kvservice.rpc")
@@ -171,18 +172,19 @@ def _identity(context: Any) -> tuple[str | None, str]:
     client_id = call_id = None
     for key, value in context.invocation_metadata() or ():
         if key == CLIENT_ID_KEY:
-            client_id = value
+            client_id = clip(value)  # also what the client tracker keeps
         elif key == CALL_ID_KEY:
             call_id = value
     return client_id, call_id or f"{_CALL_PREFIX}{next(_call_numbers)}"
 
 
 def _fields(method: str, request_id: str, client_id: str | None, call_id: str) -> dict[str, str]:
+    # Every value but the method name comes from the caller: cut.
     return {
         "method": method,
-        "request_id": request_id or "-",
+        "request_id": clip(request_id) if request_id else "-",
         "client_id": client_id or "-",
-        "call_id": call_id,
+        "call_id": clip(call_id),
     }
 
 
@@ -235,7 +237,7 @@ def _unary_call(
             response = await behavior(request, context)
         except KVCacheError as err:
             code = status_code_of(err)
-            log.info("rpc refused", **fields, status=code.name, error=str(err), ms=_ms(start))
+            log.info("rpc refused", **fields, status=code.name, error=clip(str(err)), ms=_ms(start))
             await context.abort(code, status_message_of(err))
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise  # an abort's status stands; a cancelled call has nobody to answer
@@ -301,7 +303,7 @@ def _stream_call(
         except KVCacheError as err:
             code = status_code_of(err)
             status = code.name
-            line.info("stream refused", status=status, error=str(err))
+            line.info("stream refused", status=status, error=clip(str(err)))
             await context.abort(code, status_message_of(err))
         except asyncio.CancelledError:
             status = "CANCELLED"

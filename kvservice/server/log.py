@@ -8,6 +8,17 @@ import sys
 import structlog
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# How much of a caller-supplied string (a request id, a client id, an error message
+# quoting one) a log line keeps: a caller must not be able to write megabytes of log
+# per call.
+LOG_VALUE_CHARS = 256
+
+
+def clip(value: str, limit: int = LOG_VALUE_CHARS) -> str:
+    """``value`` cut to ``limit`` characters, saying how long it was."""
+    if len(value) <= limit:
+        return value
+    return f"{value[:limit]}...({len(value)} chars)"
 
 
 def configure_logging(level: str = "info") -> None:

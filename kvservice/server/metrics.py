@@ -50,6 +50,8 @@ RPC_DURATION_BUCKETS = (
     1.0,
 )
 ACTIVE_CLIENT_WINDOW_S = 60.0
+# Client ids remembered at most (each an x-client-id value seen in the window).
+MAX_TRACKED_CLIENTS = 10_000
 
 
 class ClientTracker:
@@ -78,6 +80,22 @@ class ClientTracker:
             return
         with self._lock:
             self._last_seen[client_id] = self._clock()
+            if len(self._last_seen) > MAX_TRACKED_CLIENTS:
+                # Without a scrape nothing else forgets, and a caller may send a new id
+                # with every call. Down to half the cap, the oldest first even if still
+                # in the window (the count then reads low): a pass per cap/2 calls.
+                self._forget_stale()
+                surplus = len(self._last_seen) - MAX_TRACKED_CLIENTS // 2
+                if surplus > 0:
+                    oldest = sorted(self._last_seen, key=self._last_seen.__getitem__)
+                    for stale in oldest[:surplus]:
+                        del self._last_seen[stale]
+
+    def _forget_stale(self) -> None:
+        """Forget the ids whose window has passed (under the lock)."""
+        horizon = self._clock() - self._window_s
+        for client_id in [c for c, t in self._last_seen.items() if t < horizon]:
+            del self._last_seen[client_id]
 
     def open_stream(self, client_id: str | None) -> None:
         if client_id is None:
@@ -96,11 +114,8 @@ class ClientTracker:
 
     def count(self) -> int:
         """Active clients now; forgets the ones whose window has passed."""
-        horizon = self._clock() - self._window_s
         with self._lock:
-            stale = [c for c, t in self._last_seen.items() if t < horizon]
-            for client_id in stale:
-                del self._last_seen[client_id]
+            self._forget_stale()
             return len(self._last_seen.keys() | self._open_streams.keys())
 
 

@@ -22,6 +22,7 @@ from kvservice.request_table.table import RequestTable
 from kvservice.request_table.types import AllocateArgs, FreeMode, NewRequest
 from kvservice.server.app import KVCacheServer
 from kvservice.server.config import ServerConfig, build_manager
+from kvservice.server.metrics import MAX_TRACKED_CLIENTS, ClientTracker
 from kvservice.server.settings import load_settings
 from tests.server.support import SMALL_POOL, Stub, raw_stub, running_server, tokens
 from tests.server.test_tenants import TOKENS, auth, write_tokens_file
@@ -259,3 +260,12 @@ def test_defaults_and_settings() -> None:
     assert (settings.max_requests_per_tenant, settings.max_mm_items_per_prompt) == (7, 9)
     with pytest.raises(ValueError, match="max_lora_name_length must be a positive int"):
         KVCacheServer(dataclasses.replace(SMALL_POOL, max_lora_name_length=0))
+
+
+def test_the_client_ids_remembered_are_bounded() -> None:
+    """A caller sending a new x-client-id with every call, and nobody scraping: the
+    tracker keeps at most its cap."""
+    tracker = ClientTracker(clock=lambda: 0.0)
+    for n in range(3 * MAX_TRACKED_CLIENTS):
+        tracker.seen(f"client-{n}")
+    assert tracker.count() <= MAX_TRACKED_CLIENTS

@@ -1,0 +1,73 @@
+"""Log lines stay short whatever a caller sends: every caller-supplied string (request
+ids, client and call ids, error messages quoting them, method paths) is cut."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import MutableMapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import structlog
+
+from kvservice.protocol import CALL_ID_KEY, CLIENT_ID_KEY
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.server.log import LOG_VALUE_CHARS, clip
+from tests.server.support import SMALL_POOL, raw_stub, running_server
+from tests.server.test_tenants import TOKENS, write_tokens_file
+
+HUGE = "x" * 1_000_000
+# A line may name a few clipped values and its own fields; nothing near a huge value.
+MAX_LINE_CHARS = 4 * 1024
+
+
+def line_sizes(logs: list[MutableMapping[str, Any]]) -> list[int]:
+    return [len(json.dumps(entry, default=str)) for entry in logs]
+
+
+async def test_a_refused_call_naming_a_huge_id_logs_a_short_line() -> None:
+    """The issue's case: a refused call with a 1 MB request id logged it twice (2 MB
+    line). Every line is now short, and says how long the value was."""
+    metadata = ((CLIENT_ID_KEY, "c" * 4000), (CALL_ID_KEY, "k" * 4000))
+    async with running_server() as server, raw_stub(server) as stub:
+        with structlog.testing.capture_logs() as logs:
+            for call in (
+                stub.AppendTokens(pb.AppendTokensRequest(request_id=HUGE, token_ids=[1])),
+                stub.AddRequest(pb.AddRequestRequest(request_id=HUGE, prompt_token_ids=[1])),
+                stub.GetRequest(pb.GetRequestRequest(request_id=HUGE), metadata=metadata),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await call
+            stream = stub.StepStream(metadata=metadata)
+            await stream.done_writing()
+            async for _ in stream:
+                pass
+    refused = [entry for entry in logs if entry["event"] == "rpc refused"]
+    assert len(refused) == 3
+    assert max(line_sizes(logs)) < MAX_LINE_CHARS, logs
+    assert "1000000 chars" in refused[0]["request_id"]
+    assert "4000 chars" in refused[2]["client_id"]
+
+
+async def test_an_unauthenticated_call_to_a_long_path_logs_a_short_line(tmp_path: Path) -> None:
+    tokens_file = write_tokens_file(tmp_path / "t.toml", {"alpha": {"tokens": [TOKENS["alpha"]]}})
+    config = dataclasses.replace(SMALL_POOL, auth_tokens_file=tokens_file)
+    async with (
+        running_server(config) as server,
+        grpc.aio.insecure_channel(server.handle.target) as channel,
+    ):
+        call = channel.unary_unary("/kvservice.v1.KVCacheService/" + "M" * 4000)
+        with structlog.testing.capture_logs() as logs, pytest.raises(grpc.aio.AioRpcError):
+            await call(b"")
+    assert [entry["event"] for entry in logs] == ["rpc refused"]
+    assert max(line_sizes(logs)) < MAX_LINE_CHARS
+
+
+def test_clip() -> None:
+    assert clip("short") == "short"
+    cut = clip("y" * 10_000)
+    assert len(cut) < LOG_VALUE_CHARS + 30 and cut.endswith("(10000 chars)")
+    assert clip("z" * 100, 10) == "z" * 10 + "...(100 chars)"
