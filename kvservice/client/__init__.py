@@ -12,6 +12,7 @@ them).
 from kvservice.client.aio import AsyncKVClient, AsyncLease, AsyncPendingStep, AsyncSession
 from kvservice.client.errors import (
     FailedPreconditionError,
+    InsecureTokenError,
     InvalidArgumentError,
     KVServiceError,
     NotRunError,
@@ -85,6 +86,7 @@ __all__ = [
     "FailedPreconditionError",
     "FreeMode",
     "FreeResult",
+    "InsecureTokenError",
     "InvalidArgumentError",
     "KVCacheGroup",
     "KVClient",

@@ -14,7 +14,12 @@ from typing import Any, TypeVar
 import grpc
 
 from kvservice.client import _wire
-from kvservice.client.errors import KVServiceError, error_for, error_from_rpc
+from kvservice.client.errors import (
+    InsecureTokenError,
+    KVServiceError,
+    error_for,
+    error_from_rpc,
+)
 from kvservice.client.events import EventStreamItem, StreamDecoder
 from kvservice.client.step import StepAnswer, StepBuilder, StepResults
 from kvservice.client.types import (
@@ -86,6 +91,20 @@ def channel_credentials(
     return grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)
 
 
+def check_token_channel(
+    target: str, token: str | None, credentials: Any, allow_insecure_token: bool
+) -> None:
+    """Raise ``InsecureTokenError`` for a token about to travel in plaintext unless
+    ``allow_insecure_token`` says so (never naming the token)."""
+    if token and credentials is None and not allow_insecure_token:
+        raise InsecureTokenError(
+            f"refusing to send a bearer token to {target} over a plaintext channel, where "
+            f"anyone on the path could read it: turn TLS on (root_certificates=<the "
+            f"server's CA, PEM> or tls=True for the system roots), or pass "
+            f"allow_insecure_token=True to send it anyway (a loopback server without TLS)"
+        )
+
+
 def with_operation_id(metadata: Metadata, rpc: str, retries: int) -> Metadata:
     """``metadata`` plus a fresh operation id for a mutating call when retries are on
     (the id is the same on every attempt of the call)."""
@@ -132,7 +151,9 @@ class AsyncKVClient:
     Security: ``token`` is sent as ``authorization: Bearer <token>`` with every call
     and stream. ``tls=True`` or any PEM turns on TLS: ``root_certificates`` to check
     the server (the system roots when None), ``certificate_chain`` and
-    ``private_key`` for a server that requires client certificates (mutual TLS).
+    ``private_key`` for a server that requires client certificates (mutual TLS). A
+    token without TLS raises ``InsecureTokenError`` unless ``allow_insecure_token``
+    is True (a loopback server in plaintext).
     """
 
     def __init__(
@@ -147,10 +168,12 @@ class AsyncKVClient:
         root_certificates: bytes | None = None,
         certificate_chain: bytes | None = None,
         private_key: bytes | None = None,
+        allow_insecure_token: bool = False,
     ) -> None:
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
         credentials = channel_credentials(tls, root_certificates, certificate_chain, private_key)
+        check_token_channel(target, token, credentials, allow_insecure_token)
         self._channel = (
             grpc.aio.insecure_channel(target)
             if credentials is None

@@ -71,6 +71,11 @@ class UnauthenticatedError(KVServiceError):
     """UNAUTHENTICATED: no bearer token, or one the server does not know."""
 
 
+class InsecureTokenError(ValueError):
+    """A client given a bearer token but no TLS, without ``allow_insecure_token``:
+    the token would cross the network readable by anyone on the path."""
+
+
 _BY_CODE: dict[grpc.StatusCode, type[KVServiceError]] = {
     grpc.StatusCode.NOT_FOUND: RequestNotFoundError,
     grpc.StatusCode.ALREADY_EXISTS: RequestExistsError,

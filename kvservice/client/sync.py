@@ -23,6 +23,7 @@ from kvservice.client.aio import (
     bearer_metadata,
     call_metadata,
     channel_credentials,
+    check_token_channel,
     retry_delay,
     with_operation_id,
 )
@@ -69,10 +70,12 @@ class KVClient:
         root_certificates: bytes | None = None,
         certificate_chain: bytes | None = None,
         private_key: bytes | None = None,
+        allow_insecure_token: bool = False,
     ) -> None:
         if retries < 0:
             raise ValueError(f"retries must be >= 0, got {retries}")
         credentials = channel_credentials(tls, root_certificates, certificate_chain, private_key)
+        check_token_channel(target, token, credentials, allow_insecure_token)
         self._channel = (
             grpc.insecure_channel(target)
             if credentials is None

@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvservice.cli import build_parser
 from kvservice.client import AsyncKVClient, KVClient, StepBuilder
-from kvservice.client.errors import KVServiceError
+from kvservice.client.errors import InsecureTokenError, KVServiceError
 from kvservice.protocol import RETRY_AFTER_KEY
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
@@ -196,7 +196,10 @@ async def test_streams_need_a_token_too(token_server: KVCacheServer) -> None:
             async with anonymous.session() as session:
                 await session.step(step)
         assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
-    async with AsyncKVClient(target, token=TOKEN) as client, client.session() as session:
+    async with (
+        AsyncKVClient(target, token=TOKEN, allow_insecure_token=True) as client,
+        client.session() as session,
+    ):
         step = StepBuilder()
         usage = step.get_usage()
         results = await session.step(step)
@@ -223,12 +226,36 @@ async def test_pool_wide_calls_are_for_admin_tenants(
 
 
 def test_the_blocking_client_sends_its_token(token_server_thread: Any) -> None:
-    with KVClient(token_server_thread.target, token=TOKEN) as client:
+    with KVClient(token_server_thread.target, token=TOKEN, allow_insecure_token=True) as client:
         client.add_request("sync-r", tokens(5))
         assert client.get_request("sync-r").num_tokens == 5
     with KVClient(token_server_thread.target) as anonymous, pytest.raises(KVServiceError) as info:
         anonymous.get_usage()
     assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize("client_class", [KVClient, AsyncKVClient])
+async def test_the_client_will_not_send_a_token_in_plaintext_unless_told(
+    client_class: type[KVClient] | type[AsyncKVClient], pki: Pki
+) -> None:
+    """A token over a plaintext channel is readable by anyone on the path: the client
+    refuses to be built with one unless allow_insecure_token=True says it is meant
+    (a loopback server without TLS); with TLS it needs no word."""
+    with pytest.raises(InsecureTokenError) as info:
+        client_class("127.0.0.1:1", token=TOKEN)
+    message = str(info.value)
+    assert "allow_insecure_token=True" in message and "root_certificates" in message
+    assert TOKEN not in message
+    for options in (
+        {"allow_insecure_token": True},
+        {"root_certificates": pki.read("ca.pem")},
+        {"tls": True},
+    ):
+        client = client_class("127.0.0.1:1", token=TOKEN, **options)
+        closed = client.close()
+        if closed is not None:
+            await closed
+    await AsyncKVClient("127.0.0.1:1").close()  # no token: nothing to protect
 
 
 @pytest.fixture
@@ -261,7 +288,9 @@ async def test_a_tenant_over_its_rate_is_refused_with_a_retry_hint(
 
 
 async def test_stream_messages_count_against_the_rate(token_server: KVCacheServer) -> None:
-    async with AsyncKVClient(token_server.handle.target, token=LIMITED_TOKEN) as client:
+    async with AsyncKVClient(
+        token_server.handle.target, token=LIMITED_TOKEN, allow_insecure_token=True
+    ) as client:
         session = client.session()  # opening the stream takes one call of 3
         step = StepBuilder()
         step.get_usage()
@@ -332,7 +361,9 @@ async def test_the_right_token_over_tls_is_accepted(tls_server: KVCacheServer, p
 
 
 async def test_a_plaintext_client_cannot_talk_to_a_tls_server(tls_server: KVCacheServer) -> None:
-    async with AsyncKVClient(tls_server.handle.target, token=TOKEN, timeout=10) as client:
+    async with AsyncKVClient(
+        tls_server.handle.target, token=TOKEN, timeout=10, allow_insecure_token=True
+    ) as client:
         with pytest.raises(KVServiceError) as info:
             await client.add_request("plain", tokens(4))
         assert info.value.code == grpc.StatusCode.UNAVAILABLE

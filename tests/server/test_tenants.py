@@ -313,7 +313,7 @@ async def test_a_decode_step_past_the_quota_is_refused_in_a_step(
     tenant_server: KVCacheServer,
 ) -> None:
     target = tenant_server.handle.target
-    async with AsyncKVClient(target, token=TOKENS["gamma"]) as client:
+    async with AsyncKVClient(target, token=TOKENS["gamma"], allow_insecure_token=True) as client:
         await client.add_request("r", tokens(3 * BLOCK))
         hit = await client.get_computed_blocks("r")
         assert await client.allocate_slots("r", 3 * BLOCK, hit) is not None
@@ -382,8 +382,8 @@ async def test_a_sessions_requests_are_freed_for_their_own_tenant(
     gives the blocks back, and another tenant's same request id is untouched."""
     target = tenant_server.handle.target
     async with (
-        AsyncKVClient(target, token=TOKENS["gamma"]) as gamma,
-        AsyncKVClient(target, token=TOKENS["beta"]) as beta,
+        AsyncKVClient(target, token=TOKENS["gamma"], allow_insecure_token=True) as gamma,
+        AsyncKVClient(target, token=TOKENS["beta"], allow_insecure_token=True) as beta,
     ):
         await beta.add_request("shared-id", tokens(BLOCK))
         assert await beta.allocate_slots("shared-id", BLOCK) is not None
