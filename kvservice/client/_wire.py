@@ -172,6 +172,7 @@ def _usage(msg: pb.GetUsageResponse) -> Usage:
         msg.num_requests,
         msg.prefix_cache_queries,
         msg.prefix_cache_hits,
+        msg.pool_wide,
     )
 
 
@@ -323,8 +324,8 @@ def get_block_ids(request_id: str) -> Op[BlockIds]:
     return Op("GetBlockIds", "get_block_ids", message, _block_table)
 
 
-def get_usage() -> Op[Usage]:
-    return Op("GetUsage", "get_usage", pb.GetUsageRequest(), _usage)
+def get_usage(pool_wide: bool = False) -> Op[Usage]:
+    return Op("GetUsage", "get_usage", pb.GetUsageRequest(pool_wide=pool_wide), _usage)
 
 
 def reset_prefix_cache(fresh_pool: bool = False) -> Op[bool]:

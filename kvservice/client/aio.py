@@ -293,8 +293,10 @@ class AsyncKVClient:
     async def get_block_ids(self, request_id: str) -> BlockIds:
         return await self._call(_wire.get_block_ids(request_id))
 
-    async def get_usage(self) -> Usage:
-        return await self._call(_wire.get_usage())
+    async def get_usage(self, pool_wide: bool = False) -> Usage:
+        """The caller's tenant's usage (see ``Usage``); ``pool_wide``: every tenant's
+        together (admin tenants only, else ``PermissionDeniedError``)."""
+        return await self._call(_wire.get_usage(pool_wide))
 
     async def reset_prefix_cache(self, *, fresh_pool: bool = False) -> bool:
         """Forget every cached prefix; False while blocks are in use. ``fresh_pool``

@@ -230,8 +230,9 @@ class StepBuilder:
     def get_block_ids(self, request_id: str) -> OpHandle[BlockIds]:
         return self._add(_wire.get_block_ids(request_id))
 
-    def get_usage(self) -> OpHandle[Usage]:
-        return self._add(_wire.get_usage())
+    def get_usage(self, pool_wide: bool = False) -> OpHandle[Usage]:
+        """The caller's tenant's usage; ``pool_wide``: the pool's (admin tenants)."""
+        return self._add(_wire.get_usage(pool_wide))
 
 
 class StepResults:

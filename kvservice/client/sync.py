@@ -195,8 +195,10 @@ class KVClient:
     def get_block_ids(self, request_id: str) -> BlockIds:
         return self._call(_wire.get_block_ids(request_id))
 
-    def get_usage(self) -> Usage:
-        return self._call(_wire.get_usage())
+    def get_usage(self, pool_wide: bool = False) -> Usage:
+        """The caller's tenant's usage (see ``Usage``); ``pool_wide``: every tenant's
+        together (admin tenants only, else ``PermissionDeniedError``)."""
+        return self._call(_wire.get_usage(pool_wide))
 
     def reset_prefix_cache(self, *, fresh_pool: bool = False) -> bool:
         """Forget every cached prefix; False while blocks are in use. ``fresh_pool``

@@ -226,7 +226,9 @@ class FreeResult:
 
 @dataclass(frozen=True, slots=True)
 class Usage:
-    """Pool usage and prefix cache totals."""
+    """Pool usage and prefix cache totals. ``usage``, ``num_free_blocks`` and
+    ``num_blocks`` are the pool's; the others the caller's tenant's, unless
+    ``pool_wide`` (asked for by an admin tenant, or a server without tenants)."""
 
     usage: float
     num_free_blocks: int
@@ -235,6 +237,7 @@ class Usage:
     num_requests: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    pool_wide: bool = True
 
 
 @dataclass(frozen=True, slots=True)

@@ -148,6 +148,8 @@ class RequestTable:
         self._no_new_block_ids = self._no_new_blocks.get_block_ids()
         self._prefix_cache_queries = 0
         self._prefix_cache_hits = 0
+        # The same per tenant: tenant -> [queries, hits].
+        self._prefix_cache_by_tenant: dict[str, list[int]] = {}
         # Inside ``batched()``: the runtime's zeroing and copies wait for the batch to
         # end, and so do the reporter's observations of the pool.
         self._batch_depth = 0
@@ -288,7 +290,7 @@ class RequestTable:
             )
         blocks, num_hit, boundary = self.manager.get_computed_blocks(request)
         hit = self._hits[request.request_id] = _PrefixHit.of(blocks)
-        self._after_change()
+        self._after_change(tenant)
         return ComputedBlocks(hit.block_ids, num_hit, boundary)
 
     def allocate_slots(
@@ -553,6 +555,7 @@ class RequestTable:
         return self.tenants.blocks_per_tenant(self.usage().num_used_blocks)
 
     def usage(self) -> PoolUsage:
+        """The pool's usage and totals, every tenant's together."""
         manager = self.manager
         num_blocks = manager.kv_cache_config.num_blocks
         num_free = manager.block_pool.get_num_free_blocks()
@@ -565,6 +568,20 @@ class RequestTable:
             num_requests=len(self._requests),
             prefix_cache_queries=self._prefix_cache_queries,
             prefix_cache_hits=self._prefix_cache_hits,
+        )
+
+    def tenant_usage(self, tenant: str) -> PoolUsage:
+        """What ``tenant`` holds and looked up, with the pool's free space (which every
+        tenant allocates from). On a server whose only tenant is the default one, the
+        same as ``usage()``."""
+        pool = self.usage()
+        queries, hits = self._prefix_cache_by_tenant.get(tenant, (0, 0))
+        return dataclasses.replace(
+            pool,
+            num_used_blocks=self.tenant_blocks().get(tenant, 0),
+            num_requests=self.requests_per_tenant.requests(tenant),
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
         )
 
     # -- batching and reporting ------------------------------------------------------
@@ -596,11 +613,15 @@ class RequestTable:
         """Hand the manager's pending KV events to the event sink (none without one)."""
         self._reporter.publish_events()
 
-    def _after_change(self) -> None:
-        """Add the change's prefix cache stats to the totals of ``usage()`` and report
-        it."""
+    def _after_change(self, tenant: str | None = None) -> None:
+        """Add the change's prefix cache stats to the totals of ``usage()`` (and of
+        ``tenant``'s, for a lookup of its) and report it."""
         stats = self.manager.make_prefix_cache_stats()
         if stats is not None:
             self._prefix_cache_queries += stats.queries
             self._prefix_cache_hits += stats.hits
+            if tenant is not None:
+                counts = self._prefix_cache_by_tenant.setdefault(tenant, [0, 0])
+                counts[0] += stats.queries
+                counts[1] += stats.hits
         self._reporter.changed(stats)

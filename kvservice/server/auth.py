@@ -265,7 +265,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
             return _refusing_handler(method, refusal)
         assert policy is not None
         # Same task as the handler: grpc.aio awaits the interceptors, then the handler.
-        CURRENT_CALLER.set(dataclasses.replace(CURRENT_CALLER.get(), tenant=policy.name))
+        CURRENT_CALLER.set(
+            dataclasses.replace(CURRENT_CALLER.get(), tenant=policy.name, admin=policy.admin)
+        )
         handler = await continuation(handler_call_details)
         bucket = self._buckets.get(policy.name)
         if handler is None or bucket is None or handler.stream_stream is None:

@@ -19,11 +19,14 @@ from kvservice.request_table.tenancy import DEFAULT_TENANT
 
 @dataclass(frozen=True, slots=True)
 class Caller:
-    """The authenticated tenant and, when the client opened one, its session."""
+    """The authenticated tenant and, when the client opened one, its session.
+    ``admin``: whether it may see and act on the whole pool (any caller of a server
+    without a tokens file, where there is one tenant; an admin tenant otherwise)."""
 
     tenant: str = DEFAULT_TENANT
     session_id: str | None = None
     epoch: int | None = None
+    admin: bool = True
 
 
 # Frozen, so one shared default is safe.

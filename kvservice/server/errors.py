@@ -36,6 +36,12 @@ def status_message_of(error: KVCacheError) -> str:
     return message[: MAX_STATUS_MESSAGE_CHARS - len(suffix)] + suffix
 
 
+class PermissionDeniedError(KVCacheError):
+    """A pool-wide request from a tenant that is not an admin."""
+
+    status = "PERMISSION_DENIED"
+
+
 class RuntimeUnavailableError(KVCacheError):
     """``--runtime torch`` cannot run here: PyTorch missing, the device absent, or too
     little memory for the KV tensors. Raised at startup only (``kvservice serve`` exits

@@ -16,10 +16,11 @@ from kvservice.core.errors import InvalidArgumentError, KVCacheError
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.request_table import admission
 from kvservice.request_table.table import RequestTable
+from kvservice.request_table.tenancy import DEFAULT_TENANT
 from kvservice.request_table.types import AllocateArgs
 from kvservice.server import converters
 from kvservice.server.caller import Caller
-from kvservice.server.errors import status_code_of, status_message_of
+from kvservice.server.errors import PermissionDeniedError, status_code_of, status_message_of
 
 log = structlog.get_logger("kvservice.step")
 
@@ -151,7 +152,16 @@ def get_usage(
     with_state: bool,
     /,
 ) -> None:
-    out.CopyFrom(converters.usage_to_pb(table.usage()))
+    if msg.pool_wide and not caller.admin:
+        raise PermissionDeniedError(
+            f"tenant {caller.tenant!r} may not ask for pool_wide usage: it shows every "
+            f"tenant's activity (set admin = true for the tenant in the tokens file)"
+        )
+    # The default tenant exists only on a server without tenants: its view is the pool.
+    pool_wide = msg.pool_wide or caller.tenant == DEFAULT_TENANT
+    usage = table.usage() if pool_wide else table.tenant_usage(caller.tenant)
+    out.CopyFrom(converters.usage_to_pb(usage))
+    out.pool_wide = pool_wide
 
 
 def admit(

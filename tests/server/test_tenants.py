@@ -399,3 +399,87 @@ async def test_a_sessions_requests_are_freed_for_their_own_tenant(
             await gamma.get_request("shared-id")
         assert info.value.code == grpc.StatusCode.NOT_FOUND
     tenant_server.audit()
+
+
+# -- usage is per tenant ----------------------------------------------------------------
+
+
+async def usage_as(stub: Any, tenant: str, pool_wide: bool = False) -> pb.GetUsageResponse:
+    answer: pb.GetUsageResponse = await stub.GetUsage(
+        pb.GetUsageRequest(pool_wide=pool_wide), metadata=auth(tenant)
+    )
+    return answer
+
+
+async def test_a_tenant_sees_its_own_counters_and_an_admin_the_pools(tmp_path: Path) -> None:
+    """GetUsage answers a tenant its own requests, blocks and prefix cache counters
+    (the pool's free space, shared by all, stays the pool's); pool_wide is for admin
+    tenants and answers the pool's totals."""
+    tokens_file = write_tokens_file(
+        tmp_path / "tokens.toml",
+        {
+            "alpha": {"tokens": [TOKENS["alpha"]]},
+            "beta": {"tokens": [TOKENS["beta"]], "admin": True},
+        },
+    )
+    config = dataclasses.replace(SMALL_POOL, auth_tokens_file=tokens_file)
+    async with running_server(config) as server, raw_stub(server) as stub:
+        await add(stub, "alpha", "a1", tokens(2 * BLOCK))
+        await add(stub, "alpha", "a2", tokens(2 * BLOCK))
+        await admit(stub, "alpha", "a1")
+        await admit(stub, "alpha", "a2")  # a 2-block prefix hit of alpha's own
+        await add(stub, "beta", "b1", tokens(BLOCK, start=500))
+        await admit(stub, "beta", "b1")
+        alpha, beta = await usage_as(stub, "alpha"), await usage_as(stub, "beta")
+        assert (alpha.num_requests, alpha.num_used_blocks) == (2, 3)
+        assert (alpha.prefix_cache_queries, alpha.prefix_cache_hits) == (4 * BLOCK, BLOCK)
+        assert (beta.num_requests, beta.num_used_blocks) == (1, 1)
+        assert (beta.prefix_cache_queries, beta.prefix_cache_hits) == (BLOCK, 0)
+        assert not alpha.pool_wide and not beta.pool_wide
+        # The free space is the pool's: every tenant allocates from it.
+        assert alpha.num_free_blocks == beta.num_free_blocks == SMALL_POOL.num_blocks - 1 - 4
+        details = await refused(
+            stub.GetUsage(pb.GetUsageRequest(pool_wide=True), metadata=auth("alpha")),
+            grpc.StatusCode.PERMISSION_DENIED,
+        )
+        assert "pool_wide" in details and "admin" in details
+        pool = await usage_as(stub, "beta", pool_wide=True)
+        assert pool.pool_wide
+        assert (pool.num_requests, pool.num_used_blocks) == (3, 4)
+        assert (pool.prefix_cache_queries, pool.prefix_cache_hits) == (5 * BLOCK, BLOCK)
+        # The same in a Step, operation by operation.
+        step = pb.StepRequest(step_id=1)
+        step.ops.add().get_usage.pool_wide = True
+        step.ops.add().get_usage.SetInParent()
+        results = (await stub.Step(step, metadata=auth("alpha"))).results
+        assert results[0].error.code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+        assert results[1].get_usage.num_requests == 2
+
+
+async def test_without_tenants_every_caller_sees_the_pool() -> None:
+    """A server without a tokens file has one tenant: its counters are the pool's."""
+    async with running_server() as server, raw_stub(server) as stub:
+        await stub.AddRequest(pb.AddRequestRequest(request_id="r", prompt_token_ids=tokens(9)))
+        own = await stub.GetUsage(pb.GetUsageRequest())
+        pool = await stub.GetUsage(pb.GetUsageRequest(pool_wide=True))
+        assert own == pool and own.pool_wide and own.num_requests == 1
+
+
+async def test_the_client_asks_for_either(tmp_path: Path) -> None:
+    tokens_file = write_tokens_file(
+        tmp_path / "tokens.toml", {"beta": {"tokens": [TOKENS["beta"]], "admin": True}}
+    )
+    config = dataclasses.replace(SMALL_POOL, auth_tokens_file=tokens_file)
+    async with (
+        running_server(config) as server,
+        AsyncKVClient(
+            server.handle.target, token=TOKENS["beta"], allow_insecure_token=True
+        ) as client,
+    ):
+        await client.add_request("b", tokens(4))
+        own, pool = await client.get_usage(), await client.get_usage(pool_wide=True)
+        assert (own.num_requests, own.pool_wide) == (1, False)
+        assert (pool.num_requests, pool.pool_wide) == (1, True)
+        step = StepBuilder()
+        handle = step.get_usage(pool_wide=True)
+        assert (await client.step(step))[handle].pool_wide

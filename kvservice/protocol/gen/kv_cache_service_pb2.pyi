@@ -825,14 +825,26 @@ Global___ResetPrefixCacheResponse: _TypeAlias = ResetPrefixCacheResponse  # noqa
 
 @_typing.final
 class GetUsageRequest(_message.Message):
+    """A tenant sees its own counters; the pool's free space (usage, num_free_blocks,
+    num_blocks), which every tenant allocates from, is always the pool's. A server
+    without a tokens file has one tenant, whose counters are the pool's.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
+    POOL_WIDE_FIELD_NUMBER: _builtins.int
+    pool_wide: _builtins.bool
+    """The counters of the whole pool, every tenant's together: for admin tenants
+    (PERMISSION_DENIED for another), and for any caller of a server without tenants.
+    """
     def __init__(
         self,
+        *,
+        pool_wide: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pool_wide", b"pool_wide"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -849,21 +861,29 @@ class GetUsageResponse(_message.Message):
     NUM_REQUESTS_FIELD_NUMBER: _builtins.int
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _builtins.int
     PREFIX_CACHE_HITS_FIELD_NUMBER: _builtins.int
+    POOL_WIDE_FIELD_NUMBER: _builtins.int
     usage: _builtins.float
-    """Fraction of usable blocks that requests hold (vllm:kv_cache_usage_perc)."""
+    """Fraction of usable blocks that requests hold (vllm:kv_cache_usage_perc), the pool's."""
     num_free_blocks: _builtins.int
-    """Free blocks (cached-but-unreferenced blocks count as free)."""
+    """Free blocks of the pool (cached-but-unreferenced blocks count as free)."""
     num_used_blocks: _builtins.int
-    """Blocks requests hold."""
+    """Blocks the caller's tenant's requests hold (the pool's with pool_wide)."""
     num_blocks: _builtins.int
     """The pool size, null block included."""
     num_requests: _builtins.int
-    """Requests the server knows (waiting, running and preempted)."""
+    """Requests of the caller's tenant (the pool's with pool_wide): waiting, running and
+    preempted.
+    """
     prefix_cache_queries: _builtins.int
-    """Prompt tokens looked up and found in the prefix cache since start (preempted
-    requests' lookups excluded, as vLLM counts them).
+    """Prompt tokens the caller's tenant (the pool's with pool_wide) looked up and found
+    in the prefix cache since start (preempted requests' lookups excluded, as vLLM
+    counts them).
     """
     prefix_cache_hits: _builtins.int
+    pool_wide: _builtins.bool
+    """Whether num_used_blocks, num_requests and the prefix cache counters are the
+    pool's: asked for with pool_wide, or the server has no tenants.
+    """
     def __init__(
         self,
         *,
@@ -874,10 +894,11 @@ class GetUsageResponse(_message.Message):
         num_requests: _builtins.int = ...,
         prefix_cache_queries: _builtins.int = ...,
         prefix_cache_hits: _builtins.int = ...,
+        pool_wide: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_requests", b"num_requests", "num_used_blocks", b"num_used_blocks", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "num_free_blocks", b"num_free_blocks", "num_requests", b"num_requests", "num_used_blocks", b"num_used_blocks", "pool_wide", b"pool_wide", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
