@@ -270,6 +270,8 @@ class KVCacheServer:
             # cancelled; see kvservice/server/drain.py for why grpc's grace is not used.
             await self._server.stop(0)
             self._server = None
+        # After the calls: an Audit still running past the grace has its child killed.
+        await self.auditor.close()
         if self.kv_event_publisher is not None:
             # After gRPC: the last calls' events go out too.
             await self.kv_event_publisher.stop()

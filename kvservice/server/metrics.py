@@ -240,6 +240,11 @@ class KVCacheMetrics:
         self.audit_failures = self._counter(
             "kvservice_audit_failures", "Pool invariant audits that found a violation."
         )
+        self.audit_errors = self._counter(
+            "kvservice_audit_errors",
+            "Pool invariant audits that could not run (a forked child crashed or hung); "
+            "nothing was checked.",
+        )
         self.audit_last_success = self._gauge(
             "kvservice_audit_last_success_timestamp_seconds",
             "Unix time of the last audit that found the pool consistent.",

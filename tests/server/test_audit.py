@@ -3,11 +3,17 @@ workload, and a corrupted pool (or ownership record) is reported, logged and cou
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import gc
 import os
 import random
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -16,12 +22,16 @@ from kvservice.client import AsyncKVClient
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.request_table.table import RequestTable
 from kvservice.request_table.types import AllocateArgs, FreeMode, NewRequest
+from kvservice.server import forking
 from kvservice.server.app import KVCacheServer
-from kvservice.server.audit import Auditor, AuditReport
+from kvservice.server.audit import AuditNotRunError, Auditor, AuditReport
 from kvservice.server.config import build_manager
+from kvservice.server.forking import GRPC_FORK_SUPPORT_ENV
 from kvservice.server.sessions import SessionPolicy, SessionRegistry
 from tests.server.support import SMALL_POOL, Stub, raw_stub, running_server, tokens, usage
+from tests.server.test_cli import TIMEOUT_S, kvservice_command, read_event
 from tests.server.test_sessions import LEASE_POOL, metric, open_session, session_md, wait_until
+from tests.server.test_tenants import TOKENS, auth, write_tokens_file
 
 
 async def start(audit_interval_s: float = 0) -> KVCacheServer:
@@ -190,7 +200,7 @@ class TestForkedAudit:
         assert not report.ok
         assert any("block 7" in v for v in report.violations), report.violations
 
-    async def test_a_stuck_child_is_killed_and_counted_as_a_failure(self) -> None:
+    async def test_a_stuck_child_is_killed_and_reported_as_not_run(self) -> None:
         allocator, _ = self.make()
         parent = os.getpid()
 
@@ -201,10 +211,183 @@ class TestForkedAudit:
                 return super().check()
 
         auditor = StuckInChild(allocator, None, fork_min_blocks=0, fork_timeout_s=0.5)
-        report = await auditor.run()
-        assert not report.ok
-        assert "did not finish" in report.violations[0]
+        with pytest.raises(AuditNotRunError, match="did not finish"):
+            await auditor.run()
         assert (await Auditor(allocator, None, fork_min_blocks=0).run()).ok
+
+    async def test_a_crashed_child_is_reported_as_not_run_never_checked_in_place(
+        self,
+    ) -> None:
+        """The issue: children died with SIGSEGV and the server fell back to checking
+        a 1M-block pool in place (6 s without serving). A child that dies is an audit
+        that did not run: an error, counted, and nothing checked on the loop."""
+        allocator, _ = self.make()
+        parent = os.getpid()
+        in_place: list[int] = []
+
+        class CrashingChild(Auditor):
+            def check(self) -> AuditReport:
+                if os.getpid() != parent:
+                    os.kill(os.getpid(), signal.SIGSEGV)
+                in_place.append(1)
+                return super().check()
+
+        async with running_server(LEASE_POOL) as server:
+            auditor = CrashingChild(allocator, None, server.metrics, fork_min_blocks=0)
+            with pytest.raises(AuditNotRunError, match="killed by SIGSEGV"):
+                await auditor.run()
+            assert in_place == []
+            assert metric(server, "kvservice_audit_errors_total") == 1
+            assert metric(server, "kvservice_audit_failures_total") == 0
+
+    async def test_the_child_runs_without_the_collector_or_the_parents_sockets(self) -> None:
+        """What makes the child safe: no garbage collection (which could finalize a
+        gRPC object in it), default signals, only its report pipe open."""
+        allocator, _ = self.make()
+        parent = os.getpid()
+
+        class Inspecting(Auditor):
+            def check(self) -> AuditReport:
+                if os.getpid() != parent:
+                    assert not gc.isenabled()
+                    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+                    assert len(os.listdir("/proc/self/fd")) <= 5  # stdio, the pipe, listdir's
+                return super().check()
+
+        async with running_server(LEASE_POOL):  # its sockets are open in this process
+            assert (await Inspecting(allocator, None, fork_min_blocks=0).run()).ok
+        assert gc.isenabled()
+
+
+class TestConcurrentAudits:
+    """The issue: six concurrent Audit calls on a 1M-block pool forked six children."""
+
+    async def test_concurrent_callers_share_one_run(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        forks: list[int] = []
+        real_fork = forking.fork
+
+        def counting_fork() -> int:
+            pid = real_fork()
+            if pid:
+                forks.append(pid)
+            return pid
+
+        monkeypatch.setattr(forking, "fork", counting_fork)
+        server = await start()
+        auditor = server.auditor
+        auditor._fork = True  # test-only: a large pool's path on a small one
+        parent, check = os.getpid(), auditor.check
+
+        def slow_check() -> AuditReport:
+            if os.getpid() != parent:
+                time.sleep(1.0)  # a large pool's check, while the other calls arrive
+            return check()
+
+        monkeypatch.setattr(auditor, "check", slow_check)
+        try:
+            async with raw_stub(server) as stub:
+                reports = await asyncio.gather(*(audit(stub) for _ in range(6)))
+                assert all(r.ok for r in reports)
+                assert len(forks) == 1
+                assert metric(server, "kvservice_audit_runs_total") == 1
+                # Once it is over, the next call runs anew.
+                assert (await audit(stub)).ok
+                assert len(forks) == 2
+        finally:
+            await server.stop(grace=0)
+
+    async def test_a_cancelled_caller_leaves_the_run_to_the_others(self) -> None:
+        _, auditor = TestForkedAudit().make()
+        first = asyncio.ensure_future(auditor.run())
+        second = asyncio.ensure_future(auditor.run())
+        await asyncio.sleep(0)
+        first.cancel()
+        assert (await second).ok
+        with pytest.raises(asyncio.CancelledError):
+            await first
+
+    async def test_audit_is_for_admin_tenants(self, tmp_path: Path) -> None:
+        tokens_file = write_tokens_file(
+            tmp_path / "t.toml",
+            {
+                "alpha": {"tokens": [TOKENS["alpha"]]},
+                "beta": {"tokens": [TOKENS["beta"]], "admin": True},
+            },
+        )
+        config = dataclasses.replace(LEASE_POOL, auth_tokens_file=tokens_file)
+        async with running_server(config) as server, raw_stub(server) as stub:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Audit(pb.AuditRequest(), metadata=auth("alpha"))
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert (await stub.Audit(pb.AuditRequest(), metadata=auth("beta"))).ok
+
+    def test_only_small_pools_are_checked_in_place(self) -> None:
+        """In place, the check stops the loop: only under FORK_MIN_BLOCKS blocks,
+        where it takes a few tens of milliseconds."""
+        small = RequestTable(build_manager(dataclasses.replace(SMALL_POOL, num_blocks=8191)))
+        large = RequestTable(build_manager(dataclasses.replace(SMALL_POOL, num_blocks=8192)))
+        assert not Auditor(small).forks and Auditor(large).forks
+
+
+class TestForkSafety:
+    """A forked snapshot only where gRPC registered no fork handlers: the serve
+    command turns them off before grpc is imported; another process gets a clear
+    refusal instead of a child gRPC may crash."""
+
+    def test_a_process_with_grpc_fork_handlers_refuses_to_fork(self, tmp_path: Path) -> None:
+        script = tmp_path / "probe.py"
+        script.write_text(
+            "import asyncio, grpc\n"
+            "from kvservice.request_table.table import RequestTable\n"
+            "from kvservice.server.audit import Auditor, AuditUnavailableError\n"
+            "from kvservice.server.config import ServerConfig, build_manager\n"
+            "table = RequestTable(build_manager(ServerConfig(num_blocks=20000)))\n"
+            "try:\n"
+            "    asyncio.run(Auditor(table).run())\n"
+            "except AuditUnavailableError as err:\n"
+            "    print('refused:', err)\n"
+        )
+        env = {k: v for k, v in os.environ.items() if k != GRPC_FORK_SUPPORT_ENV}
+        done = subprocess.run(
+            [sys.executable, str(script)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        assert "refused:" in done.stdout and GRPC_FORK_SUPPORT_ENV in done.stdout
+
+    async def test_kvservice_serve_forks_its_audit_without_grpc_fork_handlers(self) -> None:
+        """A real `kvservice serve` on a pool large enough to fork: concurrent audits
+        pass and gRPC never ran (nor skipped) its fork handlers."""
+        env = {k: v for k, v in os.environ.items() if k != GRPC_FORK_SUPPORT_ENV}
+        process = await asyncio.create_subprocess_exec(
+            *kvservice_command(),
+            "serve",
+            "--port=0",
+            "--no-metrics",
+            "--num-blocks=20000",
+            "--max-model-len=1024",
+            "--audit-interval=0",
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        assert process.stdout is not None
+        try:
+            serving = await asyncio.wait_for(read_event(process.stdout, "serving"), TIMEOUT_S)
+            async with AsyncKVClient(f"127.0.0.1:{serving['port']}") as client:
+                await client.add_request("r", tokens(1000))
+                assert await client.allocate_slots("r", 1000) is not None
+                reports = await asyncio.gather(*(client.audit() for _ in range(4)))
+            assert all(r.ok and r.num_held_blocks == 63 for r in reports)
+        finally:
+            process.send_signal(signal.SIGTERM)
+            _, stderr = await asyncio.wait_for(process.communicate(), TIMEOUT_S)
+        assert process.returncode == 0
+        assert "fork" not in stderr.decode(), stderr.decode()
 
 
 class TestSelfCheck:
