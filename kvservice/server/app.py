@@ -201,7 +201,14 @@ class KVCacheServer:
         if self.tokens is not None:
             # Before all others: it sets the tenant they read, and a call it refuses
             # reaches none of them, so it changes nothing.
-            interceptors.insert(0, AuthInterceptor(self.tokens, self.metrics.record_refusal))
+            interceptors.insert(
+                0,
+                AuthInterceptor(
+                    self.tokens,
+                    self.metrics.record_refusal,
+                    on_delay=self.metrics.record_rate_delay,
+                ),
+            )
         server = grpc.aio.server(interceptors=interceptors, options=_channel_options(config))
         pb_grpc.add_KVCacheServiceServicer_to_server(
             KVCacheServicer(

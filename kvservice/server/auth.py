@@ -15,13 +15,16 @@ A tokens file (``auth_tokens_file``, TOML) binds each token to a tenant::
 valid ``authorization: Bearer <token>`` with UNAUTHENTICATED (never echoing what was
 sent), a non-admin's pool-wide call with PERMISSION_DENIED, and a call over the
 tenant's rate with RESOURCE_EXHAUSTED plus a retry hint; a refused call reaches no
-later interceptor and no servicer, so it changes nothing. Otherwise it records the
+later interceptor and no servicer, so it changes nothing. A stream's messages count
+against the rate too, but a message over it waits for its turn: the stream is slowed,
+not ended. Otherwise it records the
 tenant in ``caller.CURRENT_CALLER`` for everything after it. Health checks stay open
 so that probes work without a token.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
 import hmac
@@ -59,6 +62,8 @@ _EXPECTED = f"send metadata '{AUTHORIZATION_KEY}: Bearer <token>'"
 
 # Told (tenant, reason) of every refused call; tenant "" when none was established.
 RefusalSink = Callable[[str, str], None]
+# Told (tenant, seconds) of every wait of a stream message held back to the rate.
+DelaySink = Callable[[str, float], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,9 +246,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
         tokens: TokenTable,
         on_refusal: RefusalSink | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_delay: DelaySink | None = None,
     ) -> None:
         self._tokens = tokens
         self._on_refusal = on_refusal
+        self._on_delay = on_delay
         self._buckets = {
             name: TokenBucket(p.rate_limit, p.burst or max(1, math.ceil(p.rate_limit)), clock)
             for name, p in tokens.tenants.items()
@@ -300,18 +307,20 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
 
     def _metered(self, behavior: Any, policy: TenantPolicy, bucket: TokenBucket) -> Any:
         """A stream handler whose every inbound message takes a token, so a stream is
-        no way around the rate limit; over it, the stream ends RESOURCE_EXHAUSTED."""
-        on_refusal = self._on_refusal
+        no way around the rate limit. Over it, the message waits for its token: the
+        stream is slowed to the rate, never ended (a scheduler's session is worth
+        keeping), and the client's later messages wait in gRPC's flow control."""
+        on_delay = self._on_delay
 
         async def stream(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
             async def charged() -> AsyncIterator[Any]:
                 async for message in requests:
                     wait = bucket.take()
-                    if wait:
-                        refusal = _rate_refusal(policy, wait)
-                        if on_refusal is not None:
-                            on_refusal(policy.name, refusal.reason)
-                        await context.abort(refusal.code, refusal.message, refusal.trailers)
+                    while wait:
+                        if on_delay is not None:
+                            on_delay(policy.name, wait)
+                        await asyncio.sleep(wait)
+                        wait = bucket.take()  # other calls of the tenant may have won
                     yield message
 
             async for response in behavior(charged(), context):

@@ -265,6 +265,17 @@ class KVCacheMetrics:
             (*_LABELS, "tenant", "reason"),
             registry=self.registry,
         )
+        self._rate_delay = Counter(
+            "kvservice_rate_limit_delay_seconds",
+            "Seconds stream messages waited for their tenant's rate limit (a stream over "
+            "it is slowed, not ended).",
+            (*_LABELS, "tenant"),
+            registry=self.registry,
+        )
+
+    def record_rate_delay(self, tenant: str, seconds: float) -> None:
+        """A stream message of ``tenant`` was held back ``seconds`` to its rate."""
+        self._rate_delay.labels(**self.labels, tenant=tenant).inc(seconds)
 
     def record_refusal(self, tenant: str, reason: str) -> None:
         """A call of ``tenant`` ("" when unauthenticated) was refused for ``reason``."""

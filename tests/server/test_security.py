@@ -43,6 +43,7 @@ pytestmark = pytest.mark.skipif(OPENSSL is None, reason="needs the openssl CLI")
 TOKEN = secrets.token_urlsafe(24)
 ADMIN_TOKEN = secrets.token_urlsafe(24)
 LIMITED_TOKEN = secrets.token_urlsafe(24)
+SLOW_TOKEN = secrets.token_urlsafe(24)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +106,8 @@ def tokens_file(tmp_path: Path) -> str:
             "ops": {"tokens": [ADMIN_TOKEN], "admin": True},
             # One call in the bucket, and a refill far slower than any test.
             "limited": {"tokens": [LIMITED_TOKEN], "rate_limit": 0.001, "burst": 3},
+            # A steady 50 calls a second, one at a time.
+            "slow": {"tokens": [SLOW_TOKEN], "rate_limit": 50.0, "burst": 1},
         },
     )
 
@@ -287,19 +290,27 @@ async def test_a_tenant_over_its_rate_is_refused_with_a_retry_hint(
     assert (await stub.GetUsage(usage, metadata=bearer(TOKEN))).num_requests == 0
 
 
-async def test_stream_messages_count_against_the_rate(token_server: KVCacheServer) -> None:
-    async with AsyncKVClient(
-        token_server.handle.target, token=LIMITED_TOKEN, allow_insecure_token=True
-    ) as client:
-        session = client.session()  # opening the stream takes one call of 3
-        step = StepBuilder()
-        step.get_usage()
-        await session.step(step)
-        await session.step(step)
-        with pytest.raises(KVServiceError) as info:
-            await session.step(step)
-        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        session.cancel()
+async def test_a_stream_over_the_rate_is_slowed_not_ended(token_server: KVCacheServer) -> None:
+    """Stream messages count against the rate like calls, but a stream over it waits
+    for its tokens instead of ending: every step is answered, in order, the wait is
+    counted, nothing is refused."""
+    async with (
+        AsyncKVClient(
+            token_server.handle.target, token=SLOW_TOKEN, allow_insecure_token=True
+        ) as client,
+        client.session() as session,
+    ):
+        for n in range(6):
+            step = StepBuilder()
+            step.add_request(f"s{n}", tokens(4))
+            usage = step.get_usage()
+            assert (await session.step(step))[usage].num_requests == n + 1
+    labels = {**token_server.metrics.labels, "tenant": "slow"}
+    delay = token_server.metrics.registry.get_sample_value(
+        "kvservice_rate_limit_delay_seconds_total", labels
+    )
+    assert delay is not None and delay > 0
+    assert refusals(token_server, "slow", "rate_limited") == 0
 
 
 def test_the_token_bucket_refills_at_its_rate() -> None:
