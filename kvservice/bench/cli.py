@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import sys
 from collections.abc import Callable, Iterator
@@ -17,11 +18,12 @@ from kvservice.bench.runner import (
     MODES,
     WORKLOAD_KINDS,
     BenchConfig,
+    Connect,
     ServerFactory,
     run_bench,
 )
 from kvservice.bench.server import ChildServer, ServerStartError, child_server
-from kvservice.client import KVClient
+from kvservice.client import KVClient, KVServiceError, ServiceUnavailableError
 from kvservice.server.config import ServerConfig
 
 T = TypeVar("T")
@@ -194,6 +196,27 @@ def add_parser(commands: Any) -> None:
         help="benchmark this running server instead of starting one (its pool must be "
         "idle: the bench resets its prefix cache)",
     )
+    add(
+        "--token",
+        default=None,
+        metavar="TOKEN",
+        help="bearer token for a --target with tokens (the bench resets its prefix cache: "
+        "an admin tenant's); needs --tls-ca unless --allow-insecure-token",
+    )
+    add(
+        "--tls-ca",
+        type=Path,
+        default=None,
+        metavar="PEM",
+        help="CA certificate(s) to check a --target that serves TLS (turns TLS on)",
+    )
+    add("--tls-cert", type=Path, default=None, metavar="PEM", help="client certificate (mTLS)")
+    add("--tls-key", type=Path, default=None, metavar="PEM", help="client key (mTLS)")
+    add(
+        "--allow-insecure-token",
+        action="store_true",
+        help="send --token over plaintext (a loopback server without TLS)",
+    )
     add("--json", action="store_true", help="print the results as JSON instead of the table")
     add(
         "--plot",
@@ -257,14 +280,44 @@ def _existing(target: str) -> ServerFactory:
     return run
 
 
-def _fit_to_target(config: BenchConfig, target: str) -> BenchConfig:
+def _connector(args: argparse.Namespace) -> Connect:
+    """The clients of --target: its token and TLS files (read now, so a missing file
+    fails before anything runs)."""
+    return functools.partial(
+        KVClient,
+        token=args.token,
+        allow_insecure_token=args.allow_insecure_token,
+        root_certificates=_read(args.tls_ca, "--tls-ca"),
+        certificate_chain=_read(args.tls_cert, "--tls-cert"),
+        private_key=_read(args.tls_key, "--tls-key"),
+    )
+
+
+def _read(path: Path | None, flag: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: {err.strerror}") from None
+
+
+def _fit_to_target(config: BenchConfig, target: str, connect: Connect) -> BenchConfig:
     """The in-process pool must be the target's, or the modes would not compare."""
     if len(config.num_blocks) > 1:
         raise ValueError("--target measures one pool: give at most one --num-blocks")
-    with KVClient(target, timeout=10.0) as client:
-        cache = client.get_cache_config()
-        if not client.reset_prefix_cache():
-            raise ValueError(f"--target {target}: the server has requests holding blocks")
+    try:
+        with connect(target) as client:
+            cache = client.get_cache_config()
+            if not client.reset_prefix_cache():
+                raise ValueError(f"--target {target}: the server has requests holding blocks")
+    except ServiceUnavailableError as err:
+        raise ValueError(
+            f"--target {target}: no answer ({err.message}); is a server listening there? A "
+            f"server with TLS needs --tls-ca, one with tokens --token"
+        ) from None
+    except KVServiceError as err:
+        raise ValueError(f"--target {target}: {err}") from None
     return dataclasses.replace(
         config,
         num_blocks=(cache.num_blocks,),
@@ -277,18 +330,22 @@ def main(args: argparse.Namespace) -> int:
     """Run ``kvservice bench``; the exit status."""
     config = config_from(args)
     server_for: ServerFactory | None = None
+    connect: Connect = KVClient
     if config.modes != (IN_PROCESS,):
         if args.target is not None:
             try:
-                config = _fit_to_target(config, args.target)
-            except ValueError as err:
+                connect = _connector(args)
+                config = _fit_to_target(config, args.target, connect)
+            except ValueError as err:  # InsecureTokenError included
                 print(f"kvservice bench: {err}", file=sys.stderr)
                 return 2
             server_for = _existing(args.target)
         else:
             server_for = _spawned
     try:
-        pools = run_bench(config, server_for, progress_enabled=not args.no_progress)
+        pools = run_bench(
+            config, server_for, progress_enabled=not args.no_progress, connect=connect
+        )
     except ServerStartError as err:
         print(f"kvservice bench: {err}", file=sys.stderr)
         return 1

@@ -414,11 +414,16 @@ def _run_mode(
 
 
 ServerFactory = Callable[[ServerConfig], contextlib.AbstractContextManager[ChildServer]]
+# The client of a server's address.
+Connect = Callable[[str], KVClient]
 
 
 @contextlib.contextmanager
 def _pools(
-    config: BenchConfig, server_for: ServerFactory | None, specs: Sequence[RequestSpec]
+    config: BenchConfig,
+    server_for: ServerFactory | None,
+    specs: Sequence[RequestSpec],
+    connect: Connect,
 ) -> Iterator[list[_Pool]]:
     with contextlib.ExitStack() as stack:
         pools: list[_Pool] = []
@@ -428,7 +433,7 @@ def _pools(
             server_pid = None
             if server_for is not None:
                 server = stack.enter_context(server_for(pool_config))
-                client = stack.enter_context(KVClient(server.target))
+                client = stack.enter_context(connect(server.target))
                 server_pid = server.pid
             manager = build_manager(pool_config)
             reference = reference_run(manager, specs, config)
@@ -448,14 +453,16 @@ def run_bench(
     server_for: ServerFactory | None,
     *,
     progress_enabled: bool = True,
+    connect: Connect = KVClient,
 ) -> list[PoolResult]:
     """Measure every mode on every pool, alternating the modes' order each round.
 
     ``server_for`` runs a server for a pool and yields where it is; None runs the
-    in-process mode alone.
+    in-process mode alone. ``connect`` makes the client of a server's address (with
+    the token and TLS a server of the user's needs).
     """
     specs = build_workload(config)
-    with _pools(config, server_for, specs) as pools:
+    with _pools(config, server_for, specs, connect) as pools:
         results = {
             (p.num_blocks, m): ModeResult(p.num_blocks, m) for p in pools for m in config.modes
         }

@@ -102,10 +102,29 @@ def error_for_number(number: int, message: str) -> KVServiceError:
     return error_for(_CODES_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN), message)
 
 
+# What gRPC says when client and server disagree about TLS, and what to do about it.
+_TRANSPORT_HINTS = (
+    (
+        "Socket closed",
+        "if the server serves TLS, so must the client: pass root_certificates=<the "
+        "server's CA, PEM>, or tls=True for the system's roots",
+    ),
+    (
+        "WRONG_VERSION_NUMBER",
+        "the server does not seem to serve TLS: drop tls and root_certificates",
+    ),
+)
+
+
 def error_from_rpc(err: grpc.RpcError, *, subscription: bool = False) -> KVServiceError:
     """The typed error for a failed call (sync or aio); on an event ``subscription``
-    RESOURCE_EXHAUSTED means the subscriber was dropped."""
+    RESOURCE_EXHAUSTED means the subscriber was dropped. An UNAVAILABLE that looks
+    like a TLS mismatch says how to fix it."""
     code, message = err.code(), err.details() or ""
     if subscription and code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         return SubscriberDroppedError(code, message)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        hints = [hint for symptom, hint in _TRANSPORT_HINTS if symptom in message]
+        if hints:
+            message = f"{message} ({'; '.join(hints)})"
     return error_for(code, message)

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.request_table.table import RequestTable
+from kvservice.server import binding
 from kvservice.server.audit import Auditor, SelfCheck
 from kvservice.server.auth import AuthInterceptor, TokenTable, load_tokens_file
 from kvservice.server.config import ServerConfig, build_kv_cache_config, build_manager
@@ -31,6 +32,7 @@ from kvservice.server.events import EventLog
 from kvservice.server.idempotency import IdempotencyLayer, OperationCache
 from kvservice.server.interceptors import BoundaryInterceptor, RpcLayer
 from kvservice.server.metrics import ClientTracker, KVCacheMetrics, MetricsEndpoint
+from kvservice.server.probes import LoopProbe
 from kvservice.server.runtime import build_runtime, kv_cache_budget
 from kvservice.server.servicer import KVCacheServicer
 from kvservice.server.sessions import (
@@ -79,17 +81,21 @@ class ServerHandle:
     port: int
     metrics_port: int | None
     runtime: KVCacheRuntime | None = None
+    # Where the HTTP endpoint listens; None: the gRPC host.
+    metrics_host: str | None = None
 
     @property
     def target(self) -> str:
-        """The address to give ``grpc.aio.insecure_channel``."""
-        return f"{self.host}:{self.port}"
+        """The address to give ``grpc.aio.insecure_channel`` (``[::1]:port`` for IPv6)."""
+        return binding.address(self.host, self.port)
 
     @property
     def metrics_url(self) -> str | None:
         if self.metrics_port is None:
             return None
-        return f"http://{self.host}:{self.metrics_port}/metrics"
+        return (
+            f"http://{binding.address(self.metrics_host or self.host, self.metrics_port)}/metrics"
+        )
 
 
 class KVCacheServer:
@@ -160,6 +166,8 @@ class KVCacheServer:
         self._metrics_endpoint: MetricsEndpoint | None = None
         self._handle: ServerHandle | None = None
         self._drain = Drain()
+        # Started and not stopped (what /ready reports, with the drain).
+        self._taking_calls = False
 
     def _zmq_publisher(self) -> ZmqEventPublisher | None:
         config = self.config
@@ -184,8 +192,15 @@ class KVCacheServer:
         return self._handle
 
     async def start(self) -> ServerHandle:
-        """Bind, start serving and report SERVING; returns where it listens."""
+        """Bind, start serving and report SERVING; returns where it listens.
+        ``BindError`` (nothing started) for an address that cannot be bound."""
         config = self.config
+        # Before gRPC's server exists: it would say only "Failed to bind".
+        binding.check_bindable(config.host, config.port, "--host/--port")
+        if config.metrics_port is not None:
+            binding.check_bindable(
+                config.metrics_host, config.metrics_port, "--metrics-host/--metrics-port"
+            )
         # Outermost first: RpcLayer turns the inner ones' refusals into statuses;
         # sessions resolve the caller before idempotency scopes operation ids by it.
         interceptors: list[Any] = [
@@ -226,34 +241,62 @@ class KVCacheServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
         )
-        address = f"{config.host}:{config.port}"
-        port = (
-            server.add_secure_port(address, self._credentials)
-            if self._credentials is not None
-            else server.add_insecure_port(address)
-        )
+        address = binding.address(config.host, config.port)
+        try:
+            port = (
+                server.add_secure_port(address, self._credentials)
+                if self._credentials is not None
+                else server.add_insecure_port(address)
+            )
+        except RuntimeError as err:  # taken since the check: a race
+            raise binding.BindError(f"gRPC cannot listen on {address}: {err}") from None
         if self.kv_event_publisher is not None:
             # Before the first call, whose events it must not miss.
             self.kv_event_publisher.start()
         await server.start()
         self._server = server
-        metrics_port = self._start_metrics()
+        try:
+            metrics_port = self._start_metrics()
+        except binding.BindError:
+            await self.stop(grace=0)
+            raise
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._reaper.start()
         if self._self_check is not None:
             self._self_check.start()
-        self._handle = ServerHandle(config.host, port, metrics_port, self.runtime)
+        self._handle = ServerHandle(
+            config.host, port, metrics_port, self.runtime, config.metrics_host
+        )
+        self._taking_calls = True
         return self._handle
 
     def _start_metrics(self) -> int | None:
+        """The HTTP endpoint: /metrics, and /health and /ready answered from the loop."""
         config = self.config
         if config.metrics_port is None:
             return None
+        probe = LoopProbe(
+            asyncio.get_running_loop(), lambda: self._taking_calls and not self._drain.draining
+        )
         self._metrics_endpoint = MetricsEndpoint.start(
-            self.metrics.registry, config.metrics_host, config.metrics_port
+            self.metrics.registry, config.metrics_host, config.metrics_port, probe
         )
         return self._metrics_endpoint.port
+
+    @property
+    def security(self) -> dict[str, str | int | None]:
+        """What the startup line says of TLS and authentication."""
+        config = self.config
+        tls = "off" if config.tls_cert_file is None else "tls"
+        if config.tls_client_ca_file is not None:
+            tls = "mtls"
+        tokens = self.tokens
+        return {
+            "tls": tls,
+            "auth": "off" if tokens is None else "tokens",
+            "tenants": None if tokens is None else len(tokens.tenants),
+        }
 
     def audit(self) -> None:
         """Check the pool's invariants and that every block table belongs to a known
@@ -265,6 +308,7 @@ class KVCacheServer:
         streams already in a handler finish for up to ``grace`` seconds (the config's by
         default), then stop grpc and close the metrics endpoint. Idempotent."""
         grace = self.config.shutdown_grace_s if grace is None else grace
+        self._taking_calls = False
         await self._health.enter_graceful_shutdown()
         await self._reaper.stop()
         if self._self_check is not None:
@@ -327,6 +371,7 @@ async def serve(config: ServerConfig) -> None:
         runtime=config.runtime,
         device=config.device if server.runtime is not None else None,
         max_model_len=config.max_model_len,
+        **server.security,
     )
     try:
         await stopping.wait()

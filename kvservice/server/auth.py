@@ -266,10 +266,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
         policy, refusal = self._admit(method, handler_call_details.invocation_metadata)
         if refusal is not None:
             tenant = policy.name if policy is not None else ""
-            log.info("rpc refused", method=clip(method), tenant=tenant, reason=refusal.reason)
             if self._on_refusal is not None:
                 self._on_refusal(tenant, refusal.reason)
-            return _refusing_handler(method, refusal)
+            return _refusing_handler(method, refusal, tenant)
         assert policy is not None
         # Same task as the handler: grpc.aio awaits the interceptors, then the handler.
         CURRENT_CALLER.set(
@@ -356,11 +355,19 @@ def _rate_refusal(policy: TenantPolicy, wait: float) -> _Refusal:
     )
 
 
-def _refusing_handler(method: str, refusal: _Refusal) -> Any:
-    """A handler of the method's own kind that only aborts: built without calling the
+def _refusing_handler(method: str, refusal: _Refusal, tenant: str) -> Any:
+    """A handler of the method's own kind that logs the refusal, with the caller's
+    address (only the call's context knows it), and aborts: built without calling the
     next interceptor, so nothing after this one sees a refused call."""
 
     async def refuse(request: Any, context: Any) -> None:
+        log.info(
+            "rpc refused",
+            method=clip(method),
+            tenant=tenant,
+            reason=refusal.reason,
+            peer=clip(context.peer() or "-"),
+        )
         await context.abort(refusal.code, refusal.message, refusal.trailers)
 
     client_streaming, server_streaming = _streaming(method)

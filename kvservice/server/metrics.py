@@ -29,6 +29,8 @@ from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.stats import PrefixCacheStats
 from kvservice.request_table.reporting import AllocationResult
 from kvservice.request_table.types import PoolUsage
+from kvservice.server.binding import BindError, address, socket_family
+from kvservice.server.probes import LoopProbe, with_probes
 
 _LABELS = ("model_name", "engine")
 # RPCs take tens of microseconds (a lookup) to a good fraction of a second (a large
@@ -478,9 +480,27 @@ class MetricsEndpoint:
         return int(self.server.server_port)
 
     @classmethod
-    def start(cls, registry: CollectorRegistry, host: str, port: int) -> MetricsEndpoint:
+    def start(
+        cls, registry: CollectorRegistry, host: str, port: int, probe: LoopProbe | None = None
+    ) -> MetricsEndpoint:
+        """Serve ``/metrics`` (and with ``probe``, ``/health`` and ``/ready``) on
+        ``host:port`` (an IPv6 address too); ``BindError`` when it cannot listen."""
         app = _classic_text_only(make_wsgi_app(registry))
-        server = make_server(host, port, app, ThreadingWSGIServer, handler_class=_QuietHandler)
+        if probe is not None:
+            app = with_probes(app, probe)
+        bare = host.strip("[]")
+        try:
+            server_class: type[WSGIServer] = type(
+                "_Server", (ThreadingWSGIServer,), {"address_family": socket_family(bare, port)}
+            )
+            server: WSGIServer = make_server(
+                bare, port, app, server_class, handler_class=_QuietHandler
+            )
+        except OSError as err:
+            raise BindError(
+                f"cannot serve metrics on {address(host, port)}: {err.strerror or err}; check "
+                f"--metrics-host/--metrics-port (or --no-metrics)"
+            ) from None
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
         return cls(server, thread)

@@ -7,6 +7,8 @@ Both run before the server binds, so a bad certificate path or an unsafe bind fa
 from __future__ import annotations
 
 import ipaddress
+import re
+import ssl
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +70,56 @@ def server_credentials(config: ServerConfig) -> Any:
         return None
     pair = (_read(key, "tls_key_file"), _read(cert, "tls_cert_file"))
     roots = _read(client_ca, "tls_client_ca_file") if client_ca is not None else None
+    # gRPC would report any of these as "Failed to bind": check them first, naming
+    # the file.
+    _check_pem(pair[1], _CERTIFICATE, "tls_cert_file", cert)
+    _check_pem(pair[0], _PRIVATE_KEY, "tls_key_file", key)
+    if roots is not None and client_ca is not None:
+        _check_pem(roots, _CERTIFICATE, "tls_client_ca_file", client_ca)
+    _check_pair(cert, key, client_ca)
     return grpc.ssl_server_credentials(
         [pair], root_certificates=roots, require_client_auth=roots is not None
     )
+
+
+_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----")
+_PRIVATE_KEY = re.compile(rb"-----BEGIN (?:[A-Z]+ )?PRIVATE KEY-----")
+
+
+def _check_pem(data: bytes, marker: re.Pattern[bytes], setting: str, path: str) -> None:
+    if marker.search(data) is None:
+        kind = "certificate" if marker is _CERTIFICATE else "private key"
+        raise SecurityConfigError(
+            f"{setting} {path} is not a PEM {kind} (no '{marker.pattern.decode()}' block)"
+        )
+
+
+def _check_pair(cert: str, key: str, client_ca: str | None) -> None:
+    """Load the files as OpenSSL will: a key that is not the certificate's, or a file
+    OpenSSL cannot parse, named in one line."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        # An encrypted key would make OpenSSL prompt on the terminal: answer "" (gRPC
+        # takes unencrypted keys only).
+        context.load_cert_chain(cert, key, password=lambda: b"")
+    except ssl.SSLError as err:
+        if "KEY_VALUES_MISMATCH" in str(err):
+            raise SecurityConfigError(
+                f"tls_key_file {key} does not match tls_cert_file {cert}: it is the key of "
+                f"another certificate"
+            ) from None
+        raise SecurityConfigError(
+            f"tls_cert_file {cert} with tls_key_file {key}: OpenSSL cannot load them "
+            f"({err.reason or err}); both must be PEM, the key unencrypted"
+        ) from None
+    if client_ca is not None:
+        try:
+            context.load_verify_locations(cafile=client_ca)
+        except ssl.SSLError as err:
+            raise SecurityConfigError(
+                f"tls_client_ca_file {client_ca}: OpenSSL cannot load it as PEM CA "
+                f"certificates ({err.reason or err})"
+            ) from None
 
 
 def check_bind(config: ServerConfig, has_tokens: bool) -> None:

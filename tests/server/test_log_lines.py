@@ -71,3 +71,26 @@ def test_clip() -> None:
     cut = clip("y" * 10_000)
     assert len(cut) < LOG_VALUE_CHARS + 30 and cut.endswith("(10000 chars)")
     assert clip("z" * 100, 10) == "z" * 10 + "...(100 chars)"
+
+
+async def test_a_refused_authentication_names_the_callers_address(tmp_path: Path) -> None:
+    """Failed-auth lines say where the call came from (to find a misconfigured client
+    or a prober), for every reason."""
+    tokens_file = write_tokens_file(tmp_path / "t.toml", {"alpha": {"tokens": [TOKENS["alpha"]]}})
+    config = dataclasses.replace(SMALL_POOL, auth_tokens_file=tokens_file)
+    async with running_server(config) as server, raw_stub(server) as stub:
+        with structlog.testing.capture_logs() as logs:
+            for metadata in ((), (("authorization", "Bearer not-a-token"),)):
+                with pytest.raises(grpc.aio.AioRpcError):
+                    await stub.GetUsage(pb.GetUsageRequest(), metadata=metadata)
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub.Audit(
+                    pb.AuditRequest(), metadata=(("authorization", f"Bearer {TOKENS['alpha']}"),)
+                )
+    refused = [entry for entry in logs if entry["event"] == "rpc refused"]
+    assert [entry["reason"] for entry in refused] == [
+        "unauthenticated",
+        "unauthenticated",
+        "permission_denied",
+    ]
+    assert all(entry["peer"].startswith("ipv4:127.0.0.1:") for entry in refused), refused
