@@ -2,6 +2,11 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# Two installs share .venv. Serving needs the project and its runtime dependencies
+# only; tests add the dev tools, torch (the runtime extra) and vLLM. The full install
+# also marks the serving one done, so `make serve` after `make test` installs nothing
+# (no downgrade), and `make test` after `make serve` adds what tests need.
+SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
 
 .PHONY: setup build tools serve test lint typecheck unit proto bench bench-runtime clean
@@ -14,7 +19,12 @@ $(STAMP): pyproject.toml setup.py requirements/vllm-test.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,runtime]'
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -r requirements/vllm-test.txt
-	touch $(STAMP)
+	touch $(SERVE_STAMP) $(STAMP)
+
+$(SERVE_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e .
+	touch $(SERVE_STAMP)
 
 ## The compiled core, rebuilt whenever it differs from the sources: compared by content
 ## (kvservice/core/compiled.py), so an edit, a checkout or a pull all count.
@@ -44,7 +54,7 @@ $(PROMTOOL):
 tools: $(PROMTOOL)
 
 ## Run the service on the embedded default (gRPC 127.0.0.1:50051, metrics 127.0.0.1:9400).
-serve: setup
+serve: $(SERVE_STAMP)
 	$(BIN)/kvservice serve
 
 ## Lint, type-check and run the whole test suite.
