@@ -113,7 +113,7 @@ def step_path(num_requests: int, steps: int) -> Callable[[], None]:
     def run() -> None:
         for raw in messages:
             response = pb.StepResponse()
-            runner.run(pb.StepRequest.FromString(raw), response, ANONYMOUS)
+            runner.run_whole(pb.StepRequest.FromString(raw), response, ANONYMOUS)
             response.SerializeToString()
 
     return run
@@ -131,7 +131,7 @@ def client_path(num_requests: int, steps: int) -> Callable[[], None]:
             handles = [builder.allocate_slots(rid, 1) for rid in ids]
             raw = builder.to_pb(token, stop_on_error=True).SerializeToString()
             response = pb.StepResponse()
-            runner.run(pb.StepRequest.FromString(raw), response, ANONYMOUS)
+            runner.run_whole(pb.StepRequest.FromString(raw), response, ANONYMOUS)
             results = StepResults(pb.StepResponse.FromString(response.SerializeToString()))
             if results.errors:
                 raise RuntimeError(f"step {token} failed: {results.errors}")

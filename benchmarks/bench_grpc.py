@@ -231,7 +231,7 @@ def run_step_in_process(
     meter.start()
     for raw in steps:
         response = pb.StepResponse()
-        runner.run(pb.StepRequest.FromString(raw), response, ANONYMOUS)
+        runner.run_whole(pb.StepRequest.FromString(raw), response, ANONYMOUS)
         response.SerializeToString()
     return meter.stop(len(workload.ops))
 
@@ -798,7 +798,7 @@ def profile(num_requests: int) -> None:
     profiler.enable()
     for raw in steps:
         response = pb.StepResponse()
-        runner.run(pb.StepRequest.FromString(raw), response, ANONYMOUS)
+        runner.run_whole(pb.StepRequest.FromString(raw), response, ANONYMOUS)
         response.SerializeToString()
     profiler.disable()
     pstats.Stats(profiler).sort_stats("tottime").print_stats(18)

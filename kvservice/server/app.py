@@ -42,6 +42,7 @@ from kvservice.server.sessions import (
     SessionRegistry,
 )
 from kvservice.server.tls import check_bind, server_credentials
+from kvservice.server.turns import TableTurn
 from kvservice.server.zmq_events.publisher import ZmqEventPublisher
 
 if TYPE_CHECKING:  # only for annotations: importing gpu_runtime imports torch
@@ -152,9 +153,11 @@ class KVCacheServer:
         # Sessions own requests (the registry hooks into the table); the reaper
         # and the self-check run on the server's loop between start and stop.
         self.sessions = SessionRegistry(self.table, SessionPolicy.of(config), self.metrics)
-        self.auditor = Auditor(self.table, self.sessions, self.metrics)
+        # Whose turn it is on the table (``turns``): a large Step pauses holding it.
+        self.turn = TableTurn()
+        self.auditor = Auditor(self.table, self.sessions, self.metrics, turn=self.turn)
         self._operations = OperationCache(config.idempotency_cache_size)
-        self._reaper = SessionReaper(self.sessions)
+        self._reaper = SessionReaper(self.sessions, turn=self.turn)
         self._self_check = (
             SelfCheck(self.auditor, config.audit_interval_s) if config.audit_interval_s else None
         )
@@ -234,6 +237,7 @@ class KVCacheServer:
                 events=self.events,
                 sessions=self.sessions,
                 auditor=self.auditor,
+                turn=self.turn,
             ),
             server,
         )

@@ -43,6 +43,7 @@ from kvservice.request_table.table import RequestTable
 from kvservice.server import forking
 from kvservice.server.metrics import KVCacheMetrics
 from kvservice.server.sessions import SessionRegistry
+from kvservice.server.turns import TableTurn
 
 log = structlog.get_logger("kvservice.audit")
 
@@ -95,8 +96,11 @@ class Auditor:
         metrics: KVCacheMetrics | None = None,
         fork_min_blocks: int = FORK_MIN_BLOCKS,
         fork_timeout_s: float = FORK_TIMEOUT_S,
+        turn: TableTurn | None = None,
     ) -> None:
         self._table = table
+        # Checks (and forks) take the table's turn: never in the middle of a Step.
+        self._turn = turn or TableTurn()
         self._sessions = sessions
         self._metrics = metrics
         self._fork = table.manager.kv_cache_config.num_blocks >= fork_min_blocks
@@ -146,7 +150,11 @@ class Auditor:
 
     async def _run_once(self) -> AuditReport:
         try:
-            report = await self._check_forked() if self._fork else self.check()
+            if self._fork:
+                child = await self._turn.run(self._fork_child)
+                report = await self._wait_for_child(*child)
+            else:
+                report = await self._turn.run(self.check)
         except AuditNotRunError as err:
             if self._metrics is not None:
                 self._metrics.audit_errors.inc()
@@ -161,12 +169,16 @@ class Auditor:
         violations = self._violations()
         return self._report(violations, time.perf_counter() - start)
 
-    async def _check_forked(self) -> AuditReport:
+    def _fork_child(self) -> tuple[int, int]:
+        """Fork the snapshot's child: (its pid, the end of the pipe it writes to)."""
         read_fd, write_fd = os.pipe()
         pid = forking.fork()
         if pid == 0:
             self._in_child(read_fd, write_fd)  # never returns
         os.close(write_fd)
+        return pid, read_fd
+
+    async def _wait_for_child(self, pid: int, read_fd: int) -> AuditReport:
         try:
             payload = await asyncio.wait_for(
                 asyncio.to_thread(_collect, read_fd, pid), self._fork_timeout_s

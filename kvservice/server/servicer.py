@@ -3,10 +3,11 @@
 The per-request operations live in ``operations`` (shared with ``Step``), batched steps
 in ``step``. Errors are raised, never handled here: ``RpcLayer`` turns them into
 statuses. Each reads the caller the RPC boundary established (``caller``) once and
-names it on every call into the request table. The methods are ``async`` because
-grpc.aio wants coroutines, but none awaits while it touches the table: each runs to
-completion on the loop that owns it, which is what makes the table safe without
-locks.
+names it on every call into the request table. None awaits while it touches the table:
+each runs to completion on the loop that owns it, which is what makes the table safe
+without locks. The one exception is a large Step, which pauses between its operations
+holding the table's turn (``turns``): a call that touches the table then waits for it
+(and otherwise runs at once).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvservice.server.caller import current_caller
 from kvservice.server.events import EventLog, SubscriberDroppedError
 from kvservice.server.sessions import SessionPolicy, SessionRegistry
 from kvservice.server.step import StepRunner
+from kvservice.server.turns import TableTurn
 
 # grpc is untyped: the servicer context is Any.
 Context = Any
@@ -43,8 +45,11 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         events: EventLog | None = None,
         sessions: SessionRegistry | None = None,
         auditor: Auditor | None = None,
+        turn: TableTurn | None = None,
     ) -> None:
         self._table = table
+        # The table's turn, shared with everything else that touches it.
+        self._turn = turn or TableTurn()
         # Client sessions and the audit (``sessions``, ``audit``); the server passes
         # its own, shared with the reaper and the self-check.
         self._sessions = sessions or SessionRegistry(table, SessionPolicy())
@@ -52,13 +57,21 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self._model_name = model_name
         # Where the co-located runtime's KV tensors live; "" without a runtime.
         self._runtime_device = runtime_device
-        self._steps = StepRunner(table, max_step_ops)
+        self._steps = StepRunner(table, max_step_ops, self._turn)
         # The KV event log; None when the server runs without --kv-events.
         self._events = events
 
-    def _run(self, operation: operations.Operation, request: Any, response: Response) -> Response:
-        """``operation`` for this call's caller, answering into ``response``."""
-        operation(self._table, request, response, current_caller(), True)
+    async def _run(
+        self, operation: operations.Operation, request: Any, response: Response
+    ) -> Response:
+        """``operation`` for this call's caller, answering into ``response``, in the
+        table's turn."""
+        caller = current_caller()
+        if self._turn.taken:
+            async with self._turn:
+                operation(self._table, request, response, caller, True)
+        else:
+            operation(self._table, request, response, caller, True)
         return response
 
     async def AddRequest(  # noqa: N802
@@ -67,21 +80,23 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         """Register a WAITING request. ALREADY_EXISTS for a known id; INVALID_ARGUMENT
         for an empty id or prompt, a negative token id or a multimodal item outside
         the prompt; OUT_OF_RANGE past max_model_len."""
-        return self._run(operations.add_request, request, pb.AddRequestResponse())
+        return await self._run(operations.add_request, request, pb.AddRequestResponse())
 
     async def AppendTokens(  # noqa: N802
         self, request: pb.AppendTokensRequest, context: Context
     ) -> pb.AppendTokensResponse:
         """Append sampled tokens. NOT_FOUND, INVALID_ARGUMENT (none or negative),
         OUT_OF_RANGE (past max_model_len)."""
-        return self._run(operations.append_tokens, request, pb.AppendTokensResponse())
+        return await self._run(operations.append_tokens, request, pb.AppendTokensResponse())
 
     async def GetComputedBlocks(  # noqa: N802
         self, request: pb.GetComputedBlocksRequest, context: Context
     ) -> pb.GetComputedBlocksResponse:
         """The cached prefix, remembered for AllocateSlots. NOT_FOUND;
         FAILED_PRECONDITION for a running request."""
-        return self._run(operations.get_computed_blocks, request, pb.GetComputedBlocksResponse())
+        return await self._run(
+            operations.get_computed_blocks, request, pb.GetComputedBlocksResponse()
+        )
 
     async def AllocateSlots(  # noqa: N802
         self, request: pb.AllocateSlotsRequest, context: Context
@@ -91,7 +106,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         (negative counts, zero tokens); OUT_OF_RANGE (past max_model_len);
         FAILED_PRECONDITION (hit not matching the lookup, counts going backwards);
         ABORTED (the hit was evicted since the lookup)."""
-        return self._run(operations.allocate_slots, request, pb.AllocateSlotsResponse())
+        return await self._run(operations.allocate_slots, request, pb.AllocateSlotsResponse())
 
     async def Admit(  # noqa: N802
         self, request: pb.AdmitRequest, context: Context
@@ -100,7 +115,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         AllocateSlots each, stopping where vLLM's scheduler would. NOT_FOUND;
         FAILED_PRECONDITION (a running request); INVALID_ARGUMENT (no ids, a repeated
         id, a negative budget or lookahead); all checked before anything runs."""
-        return self._run(operations.admit, request, pb.AdmitResponse())
+        return await self._run(operations.admit, request, pb.AdmitResponse())
 
     async def FreeRequest(  # noqa: N802
         self, request: pb.FreeRequestRequest, context: Context
@@ -108,33 +123,33 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         """Release the request's blocks (PREEMPT or FINISH). NOT_FOUND;
         INVALID_ARGUMENT without a mode; FAILED_PRECONDITION to preempt a request
         that is not running."""
-        return self._run(operations.free_request, request, pb.FreeRequestResponse())
+        return await self._run(operations.free_request, request, pb.FreeRequestResponse())
 
     async def GetRequest(  # noqa: N802
         self, request: pb.GetRequestRequest, context: Context
     ) -> pb.GetRequestResponse:
         """A request's state. NOT_FOUND."""
-        return self._run(operations.get_request, request, pb.GetRequestResponse())
+        return await self._run(operations.get_request, request, pb.GetRequestResponse())
 
     async def GetBlockIds(  # noqa: N802
         self, request: pb.GetBlockIdsRequest, context: Context
     ) -> pb.GetBlockIdsResponse:
         """The request's block table per group. NOT_FOUND."""
-        return self._run(operations.get_block_ids, request, pb.GetBlockIdsResponse())
+        return await self._run(operations.get_block_ids, request, pb.GetBlockIdsResponse())
 
     async def ResetPrefixCache(  # noqa: N802
         self, request: pb.ResetPrefixCacheRequest, context: Context
     ) -> pb.ResetPrefixCacheResponse:
         """Forget every cached prefix (``fresh_pool``: and restore a new pool's block
         order); reset is false while blocks are in use."""
-        reset = self._table.reset_prefix_cache(request.fresh_pool)
+        reset = await self._turn.run(lambda: self._table.reset_prefix_cache(request.fresh_pool))
         return pb.ResetPrefixCacheResponse(reset=reset)
 
     async def GetUsage(  # noqa: N802
         self, request: pb.GetUsageRequest, context: Context
     ) -> pb.GetUsageResponse:
         """Pool usage and prefix cache totals."""
-        return self._run(operations.get_usage, request, pb.GetUsageResponse())
+        return await self._run(operations.get_usage, request, pb.GetUsageResponse())
 
     async def GetCacheConfig(  # noqa: N802
         self, request: pb.GetCacheConfigRequest, context: Context
@@ -152,7 +167,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
     ) -> pb.ProbeResponse:
         """What a lookup plus AllocateSlots would do, changing nothing. NOT_FOUND;
         INVALID_ARGUMENT and OUT_OF_RANGE as AllocateSlots."""
-        return self._run(operations.probe, request, pb.ProbeResponse())
+        return await self._run(operations.probe, request, pb.ProbeResponse())
 
     async def Step(  # noqa: N802
         self, request: pb.StepRequest, context: Context
@@ -162,7 +177,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         operation and before this returns. INVALID_ARGUMENT, nothing run, over the
         operations-per-step limit."""
         response = pb.StepResponse()
-        self._steps.run(request, response, current_caller())
+        await self._steps.run(request, response, current_caller())
         return response
 
     async def StepStream(  # noqa: N802
@@ -177,7 +192,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         caller = current_caller()
         async for message in request_iterator:
             response = pb.StepStreamResponse()
-            self._steps.run(message.step, response.step, caller)
+            await self._steps.run(message.step, response.step, caller)
             yield response
 
     async def SubscribeEvents(  # noqa: N802
@@ -233,8 +248,9 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         """End a session, freeing (FINISH) its requests with free_requests, else
         leaving them unowned. NOT_FOUND for a session never opened by the caller's
         tenant; FAILED_PRECONDITION for one that already ended."""
-        freed = self._sessions.close(
-            request.session_id, current_caller().tenant, request.free_requests
+        tenant = current_caller().tenant
+        freed = await self._turn.run(
+            lambda: self._sessions.close(request.session_id, tenant, request.free_requests)
         )
         return pb.CloseSessionResponse(num_requests_freed=freed)
 

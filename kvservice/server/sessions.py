@@ -50,6 +50,7 @@ from kvservice.request_table.types import FreeMode
 from kvservice.server.caller import CURRENT_CALLER, current_caller
 from kvservice.server.config import ServerConfig
 from kvservice.server.metrics import KVCacheMetrics
+from kvservice.server.turns import TableTurn
 
 log = structlog.get_logger("kvservice.sessions")
 
@@ -404,8 +405,12 @@ class SessionReaper:
     within about a tick of its TTL.
     """
 
-    def __init__(self, registry: SessionRegistry, max_sleep_s: float = 1.0) -> None:
+    def __init__(
+        self, registry: SessionRegistry, max_sleep_s: float = 1.0, turn: TableTurn | None = None
+    ) -> None:
         self._registry = registry
+        # Reaping frees requests: in the table's turn, never in the middle of a Step.
+        self._turn = turn or TableTurn()
         # A tenth of the shortest lease: a lease is never overrun by more than that.
         self._max_sleep_s = min(max_sleep_s, registry.policy.ttl_min_s / 10)
         self._task: asyncio.Task[None] | None = None
@@ -425,7 +430,7 @@ class SessionReaper:
             wait = self._registry.next_expiry_in()
             await asyncio.sleep(self._max_sleep_s if wait is None else min(wait, self._max_sleep_s))
             try:
-                self._registry.reap()
+                await self._turn.run(self._registry.reap)
             except Exception:  # a bug: log it, keep reaping the others
                 log.exception("session reaper failed")
 

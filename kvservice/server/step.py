@@ -10,8 +10,11 @@ Failure semantics (the ``Step`` and ``StepStream`` contract):
   concern the others. ``stop_on_error`` instead answers every later operation
   CANCELLED without running it, for callers whose later operations depend on earlier
   ones.
-* The step is isolated: no operation awaits, so the whole step runs without any other
-  call interleaving, and a cancelled call has either run entirely or not at all.
+* The step is isolated: it runs without any other call on the request table
+  interleaving, and a cancelled call has either run entirely or not at all. A large
+  step pauses every few milliseconds so that health checks and calls that do not touch
+  the table go on, but keeps the table's turn meanwhile (``turns``); a cancellation
+  during a pause takes effect once the step is done.
 * With a co-located runtime, the blocks every ``allocate_slots`` of the step handed out
   are zeroed once, when the last operation has run and before the answer is sent
   (``RequestTable.batched``): one device op per step, not one per allocation, and no
@@ -38,7 +41,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -49,6 +52,7 @@ from kvservice.request_table.table import RequestTable
 from kvservice.server.caller import Caller
 from kvservice.server.errors import status_code_of, status_message_of
 from kvservice.server.operations import BATCH_OPERATIONS, STEP_OPERATIONS, BatchOperation
+from kvservice.server.turns import WHOLE, Slices, TableTurn
 
 log = structlog.get_logger("kvservice.step")
 
@@ -68,16 +72,36 @@ _INVALID_ARGUMENT = code_number(grpc.StatusCode.INVALID_ARGUMENT)
 
 @dataclass(slots=True)
 class StepRunner:
-    """Runs ``StepRequest``s against one request table."""
+    """Runs ``StepRequest``s against one request table, in the table's turn."""
 
     table: RequestTable
     max_ops: int
+    turn: TableTurn = field(default_factory=TableTurn)
 
-    def run(self, step: pb.StepRequest, response: pb.StepResponse, caller: Caller) -> None:
+    async def run(self, step: pb.StepRequest, response: pb.StepResponse, caller: Caller) -> None:
         """Run every operation of ``step`` for ``caller`` in order, answering into
-        ``response`` (so a stream can fill its own wrapper message without a copy).
-        Raises ``InvalidArgumentError`` (nothing run) for a step over ``max_ops``
-        operations."""
+        ``response`` (so a stream can fill its own wrapper message without a copy),
+        pausing between operations every ``turns.SLICE_S`` of work with the table's
+        turn held. Raises ``InvalidArgumentError`` (nothing run) for a step over
+        ``max_ops`` operations."""
+        async with self.turn:
+            slices = Slices()
+            await self._run(step, response, caller, slices)
+        slices.finish()
+
+    def run_whole(self, step: pb.StepRequest, response: pb.StepResponse, caller: Caller) -> None:
+        """``run`` without a loop and without pauses (benchmarks of the step path): the
+        same work, the caller's thread owning the table meanwhile."""
+        work = self._run(step, response, caller, WHOLE)
+        try:
+            work.send(None)
+        except StopIteration:
+            return
+        raise RuntimeError("a step run whole paused")  # WHOLE is never due
+
+    async def _run(
+        self, step: pb.StepRequest, response: pb.StepResponse, caller: Caller, slices: Slices
+    ) -> None:
         num_ops = _num_operations(step.ops)
         if num_ops > self.max_ops:
             raise InvalidArgumentError(
@@ -94,6 +118,8 @@ class StepRunner:
         # The pool is reported to the metrics once per step, not once per operation.
         with self.table.batched():
             for index, op in enumerate(step.ops):
+                if slices.due():
+                    await slices.pause()
                 result = add_result()
                 code = run_one(op, result, caller, stop_on_error, with_state)
                 if code:
