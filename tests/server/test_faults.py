@@ -145,7 +145,9 @@ async def test_sigterm_finishes_in_flight_calls_and_refuses_new_ones() -> None:
     changed nothing, the open stream keeps being served until it closes, new calls are
     refused (UNAVAILABLE), and the process exits 0."""
     async with (
-        kvservice_serve("--shutdown-grace=60", f"--metrics-port={free_port()}") as server,
+        kvservice_serve(
+            "--shutdown-grace=60", "--metrics", f"--metrics-port={free_port()}"
+        ) as server,
         AsyncKVClient(server.target, client_id="sigterm") as client,
     ):
         serving = await server.log.wait_for("serving")
