@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +31,20 @@ def line_sizes(logs: list[MutableMapping[str, Any]]) -> list[int]:
 async def test_a_refused_call_naming_a_huge_id_logs_a_short_line() -> None:
     """The issue's case: a refused call with a 1 MB request id logged it twice (2 MB
     line). Every line is now short, and says how long the value was."""
-    metadata = ((CLIENT_ID_KEY, "c" * 4000), (CALL_ID_KEY, "k" * 4000))
+    # Under gRPC's 8 KiB metadata limit together (past it gRPC may refuse the call itself).
+    metadata = ((CLIENT_ID_KEY, "c" * 3000), (CALL_ID_KEY, "k" * 3000))
     async with running_server() as server, raw_stub(server) as stub:
         with structlog.testing.capture_logs() as logs:
-            for call in (
-                stub.AppendTokens(pb.AppendTokensRequest(request_id=HUGE, token_ids=[1])),
-                stub.AddRequest(pb.AddRequestRequest(request_id=HUGE, prompt_token_ids=[1])),
-                stub.GetRequest(pb.GetRequestRequest(request_id=HUGE), metadata=metadata),
-            ):
+            calls: list[Callable[[], Awaitable[Any]]] = [
+                lambda: stub.AppendTokens(pb.AppendTokensRequest(request_id=HUGE, token_ids=[1])),
+                lambda: stub.AddRequest(
+                    pb.AddRequestRequest(request_id=HUGE, prompt_token_ids=[1])
+                ),
+                lambda: stub.GetRequest(pb.GetRequestRequest(request_id=HUGE), metadata=metadata),
+            ]
+            for call in calls:  # one at a time: the lines come in this order
                 with pytest.raises(grpc.aio.AioRpcError):
-                    await call
+                    await call()
             stream = stub.StepStream(metadata=metadata)
             await stream.done_writing()
             async for _ in stream:
@@ -48,8 +52,9 @@ async def test_a_refused_call_naming_a_huge_id_logs_a_short_line() -> None:
     refused = [entry for entry in logs if entry["event"] == "rpc refused"]
     assert len(refused) == 3
     assert max(line_sizes(logs)) < MAX_LINE_CHARS, logs
+    assert [entry["method"] for entry in refused] == ["AppendTokens", "AddRequest", "GetRequest"]
     assert "1000000 chars" in refused[0]["request_id"]
-    assert "4000 chars" in refused[2]["client_id"]
+    assert "3000 chars" in refused[2]["client_id"]
 
 
 async def test_an_unauthenticated_call_to_a_long_path_logs_a_short_line(tmp_path: Path) -> None:
