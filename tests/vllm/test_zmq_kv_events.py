@@ -290,7 +290,9 @@ async def test_tenants_hashes_are_apart_and_their_salt_is_in_the_extra_keys(
     async with running_server(config) as server:
         subscriber = VllmSubscriber(zmq_context, server)
         for token in ("a" * 24, "b" * 24):
-            async with AsyncKVClient(server.handle.target, token=token) as client:
+            async with AsyncKVClient(
+                server.handle.target, token=token, allow_insecure_token=True
+            ) as client:
                 await client.add_request("same-id", tokens(32))
                 assert await client.allocate_slots("same-id", 32)
         await subscriber.catch_up(await settle(server))
