@@ -59,25 +59,33 @@ class TableTurn:
 
 class Slices:
     """Times a Step's work in slices; ``pause`` lets the loop run other tasks between
-    two. A cancellation that arrives during a pause is held back until ``finish``: a
-    cancelled Step has run entirely or not at all."""
+    two. A slice is ``SLICE_S`` of the thread's CPU time, not of the clock: a Step
+    descheduled by a busy machine has done no work meanwhile, and a small Step never
+    pauses (nor spreads its KV events over two batches). A cancellation that arrives
+    during a pause is held back until ``finish``: a cancelled Step has run entirely or
+    not at all."""
 
-    __slots__ = ("_cancelled", "_deadline")
+    __slots__ = ("_cancelled", "_cpu_deadline", "_deadline")
 
     def __init__(self) -> None:
-        self._deadline = time.perf_counter() + SLICE_S
         self._cancelled = False
+        self._start_slice()
+
+    def _start_slice(self) -> None:
+        self._deadline = time.perf_counter() + SLICE_S
+        self._cpu_deadline = time.thread_time() + SLICE_S
 
     def due(self) -> bool:
-        """Whether this slice's time is spent."""
-        return time.perf_counter() >= self._deadline
+        """Whether this slice's work is done: the clock first (cheap; CPU time never
+        runs ahead of it), then the thread's CPU time."""
+        return time.perf_counter() >= self._deadline and time.thread_time() >= self._cpu_deadline
 
     async def pause(self) -> None:
         try:
             await asyncio.sleep(0)
         except asyncio.CancelledError:
             self._cancelled = True
-        self._deadline = time.perf_counter() + SLICE_S
+        self._start_slice()
 
     def finish(self) -> None:
         """Raise the cancellation held back, if any (the work is done)."""
