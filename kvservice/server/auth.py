@@ -361,14 +361,19 @@ def _refusing_handler(method: str, refusal: _Refusal, tenant: str) -> Any:
     next interceptor, so nothing after this one sees a refused call."""
 
     async def refuse(request: Any, context: Any) -> None:
-        log.info(
-            "rpc refused",
-            method=clip(method),
-            tenant=tenant,
-            reason=refusal.reason,
-            peer=clip(context.peer() or "-"),
-        )
-        await context.abort(refusal.code, refusal.message, refusal.trailers)
+        try:
+            await context.abort(refusal.code, refusal.message, refusal.trailers)
+        finally:
+            # Once the status is on its way: a stream's client may still be writing
+            # its first message, and an abort that comes late turns its write into an
+            # INTERNAL error instead of the refusal.
+            log.info(
+                "rpc refused",
+                method=clip(method),
+                tenant=tenant,
+                reason=refusal.reason,
+                peer=clip(context.peer() or "-"),
+            )
 
     client_streaming, server_streaming = _streaming(method)
     if client_streaming and server_streaming:
