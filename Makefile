@@ -21,19 +21,19 @@ $(STAMP): pyproject.toml setup.py requirements/vllm-test.txt
 	$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -r requirements/vllm-test.txt
 	touch $(SERVE_STAMP) $(STAMP)
 
-$(SERVE_STAMP): pyproject.toml
+$(SERVE_STAMP): pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e .
 	touch $(SERVE_STAMP)
 
 ## The compiled core, rebuilt whenever it differs from the sources: compared by content
 ## (kvservice/core/compiled.py), so an edit, a checkout or a pull all count.
-build: $(STAMP)
+build: $(SERVE_STAMP)
 	@$(BIN)/python -P kvservice/core/compiled.py || { \
 		$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e . \
 		&& $(BIN)/python -P kvservice/core/compiled.py; }
 
-setup: build
+setup: $(STAMP) build
 
 ## Prometheus and promtool for the deploy tests: Debian's `prometheus` package, unpacked
 ## (never installed) into .tools/prometheus/. Idempotent; refreshes apt's lists if needed.
@@ -54,7 +54,7 @@ $(PROMTOOL):
 tools: $(PROMTOOL)
 
 ## Run the service on the embedded default (gRPC 127.0.0.1:50051, metrics 127.0.0.1:9400).
-serve: $(SERVE_STAMP)
+serve: build
 	$(BIN)/kvservice serve
 
 ## Lint, type-check and run the whole test suite.
