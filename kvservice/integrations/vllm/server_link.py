@@ -102,6 +102,7 @@ class ServerLink:
                 root_certificates=settings.root_certificates,
                 certificate_chain=settings.certificate_chain,
                 private_key=settings.private_key,
+                allow_insecure_token=settings.allow_insecure_token,
             ),
         )
         self.server_config: CacheConfig = self._call(
@@ -219,7 +220,9 @@ class ServerLink:
     def _wait_for_idle_pool(self) -> None:
         deadline = time.monotonic() + self.settings.session_ttl_s + 5.0
         while True:
-            usage = self._call("GetUsage", self._client.get_usage)
+            # Pool-wide: with tenants, the engine's token must be an admin's (it also
+            # resets the pool).
+            usage = self._call("GetUsage", lambda: self._client.get_usage(pool_wide=True))
             if usage.num_requests == 0 and usage.num_used_blocks == 0:
                 return
             if time.monotonic() > deadline:

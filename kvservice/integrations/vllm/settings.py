@@ -7,7 +7,8 @@ plus these variables is the whole configuration.
 | variable | meaning |
 |---|---|
 | ``KVSERVICE_TARGET`` | ``host:port`` of a kvservice server; unset: the core in-process |
-| ``KVSERVICE_TOKEN`` | bearer token, when the server has tokens configured |
+| ``KVSERVICE_TOKEN`` | bearer token (an admin tenant's) when the server has tokens |
+| ``KVSERVICE_ALLOW_INSECURE_TOKEN`` | ``1``: send the token without TLS anyway |
 | ``KVSERVICE_TLS_CA`` | PEM file of the CA to trust: turns TLS on |
 | ``KVSERVICE_TLS_CERT`` / ``KVSERVICE_TLS_KEY`` | client certificate and key (mTLS) |
 | ``KVSERVICE_SESSION_TTL`` | lease seconds: a dead engine's blocks return after it (default 30) |
@@ -71,6 +72,7 @@ class ConnectionSettings:
     timeout_s: float = DEFAULT_TIMEOUT_S
     client_id: str = ""
     confirm: str = "sync"
+    allow_insecure_token: bool = False
 
     @property
     def tls(self) -> bool:
@@ -91,9 +93,16 @@ class ConnectionSettings:
         root = _read_file(env, "KVSERVICE_TLS_CA")
         if cert is not None and root is None:
             raise SettingsError("KVSERVICE_TLS_CERT needs KVSERVICE_TLS_CA (the server's CA)")
+        token = env.get("KVSERVICE_TOKEN") or None
+        allow_insecure_token = env.get("KVSERVICE_ALLOW_INSECURE_TOKEN", "") in ("1", "true")
+        if token is not None and root is None and not allow_insecure_token:
+            raise SettingsError(
+                "KVSERVICE_TOKEN would travel in plaintext: set KVSERVICE_TLS_CA (the "
+                "server's CA), or KVSERVICE_ALLOW_INSECURE_TOKEN=1 on a trusted network"
+            )
         return cls(
             target=target,
-            token=env.get("KVSERVICE_TOKEN") or None,
+            token=token,
             root_certificates=root,
             certificate_chain=cert,
             private_key=key,
@@ -101,4 +110,5 @@ class ConnectionSettings:
             timeout_s=_positive_float(env, "KVSERVICE_TIMEOUT", DEFAULT_TIMEOUT_S),
             client_id=env.get("KVSERVICE_CLIENT_ID") or f"vllm-{os.getpid()}",
             confirm=confirm,
+            allow_insecure_token=allow_insecure_token,
         )
