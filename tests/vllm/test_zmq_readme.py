@@ -30,6 +30,15 @@ def wait_for(condition: Any) -> None:
         time.sleep(0.01)
 
 
+def seen(scope: dict[str, Any]) -> Counter[Key]:
+    """The subscriber's positive counts, read while its thread may be updating them."""
+    while True:
+        try:
+            return +scope.get("cached", Counter())
+        except RuntimeError:  # changed size during the copy: read again
+            continue
+
+
 def test_readme_subscriber_follows_a_real_server() -> None:
     (code,) = [b for b in python_blocks() if "KVEventBatch" in b]
     stop = threading.Event()
@@ -46,13 +55,17 @@ def test_readme_subscriber_follows_a_real_server() -> None:
         # reset (AllBlocksCleared: it forgets what it saw) and start from a known state.
         for i in range(10_000):
             cache(client, f"warm-{i}", tokens(16, start=16 * i))
-            if +scope.get("cached", Counter()):
+            if seen(scope):
                 break
         assert client.reset_prefix_cache()
-        wait_for(lambda: not +scope["cached"])
+        wait_for(lambda: not seen(scope))
 
         for i in range(20):
             cache(client, f"r{i}", tokens(16 * (i % 7 + 1), start=1000 * (i % 3)))
+        # Caught up before ``stop``: else the batch that ends its loop may be an earlier
+        # one still queued, and it would miss the last request's stores and evictions.
+        before: Counter[Key] = running.call(lambda: server_keys(running.server))
+        wait_for(lambda: seen(scope) == before)
         stop.set()
         cache(client, "last", tokens(48, start=7))  # the batch that ends its loop
         thread.join(THREAD_TIMEOUT_S)
