@@ -36,9 +36,12 @@ from vllm.v1.request import Request
 
 from kvservice.client import AsyncKVClient, CacheSnapshot, MultiModalFeature
 from kvservice.client import BlockStored as GrpcStored
+from kvservice.integrations.vllm import KVServiceScheduler
+from kvservice.integrations.vllm.testing import SchedulerSetup, block_hasher, build_scheduler
 from kvservice.server.app import KVCacheServer
 from kvservice.server.config import ServerConfig
 from kvservice.server.zmq_events.wire import int_block_hash
+from tests.deploy.support import background_server
 from tests.server.support import HYBRID_POOL, THREAD_TIMEOUT_S, running_server, tokens
 from tests.server.test_step_boundaries import FIRST, MAMBA_POOL, SECOND
 from tests.vllm.support import ZMQ_POOL, VllmSubscriber, settle
@@ -333,3 +336,49 @@ async def test_cache_config_reports_the_seed_vllm_resolves(
             explicit if explicit is not None else resolve_none_hash_seed(get_hash_fn_by_name(algo))
         )
         assert reported.none_hash_seed == vllm_seed
+
+
+def test_the_remote_manager_sends_what_vllm_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The vLLM integration's remote mode: requests with a LoRA adapter, a salt or
+    prompt embeddings reach the server with them, so the server hits exactly where
+    vLLM's hashes (the replica's) hit; a different answer would stop the manager."""
+    setup = SchedulerSetup(num_blocks=64, max_model_len=512)
+    config = dataclasses.replace(
+        ZMQ_POOL, num_blocks=64, max_model_len=512, kv_events_config=ServerConfig().kv_events_config
+    )
+    hasher = block_hasher(16)
+    embeds = {"x": _embeddings(PROMPT), "y": _embeddings(PROMPT) + 1.0}
+    # (request id, LoRA, salt, embeddings) -> the hit vLLM's hashes give.
+    cases = [
+        ("a", ("adapter", 1, "/adapters/a"), None, None, 0),
+        ("b", ("adapter", 1, "/adapters/a"), None, None, 32),
+        ("c", ("adapter", 2, "/adapters/c"), None, None, 0),
+        ("d", None, "adapter", None, 0),
+        ("e", None, None, "x", 0),
+        ("f", None, None, "x", 32),
+        ("g", None, None, "y", 0),
+    ]
+    with background_server(config) as server:
+        monkeypatch.setenv("KVSERVICE_TARGET", server.handle.target)
+        scheduler = build_scheduler(setup, KVServiceScheduler)
+        manager = scheduler.kv_cache_manager
+        for rid, lora, salt, embedding, expected_hit in cases:
+            request = Request(
+                rid,
+                list(PROMPT),
+                SamplingParams(max_tokens=1),
+                None,
+                lora_request=LoRARequest(*lora) if lora else None,
+                cache_salt=salt,
+                prompt_embeds=embeds[embedding] if embedding else None,
+                block_hasher=hasher,
+            )
+            manager.new_step_starts()
+            blocks, num_hit, _ = manager.get_computed_blocks(request)
+            assert num_hit == expected_hit, rid
+            hit = blocks if num_hit else None
+            assert manager.allocate_slots(request, request.num_tokens - num_hit, num_hit, hit)
+            # The step goes to the server, which must answer every call as the replica.
+            manager.take_kv_cache_block_copies()
+        assert manager.server is not None and manager.server.round_trips == len(cases)
+        scheduler.shutdown()
