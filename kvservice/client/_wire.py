@@ -208,7 +208,17 @@ def cache_config(msg: pb.GetCacheConfigResponse) -> CacheConfig:
         runtime_device=msg.runtime_device,
         vocab_size=msg.vocab_size,
         watermark_blocks=msg.watermark_blocks,
+        none_hash_seed=msg.none_hash_seed,
+        none_hash_seed_source=_SEED_SOURCES.get(msg.none_hash_seed_source, ""),
     )
+
+
+_SEED_SOURCES = {
+    pb.HASH_SEED_SOURCE_EXPLICIT: "explicit",
+    pb.HASH_SEED_SOURCE_PYTHONHASHSEED: "PYTHONHASHSEED",
+    pb.HASH_SEED_SOURCE_DEFAULT: "default",
+    pb.HASH_SEED_SOURCE_RANDOM: "random",
+}
 
 
 # -- operations -----------------------------------------------------------------------
@@ -221,6 +231,10 @@ def add_request(
     lora_name: str | None = None,
     mm_features: Sequence[MultiModalFeature] = (),
     skip_reading_prefix_cache: bool = False,
+    lora_path: str | None = None,
+    lora_int_id: int | None = None,
+    prompt_embeds: bytes | bytearray | memoryview | None = None,
+    prompt_embeds_row_bytes: int = 0,
 ) -> Op[RequestState]:
     message = pb.AddRequestRequest(
         request_id=request_id,
@@ -232,6 +246,15 @@ def add_request(
         ],
         skip_reading_prefix_cache=skip_reading_prefix_cache,
     )
+    # The rarer fields only when set: a decode-heavy client adds many plain requests.
+    if lora_path:
+        message.lora_path = lora_path
+    if lora_int_id:
+        message.lora_int_id = lora_int_id
+    if prompt_embeds is not None:
+        message.prompt_embeds = bytes(prompt_embeds)
+    if prompt_embeds_row_bytes:
+        message.prompt_embeds_row_bytes = prompt_embeds_row_bytes
     try:
         message.packed_prompt_token_ids = pack_token_ids(prompt_token_ids)
     except (OverflowError, TypeError):
@@ -335,6 +358,23 @@ def reset_prefix_cache(fresh_pool: bool = False) -> Op[bool]:
 
 def _reset(msg: pb.ResetPrefixCacheResponse) -> bool:
     return msg.reset
+
+
+def new_step_starts() -> Op[None]:
+    return Op("NewStepStarts", "new_step_starts", pb.NewStepStartsRequest(), _nothing)
+
+
+def _nothing(msg: Any) -> None:
+    return None
+
+
+def free_retained_blocks(block_ids: Sequence[int]) -> Op[int]:
+    message = pb.FreeRetainedBlocksRequest(block_ids=block_ids)
+    return Op("FreeRetainedBlocks", "free_retained_blocks", message, _num_free_blocks)
+
+
+def _num_free_blocks(msg: pb.FreeRetainedBlocksResponse) -> int:
+    return msg.num_free_blocks
 
 
 def get_cache_config() -> Op[CacheConfig]:

@@ -34,9 +34,17 @@ class CacheSnapshot:
     blocks: tuple[CachedBlockHash, ...]
 
 
+# One extra key of a block in vLLM's untagged event form: a LoRA name or cache salt
+# (str), a multimodal item's (identifier, offset in the block), a prompt embeddings
+# digest (bytes).
+ExtraKey = str | bytes | tuple[str, int]
+
+
 @dataclass(frozen=True, slots=True)
 class BlockStored:
-    """vLLM's BlockStored: full blocks of one request entered the prefix cache."""
+    """vLLM's BlockStored: full blocks of one request entered the prefix cache.
+    ``extra_keys`` holds one entry per block hash (None for a block without extra
+    keys), as vLLM's ``to_event_extra_keys``, or is None when no block has any."""
 
     sequence: int
     log_id: str
@@ -50,6 +58,7 @@ class BlockStored:
     group_idx: int | None
     kv_cache_spec_kind: str | None
     kv_cache_spec_sliding_window: int | None
+    extra_keys: tuple[tuple[ExtraKey, ...] | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +103,7 @@ def event_from_pb(msg: pb.SubscribeEventsResponse) -> KVEvent:
             s.group_idx if s.HasField("group_idx") else None,
             s.kv_cache_spec_kind or None,
             s.kv_cache_spec_sliding_window if s.HasField("kv_cache_spec_sliding_window") else None,
+            tuple(_block_keys(block) for block in s.extra_keys) if s.extra_keys else None,
         )
     if kind == "block_removed":
         r = msg.block_removed
@@ -107,6 +117,22 @@ def event_from_pb(msg: pb.SubscribeEventsResponse) -> KVEvent:
     if kind == "all_blocks_cleared":
         return AllBlocksCleared(seq, log_id)
     raise ValueError(f"unexpected SubscribeEvents payload {kind!r}")
+
+
+def _block_keys(block: pb.BlockExtraKeys) -> tuple[ExtraKey, ...] | None:
+    """One block's keys as vLLM's event carries them (None: the block has none)."""
+    keys: list[ExtraKey] = []
+    for key in block.keys:
+        kind = key.WhichOneof("key")
+        if kind == "text":
+            keys.append(key.text)
+        elif kind == "digest":
+            keys.append(key.digest)
+        elif kind == "mm":
+            keys.append((key.mm.identifier, key.mm.offset))
+        else:
+            raise ValueError(f"unexpected extra key {key!r}")
+    return tuple(keys) if keys else None
 
 
 class StreamDecoder:

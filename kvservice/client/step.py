@@ -78,15 +78,28 @@ class StepBuilder:
     ``coalesce`` (on by default) sends runs of one-token appends and of plain
     allocations as columnar operations (see the module docstring); off, every
     operation travels on its own.
+
+    ``keep_copy_holds`` keeps the copy-on-write holds the step's allocations take
+    (each copy's source and destination) until a later ``free_retained_blocks``
+    releases them, as vLLM's scheduler holds ``take_kv_cache_block_copies``' retained
+    blocks; the step must run under a session.
     """
 
-    def __init__(self, *, omit_request_state: bool = False, coalesce: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        omit_request_state: bool = False,
+        coalesce: bool = True,
+        keep_copy_holds: bool = False,
+    ) -> None:
         # Built inside the stream's wrapper message, so a session sends it without a
         # copy; ``Step`` sends the inner message.
         self._wrapper = pb.StepStreamRequest()
         self._request = self._wrapper.step
         if omit_request_state:
             self._request.omit_request_state = True
+        if keep_copy_holds:
+            self._request.keep_copy_holds = True
         self._coalesce = coalesce
         self._num_ops = 0
         # The columnar operation the next eligible operation joins: its StepResult
@@ -171,7 +184,12 @@ class StepBuilder:
         lora_name: str | None = None,
         mm_features: Sequence[MultiModalFeature] = (),
         skip_reading_prefix_cache: bool = False,
+        lora_path: str | None = None,
+        lora_int_id: int | None = None,
+        prompt_embeds: bytes | bytearray | memoryview | None = None,
+        prompt_embeds_row_bytes: int = 0,
     ) -> OpHandle[RequestState]:
+        """``KVClient.add_request`` in the step."""
         return self._add(
             _wire.add_request(
                 request_id,
@@ -180,8 +198,22 @@ class StepBuilder:
                 lora_name,
                 mm_features,
                 skip_reading_prefix_cache,
+                lora_path,
+                lora_int_id,
+                prompt_embeds,
+                prompt_embeds_row_bytes,
             )
         )
+
+    def new_step_starts(self) -> OpHandle[None]:
+        """A scheduler step begins, in order among the step's operations: after the
+        previous step's frees, before this step's lookups, allocations and ``admit``."""
+        return self._add(_wire.new_step_starts())
+
+    def free_retained_blocks(self, block_ids: Sequence[int]) -> OpHandle[int]:
+        """Release copy holds kept by an earlier step (``keep_copy_holds``), in the
+        order given; answers the pool's free blocks after."""
+        return self._add(_wire.free_retained_blocks(block_ids))
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> OpHandle[RequestState]:
         if self._coalesce and len(token_ids) == 1:

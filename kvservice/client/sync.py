@@ -134,8 +134,17 @@ class KVClient:
         lora_name: str | None = None,
         mm_features: Sequence[MultiModalFeature] = (),
         skip_reading_prefix_cache: bool = False,
+        lora_path: str | None = None,
+        lora_int_id: int | None = None,
+        prompt_embeds: bytes | bytearray | memoryview | None = None,
+        prompt_embeds_row_bytes: int = 0,
     ) -> RequestState:
-        """Register a WAITING request with its prompt."""
+        """Register a WAITING request with its prompt. A LoRA adapter is keyed by
+        ``lora_name`` and ``lora_path`` (vLLM's ``lora_request``), ``lora_int_id``
+        labels its KV events; ``prompt_embeds`` are the raw bytes of a row-major
+        ``[num_prompt_tokens, hidden]`` tensor, ``prompt_embeds_row_bytes`` per row (for
+        a torch tensor ``t``: ``t.contiguous().view(torch.uint8).numpy().tobytes()``
+        and ``t[0].numel() * t.element_size()``)."""
         op = _wire.add_request(
             request_id,
             prompt_token_ids,
@@ -143,6 +152,10 @@ class KVClient:
             lora_name,
             mm_features,
             skip_reading_prefix_cache,
+            lora_path,
+            lora_int_id,
+            prompt_embeds,
+            prompt_embeds_row_bytes,
         )
         return self._call(op)
 
@@ -204,6 +217,17 @@ class KVClient:
         """Forget every cached prefix; False while blocks are in use. ``fresh_pool``
         also puts the free blocks back in a new pool's order."""
         return self._call(_wire.reset_prefix_cache(fresh_pool))
+
+    def new_step_starts(self) -> None:
+        """A scheduler step begins (vLLM's ``new_step_starts``), before the step's
+        lookups, allocations and ``admit``: a Mamba state cached from now on is
+        refused as a prefix hit until the next one."""
+        return self._call(_wire.new_step_starts())
+
+    def free_retained_blocks(self, block_ids: Sequence[int]) -> int:
+        """Release copy holds this client's session kept (a step sent with
+        ``keep_copy_holds``), in the order given; the pool's free blocks after."""
+        return self._call(_wire.free_retained_blocks(block_ids))
 
     def get_cache_config(self) -> CacheConfig:
         return self._call(_wire.get_cache_config())

@@ -81,6 +81,13 @@ class Allocation:
     copies after zeroing, before the model writes) or ``block_copies_applied`` (the
     server's runtime already did).
 
+    ``new_block_ids`` lists, per group, every entry the allocation appended to the
+    request's block table. For a Mamba "align" group that includes null ids (0)
+    padding the table up to the new state block, as vLLM 0.33's ``allocate_slots``
+    answers (e.g. ``(0, 0, 0, 0, 6)`` beside a full-attention group's five blocks):
+    append them to the worker's block table as they are, so its entries stay aligned
+    with the token positions; block 0 is never allocated, zeroed or copied.
+
     ``request`` is the request after the call; a step sent with
     ``omit_request_state`` has none (``request_state`` is None), and reading
     ``request`` then raises ``RequestStateOmittedError``.
@@ -244,7 +251,8 @@ class Usage:
 class KVCacheGroup:
     """One KV cache group: layers sharing a block table."""
 
-    kind: str  # full_attention, sliding_window, chunked_local_attention, cross_attention
+    # full_attention, sliding_window, chunked_local_attention, cross_attention, mamba
+    kind: str
     block_size: int
     layer_names: tuple[str, ...]
     num_kv_heads: int
@@ -276,6 +284,11 @@ class CacheConfig:
     vocab_size: int = 0
     # Blocks kept free for admissions while others run (vLLM's watermark).
     watermark_blocks: int = 0
+    # The hash chain's seed when it is not secret (SHA variants' fixed seed, an explicit
+    # --none-hash-seed, PYTHONHASHSEED); "" for a random xxhash seed.
+    none_hash_seed: str = ""
+    # Where it came from: "explicit", "PYTHONHASHSEED", "default" or "random".
+    none_hash_seed_source: str = ""
 
 
 @dataclass(frozen=True, slots=True)

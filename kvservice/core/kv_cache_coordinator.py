@@ -16,6 +16,7 @@ from kvservice.core.block_pool import BlockPool
 from kvservice.core.errors import InvalidArgumentError
 from kvservice.core.kv_cache_block import BlockHash, KVCacheBlock
 from kvservice.core.kv_cache_interface import (
+    AttentionSpec,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
@@ -170,7 +171,10 @@ class KVCacheCoordinator(ABC):
                 kv_cache_group_id=i,
                 max_model_len=max_model_len,
                 max_in_flight_tokens=max_in_flight_tokens,
-                record_new_block_ids=kv_cache_config.needs_kv_cache_zeroing,
+                # vLLM zeroes attention pages only: a Mamba state is written whole
+                # (or copied) before it is read.
+                record_new_block_ids=kv_cache_config.needs_kv_cache_zeroing
+                and isinstance(group.kv_cache_spec, AttentionSpec),
             )
             for i, group in enumerate(kv_cache_config.kv_cache_groups)
         )

@@ -28,6 +28,8 @@ MUTATING_UNARY_METHODS = frozenset(
         "FreeRequest",
         "ResetPrefixCache",
         "Step",
+        "NewStepStarts",
+        "FreeRetainedBlocks",
     }
 )
 # Every call that changes the pool, the step stream included.

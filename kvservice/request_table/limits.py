@@ -3,10 +3,11 @@ tenant, the requests it holds and the tokens of those waiting.
 
 Waiting requests hold no blocks, so neither the pool nor a tenant's ``max_blocks``
 bounds the memory they take; nor does anything bound a string field but the message
-size. These limits do. A field too long, or a prompt with too many multimodal items,
-is refused INVALID_ARGUMENT (malformed whatever the state); a request past a tenant's
-count or waiting-token limit RESOURCE_EXHAUSTED (``LimitExceededError``: finish some
-first). Each message names the limit by its setting's name, and each refusal is
+size, nor the prompt embeddings a request keeps until it finishes. These limits do. A
+field too long, or a prompt with too many multimodal items, is refused
+INVALID_ARGUMENT (malformed whatever the state); a request past a tenant's count,
+waiting-token or prompt-embeddings limit RESOURCE_EXHAUSTED (``LimitExceededError``:
+finish some first). Each message names the limit by its setting's name, and each refusal is
 reported to the table's refusal sink under that name (the server counts them in
 ``kvservice_refusals_total{reason}``). The per-tenant counts themselves are kept by
 ``tenancy.RequestLedger``.
@@ -30,16 +31,22 @@ class RequestLimits:
     Lengths are in characters. The defaults leave room for anything vLLM sends (its
     request ids, salts and LoRA names are short; a multimodal identifier is a 64-digit
     hash or a client's uuid; vLLM allows 999 items per modality and prompt) and bound
-    a tenant's waiting requests to a few hundred MB (about 40 bytes per token).
+    a tenant's waiting requests to a few hundred MB (about 40 bytes per token), and
+    the prompt embeddings its requests hold to 256 MiB.
     """
 
     max_request_id_length: int = 512
     max_cache_salt_length: int = 1024
     max_lora_name_length: int = 256
+    # A filesystem path or URI: Linux's PATH_MAX.
+    max_lora_path_length: int = 4096
     max_mm_identifier_length: int = 256
     max_mm_items_per_prompt: int = 4096
     max_requests_per_tenant: int = 16_384
     max_waiting_tokens_per_tenant: int = 8_388_608
+    # Prompt embeddings stay with their request until it finishes (the blocks past the
+    # prompt's full ones are hashed from them later): 256 MiB per tenant.
+    max_prompt_embeds_bytes_per_tenant: int = 268_435_456
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -75,12 +82,14 @@ class RequestLimits:
         cache_salt: str | None,
         lora_name: str | None,
         mm_features: tuple[MultiModalFeature, ...],
+        lora_path: str | None = None,
     ) -> None:
         """Raise ``LimitError`` for the first field of a new request over its limit."""
         self.check_request_id(request_id)
         for name, value, limit in (
             ("cache_salt", cache_salt, self.max_cache_salt_length),
             ("lora_name", lora_name, self.max_lora_name_length),
+            ("lora_path", lora_path, self.max_lora_path_length),
         ):
             if value and len(value) > limit:
                 raise LimitError(

@@ -10,9 +10,13 @@ copy-on-write copy a partial prefix hit needs, goes to one of two places:
   any answer leaves the server; the answer lists them as done;
 * otherwise the answer lists them for the client's worker to apply.
 
-The core holds the source block of each copy (retained) until the copy is applied or
-on its way to the worker; ``RuntimeSync`` releases the holds then, charged to the
-tenant that took the copy.
+The core holds both ends of each copy (retained) until the copy is applied or on its
+way to the worker; ``RuntimeSync`` releases the holds then, charged to the tenant that
+took the copy. A caller may instead keep them (``keep_holds``: a ``Step`` sent with
+``keep_copy_holds``) and release them itself, in its own order (``release_kept``), as
+vLLM's scheduler frees ``take_kv_cache_block_copies``' retained blocks: a scheduler
+whose replica must agree with the pool block for block releases them where vLLM does.
+Kept holds belong to a session (``HoldOwner``) and end with it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from kvservice.core.errors import InvalidArgumentError
+from kvservice.core.errors import FailedPreconditionError, InvalidArgumentError
 from kvservice.core.kv_cache_block import KVCacheBlock
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.request import Request
@@ -39,6 +43,10 @@ class KVRuntime(Protocol):
     ) -> None:
         """Zero fresh blocks, then apply copy-on-write ``(src, dst)`` copies."""
         ...
+
+
+# Who kept copy holds: (tenant, session id).
+HoldOwner = tuple[str, str]
 
 
 class RuntimeSync:
@@ -64,6 +72,10 @@ class RuntimeSync:
         # The blocks the core holds for copies, per owning tenant, until they are
         # applied or handed to the worker.
         self._retained: list[tuple[str, list[KVCacheBlock]]] = []
+        # While set (a Step with keep_copy_holds): whose the holds taken now are.
+        self.keep_holds: HoldOwner | None = None
+        # Holds kept for their owner to release, block ids in the order taken.
+        self._kept: dict[HoldOwner, list[int]] = {}
 
     def allocation(
         self, request: Request, new_block_ids: BlockIdsPerGroup, owner: str, batched: bool
@@ -104,8 +116,55 @@ class RuntimeSync:
     def _take_copies(self, owner: str) -> list[tuple[int, int]]:
         taken = self._manager.take_kv_cache_block_copies()
         if taken.retained_blocks:
-            self._retained.append((owner, taken.retained_blocks))
+            if self.keep_holds is not None:
+                held = self._kept.setdefault(self.keep_holds, [])
+                held.extend(b.block_id for b in taken.retained_blocks)
+            else:
+                self._retained.append((owner, taken.retained_blocks))
         return [(c.src_block_id, c.dst_block_id) for c in taken.copies]
+
+    def release_kept(self, owner: HoldOwner, block_ids: Sequence[int]) -> None:
+        """Release one kept hold of ``owner`` on each of ``block_ids``, in that order
+        (one ``free_retained_blocks``, as vLLM's scheduler frees them); refuses, changing
+        nothing, a block ``owner`` does not hold that many times."""
+        held = self._kept.get(owner, [])
+        left = list(held)
+        for index, block_id in enumerate(block_ids):
+            try:
+                left.remove(block_id)
+            except ValueError:
+                raise FailedPreconditionError(
+                    f"block_ids[{index}] = {block_id}: this session holds no (more) copy "
+                    f"hold on block {block_id} (it holds {sorted(held) or 'none'}); each "
+                    f"hold is released once, by the session whose step kept it"
+                ) from None
+        if not block_ids:
+            return
+        blocks = self._manager.block_pool.blocks
+        self._free(owner[0], [blocks[block_id] for block_id in block_ids])
+        if left:
+            self._kept[owner] = left
+        else:
+            self._kept.pop(owner, None)
+
+    def release_all_kept(self, owner: HoldOwner) -> int:
+        """Release every hold ``owner`` kept, in the order taken (its session ended);
+        how many."""
+        held = self._kept.get(owner, [])
+        if held:
+            self.release_kept(owner, list(held))
+        return len(held)
+
+    def kept_blocks(self) -> dict[str, set[int]]:
+        """The blocks each tenant's kept holds hold (for the audit)."""
+        blocks: dict[str, set[int]] = {}
+        for (tenant, _), ids in self._kept.items():
+            blocks.setdefault(tenant, set()).update(ids)
+        return blocks
+
+    def num_kept(self) -> int:
+        """Holds kept, every owner's."""
+        return sum(len(ids) for ids in self._kept.values())
 
     def _release_retained(self) -> None:
         """Release the holds of copies now applied (runtime) or in answers on their way
@@ -113,9 +172,13 @@ class RuntimeSync:
         before it zeroes the blocks of a later answer; a released source may be reused
         from then on."""
         retained, self._retained = self._retained, []
-        pool = self._manager.block_pool
         for owner, blocks in retained:
-            free_before = pool.get_num_free_blocks()
-            self._manager.free_retained_blocks(blocks)
-            if self._tenants.counts(owner):
-                self._tenants.charge(owner, free_before - pool.get_num_free_blocks())
+            self._free(owner, blocks)
+
+    def _free(self, tenant: str, blocks: list[KVCacheBlock]) -> None:
+        """Release the holds on ``blocks``, charged to ``tenant``."""
+        pool = self._manager.block_pool
+        free_before = pool.get_num_free_blocks()
+        self._manager.free_retained_blocks(blocks)
+        if self._tenants.counts(tenant):
+            self._tenants.charge(tenant, free_before - pool.get_num_free_blocks())

@@ -38,7 +38,7 @@ from kvservice.request_table.reporting import (
     Reporter,
     TableObserver,
 )
-from kvservice.request_table.runtime_sync import KVRuntime, RuntimeSync
+from kvservice.request_table.runtime_sync import HoldOwner, KVRuntime, RuntimeSync
 from kvservice.request_table.tenancy import (
     DEFAULT_TENANT,
     RequestLedger,
@@ -139,7 +139,9 @@ class RequestTable:
         self.tenants = TenantLedger(quotas)
         self.limits = limits or RequestLimits()
         self.requests_per_tenant = RequestLedger(
-            self.limits.max_requests_per_tenant, self.limits.max_waiting_tokens_per_tenant
+            self.limits.max_requests_per_tenant,
+            self.limits.max_waiting_tokens_per_tenant,
+            self.limits.max_prompt_embeds_bytes_per_tenant,
         )
         self._on_refusal = on_refusal
         self._runtime_sync = RuntimeSync(manager, runtime, self.tenants)
@@ -165,7 +167,9 @@ class RequestTable:
         ids are no concern of it)."""
         rid = new.request_id
         with self._reporting_limits(tenant):
-            self.limits.check_fields(rid, new.cache_salt, new.lora_name, new.mm_features)
+            self.limits.check_fields(
+                rid, new.cache_salt, new.lora_name, new.mm_features, new.lora_path
+            )
         key = core_request_id(tenant, rid)
         if key in self._requests:
             raise AlreadyExistsError(
@@ -180,8 +184,11 @@ class RequestTable:
                 raise InvalidArgumentError(
                     f"request {rid!r}: multimodal item at offset {f.offset} has no identifier"
                 )
+        _check_lora(new)
+        _check_prompt_embeds(new)
+        embeds_bytes = len(new.prompt_embeds) if new.prompt_embeds is not None else 0
         with self._reporting_limits(tenant):
-            self.requests_per_tenant.check_add(tenant, rid, len(new.prompt_token_ids))
+            self.requests_per_tenant.check_add(tenant, rid, len(new.prompt_token_ids), embeds_bytes)
         request = Request(
             key,
             new.prompt_token_ids,
@@ -190,9 +197,12 @@ class RequestTable:
             lora_name=new.lora_name,
             mm_features=new.mm_features,
             skip_reading_prefix_cache=new.skip_reading_prefix_cache,
+            lora_path=new.lora_path,
+            lora_int_id=new.lora_int_id,
+            prompt_embeds=new.prompt_embeds,
         )
         self._requests[key] = request
-        self.requests_per_tenant.added(tenant, request.num_tokens)
+        self.requests_per_tenant.added(tenant, request.num_tokens, embeds_bytes)
         if session_id is not None and self.ownership is not None:
             self.ownership.adopt(tenant, rid, session_id)
         return request
@@ -467,6 +477,37 @@ class RequestTable:
             return probe
         return dataclasses.replace(probe, would_fit=False)
 
+    # -- steps and copy holds ---------------------------------------------------------
+
+    def new_step_starts(self) -> None:
+        """A scheduler step begins (vLLM's ``KVCacheManager.new_step_starts``): a Mamba
+        state cached from now on is refused as a prefix hit until the next one. The
+        boundary is the pool's, whichever tenant announces it."""
+        self.manager.new_step_starts()
+
+    def free_retained_blocks(
+        self, block_ids: Sequence[int], tenant: str, session_id: str | None
+    ) -> int:
+        """Release copy holds a step kept for ``session_id`` (``batched(keep_copy_holds=
+        ...)``), one per id, in the order given; the pool's free blocks after.
+        FAILED_PRECONDITION (nothing released) for a block the session does not hold
+        that many times."""
+        if session_id is None:
+            raise FailedPreconditionError(
+                "free_retained_blocks releases holds a session's steps kept "
+                "(keep_copy_holds); this call carries no session"
+            )
+        self._runtime_sync.release_kept((tenant, session_id), block_ids)
+        self._reporter.changed()
+        return self.manager.block_pool.get_num_free_blocks()
+
+    def release_copy_holds(self, tenant: str, session_id: str) -> int:
+        """Release every copy hold ``session_id`` kept (the session ended); how many."""
+        released = self._runtime_sync.release_all_kept((tenant, session_id))
+        if released:
+            self._reporter.changed()
+        return released
+
     # -- freeing and queries --------------------------------------------------------
 
     def free(self, request_id: str, mode: FreeMode, tenant: str = DEFAULT_TENANT) -> Request:
@@ -484,7 +525,10 @@ class RequestTable:
             waiting = 0 if request.status == RequestStatus.RUNNING else request.num_tokens
             request.status = RequestStatus.FINISHED
             del self._requests[key]
-            self.requests_per_tenant.finished(tenant, waiting)
+            embeds = request.prompt_embeds
+            self.requests_per_tenant.finished(
+                tenant, waiting, len(embeds) if embeds is not None else 0
+            )
             if self.ownership is not None:
                 self.ownership.release(tenant, request_id)
         if self.tenants.counts(tenant):
@@ -547,8 +591,13 @@ class RequestTable:
                 raise InvariantViolationError(
                     f"requests {orphans[:5]} hold blocks but are not known to the table"
                 )
-        check_tenant_blocks(self.manager, self.tenant_blocks())
+        check_tenant_blocks(self.manager, self.tenant_blocks(), self._runtime_sync.kept_blocks())
         self.requests_per_tenant.check(self._requests)
+        kept, held = self._runtime_sync.num_kept(), self.manager.retained_holds.total()
+        if kept != held:
+            raise InvariantViolationError(
+                f"the sessions keep {kept} copy holds; the pool holds {held} for copies"
+            )
 
     def tenant_blocks(self) -> dict[str, int]:
         """Blocks held per tenant (a copy; safe to read from the metrics thread)."""
@@ -587,21 +636,27 @@ class RequestTable:
     # -- batching and reporting ------------------------------------------------------
 
     @contextmanager
-    def batched(self) -> Iterator[None]:
+    def batched(self, keep_copy_holds: HoldOwner | None = None) -> Iterator[None]:
         """Apply the runtime's zeroing and copies, and report the pool to the
         observer, once when the block ends instead of after every change in it (a
         ``Step`` of many operations). The observer sees the same totals: gauges end
         at the same values and the prefix cache counters move by the sum of the
         batch's stats. Nothing awaits inside, so no scrape can tell apart (beyond
-        seeing a value one step old, as any gauge may)."""
+        seeing a value one step old, as any gauge may).
+
+        ``keep_copy_holds`` (tenant, session id): the copy holds the block's
+        allocations take are kept for that session to release
+        (``free_retained_blocks``) instead of when the block ends."""
         self._batch_depth += 1
         if self._batch_depth == 1:
             self._reporter.begin_batch()
+            self._runtime_sync.keep_holds = keep_copy_holds
         try:
             yield
         finally:
             self._batch_depth -= 1
             if not self._batch_depth:
+                self._runtime_sync.keep_holds = None
                 try:
                     # Also on an exception: the operations before it stay applied, so
                     # their blocks must be zeroed all the same.
@@ -625,3 +680,47 @@ class RequestTable:
                 counts[0] += stats.queries
                 counts[1] += stats.hits
         self._reporter.changed(stats)
+
+
+def _check_lora(new: NewRequest) -> None:
+    """A LoRA path or int id describes the adapter ``lora_name`` names: refuse one
+    without it, and an int id vLLM would refuse (ids start at 1)."""
+    rid = new.request_id
+    if not new.lora_name and (new.lora_path or new.lora_int_id):
+        field = "lora_path" if new.lora_path else "lora_int_id"
+        raise InvalidArgumentError(
+            f"request {rid!r}: {field} is set without lora_name; name the LoRA adapter "
+            f"(lora_name) whose {field} it is"
+        )
+    if new.lora_int_id is not None and new.lora_int_id < 1:
+        raise InvalidArgumentError(
+            f"request {rid!r}: lora_int_id = {new.lora_int_id}; vLLM's LoRA ids are >= 1 (0: no id)"
+        )
+
+
+def _check_prompt_embeds(new: NewRequest) -> None:
+    """Prompt embeddings must be one row of the declared width per prompt token: the
+    core hashes each block's rows, so a length that is off would hash rows of the
+    wrong tokens."""
+    rid = new.request_id
+    row_bytes = new.prompt_embeds_row_bytes
+    if new.prompt_embeds is None:
+        if row_bytes:
+            raise InvalidArgumentError(
+                f"request {rid!r}: prompt_embeds_row_bytes = {row_bytes} but prompt_embeds "
+                f"is empty; send both or neither"
+            )
+        return
+    num_tokens = len(new.prompt_token_ids)
+    if row_bytes <= 0:
+        raise InvalidArgumentError(
+            f"request {rid!r}: prompt_embeds ({len(new.prompt_embeds)} bytes) needs "
+            f"prompt_embeds_row_bytes > 0 (bytes per token: hidden size times element "
+            f"size), got {row_bytes}"
+        )
+    if len(new.prompt_embeds) != num_tokens * row_bytes:
+        raise InvalidArgumentError(
+            f"request {rid!r}: prompt_embeds holds {len(new.prompt_embeds)} bytes; "
+            f"{num_tokens} prompt tokens of {row_bytes} bytes each are "
+            f"{num_tokens * row_bytes}"
+        )

@@ -19,7 +19,7 @@ it on every call into the table. This is where limits per caller belong.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from kvservice.core.errors import QuotaExceededError
 from kvservice.core.invariants import InvariantViolationError
@@ -151,21 +151,32 @@ class TenantLedger:
         return held
 
 
-def check_tenant_blocks(manager: KVCacheManager, ledger: Mapping[str, int]) -> None:
+def check_tenant_blocks(
+    manager: KVCacheManager,
+    ledger: Mapping[str, int],
+    copy_holds: Mapping[str, Iterable[int]] | None = None,
+) -> None:
     """Raise ``InvariantViolationError`` unless each tenant's ``ledger`` count equals
-    the distinct blocks its requests hold and no block is held by two tenants."""
+    the distinct blocks its requests (and the copy holds its sessions keep,
+    ``copy_holds``) hold and no block is held by two tenants."""
     holders: dict[int, str] = {}
+
+    def hold(block_id: int, owner: str) -> None:
+        other = holders.setdefault(block_id, owner)
+        if other != owner:
+            raise InvariantViolationError(
+                f"block {block_id} is held by tenants {other!r} and {owner!r}"
+            )
+
     for single in manager.coordinator.single_type_managers:
         for key, blocks in single.req_to_blocks.items():
             owner = tenant_of(key)
             for block in blocks:
-                if block.is_null:
-                    continue
-                other = holders.setdefault(block.block_id, owner)
-                if other != owner:
-                    raise InvariantViolationError(
-                        f"block {block.block_id} is held by tenants {other!r} and {owner!r}"
-                    )
+                if not block.is_null:
+                    hold(block.block_id, owner)
+    for owner, block_ids in (copy_holds or {}).items():
+        for block_id in block_ids:
+            hold(block_id, owner)
     counted: dict[str, int] = {}
     for owner in holders.values():
         counted[owner] = counted.get(owner, 0) + 1
@@ -184,19 +195,24 @@ def describe_tenant(tenant: str) -> str:
 
 
 class RequestLedger:
-    """Requests each tenant holds, and the tokens of those not running, against
-    ``max_requests`` and ``max_waiting_tokens`` per tenant.
+    """Requests each tenant holds, the tokens of those not running and the bytes of
+    prompt embeddings they keep, against ``max_requests``, ``max_waiting_tokens`` and
+    ``max_prompt_embeds_bytes`` per tenant.
 
     The table tells it every change: a request added (waiting) or finished, a request
     starting to run or preempted, tokens appended to one that is not running. A
     preemption is never refused, so it may take a tenant past its waiting-token limit;
     it then adds nothing until it is back under."""
 
-    def __init__(self, max_requests: int, max_waiting_tokens: int) -> None:
+    def __init__(
+        self, max_requests: int, max_waiting_tokens: int, max_prompt_embeds_bytes: int = 0
+    ) -> None:
         self.max_requests = max_requests
         self.max_waiting_tokens = max_waiting_tokens
+        self.max_prompt_embeds_bytes = max_prompt_embeds_bytes
         self._requests: dict[str, int] = {}
         self._waiting_tokens: dict[str, int] = {}
+        self._embeds_bytes: dict[str, int] = {}
 
     def requests(self, tenant: str) -> int:
         return self._requests.get(tenant, 0)
@@ -204,9 +220,14 @@ class RequestLedger:
     def waiting_tokens(self, tenant: str) -> int:
         return self._waiting_tokens.get(tenant, 0)
 
-    def check_add(self, tenant: str, request_id: str, num_tokens: int) -> None:
+    def prompt_embeds_bytes(self, tenant: str) -> int:
+        return self._embeds_bytes.get(tenant, 0)
+
+    def check_add(
+        self, tenant: str, request_id: str, num_tokens: int, embeds_bytes: int = 0
+    ) -> None:
         """Raise ``LimitExceededError`` unless ``tenant`` may add a waiting request of
-        ``num_tokens`` tokens."""
+        ``num_tokens`` tokens with ``embeds_bytes`` bytes of prompt embeddings."""
         held = self.requests(tenant)
         if held >= self.max_requests:
             raise LimitExceededError(
@@ -216,6 +237,15 @@ class RequestLedger:
                 f"{self.max_requests}); finish some before adding more",
             )
         self.check_waiting(tenant, request_id, num_tokens)
+        held = self.prompt_embeds_bytes(tenant)
+        if embeds_bytes and held + embeds_bytes > self.max_prompt_embeds_bytes:
+            raise LimitExceededError(
+                "max_prompt_embeds_bytes_per_tenant",
+                f"request {request_id!r}: {embeds_bytes} bytes of prompt embeddings would "
+                f"take {describe_tenant(tenant)} to {held + embeds_bytes}, past its limit of "
+                f"{self.max_prompt_embeds_bytes} (max_prompt_embeds_bytes_per_tenant); "
+                f"finish requests with prompt embeddings first",
+            )
 
     def check_waiting(self, tenant: str, request_id: str, num_tokens: int) -> None:
         """Raise ``LimitExceededError`` unless ``tenant`` may have ``num_tokens`` more
@@ -230,29 +260,27 @@ class RequestLedger:
                 f"finish waiting requests first",
             )
 
-    def added(self, tenant: str, num_tokens: int) -> None:
-        """A waiting request of ``num_tokens`` tokens was added."""
+    def added(self, tenant: str, num_tokens: int, embeds_bytes: int = 0) -> None:
+        """A waiting request of ``num_tokens`` tokens (and ``embeds_bytes`` bytes of
+        prompt embeddings) was added."""
         self._requests[tenant] = self.requests(tenant) + 1
         self.waiting_changed(tenant, num_tokens)
+        _add_count(self._embeds_bytes, tenant, embeds_bytes)
 
-    def finished(self, tenant: str, num_waiting_tokens: int) -> None:
+    def finished(self, tenant: str, num_waiting_tokens: int, embeds_bytes: int = 0) -> None:
         """A request was forgotten; ``num_waiting_tokens``: its tokens if it was not
-        running, else 0."""
+        running, else 0; ``embeds_bytes``: its prompt embeddings."""
         left = self.requests(tenant) - 1
         if left:
             self._requests[tenant] = left
         else:
             self._requests.pop(tenant, None)
         self.waiting_changed(tenant, -num_waiting_tokens)
+        _add_count(self._embeds_bytes, tenant, -embeds_bytes)
 
     def waiting_changed(self, tenant: str, num_tokens: int) -> None:
         """``tenant``'s waiting tokens changed by ``num_tokens`` (negative: fewer)."""
-        if num_tokens:
-            total = self.waiting_tokens(tenant) + num_tokens
-            if total:
-                self._waiting_tokens[tenant] = total
-            else:
-                self._waiting_tokens.pop(tenant, None)
+        _add_count(self._waiting_tokens, tenant, num_tokens)
 
     def per_tenant(self) -> dict[str, tuple[int, int]]:
         """(requests, waiting tokens) of every tenant holding a request (a copy: safe
@@ -264,14 +292,32 @@ class RequestLedger:
         """Raise ``InvariantViolationError`` unless the counts are those of
         ``requests`` (by core key)."""
         expected: dict[str, tuple[int, int]] = {}
+        embeds: dict[str, int] = {}
         for key, request in requests.items():
             tenant = tenant_of(key)
             count, waiting = expected.get(tenant, (0, 0))
             if request.status is not RequestStatus.RUNNING:
                 waiting += request.num_tokens
             expected[tenant] = (count + 1, waiting)
+            if request.prompt_embeds is not None:
+                _add_count(embeds, tenant, len(request.prompt_embeds))
         if expected != self.per_tenant():
             raise InvariantViolationError(
                 f"requests and waiting tokens per tenant {expected} do not match the "
                 f"request ledger {self.per_tenant()}"
             )
+        if embeds != self._embeds_bytes:
+            raise InvariantViolationError(
+                f"prompt embeddings bytes per tenant {embeds} do not match the request "
+                f"ledger {self._embeds_bytes}"
+            )
+
+
+def _add_count(counts: dict[str, int], tenant: str, change: int) -> None:
+    """Add ``change`` to ``tenant``'s count, dropping a count that reaches zero."""
+    if change:
+        total = counts.get(tenant, 0) + change
+        if total:
+            counts[tenant] = total
+        else:
+            counts.pop(tenant, None)

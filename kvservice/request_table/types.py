@@ -35,6 +35,14 @@ class NewRequest:
     # The ids came as packed_prompt_token_ids: unsigned, so none can be negative, and
     # an error about one names that field.
     packed: bool = False
+    # The LoRA adapter's path (hashed with its name, as vLLM 0.33 keys an adapter) and
+    # int id (reported as lora_id in KV events); both need ``lora_name``.
+    lora_path: str | None = None
+    lora_int_id: int | None = None
+    # Prompt embeddings: ``prompt_embeds_row_bytes`` bytes per prompt token, row-major
+    # (vLLM hashes the raw bytes of each block's rows).
+    prompt_embeds: bytes | None = None
+    prompt_embeds_row_bytes: int = 0
 
     @property
     def prompt_field(self) -> str:

@@ -137,10 +137,15 @@ class Backend(Protocol):
     order given (``admit_in_order``: lookup, then ``allocate_slots`` with the hit,
     until the budget is spent or one does not fit) and answers the admitted prefix of
     ``request_ids``. ``flush`` ends a scheduling step: a batching backend sends what
-    it deferred; the others have nothing to do.
+    it deferred; the others have nothing to do. ``new_step_starts`` begins one, as
+    vLLM's scheduler tells its manager at the top of ``schedule()``: after the previous
+    step's appends and frees, before the step's allocations and ``admit`` (a batching
+    backend sends it in that order with the step's message).
     """
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None: ...
+
+    def new_step_starts(self) -> None: ...
 
     def get_computed_blocks(self, request_id: str) -> PrefixHit: ...
 
@@ -188,6 +193,9 @@ class ForwardingBackend:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
         self._forward(self.inner.add_request, request_id, prompt_token_ids)
+
+    def new_step_starts(self) -> None:
+        self._forward(self.inner.new_step_starts)
 
     def get_computed_blocks(self, request_id: str) -> PrefixHit:
         return self._forward(self.inner.get_computed_blocks, request_id)
@@ -245,6 +253,9 @@ class InProcessBackend:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
         self.table.add_request(NewRequest(request_id, list(prompt_token_ids)))
+
+    def new_step_starts(self) -> None:
+        self.table.new_step_starts()
 
     def get_computed_blocks(self, request_id: str) -> PrefixHit:
         hit = self.table.get_computed_blocks(request_id)
@@ -319,6 +330,9 @@ class RemoteBackend:
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
         self.client.add_request(request_id, prompt_token_ids)
+
+    def new_step_starts(self) -> None:
+        self.client.new_step_starts()
 
     def get_computed_blocks(self, request_id: str) -> PrefixHit:
         return as_prefix_hit(self.client.get_computed_blocks(request_id))

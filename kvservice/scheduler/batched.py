@@ -140,6 +140,11 @@ class BatchingBackend:
         self._builder.add_request(request_id, prompt_token_ids)
         self._requests[request_id] = self._empty()
 
+    def new_step_starts(self) -> None:
+        """Deferred like an append: it leaves with the step's first message, after the
+        previous step's appends and frees."""
+        self._builder.new_step_starts()
+
     def get_computed_blocks(self, request_id: str) -> PrefixHit:
         handle = self._builder.get_computed_blocks(request_id)
         return as_prefix_hit(self._send_now()[handle])

@@ -163,6 +163,8 @@ class Scheduler:
         first jumps to the next arrival when nothing is waiting or running)."""
         self._skip_idle_steps()
         self._admit_arrivals()
+        # At the top of vLLM's schedule(): before the running requests' allocations.
+        self.backend.new_step_starts()
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
         self._schedule_running(plan)
         # As vLLM: a step that had to preempt admits nobody (the memory is contended).

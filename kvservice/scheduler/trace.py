@@ -5,8 +5,10 @@ store it (a header line, then one line per call); ``replay`` issues the same cal
 against another backend and ``check_replay`` fails at the first answer that differs.
 A trace replays without the scheduler, so it pins the allocator's behaviour alone.
 
-Version 2 added ``admit`` (a step's admissions in one call); a version 1 trace holds
-only the other calls, which replay as before, so it is still read.
+Version 2 added ``admit`` (a step's admissions in one call), version 3
+``new_step_starts`` (a step boundary); an older trace holds only the other calls,
+which replay as before (a pool never told of steps treats each allocation as a step
+of its own), so it is still read.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from kvservice.scheduler.backend import (
 )
 
 TRACE_FORMAT = "kvservice-trace"
-TRACE_VERSION = 2
+TRACE_VERSION = 3
 # Versions read_trace accepts: every call of an older one replays as it did.
-READABLE_VERSIONS = (1, 2)
+READABLE_VERSIONS = (1, 2, 3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +150,10 @@ class TracingBackend(ForwardingBackend):
             "add_request", {"request_id": request_id, "prompt_token_ids": list(prompt_token_ids)}
         )
 
+    def new_step_starts(self) -> None:
+        super().new_step_starts()
+        self._record("new_step_starts", {})
+
     def get_computed_blocks(self, request_id: str) -> PrefixHit:
         hit = super().get_computed_blocks(request_id)
         self._record("get_computed_blocks", {"request_id": request_id}, _hit_to_json(hit))
@@ -258,6 +264,9 @@ def _apply(backend: Backend, entry: TraceEntry) -> Any:
     match entry.op:
         case "add_request":
             backend.add_request(str(args["request_id"]), [int(t) for t in args["prompt_token_ids"]])
+            return None
+        case "new_step_starts":
+            backend.new_step_starts()
             return None
         case "get_computed_blocks":
             return _hit_to_json(backend.get_computed_blocks(str(args["request_id"])))

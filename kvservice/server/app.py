@@ -26,7 +26,12 @@ from kvservice.request_table.table import RequestTable
 from kvservice.server import binding
 from kvservice.server.audit import Auditor, SelfCheck
 from kvservice.server.auth import AuthInterceptor, TokenTable, load_tokens_file
-from kvservice.server.config import ServerConfig, build_kv_cache_config, build_manager
+from kvservice.server.config import (
+    ServerConfig,
+    build_kv_cache_config,
+    build_manager,
+    hash_seed_source,
+)
 from kvservice.server.drain import Drain
 from kvservice.server.events import EventLog
 from kvservice.server.idempotency import IdempotencyLayer, OperationCache
@@ -238,6 +243,7 @@ class KVCacheServer:
                 sessions=self.sessions,
                 auditor=self.auditor,
                 turn=self.turn,
+                seed_source=hash_seed_source(config),
             ),
             server,
         )

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import enum
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from kvservice.core.block_hashing import CRYPTOGRAPHIC_HASHES
 from kvservice.core.errors import InvalidArgumentError
 from kvservice.core.kv_cache_interface import (
     FullAttentionSpec,
@@ -119,10 +123,12 @@ class ServerConfig:
     max_request_id_length: int = _LIMITS.max_request_id_length
     max_cache_salt_length: int = _LIMITS.max_cache_salt_length
     max_lora_name_length: int = _LIMITS.max_lora_name_length
+    max_lora_path_length: int = _LIMITS.max_lora_path_length
     max_mm_identifier_length: int = _LIMITS.max_mm_identifier_length
     max_mm_items_per_prompt: int = _LIMITS.max_mm_items_per_prompt
     max_requests_per_tenant: int = _LIMITS.max_requests_per_tenant
     max_waiting_tokens_per_tenant: int = _LIMITS.max_waiting_tokens_per_tenant
+    max_prompt_embeds_bytes_per_tenant: int = _LIMITS.max_prompt_embeds_bytes_per_tenant
 
     @property
     def request_limits(self) -> RequestLimits:
@@ -131,10 +137,12 @@ class ServerConfig:
             max_request_id_length=self.max_request_id_length,
             max_cache_salt_length=self.max_cache_salt_length,
             max_lora_name_length=self.max_lora_name_length,
+            max_lora_path_length=self.max_lora_path_length,
             max_mm_identifier_length=self.max_mm_identifier_length,
             max_mm_items_per_prompt=self.max_mm_items_per_prompt,
             max_requests_per_tenant=self.max_requests_per_tenant,
             max_waiting_tokens_per_tenant=self.max_waiting_tokens_per_tenant,
+            max_prompt_embeds_bytes_per_tenant=self.max_prompt_embeds_bytes_per_tenant,
         )
 
     @property
@@ -238,3 +246,33 @@ def build_manager(
         hash_block_size=config.hash_block_size or None,
         enable_kv_cache_events=config.records_kv_events,
     )
+
+
+class HashSeedSource(enum.Enum):
+    """Where the hash chain's seed came from, in order of precedence (vLLM's
+    ``resolve_none_hash_seed``, with ``--none-hash-seed`` first)."""
+
+    EXPLICIT = "explicit"
+    PYTHONHASHSEED = "PYTHONHASHSEED"
+    DEFAULT = "default"
+    RANDOM = "random"
+
+    @property
+    def secret(self) -> bool:
+        """Whether the seed must not leave the server: a random xxhash seed, which
+        anyone knowing could use to craft colliding blocks offline."""
+        return self is HashSeedSource.RANDOM
+
+
+def hash_seed_source(
+    config: ServerConfig, environ: Mapping[str, str] = os.environ
+) -> HashSeedSource:
+    """Where the seed ``build_manager`` resolves comes from (the core's
+    ``resolve_none_hash_seed`` rules, read from the same environment)."""
+    if config.none_hash_seed is not None:
+        return HashSeedSource.EXPLICIT
+    if environ.get("PYTHONHASHSEED") is not None:
+        return HashSeedSource.PYTHONHASHSEED
+    if config.hash_algo in CRYPTOGRAPHIC_HASHES:
+        return HashSeedSource.DEFAULT
+    return HashSeedSource.RANDOM

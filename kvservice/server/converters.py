@@ -33,6 +33,7 @@ from kvservice.request_table.types import (
     PoolUsage,
     ProbeArgs,
 )
+from kvservice.server.config import HashSeedSource
 
 _STATUS_TO_PB = {
     RequestStatus.WAITING: pb.REQUEST_STATUS_WAITING,
@@ -45,6 +46,7 @@ _KIND_TO_PB = {
     KVCacheSpecKind.SLIDING_WINDOW: pb.KV_CACHE_SPEC_KIND_SLIDING_WINDOW,
     KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION: pb.KV_CACHE_SPEC_KIND_CHUNKED_LOCAL_ATTENTION,
     KVCacheSpecKind.CROSS_ATTENTION: pb.KV_CACHE_SPEC_KIND_CROSS_ATTENTION,
+    KVCacheSpecKind.MAMBA: pb.KV_CACHE_SPEC_KIND_MAMBA,
 }
 _FREE_MODE_FROM_PB = {
     pb.FREE_MODE_PREEMPT: FreeMode.PREEMPT,
@@ -68,6 +70,11 @@ def new_request_from_pb(msg: pb.AddRequestRequest) -> NewRequest:
         ),
         skip_reading_prefix_cache=msg.skip_reading_prefix_cache,
         packed=packed,
+        lora_path=msg.lora_path or None,
+        # 0 is proto3's "unset"; a negative id is passed on for the table to refuse.
+        lora_int_id=msg.lora_int_id or None,
+        prompt_embeds=msg.prompt_embeds or None,
+        prompt_embeds_row_bytes=msg.prompt_embeds_row_bytes,
     )
 
 
@@ -335,15 +342,30 @@ def group_to_pb(group: KVCacheGroupSpec) -> pb.KVCacheGroup:
     return msg
 
 
+_SEED_SOURCES = {
+    HashSeedSource.EXPLICIT: pb.HASH_SEED_SOURCE_EXPLICIT,
+    HashSeedSource.PYTHONHASHSEED: pb.HASH_SEED_SOURCE_PYTHONHASHSEED,
+    HashSeedSource.DEFAULT: pb.HASH_SEED_SOURCE_DEFAULT,
+    HashSeedSource.RANDOM: pb.HASH_SEED_SOURCE_RANDOM,
+}
+
+
 def cache_config_to_pb(
-    manager: KVCacheManager, model_name: str, runtime_device: str = "", vocab_size: int = 0
+    manager: KVCacheManager,
+    model_name: str,
+    runtime_device: str = "",
+    vocab_size: int = 0,
+    seed_source: HashSeedSource = HashSeedSource.RANDOM,
 ) -> pb.GetCacheConfigResponse:
     """The pool as clients see it; ``runtime_device`` is where the co-located
     runtime's KV tensors live, empty without a runtime; ``vocab_size`` bounds the
-    token ids the server accepts (0: no bound)."""
+    token ids the server accepts (0: no bound); ``seed_source`` where the hash chain's
+    seed came from (the seed itself is reported unless it is a random one)."""
     config = manager.kv_cache_config
     hasher = manager.block_hasher
     return pb.GetCacheConfigResponse(
+        none_hash_seed="" if seed_source.secret else hasher.none_hash_seed,
+        none_hash_seed_source=_SEED_SOURCES[seed_source],
         groups=[group_to_pb(g) for g in config.kv_cache_groups],
         num_blocks=config.num_blocks,
         max_model_len=manager.max_model_len,

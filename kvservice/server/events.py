@@ -23,7 +23,7 @@ import asyncio
 import secrets
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvservice.core.kv_cache_block import get_block_hash, get_group_id
 from kvservice.core.kv_cache_manager import KVCacheManager
@@ -67,8 +67,8 @@ class _Subscriber:
 
 
 def event_to_pb(event: KVCacheEvent, out: pb.SubscribeEventsResponse) -> None:
-    """Fill ``out``'s payload with ``event`` (vLLM's fields; ``extra_keys`` are not
-    carried: they are arbitrary Python tuples with no wire form here)."""
+    """Fill ``out``'s payload with ``event`` (vLLM's fields, ``extra_keys`` in vLLM's
+    untagged event form: see ``add_extra_keys``)."""
     if isinstance(event, BlockStored):
         stored = out.block_stored
         stored.block_hashes.extend(event.block_hashes)
@@ -87,6 +87,8 @@ def event_to_pb(event: KVCacheEvent, out: pb.SubscribeEventsResponse) -> None:
         stored.kv_cache_spec_kind = event.kv_cache_spec_kind or ""
         if event.kv_cache_spec_sliding_window is not None:
             stored.kv_cache_spec_sliding_window = event.kv_cache_spec_sliding_window
+        if event.extra_keys:
+            add_extra_keys(stored.extra_keys, event.extra_keys)
     elif isinstance(event, BlockRemoved):
         removed = out.block_removed
         removed.block_hashes.extend(event.block_hashes)
@@ -98,6 +100,23 @@ def event_to_pb(event: KVCacheEvent, out: pb.SubscribeEventsResponse) -> None:
         out.all_blocks_cleared.SetInParent()
     else:  # pragma: no cover - the union is closed
         raise TypeError(f"unknown KV event {event!r}")
+
+
+def add_extra_keys(field: Any, extra_keys: Sequence[tuple[Any, ...] | None]) -> None:
+    """Append one ``BlockExtraKeys`` per block to a repeated field: vLLM's untagged
+    event keys (``to_event_extra_keys``), a string (LoRA name, cache salt), an
+    ``(identifier, offset)`` pair (a multimodal item) or bytes (a prompt embeddings
+    digest) each; a block without keys (None) gets none."""
+    for keys in extra_keys:
+        block = field.add()
+        for key in keys or ():
+            if isinstance(key, str):
+                block.keys.add(text=key)
+            elif isinstance(key, bytes):
+                block.keys.add(digest=key)
+            else:
+                identifier, offset = key
+                block.keys.add(mm=pb.MultiModalKey(identifier=identifier, offset=offset))
 
 
 class EventLog:

@@ -262,7 +262,8 @@ class KVCacheMetrics:
             "token; tenant empty), permission_denied (an admin-only call), rate_limited, "
             "quota (an allocation past the tenant's max_blocks), or the name of the "
             "request limit (max_requests_per_tenant, max_waiting_tokens_per_tenant, "
-            "max_request_id_length, max_cache_salt_length, max_lora_name_length, "
+            "max_prompt_embeds_bytes_per_tenant, max_request_id_length, "
+            "max_cache_salt_length, max_lora_name_length, max_lora_path_length, "
             "max_mm_identifier_length, max_mm_items_per_prompt).",
             (*_LABELS, "tenant", "reason"),
             registry=self.registry,

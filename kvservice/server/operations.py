@@ -96,6 +96,30 @@ def allocate_slots(
     converters.fill_allocation(out, allocation, with_state)
 
 
+def new_step_starts(
+    table: RequestTable,
+    msg: pb.NewStepStartsRequest,
+    out: pb.NewStepStartsResponse,
+    caller: Caller,
+    with_state: bool,
+    /,
+) -> None:
+    table.new_step_starts()
+
+
+def free_retained_blocks(
+    table: RequestTable,
+    msg: pb.FreeRetainedBlocksRequest,
+    out: pb.FreeRetainedBlocksResponse,
+    caller: Caller,
+    with_state: bool,
+    /,
+) -> None:
+    out.num_free_blocks = table.free_retained_blocks(
+        list(msg.block_ids), caller.tenant, caller.session_id
+    )
+
+
 def free_request(
     table: RequestTable,
     msg: pb.FreeRequestRequest,
@@ -203,6 +227,8 @@ STEP_OPERATIONS: dict[str, Operation] = {
     "get_block_ids": get_block_ids,
     "get_usage": get_usage,
     "admit": admit,
+    "new_step_starts": new_step_starts,
+    "free_retained_blocks": free_retained_blocks,
 }
 
 

@@ -23,6 +23,7 @@ from kvservice.request_table.table import RequestTable
 from kvservice.server import converters, operations
 from kvservice.server.audit import Auditor
 from kvservice.server.caller import current_caller
+from kvservice.server.config import HashSeedSource
 from kvservice.server.events import EventLog, SubscriberDroppedError
 from kvservice.server.sessions import SessionPolicy, SessionRegistry
 from kvservice.server.step import StepRunner
@@ -46,6 +47,7 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         sessions: SessionRegistry | None = None,
         auditor: Auditor | None = None,
         turn: TableTurn | None = None,
+        seed_source: HashSeedSource = HashSeedSource.RANDOM,
     ) -> None:
         self._table = table
         # The table's turn, shared with everything else that touches it.
@@ -60,6 +62,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self._steps = StepRunner(table, max_step_ops, self._turn)
         # The KV event log; None when the server runs without --kv-events.
         self._events = events
+        # Where the hash chain's seed came from (GetCacheConfig reports it).
+        self._seed_source = seed_source
 
     async def _run(
         self, operation: operations.Operation, request: Any, response: Response
@@ -117,6 +121,23 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         id, a negative budget or lookahead); all checked before anything runs."""
         return await self._run(operations.admit, request, pb.AdmitResponse())
 
+    async def NewStepStarts(  # noqa: N802
+        self, request: pb.NewStepStartsRequest, context: Context
+    ) -> pb.NewStepStartsResponse:
+        """A scheduler step begins (vLLM's new_step_starts): a Mamba state cached from
+        now on is refused as a prefix hit until the next one."""
+        return await self._run(operations.new_step_starts, request, pb.NewStepStartsResponse())
+
+    async def FreeRetainedBlocks(  # noqa: N802
+        self, request: pb.FreeRetainedBlocksRequest, context: Context
+    ) -> pb.FreeRetainedBlocksResponse:
+        """Release copy holds the caller's session kept (StepRequest.keep_copy_holds),
+        in the order given. FAILED_PRECONDITION, nothing released, for a block the
+        session does not hold that many times (or a call without a session)."""
+        return await self._run(
+            operations.free_retained_blocks, request, pb.FreeRetainedBlocksResponse()
+        )
+
     async def FreeRequest(  # noqa: N802
         self, request: pb.FreeRequestRequest, context: Context
     ) -> pb.FreeRequestResponse:
@@ -157,7 +178,11 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         """The pool layout and hashing parameters, and the caller's scheduler epoch."""
         table = self._table
         response = converters.cache_config_to_pb(
-            table.manager, self._model_name, self._runtime_device, table.vocab_size
+            table.manager,
+            self._model_name,
+            self._runtime_device,
+            table.vocab_size,
+            self._seed_source,
         )
         response.scheduler_epoch = self._sessions.current_epoch(current_caller().tenant)
         return response

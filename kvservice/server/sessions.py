@@ -378,6 +378,8 @@ class SessionRegistry:
 
     def _free_owned(self, session: Session) -> int:
         freed = 0
+        # Copy holds its steps kept go with it (whether or not it frees its requests).
+        self._table.release_copy_holds(session.tenant, session.session_id)
         with self._table.batched():
             for rid in sorted(session.requests):
                 try:

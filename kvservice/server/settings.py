@@ -99,7 +99,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "none_hash_seed",
         str,
-        "prefix hash chain seed (set one to share an xxhash cache across processes)",
+        "prefix hash chain seed; without it PYTHONHASHSEED sets the seed when set (as "
+        "in vLLM), else sha256 variants use vLLM's fixed seed and xxhash a random one "
+        "(set this or PYTHONHASHSEED to share an xxhash cache across processes)",
         "none_hash_seed",
     ),
     Option(
@@ -297,6 +299,12 @@ OPTIONS: tuple[Option, ...] = (
         "max_lora_name_length",
     ),
     Option(
+        "max_lora_path_length",
+        int,
+        "longest lora_path AddRequest accepts, in characters",
+        "max_lora_path_length",
+    ),
+    Option(
         "max_mm_identifier_length",
         int,
         "longest multimodal item identifier AddRequest accepts, in characters",
@@ -323,6 +331,13 @@ OPTIONS: tuple[Option, ...] = (
         "may hold; they hold no blocks, so this bounds their memory (about 40 bytes a "
         "token)",
         "max_waiting_tokens_per_tenant",
+    ),
+    Option(
+        "max_prompt_embeds_bytes_per_tenant",
+        int,
+        "most bytes of prompt embeddings one tenant's requests may hold (a request keeps "
+        "them until it finishes); RESOURCE_EXHAUSTED past it",
+        "max_prompt_embeds_bytes_per_tenant",
     ),
     Option("log_level", str, "log level", choices=LOG_LEVELS),
     Option(

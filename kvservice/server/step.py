@@ -22,6 +22,13 @@ Failure semantics (the ``Step`` and ``StepStream`` contract):
   device error), the whole step answers INTERNAL; its operations stay applied.
 * Every operation acts for the caller of the ``Step`` or ``StepStream`` that carries
   it (its tenant, and its session for the requests it adds).
+* Copy-on-write holds the step's allocations take are released when the step's
+  answer is sent, or, with ``keep_copy_holds``, kept for the caller's session until it
+  releases them (a ``free_retained_blocks`` operation, usually the next step's
+  first), as vLLM's scheduler releases ``take_kv_cache_block_copies``' retained blocks.
+* A step boundary (``new_step_starts``) is an operation like the others, ordered
+  among them: a scheduler sends it after the previous step's frees and before the
+  step's lookups, allocations and ``admit`` (which runs inside a step and starts none).
 
 Columnar operations (``append_tokens_batch``, ``allocate_slots_batch``) carry a run of
 one-token appends or plain allocations in one message and answer them column by
@@ -46,7 +53,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from kvservice.core.errors import InvalidArgumentError, KVCacheError
+from kvservice.core.errors import FailedPreconditionError, InvalidArgumentError, KVCacheError
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.request_table.table import RequestTable
 from kvservice.server.caller import Caller
@@ -83,7 +90,8 @@ class StepRunner:
         ``response`` (so a stream can fill its own wrapper message without a copy),
         pausing between operations every ``turns.SLICE_S`` of work with the table's
         turn held. Raises ``InvalidArgumentError`` (nothing run) for a step over
-        ``max_ops`` operations."""
+        ``max_ops`` operations, ``FailedPreconditionError`` (nothing run) for one that
+        keeps copy holds without a session."""
         async with self.turn:
             slices = Slices()
             await self._run(step, response, caller, slices)
@@ -109,6 +117,14 @@ class StepRunner:
                 f"operation counted); the server accepts at most {self.max_ops} per step "
                 f"(split it)"
             )
+        keep_holds = None
+        if step.keep_copy_holds:
+            if caller.session_id is None:
+                raise FailedPreconditionError(
+                    f"step {step.step_id} sets keep_copy_holds without a session; open one "
+                    f"(OpenSession) so that the holds end with it if the client goes away"
+                )
+            keep_holds = (caller.tenant, caller.session_id)
         response.step_id = step.step_id
         add_result = response.results.add
         run_one = self._run_one
@@ -116,7 +132,7 @@ class StepRunner:
         stop_on_error = step.stop_on_error
         failed: Counter[int] = Counter()
         # The pool is reported to the metrics once per step, not once per operation.
-        with self.table.batched():
+        with self.table.batched(keep_holds):
             for index, op in enumerate(step.ops):
                 if slices.due():
                     await slices.pause()

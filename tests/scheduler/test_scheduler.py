@@ -312,6 +312,72 @@ def test_trace_crosses_batching_backends(mode: str) -> None:
         assert check_replay(local.trace(), StepBackend(client)) == len(local.entries)
 
 
+# Full attention beside a Mamba "align" group: a state cached in a step is no hit
+# until the next, so the decisions depend on where each backend's steps begin.
+MAMBA_POOL = dataclasses.replace(
+    server_support.HYBRID_POOL,
+    num_blocks=40,
+    block_size=16,
+    mamba_block_size=16,
+    hash_block_size=0,
+    max_model_len=MAX_MODEL_LEN,
+)
+
+
+def _run_on(backend: Backend, specs: Sequence[RequestSpec]) -> list[StepRecord]:
+    records = Scheduler(backend, FCFS, specs).run(max_steps=5_000)
+    assert backend.num_free_blocks() == MAMBA_POOL.num_blocks - 1
+    return records
+
+
+@pytest.mark.parametrize("mode", REMOTE_MODES)
+@pytest.mark.parametrize("kind", ["long_document_qa", "shared_system_prompt"])
+def test_every_backend_announces_steps(kind: str, mode: str) -> None:
+    """On a hybrid Mamba pool every backend starts the server's steps where the
+    in-process table starts its own (the unary backend with a NewStepStarts RPC, the
+    batching ones with an operation after the last step's frees): the same decisions.
+    (A backend that did not would have its pool take each allocation for a step, and
+    these workloads would hit states the others refuse.)"""
+    specs = workload(kind)
+    local = _run_on(InProcessBackend(build_manager(MAMBA_POOL)), specs)
+    assert first_admission_hit_tokens(local) > 0
+    with remote_server(MAMBA_POOL) as target, KVClient(target) as client:
+        if mode == "unary":
+            remote = _run_on(RemoteBackend(client), specs)
+        elif mode == "step":
+            remote = _run_on(StepBackend(client), specs)
+        else:
+            with StreamBackend(client, send_ahead_min_ops=1) as stream:
+                remote = _run_on(stream, specs)
+    assert remote == local
+
+
+def test_a_trace_records_each_step_boundary_before_the_step_s_allocations(
+    tmp_path: Path,
+) -> None:
+    """Version 3 traces hold ``new_step_starts``: one per step, after the last step's
+    appends and frees and before the step's allocations; they replay to the same
+    answers on a hybrid Mamba pool."""
+    specs = workload("shared_system_prompt")
+    tracer = TracingBackend(InProcessBackend(build_manager(MAMBA_POOL)))
+    records = _run_on(tracer, specs)
+    ops = [entry.op for entry in tracer.entries]
+    assert ops.count("new_step_starts") == len(records)
+    starts = [i for i, op in enumerate(ops) if op == "new_step_starts"]
+    for start, end in zip(starts, [*starts[1:], len(ops)], strict=True):
+        # A step's allocations, then its appends: the appends (and frees) of a step
+        # come before the next step's boundary, never after it.
+        step = ops[start:end]
+        decided = [i for i, op in enumerate(step) if op in ("allocate_slots", "admit")]
+        appended = [i for i, op in enumerate(step) if op == "append_tokens"]
+        if decided and appended:
+            assert max(decided) < min(appended)
+    path = tmp_path / "v3.jsonl"
+    write_trace(path, tracer.trace())
+    assert json.loads(path.read_text(encoding="utf-8").splitlines()[0])["version"] == 3
+    assert check_replay(read_trace(path), InProcessBackend(build_manager(MAMBA_POOL))) == len(ops)
+
+
 def test_a_deferred_operation_fails_at_the_send_and_stops_the_rest() -> None:
     with remote_server(TIGHT_POOL) as target, KVClient(target) as client:
         backend = StepBackend(client)

@@ -66,9 +66,13 @@ ALLOWED_CODES: dict[str, frozenset[grpc.StatusCode]] = {
     "Probe": _ALLOCATION - {Code.ABORTED},
     # Every id is checked before anything runs; no room or a quota is a stop reason.
     "Admit": _PER_REQUEST | {Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION},
-    # Over the operations-per-step limit only; per-operation refusals are results.
-    "Step": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
-    "StepStream": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
+    # Over the operations-per-step limit, or keep_copy_holds without a session;
+    # per-operation refusals are results.
+    "Step": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION}),
+    "StepStream": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION}),
+    # Step boundaries and copy holds (a hold the caller's session does not have).
+    "NewStepStarts": frozenset({Code.OK}),
+    "FreeRetainedBlocks": frozenset({Code.OK, Code.FAILED_PRECONDITION}),
     "SubscribeEvents": frozenset({Code.FAILED_PRECONDITION}),
     # Sessions and the audit.
     "OpenSession": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION}),
@@ -290,6 +294,12 @@ MESSAGES: dict[str, st.SearchStrategy[Any]] = {
             max_size=2,
         ),
         skip_reading_prefix_cache=st.booleans(),
+        lora_path=st.one_of(st.just(""), st.text(max_size=8)),
+        lora_int_id=st.one_of(st.just(0), st.integers(1, 5), st.sampled_from(EDGE_INTS)),
+        prompt_embeds=st.one_of(st.just(b""), st.binary(max_size=64)),
+        prompt_embeds_row_bytes=st.one_of(
+            st.just(0), st.integers(1, 8), st.sampled_from(EDGE_INTS)
+        ),
     ),
     "AppendTokens": st.builds(pb.AppendTokensRequest, request_id=request_ids, token_ids=token_ids),
     "GetComputedBlocks": st.builds(pb.GetComputedBlocksRequest, request_id=request_ids),
@@ -312,6 +322,11 @@ MESSAGES: dict[str, st.SearchStrategy[Any]] = {
     "GetRequest": st.builds(pb.GetRequestRequest, request_id=request_ids),
     "GetBlockIds": st.builds(pb.GetBlockIdsRequest, request_id=request_ids),
     "ResetPrefixCache": st.just(pb.ResetPrefixCacheRequest()),
+    "NewStepStarts": st.just(pb.NewStepStartsRequest()),
+    "FreeRetainedBlocks": st.builds(
+        pb.FreeRetainedBlocksRequest,
+        block_ids=st.lists(st.one_of(st.integers(0, 12), st.sampled_from(EDGE_INTS)), max_size=4),
+    ),
     "GetUsage": st.just(pb.GetUsageRequest()),
     "GetCacheConfig": st.just(pb.GetCacheConfigRequest()),
     "Probe": st.builds(

@@ -1,7 +1,8 @@
 """What one caller may send and hold, over real gRPC: every string field of a new
 request has a length limit, a prompt a number of multimodal items, and a tenant a
-number of requests and of waiting tokens. Each is a setting with a default, refused
-with a status naming it, counted, and leaves nothing behind."""
+number of requests, of waiting tokens and of prompt-embedding bytes. Each is a
+setting with a default, refused with a status naming it, counted, and leaves nothing
+behind."""
 
 from __future__ import annotations
 
@@ -33,10 +34,12 @@ LIMITED = dataclasses.replace(
     max_request_id_length=16,
     max_cache_salt_length=8,
     max_lora_name_length=8,
+    max_lora_path_length=8,
     max_mm_identifier_length=8,
     max_mm_items_per_prompt=3,
     max_requests_per_tenant=3,
     max_waiting_tokens_per_tenant=100,
+    max_prompt_embeds_bytes_per_tenant=96,
 )
 
 
@@ -91,6 +94,11 @@ FIELD_CASES: dict[str, tuple[str, Callable[[int], pb.AddRequestRequest], int]] =
     ),
     "cache_salt": ("max_cache_salt_length", lambda n: add_message(cache_salt="s" * n), 8),
     "lora_name": ("max_lora_name_length", lambda n: add_message(lora_name="l" * n), 8),
+    "lora_path": (
+        "max_lora_path_length",
+        lambda n: add_message(lora_name="l", lora_path="p" * n),
+        8,
+    ),
     "mm_identifier": (
         "max_mm_identifier_length",
         lambda n: add_message(mm_features=[mm("i" * n)]),
@@ -198,6 +206,74 @@ async def test_waiting_tokens_per_tenant(server: KVCacheServer, stub: Stub) -> N
     server.audit()
 
 
+async def test_prompt_embeds_bytes_per_tenant(server: KVCacheServer, stub: Stub) -> None:
+    """Prompt embeddings stay with their request until it finishes, running or not:
+    a tenant's total is bounded, refused RESOURCE_EXHAUSTED naming the limit, and
+    finishing a request gives its bytes back."""
+
+    def embedded(rid: str, num_tokens: int, row_bytes: int = 8) -> pb.AddRequestRequest:
+        return add_message(
+            rid,
+            tokens(num_tokens),
+            prompt_embeds=bytes(num_tokens * row_bytes),
+            prompt_embeds_row_bytes=row_bytes,
+        )
+
+    await stub.AddRequest(embedded("a", 8))  # 64 bytes
+    await stub.AllocateSlots(pb.AllocateSlotsRequest(request_id="a", num_new_tokens=8))
+    details = await refused(stub.AddRequest(embedded("b", 8)), grpc.StatusCode.RESOURCE_EXHAUSTED)
+    assert "max_prompt_embeds_bytes_per_tenant" in details and "128" in details
+    assert refusals(server, "max_prompt_embeds_bytes_per_tenant") == 1
+    await stub.AddRequest(embedded("b", 4))  # 96: at the limit
+    assert server.table.requests_per_tenant.prompt_embeds_bytes("") == 96
+    await stub.FreeRequest(pb.FreeRequestRequest(request_id="a", mode=pb.FREE_MODE_FINISH))
+    await stub.AddRequest(embedded("c", 8))
+    assert server.table.requests_per_tenant.prompt_embeds_bytes("") == 96
+    server.audit()
+
+
+# Malformed LoRA and prompt-embedding fields: each refused INVALID_ARGUMENT with a
+# message naming the field, nothing added.
+MALFORMED: dict[str, tuple[dict[str, Any], str]] = {
+    "lora_path without name": ({"lora_path": "/a"}, "lora_path is set without lora_name"),
+    "lora_int_id without name": ({"lora_int_id": 3}, "lora_int_id is set without lora_name"),
+    "negative lora_int_id": (
+        {"lora_name": "a", "lora_int_id": -1},
+        "lora_int_id = -1; vLLM's LoRA ids are >= 1",
+    ),
+    "embeds without width": (
+        {"prompt_embeds": bytes(32)},
+        "prompt_embeds (32 bytes) needs prompt_embeds_row_bytes > 0",
+    ),
+    "width without embeds": (
+        {"prompt_embeds_row_bytes": 4},
+        "prompt_embeds_row_bytes = 4 but prompt_embeds is empty",
+    ),
+    "embeds of another length": (
+        {"prompt_embeds": bytes(36), "prompt_embeds_row_bytes": 4},
+        "prompt_embeds holds 36 bytes; 8 prompt tokens of 4 bytes each are 32",
+    ),
+    "negative width": (
+        {"prompt_embeds": bytes(32), "prompt_embeds_row_bytes": -4},
+        "needs prompt_embeds_row_bytes > 0",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+async def test_malformed_lora_and_prompt_embeds_are_refused(
+    server: KVCacheServer, stub: Stub, case: str
+) -> None:
+    fields, message = MALFORMED[case]
+    details = await refused(
+        stub.AddRequest(add_message(**fields)), grpc.StatusCode.INVALID_ARGUMENT
+    )
+    assert message in details
+    assert server.table.num_requests == 0
+    assert server.table.requests_per_tenant.prompt_embeds_bytes("") == 0
+    server.audit()
+
+
 async def test_the_limits_are_per_tenant(tmp_path: Path) -> None:
     """One tenant at its limit does not hold back another; a refused operation of a
     Step answers its own status and the others run."""
@@ -245,6 +321,13 @@ def test_the_ledger_is_audited() -> None:
     assert table.requests_per_tenant.per_tenant() == {"": (2, 25)}
     table.requests_per_tenant.waiting_changed("", 1)
     with pytest.raises(InvariantViolationError, match="request ledger"):
+        table.audit()
+    table.requests_per_tenant.waiting_changed("", -1)
+    table.add_request(NewRequest("c", tokens(4), prompt_embeds=bytes(8), prompt_embeds_row_bytes=2))
+    table.audit()
+    table.requests_per_tenant.added("", 0, 1)
+    table.requests_per_tenant.finished("", 0)  # the count back, one byte left over
+    with pytest.raises(InvariantViolationError, match="prompt embeddings bytes"):
         table.audit()
 
 

@@ -88,7 +88,15 @@ def test_an_unreachable_server_fails_startup_naming_it(monkeypatch: pytest.Monke
         ),
         ({"watermark": 0.1}, r"watermark blocks: vLLM 0, kvservice 6"),
         ({"hash_algo": "sha256_cbor"}, r"hash algorithm: vLLM sha256, kvservice sha256_cbor"),
-        ({"none_hash_seed": "other"}, r"hash seed fingerprint: vLLM [0-9a-f]{16}, kvservice"),
+        (
+            {"none_hash_seed": "other"},
+            r"hash seed: vLLM 'vllm-none-hash', kvservice 'other' \(from explicit",
+        ),
+        (
+            {"hash_algo": "xxhash"},
+            r"hash algorithm: vLLM sha256, kvservice xxhash; hash seed: kvservice draws a "
+            r"random seed",
+        ),
         ({"sliding_window": 64, "num_blocks": 100}, r"KV cache groups"),
     ],
 )
@@ -98,6 +106,24 @@ def test_a_server_of_another_layout_fails_startup_naming_both_values(
     config = dataclasses.replace(POOL, **override)
     with remote(monkeypatch, config), pytest.raises(ServerConfigMismatchError, match=message):
         build_scheduler(SETUP, KVServiceScheduler)
+
+
+def test_a_server_hashing_other_blocks_fails_startup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hybrid Mamba pool hashed every 4 tokens (partial-block hits) serves no vLLM
+    that hashes every 16: the hash block size is part of the layout checked."""
+    setup = SchedulerSetup(
+        num_blocks=64, max_model_len=512, groups=(("full", 16, 0), ("mamba", 16, 0))
+    )
+    config = dataclasses.replace(POOL, mamba_block_size=16, hash_block_size=4)
+    with (
+        remote(monkeypatch, config),
+        pytest.raises(
+            ServerConfigMismatchError,
+            match=r"hash block size: vLLM 16, kvservice 4 \(start kvservice with "
+            r"--hash-block-size 16",
+        ),
+    ):
+        build_scheduler(setup, KVServiceScheduler)
 
 
 def test_a_lost_server_stops_the_scheduler_with_the_step_named(

@@ -1,5 +1,13 @@
 """vLLM 0.33's own scheduler, once with its built-in ``KVCacheManager`` and once with
-kvservice's, must make the same decisions step for step."""
+kvservice's, must make the same decisions step for step.
+
+The hybrid full attention + Mamba "align" setups run vLLM's scheduler as it runs a
+hybrid model with prefix caching (``mamba_cache_mode="align"``: prefills split where
+states are cached, a same-step hit on a state refused until ``new_step_starts``); with
+a hash block four times smaller than the blocks, prefix hits end inside blocks and
+take copy-on-write copies, whose retained blocks vLLM's scheduler releases after each
+step (remotely: the server keeps them until the replica releases them).
+"""
 
 from __future__ import annotations
 
@@ -30,7 +38,19 @@ SETUPS = {
     "chunked-prefill": SchedulerSetup(max_num_batched_tokens=96, long_prefill_token_threshold=40),
     "watermark": SchedulerSetup(num_blocks=60, watermark=0.1, max_model_len=512),
     "256-running": SchedulerSetup(num_blocks=4000, max_num_seqs=256, max_num_batched_tokens=4096),
+    "hybrid-full-mamba-align": SchedulerSetup(
+        num_blocks=200, groups=(("full", 16, 0), ("mamba", 16, 0))
+    ),
+    "hybrid-full-mamba-align-4x-hash": SchedulerSetup(
+        num_blocks=60,
+        groups=(("full", 16, 0), ("mamba", 16, 0)),
+        hash_block_size=4,
+        max_num_batched_tokens=128,
+        max_model_len=512,
+    ),
 }
+# Setups whose traces must show copy-on-write copies (partial-block hits).
+COPYING = {"hybrid-full-mamba-align-4x-hash"}
 # Traffic per setup: 256 running requests need 300 arriving in bursts.
 WORKLOADS: dict[str, dict[str, Any]] = {
     "256-running": {
@@ -53,17 +73,24 @@ def _in_process(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_in_process_matches_vllm_step_for_step(name: str, seed: int) -> None:
     setup = SETUPS[name]
     salts = (None, "tenant-a") if seed else (None,)
-    traffic = WORKLOADS.get(name, {})
+    traffic = {"hash_block_size": setup.hash_block, **WORKLOADS.get(name, {})}
     expected = Workload(seed, salts=salts, **traffic).run(build_scheduler(setup))
     actual = Workload(seed, salts=salts, **traffic).run(build_scheduler(setup, KVServiceScheduler))
     assert first_difference(expected, actual) is None
     if name == "256-running":
         assert max(step["running"] for step in actual) == 256
+    if name in COPYING:
+        assert sum(len(step["copies"] or ()) for step in actual) > 0
 
 
 def _server_config(setup: SchedulerSetup) -> ServerConfig:
     windows = [window for kind, _, window in setup.groups if kind == "sliding_window"]
+    mamba = [size for kind, size, _ in setup.groups if kind == "mamba"]
     return ServerConfig(
+        mamba_block_size=mamba[0] if mamba else 0,
+        hash_block_size=setup.hash_block_size,
+        # vLLM zeroes fresh blocks of a pool with Mamba layers; so does the server.
+        needs_kv_cache_zeroing=bool(mamba),
         port=0,
         metrics_port=None,
         num_blocks=setup.num_blocks,
@@ -83,6 +110,7 @@ def _server_config(setup: SchedulerSetup) -> ServerConfig:
 REMOTE_CASES = [(name, "sync") for name in SETUPS] + [
     ("preempting", "overlap"),
     ("hybrid-full-sliding-window", "overlap"),
+    ("hybrid-full-mamba-align-4x-hash", "overlap"),
 ]
 
 
@@ -92,7 +120,7 @@ def test_remote_matches_vllm_step_for_step(
 ) -> None:
     setup = SETUPS[name]
     monkeypatch.setenv("KVSERVICE_CONFIRM", confirm)
-    traffic = WORKLOADS.get(name, {})
+    traffic = {"hash_block_size": setup.hash_block, **WORKLOADS.get(name, {})}
     expected = Workload(3, salts=(None, "tenant-a"), **traffic).run(build_scheduler(setup))
     with background_server(_server_config(setup)) as server:
         monkeypatch.setenv("KVSERVICE_TARGET", server.handle.target)

@@ -37,6 +37,7 @@ from kvservice.core.kv_cache_block import KVCacheBlock
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.request import Request, RequestStatus
 from kvservice.integrations.vllm.cache_config import core_cache_config
+from kvservice.integrations.vllm.embeds import prompt_embeds_bytes
 from kvservice.integrations.vllm.events import to_vllm_events
 from kvservice.integrations.vllm.settings import ConnectionSettings
 from kvservice.integrations.vllm.views import (
@@ -155,6 +156,7 @@ class KVServiceKVCacheManager:
             self.core.block_pool.get_usage,
         )
         core_managers = self.core.coordinator.single_type_managers
+        self._core_managers = core_managers
         self.coordinator = CoordinatorView(
             [
                 SingleTypeManagerView(i, manager.block_size, group.kv_cache_spec)
@@ -190,11 +192,6 @@ class KVServiceKVCacheManager:
             ServerLink,
         )
 
-        if self.coordinator.enable_partial_hash_hits:
-            raise NotImplementedError(
-                "partial-block prefix hits (a hash block smaller than a Mamba block) are "
-                "not supported by kvservice's remote manager yet"
-            )
         managers = self.core.coordinator.single_type_managers
         layout = PoolLayout(
             groups=[(m.kv_cache_spec.kind.value, m.block_size) for m in managers],
@@ -204,6 +201,7 @@ class KVServiceKVCacheManager:
             watermark_blocks=self.core.watermark_blocks,
             enable_caching=self.enable_caching,
             max_model_len=self.max_model_len,
+            hash_block_size=self.args.hash_block_size,
         )
         return ServerLink(settings, layout)
 
@@ -216,6 +214,7 @@ class KVServiceKVCacheManager:
         if mirror is None:
             # Hashes come from vLLM; the keys' inputs are for the KV events' extra_keys.
             lora = request.lora_request
+            embeds, _ = prompt_embeds_bytes(request)
             mirror = Request(
                 request.request_id,
                 request._all_token_ids,
@@ -228,6 +227,7 @@ class KVServiceKVCacheManager:
                     for f in request.mm_features or ()
                 ],
                 skip_reading_prefix_cache=request.skip_reading_prefix_cache,
+                prompt_embeds=embeds,
             )
             # Shared, not copied: vLLM appends to both as the request grows.
             mirror.all_token_ids = request._all_token_ids
@@ -286,6 +286,9 @@ class KVServiceKVCacheManager:
             if new_computed_blocks is not None
             else None
         )
+        if server is not None:
+            # The copies this allocation queues are the ones the server answers it with.
+            pending_before = [len(m.pending_cow_copies) for m in self._core_managers]
         new_blocks = self.core.allocate_slots(
             self._sync(request),
             num_new_tokens,
@@ -319,7 +322,12 @@ class KVServiceKVCacheManager:
                 answer = self._no_block_ids  # most decode steps: one shared answer
             else:
                 answer = _ids(new_blocks.blocks)
-            server.allocated(request, num_new_tokens, hit, rare, answer)
+            copies = tuple(
+                (src.block_id, dst.block_id)
+                for manager, before in zip(self._core_managers, pending_before, strict=True)
+                for src, dst in manager.pending_cow_copies[before:]
+            )
+            server.allocated(request, num_new_tokens, hit, rare, answer, copies)
         return None if new_blocks is None else self._blocks(new_blocks.blocks)
 
     def free(self, request: Any) -> None:
@@ -389,6 +397,8 @@ class KVServiceKVCacheManager:
         step is planned on a previous one the server has not confirmed."""
         if self.server is not None:
             self.server.confirm()
+            # After the previous step's frees, before this step's lookups.
+            self.server.step_started()
         self.core.new_step_starts()
 
     def take_events(self) -> list[Any]:
@@ -407,8 +417,12 @@ class KVServiceKVCacheManager:
         return copies, taken.retained_blocks
 
     def _free_retained_blocks(self, blocks: list[KVCacheBlock]) -> None:
-        # The core frees retained blocks last first; vLLM's scheduler decides the order.
-        self.core.free_retained_blocks(blocks[::-1])
+        # In the order vLLM's scheduler passes them (each copy's source, then its
+        # destination), which decides what is evicted first; the server, which kept
+        # its holds for this (keep_copy_holds), releases them at the same point.
+        self.core.free_retained_blocks(blocks)
+        if self.server is not None:
+            self.server.released([block.block_id for block in blocks])
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         """Mamba "align" boundary states for a KV connector: none without one."""

@@ -45,8 +45,9 @@ from kvservice.client import (
     Session,
     StepResults,
 )
+from kvservice.integrations.vllm.embeds import prompt_embeds_bytes
 from kvservice.integrations.vllm.settings import ConnectionSettings
-from kvservice.integrations.vllm.step_log import ANY_ANSWER, Expected, StepLog
+from kvservice.integrations.vllm.step_log import ANY_ANSWER, Expected, NewRequest, StepLog
 
 # How often startup polls a pool that a previous engine's lease still holds.
 _IDLE_POLL_S = 0.5
@@ -80,6 +81,7 @@ class PoolLayout:
     watermark_blocks: int
     enable_caching: bool
     max_model_len: int
+    hash_block_size: int
 
 
 class ServerLink:
@@ -180,6 +182,12 @@ class ServerLink:
                 server.enable_caching,
                 " (kvservice --enable-caching / --no-enable-caching)",
             ),
+            (
+                "hash block size",
+                layout.hash_block_size,
+                server.hash_block_size,
+                f" (start kvservice with --hash-block-size {layout.hash_block_size})",
+            ),
         ]
         mismatches = [
             f"{what}: vLLM {ours}, kvservice {theirs}{hint}"
@@ -205,12 +213,27 @@ class ServerLink:
         if server.hash_algo != hash_algo:
             mismatches.append(f"hash algorithm: vLLM {hash_algo}, kvservice {server.hash_algo}")
         if none_hash_seed is not None:
-            ours = seed_fingerprint(none_hash_seed)
-            if ours != server.none_hash_seed_fingerprint:
+            fix = (
+                "set the same PYTHONHASHSEED for vLLM and kvservice, or start kvservice "
+                "with --none-hash-seed set to vLLM's seed"
+            )
+            if server.none_hash_seed_source == "random":
                 mismatches.append(
-                    f"hash seed fingerprint: vLLM {ours}, kvservice "
-                    f"{server.none_hash_seed_fingerprint} (set the same PYTHONHASHSEED for "
-                    "vLLM and --none-hash-seed for kvservice)"
+                    f"hash seed: kvservice draws a random seed ({server.hash_algo} without "
+                    f"--none-hash-seed or PYTHONHASHSEED), vLLM's cannot match it ({fix})"
+                )
+            elif server.none_hash_seed:
+                # The server reports a seed that is not secret: compare the seeds.
+                if server.none_hash_seed != none_hash_seed:
+                    mismatches.append(
+                        f"hash seed: vLLM {none_hash_seed!r}, kvservice "
+                        f"{server.none_hash_seed!r} (from {server.none_hash_seed_source}; "
+                        f"{fix})"
+                    )
+            elif seed_fingerprint(none_hash_seed) != server.none_hash_seed_fingerprint:
+                mismatches.append(
+                    f"hash seed fingerprint: vLLM {seed_fingerprint(none_hash_seed)}, "
+                    f"kvservice {server.none_hash_seed_fingerprint} ({fix})"
                 )
         if mismatches:
             raise ServerConfigMismatchError(
@@ -254,12 +277,21 @@ class ServerLink:
                 raise NotImplementedError(
                     "multimodal requests are not supported by kvservice's remote manager yet"
                 )
+            lora = request.lora_request
+            embeds, row_bytes = prompt_embeds_bytes(request)
             self._log.add_request(
-                request_id,
-                request.prompt_token_ids,
-                request.cache_salt,
-                request.lora_request.lora_name if request.lora_request else None,
-                request.skip_reading_prefix_cache,
+                NewRequest(
+                    request_id,
+                    # Not prompt_token_ids: None for a prompt of embeddings only.
+                    request._all_token_ids[: request.num_prompt_tokens],
+                    request.cache_salt,
+                    lora.lora_name if lora else None,
+                    request.skip_reading_prefix_cache,
+                    lora_path=lora.lora_path if lora else None,
+                    lora_int_id=lora.lora_int_id if lora else None,
+                    prompt_embeds=embeds,
+                    prompt_embeds_row_bytes=row_bytes,
+                )
             )
             known = request.num_prompt_tokens
             self._server_computed[request_id] = 0
@@ -283,10 +315,12 @@ class ServerLink:
         hit: tuple[int, BlockIds],
         rare: tuple[int, int, bool, int, bool, int, bool] | None,
         answer: BlockIds | None,
+        copies: tuple[tuple[int, int], ...] = (),
     ) -> None:
         """The replica's ``allocate_slots`` answered ``answer`` (None: no room) for
-        ``request`` with ``hit`` (tokens, block ids) attached; ``rare`` the arguments
-        after the hit in vLLM's order (None: vLLM's defaults)."""
+        ``request`` with ``hit`` (tokens, block ids) attached, queueing ``copies``
+        (copy-on-write: src, dst); ``rare`` the arguments after the hit in vLLM's order
+        (None: vLLM's defaults)."""
         request_id = request.request_id
         attached = self._attached_hit(request_id, hit) if hit[0] else None
         self._send_tokens(request)
@@ -298,7 +332,9 @@ class ServerLink:
             options = dataclasses.replace(
                 options or AllocateOptions(), num_computed_tokens=num_computed_tokens
             )
-        self._log.record("allocate_slots", (request_id, num_new_tokens, attached, options), answer)
+        self._log.record(
+            "allocate_slots", (request_id, num_new_tokens, attached, options), answer, copies
+        )
         if answer is not None:
             external = options.num_external_computed_tokens if options else 0
             self._server_computed[request_id] = (
@@ -317,6 +353,16 @@ class ServerLink:
                 "get_computed_blocks answer; kvservice's remote manager forwards only that one"
             )
         return lookup
+
+    def step_started(self) -> None:
+        """The replica's scheduler began a step (``new_step_starts``)."""
+        self._log.record("new_step_starts", (), ANY_ANSWER)
+
+    def released(self, block_ids: list[int]) -> None:
+        """The replica's scheduler released copy holds (``block_pool.free_blocks`` of
+        ``take_kv_cache_block_copies``' retained blocks), in this order: the server
+        kept the same holds for this."""
+        self._log.record("free_retained_blocks", (block_ids,), ANY_ANSWER)
 
     def freed(self, request: Any) -> None:
         """The replica freed ``request`` (finished, or preempted when it is not)."""
@@ -374,6 +420,15 @@ class ServerLink:
                 continue
             answer = results[item.handle]
             if isinstance(answer, Allocation):
+                copies = answer.block_copies_to_apply or answer.block_copies_applied
+                if tuple(copies) != item.copies:
+                    self._fail(
+                        KVServiceManagerError(
+                            f"kvservice at {self.target} answered {item.label} with the "
+                            f"copies {copies!r}; the scheduler's replica queued "
+                            f"{item.copies!r}"
+                        )
+                    )
                 answer = answer.new_block_ids
             if answer != item.answer:
                 self._fail(
@@ -400,7 +455,9 @@ class ServerLink:
         raise error
 
     def reset_prefix_cache(self) -> None:
-        """The replica reset its prefix cache: the server must too."""
+        """The replica reset its prefix cache: the server must too, once the steps sent
+        before it ran (a unary call is not ordered with the stream's messages)."""
+        self.confirm()
         if not self._call("ResetPrefixCache", self._client.reset_prefix_cache):
             self._fail(
                 KVServiceManagerError(

@@ -2,10 +2,13 @@
 for the remote manager to send as one ``Step``.
 
 The server must run the operations that touch the pool in the order the replica ran
-them. New requests and token appends touch no block, and each request's own come
-before its first use, so they go first: every new request, then every append (the
-one-token appends of a decode step travel as one columnar operation, and so do the
-plain allocations after them, instead of alternating).
+them: the releases of the last step's copy holds, its frees, the step boundary
+(``new_step_starts``), then the step's lookups and allocations. New requests and token
+appends touch no block, and each request's own come before its first use, so they go
+first: every new request, then every append (the one-token appends of a decode step
+travel as one columnar operation, and so do the plain allocations after them, instead
+of alternating). Every step keeps its copy holds (``keep_copy_holds``) until the
+replica's scheduler releases them, as vLLM's does.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ class Expected:
     answer: Any
     method: str
     args: tuple[Any, ...]
+    # An allocation's copy-on-write copies (src, dst), as the replica queued them.
+    copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def label(self) -> str:
@@ -38,51 +43,53 @@ ANY_ANSWER = object()
 
 
 @dataclass(frozen=True, slots=True)
-class _NewRequest:
+class NewRequest:
+    """What ``add_request`` sends of a vLLM request."""
+
     request_id: str
     prompt_token_ids: Sequence[int]
     cache_salt: str | None
     lora_name: str | None
     skip_reading_prefix_cache: bool
+    lora_path: str | None = None
+    lora_int_id: int | None = None
+    prompt_embeds: bytes | None = None
+    prompt_embeds_row_bytes: int = 0
 
 
 class StepLog:
     """The operations recorded since the last send (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._new: list[_NewRequest] = []
+        self._new: list[NewRequest] = []
         self._appends: dict[str, list[int]] = {}
-        # (StepBuilder method, its arguments, the replica's answer)
-        self._ops: list[tuple[str, tuple[Any, ...], Any]] = []
+        # (StepBuilder method, its arguments, the replica's answer, its copies)
+        self._ops: list[tuple[str, tuple[Any, ...], Any, tuple[tuple[int, int], ...]]] = []
 
     def __bool__(self) -> bool:
         return bool(self._new or self._appends or self._ops)
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        cache_salt: str | None,
-        lora_name: str | None,
-        skip_reading_prefix_cache: bool,
-    ) -> None:
-        self._new.append(
-            _NewRequest(
-                request_id, prompt_token_ids, cache_salt, lora_name, skip_reading_prefix_cache
-            )
-        )
+    def add_request(self, new: NewRequest) -> None:
+        self._new.append(new)
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
         self._appends.setdefault(request_id, []).extend(token_ids)
 
-    def record(self, method: str, args: tuple[Any, ...], answer: Any) -> None:
+    def record(
+        self,
+        method: str,
+        args: tuple[Any, ...],
+        answer: Any,
+        copies: tuple[tuple[int, int], ...] = (),
+    ) -> None:
         """An operation on the pool: ``StepBuilder.<method>(*args)``, whose answer must
-        equal ``answer`` (``ANY_ANSWER``: only succeed)."""
-        self._ops.append((method, args, answer))
+        equal ``answer`` (``ANY_ANSWER``: only succeed), and for an allocation whose
+        copy-on-write copies must be ``copies``."""
+        self._ops.append((method, args, answer, copies))
 
     def build(self) -> tuple[StepBuilder, list[Expected]]:
         """The step to send, and what each recorded operation must answer."""
-        step = StepBuilder(omit_request_state=True)
+        step = StepBuilder(omit_request_state=True, keep_copy_holds=True)
         for new in self._new:
             step.add_request(
                 new.request_id,
@@ -90,6 +97,10 @@ class StepLog:
                 cache_salt=new.cache_salt,
                 lora_name=new.lora_name,
                 skip_reading_prefix_cache=new.skip_reading_prefix_cache,
+                lora_path=new.lora_path,
+                lora_int_id=new.lora_int_id,
+                prompt_embeds=new.prompt_embeds,
+                prompt_embeds_row_bytes=new.prompt_embeds_row_bytes,
             )
         appends = self._appends.items()
         for request_id, tokens in appends:
@@ -99,7 +110,7 @@ class StepLog:
             if len(tokens) > 1:
                 step.append_tokens(request_id, tokens)
         expected = [
-            Expected(getattr(step, method)(*args), answer, method, args)
-            for method, args, answer in self._ops
+            Expected(getattr(step, method)(*args), answer, method, args, copies)
+            for method, args, answer, copies in self._ops
         ]
         return step, expected

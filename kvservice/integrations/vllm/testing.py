@@ -25,6 +25,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request
@@ -72,11 +73,16 @@ def _model_dir() -> str:
 
 @dataclass(frozen=True)
 class SchedulerSetup:
-    """One scheduler configuration; ``groups`` are (kind, block size, window)."""
+    """One scheduler configuration; ``groups`` are (kind, block size, window):
+    ``"full"``, ``"sliding_window"``, or ``"mamba"`` (a Mamba "align" state group; the
+    config then sets vLLM's ``mamba_cache_mode="align"``, whose scheduler splits
+    prefills where the states are cached). ``hash_block_size`` below ``block_size``
+    enables partial-block prefix hits (0: ``block_size``)."""
 
     num_blocks: int = 129
     block_size: int = 16
     groups: tuple[tuple[str, int, int], ...] = (("full", 16, 0),)
+    hash_block_size: int = 0
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
@@ -85,11 +91,29 @@ class SchedulerSetup:
     watermark: float = 0.0
     max_model_len: int = 2048
 
+    @property
+    def mamba_align(self) -> bool:
+        return any(kind == "mamba" for kind, _, _ in self.groups)
+
+    @property
+    def hash_block(self) -> int:
+        return self.hash_block_size or self.block_size
+
 
 def _spec(kind: str, block_size: int, window: int) -> Any:
     common = {"block_size": block_size, "num_kv_heads": 4, "head_size": 16, "dtype": torch.float16}
     if kind == "full":
         return FullAttentionSpec(**common)
+    if kind == "mamba":
+        # The state padded to the attention page, as vLLM unifies hybrid pages.
+        page = FullAttentionSpec(**common).page_size_bytes
+        return MambaSpec(
+            block_size=block_size,
+            shapes=((2,),),
+            dtypes=(torch.float32,),
+            page_size_padded=page,
+            mamba_cache_mode="align",
+        )
     assert kind == "sliding_window", kind
     return SlidingWindowSpec(**common, sliding_window=window)
 
@@ -116,6 +140,11 @@ def vllm_config(setup: SchedulerSetup) -> Any:
     cache_config = CacheConfig(
         block_size=setup.block_size, enable_prefix_caching=setup.enable_prefix_caching
     )
+    if setup.mamba_align:
+        # What vLLM's engine sets for a hybrid Mamba model with prefix caching: the
+        # scheduler reads mamba_cache_mode to split prefills at cached states.
+        cache_config.mamba_cache_mode = "align"
+        cache_config.mamba_block_size = setup.block_size
     cache_config.num_gpu_blocks = setup.num_blocks
     scheduler_config = SchedulerConfig(
         max_model_len=setup.max_model_len,
@@ -142,6 +171,7 @@ def build_scheduler(setup: SchedulerSetup, scheduler_cls: type = Scheduler) -> A
         kv_cache_config=kv_cache_config(setup),
         structured_output_manager=StructuredOutputManager(config),
         block_size=setup.block_size,
+        hash_block_size=setup.hash_block,
         log_stats=True,
     )
 

@@ -13,6 +13,9 @@ its in-process KVCacheManager:
   AppendTokens          after each step, with the sampled tokens
   FreeRequest           PREEMPT to recompute later, FINISH to forget the request
   Probe                 any time: what an allocation would need, changing nothing
+  NewStepStarts         at the top of every scheduler step, as vLLM's scheduler
+                        calls new_step_starts() (Mamba "align" refuses a hit on a
+                        state cached earlier in the same step)
 
 A scheduler that makes many calls per step batches them: Step carries one step's
 operations in order and answers each with its own result; StepStream does the
@@ -138,6 +141,8 @@ class _KVCacheSpecKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_KVCac
     KV_CACHE_SPEC_KIND_SLIDING_WINDOW: _KVCacheSpecKind.ValueType  # 2
     KV_CACHE_SPEC_KIND_CHUNKED_LOCAL_ATTENTION: _KVCacheSpecKind.ValueType  # 3
     KV_CACHE_SPEC_KIND_CROSS_ATTENTION: _KVCacheSpecKind.ValueType  # 4
+    KV_CACHE_SPEC_KIND_MAMBA: _KVCacheSpecKind.ValueType  # 5
+    """A Mamba state group (vLLM's MambaSpec)."""
 
 class KVCacheSpecKind(_KVCacheSpecKind, metaclass=_KVCacheSpecKindEnumTypeWrapper):
     """The attention type of a KV cache group."""
@@ -147,7 +152,41 @@ KV_CACHE_SPEC_KIND_FULL_ATTENTION: KVCacheSpecKind.ValueType  # 1
 KV_CACHE_SPEC_KIND_SLIDING_WINDOW: KVCacheSpecKind.ValueType  # 2
 KV_CACHE_SPEC_KIND_CHUNKED_LOCAL_ATTENTION: KVCacheSpecKind.ValueType  # 3
 KV_CACHE_SPEC_KIND_CROSS_ATTENTION: KVCacheSpecKind.ValueType  # 4
+KV_CACHE_SPEC_KIND_MAMBA: KVCacheSpecKind.ValueType  # 5
+"""A Mamba state group (vLLM's MambaSpec)."""
 Global___KVCacheSpecKind: _TypeAlias = KVCacheSpecKind  # noqa: Y015
+
+class _HashSeedSource:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _HashSeedSourceEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_HashSeedSource.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    HASH_SEED_SOURCE_UNSPECIFIED: _HashSeedSource.ValueType  # 0
+    HASH_SEED_SOURCE_EXPLICIT: _HashSeedSource.ValueType  # 1
+    """--none-hash-seed (KVSERVICE_NONE_HASH_SEED, none_hash_seed in the config file)."""
+    HASH_SEED_SOURCE_PYTHONHASHSEED: _HashSeedSource.ValueType  # 2
+    """The server's PYTHONHASHSEED environment variable, as vLLM reads it."""
+    HASH_SEED_SOURCE_DEFAULT: _HashSeedSource.ValueType  # 3
+    """vLLM's fixed seed of the SHA variants."""
+    HASH_SEED_SOURCE_RANDOM: _HashSeedSource.ValueType  # 4
+    """Random per server start (xxhash without either): never reported."""
+
+class HashSeedSource(_HashSeedSource, metaclass=_HashSeedSourceEnumTypeWrapper):
+    """Where the hash chain's seed came from, in the order of precedence (vLLM's
+    resolve_none_hash_seed, with kvservice's --none-hash-seed first).
+    """
+
+HASH_SEED_SOURCE_UNSPECIFIED: HashSeedSource.ValueType  # 0
+HASH_SEED_SOURCE_EXPLICIT: HashSeedSource.ValueType  # 1
+"""--none-hash-seed (KVSERVICE_NONE_HASH_SEED, none_hash_seed in the config file)."""
+HASH_SEED_SOURCE_PYTHONHASHSEED: HashSeedSource.ValueType  # 2
+"""The server's PYTHONHASHSEED environment variable, as vLLM reads it."""
+HASH_SEED_SOURCE_DEFAULT: HashSeedSource.ValueType  # 3
+"""vLLM's fixed seed of the SHA variants."""
+HASH_SEED_SOURCE_RANDOM: HashSeedSource.ValueType  # 4
+"""Random per server start (xxhash without either): never reported."""
+Global___HashSeedSource: _TypeAlias = HashSeedSource  # noqa: Y015
 
 class _AdmitStopReason:
     ValueType = _typing.NewType("ValueType", _builtins.int)
@@ -289,18 +328,44 @@ class AddRequestRequest(_message.Message):
     MM_FEATURES_FIELD_NUMBER: _builtins.int
     SKIP_READING_PREFIX_CACHE_FIELD_NUMBER: _builtins.int
     PACKED_PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    LORA_PATH_FIELD_NUMBER: _builtins.int
+    LORA_INT_ID_FIELD_NUMBER: _builtins.int
+    PROMPT_EMBEDS_FIELD_NUMBER: _builtins.int
+    PROMPT_EMBEDS_ROW_BYTES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique among the requests the server knows; must not be empty."""
     cache_salt: _builtins.str
     """Isolates this request's prefix cache entries from requests with another salt."""
     lora_name: _builtins.str
-    """The LoRA adapter; blocks of different adapters never share a cache entry."""
+    """The LoRA adapter (vLLM's lora_request.lora_name); blocks of different adapters
+    never share a cache entry. Empty: none.
+    """
     skip_reading_prefix_cache: _builtins.bool
     """Recompute every token (prompt logprobs, pooling): write the cache, never read it."""
     packed_prompt_token_ids: _builtins.bytes
     """The prompt as 4 bytes per token id, unsigned little-endian: the same ids as
     prompt_token_ids (set one of the two), at a fraction of the cost to encode and
     decode in Python. The Python clients send this whenever every id fits.
+    """
+    lora_path: _builtins.str
+    """The LoRA adapter's path (vLLM's lora_request.lora_path): the block hashes key
+    the adapter by name and path, ("lora", name, path), as vLLM 0.33 does. Needs
+    lora_name; empty with a lora_name keys the path as None.
+    """
+    lora_int_id: _builtins.int
+    """vLLM's lora_request.lora_int_id (>= 1); reported as lora_id in KV events, never
+    hashed. 0: none. Needs lora_name.
+    """
+    prompt_embeds: _builtins.bytes
+    """Prompt embeddings (vLLM's prompt_embeds), row-major, one row of
+    prompt_embeds_row_bytes bytes per prompt token: exactly num_prompt_tokens *
+    prompt_embeds_row_bytes bytes (vLLM hashes the raw bytes of each block's rows,
+    so their dtype and width are the client's to keep consistent). Each block's
+    hash then includes ("prompt_embeds", sha256 of its rows).
+    """
+    prompt_embeds_row_bytes: _builtins.int
+    """Bytes per prompt token in prompt_embeds (hidden size times the element size);
+    required with prompt_embeds, 0 without.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -320,10 +385,14 @@ class AddRequestRequest(_message.Message):
         mm_features: _abc.Iterable[Global___MultiModalFeature] | None = ...,
         skip_reading_prefix_cache: _builtins.bool = ...,
         packed_prompt_token_ids: _builtins.bytes = ...,
+        lora_path: _builtins.str = ...,
+        lora_int_id: _builtins.int = ...,
+        prompt_embeds: _builtins.bytes = ...,
+        prompt_embeds_row_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "lora_name", b"lora_name", "mm_features", b"mm_features", "packed_prompt_token_ids", b"packed_prompt_token_ids", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "skip_reading_prefix_cache", b"skip_reading_prefix_cache"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "lora_int_id", b"lora_int_id", "lora_name", b"lora_name", "lora_path", b"lora_path", "mm_features", b"mm_features", "packed_prompt_token_ids", b"packed_prompt_token_ids", "prompt_embeds", b"prompt_embeds", "prompt_embeds_row_bytes", b"prompt_embeds_row_bytes", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "skip_reading_prefix_cache", b"skip_reading_prefix_cache"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -567,7 +636,9 @@ class AllocateSlotsResponse(_message.Message):
                              src block into its dst block after zeroing this answer's
                              blocks and before the model writes, and before it zeroes
                              the blocks of any later answer (the server may hand a
-                             copy's source out again once this answer is sent).
+                             copy's source out again once this answer is sent, or,
+                             for a step with keep_copy_holds, once the client released
+                             the copy's holds with FreeRetainedBlocks).
       block_copies_applied   the co-located runtime applied them, after zeroing,
                              before this answer (or its step's answer) was sent.
                              Informational; nothing is left to do.
@@ -994,6 +1065,8 @@ class GetCacheConfigResponse(_message.Message):
     RUNTIME_DEVICE_FIELD_NUMBER: _builtins.int
     VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     WATERMARK_BLOCKS_FIELD_NUMBER: _builtins.int
+    NONE_HASH_SEED_FIELD_NUMBER: _builtins.int
+    NONE_HASH_SEED_SOURCE_FIELD_NUMBER: _builtins.int
     SCHEDULER_EPOCH_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
     """The pool size, null block (id 0) included."""
@@ -1029,6 +1102,14 @@ class GetCacheConfigResponse(_message.Message):
     """Blocks kept free when admitting a waiting or preempted request while others are
     scheduled (vLLM's watermark: int(watermark * num_blocks)).
     """
+    none_hash_seed: _builtins.str
+    """The effective hash chain seed when it is not secret: the SHA variants' fixed
+    seed, an explicit --none-hash-seed, or PYTHONHASHSEED; empty for xxhash's random
+    seed (a known seed would let anyone craft collisions). Compare it with vLLM's
+    (kv_cache_utils.get_none_hash_seed()), or compare the fingerprint when empty.
+    """
+    none_hash_seed_source: Global___HashSeedSource.ValueType
+    """Where the effective seed came from."""
     scheduler_epoch: _builtins.int
     """The caller's current scheduler epoch (the highest OpenSession epoch so far; 0
     before any). Numbered apart from the layout fields above.
@@ -1052,11 +1133,13 @@ class GetCacheConfigResponse(_message.Message):
         runtime_device: _builtins.str = ...,
         vocab_size: _builtins.int = ...,
         watermark_blocks: _builtins.int = ...,
+        none_hash_seed: _builtins.str = ...,
+        none_hash_seed_source: Global___HashSeedSource.ValueType = ...,
         scheduler_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_zeroed_by_server", b"blocks_zeroed_by_server", "enable_caching", b"enable_caching", "groups", b"groups", "hash_algo", b"hash_algo", "hash_block_size", b"hash_block_size", "max_model_len", b"max_model_len", "model_name", b"model_name", "needs_kv_cache_zeroing", b"needs_kv_cache_zeroing", "none_hash_seed_fingerprint", b"none_hash_seed_fingerprint", "num_blocks", b"num_blocks", "runtime_device", b"runtime_device", "scheduler_block_size", b"scheduler_block_size", "scheduler_epoch", b"scheduler_epoch", "vocab_size", b"vocab_size", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_zeroed_by_server", b"blocks_zeroed_by_server", "enable_caching", b"enable_caching", "groups", b"groups", "hash_algo", b"hash_algo", "hash_block_size", b"hash_block_size", "max_model_len", b"max_model_len", "model_name", b"model_name", "needs_kv_cache_zeroing", b"needs_kv_cache_zeroing", "none_hash_seed", b"none_hash_seed", "none_hash_seed_fingerprint", b"none_hash_seed_fingerprint", "none_hash_seed_source", b"none_hash_seed_source", "num_blocks", b"num_blocks", "runtime_device", b"runtime_device", "scheduler_block_size", b"scheduler_block_size", "scheduler_epoch", b"scheduler_epoch", "vocab_size", b"vocab_size", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1275,6 +1358,8 @@ class StepOperation(_message.Message):
     ADMIT_FIELD_NUMBER: _builtins.int
     APPEND_TOKENS_BATCH_FIELD_NUMBER: _builtins.int
     ALLOCATE_SLOTS_BATCH_FIELD_NUMBER: _builtins.int
+    NEW_STEP_STARTS_FIELD_NUMBER: _builtins.int
+    FREE_RETAINED_BLOCKS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def add_request(self) -> Global___AddRequestRequest: ...
     @_builtins.property
@@ -1299,6 +1384,10 @@ class StepOperation(_message.Message):
     def append_tokens_batch(self) -> Global___AppendTokensBatch: ...
     @_builtins.property
     def allocate_slots_batch(self) -> Global___AllocateSlotsBatch: ...
+    @_builtins.property
+    def new_step_starts(self) -> Global___NewStepStartsRequest: ...
+    @_builtins.property
+    def free_retained_blocks(self) -> Global___FreeRetainedBlocksRequest: ...
     def __init__(
         self,
         *,
@@ -1314,12 +1403,14 @@ class StepOperation(_message.Message):
         admit: Global___AdmitRequest | None = ...,
         append_tokens_batch: Global___AppendTokensBatch | None = ...,
         allocate_slots_batch: Global___AllocateSlotsBatch | None = ...,
+        new_step_starts: Global___NewStepStartsRequest | None = ...,
+        free_retained_blocks: Global___FreeRetainedBlocksRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "op", b"op", "probe", b"probe"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "new_step_starts", b"new_step_starts", "op", b"op", "probe", b"probe"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "op", b"op", "probe", b"probe"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "new_step_starts", b"new_step_starts", "op", b"op", "probe", b"probe"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch"]  # noqa: Y015
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "new_step_starts", "free_retained_blocks"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 
@@ -1630,6 +1721,8 @@ class StepResult(_message.Message):
     ADMIT_FIELD_NUMBER: _builtins.int
     APPEND_TOKENS_BATCH_FIELD_NUMBER: _builtins.int
     ALLOCATE_SLOTS_BATCH_FIELD_NUMBER: _builtins.int
+    NEW_STEP_STARTS_FIELD_NUMBER: _builtins.int
+    FREE_RETAINED_BLOCKS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def add_request(self) -> Global___AddRequestResponse: ...
@@ -1656,6 +1749,10 @@ class StepResult(_message.Message):
     @_builtins.property
     def allocate_slots_batch(self) -> Global___AllocateSlotsBatchResponse: ...
     @_builtins.property
+    def new_step_starts(self) -> Global___NewStepStartsResponse: ...
+    @_builtins.property
+    def free_retained_blocks(self) -> Global___FreeRetainedBlocksResponse: ...
+    @_builtins.property
     def error(self) -> Global___OperationError:
         """The operation was refused (and changed nothing), or was not run because an
         earlier one failed under stop_on_error (code CANCELLED). A columnar operation not
@@ -1678,13 +1775,15 @@ class StepResult(_message.Message):
         admit: Global___AdmitResponse | None = ...,
         append_tokens_batch: Global___AppendTokensBatchResponse | None = ...,
         allocate_slots_batch: Global___AllocateSlotsBatchResponse | None = ...,
+        new_step_starts: Global___NewStepStartsResponse | None = ...,
+        free_retained_blocks: Global___FreeRetainedBlocksResponse | None = ...,
         error: Global___OperationError | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "error", b"error", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "probe", b"probe", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "error", b"error", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "new_step_starts", b"new_step_starts", "probe", b"probe", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "error", b"error", "free_request", b"free_request", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "probe", b"probe", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "error", b"error", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "new_step_starts", b"new_step_starts", "probe", b"probe", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "error"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "new_step_starts", "free_retained_blocks", "error"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
@@ -1698,6 +1797,7 @@ class StepRequest(_message.Message):
     OPS_FIELD_NUMBER: _builtins.int
     STOP_ON_ERROR_FIELD_NUMBER: _builtins.int
     OMIT_REQUEST_STATE_FIELD_NUMBER: _builtins.int
+    KEEP_COPY_HOLDS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """The client's step counter, echoed in the response (for logs and correlation)."""
     stop_on_error: _builtins.bool
@@ -1712,6 +1812,14 @@ class StepRequest(_message.Message):
     requests' tokens itself, this saves encoding and decoding it once per operation.
     Off by default.
     """
+    keep_copy_holds: _builtins.bool
+    """Keep the copy-on-write holds this step's allocations take (each copy's source
+    and destination) until the caller releases them with free_retained_blocks, as
+    vLLM's scheduler holds take_kv_cache_block_copies' retained blocks until it frees
+    them, instead of releasing them when the step's answer is sent. Needs a session
+    (FAILED_PRECONDITION, nothing run, without one): the holds of a session that
+    ends are released with it. Off by default.
+    """
     @_builtins.property
     def ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepOperation]:
         """Run in order; an operation sees the effects of the ones before it."""
@@ -1723,10 +1831,11 @@ class StepRequest(_message.Message):
         ops: _abc.Iterable[Global___StepOperation] | None = ...,
         stop_on_error: _builtins.bool = ...,
         omit_request_state: _builtins.bool = ...,
+        keep_copy_holds: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["omit_request_state", b"omit_request_state", "ops", b"ops", "step_id", b"step_id", "stop_on_error", b"stop_on_error"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep_copy_holds", b"keep_copy_holds", "omit_request_state", b"omit_request_state", "ops", b"ops", "step_id", b"step_id", "stop_on_error", b"stop_on_error"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1756,6 +1865,83 @@ class StepResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StepResponse: _TypeAlias = StepResponse  # noqa: Y015
+
+@_typing.final
+class NewStepStartsRequest(_message.Message):
+    """NewStepStarts takes no argument."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NewStepStartsRequest: _TypeAlias = NewStepStartsRequest  # noqa: Y015
+
+@_typing.final
+class NewStepStartsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NewStepStartsResponse: _TypeAlias = NewStepStartsResponse  # noqa: Y015
+
+@_typing.final
+class FreeRetainedBlocksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The blocks to release, in the order to release them (vLLM's scheduler passes
+        each copy's source, then its destination, copy after copy): one hold each, so a
+        block held twice is named twice.
+        """
+
+    def __init__(
+        self,
+        *,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FreeRetainedBlocksRequest: _TypeAlias = FreeRetainedBlocksRequest  # noqa: Y015
+
+@_typing.final
+class FreeRetainedBlocksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _builtins.int
+    num_free_blocks: _builtins.int
+    """Free blocks in the pool after the call."""
+    def __init__(
+        self,
+        *,
+        num_free_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_free_blocks", b"num_free_blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FreeRetainedBlocksResponse: _TypeAlias = FreeRetainedBlocksResponse  # noqa: Y015
 
 @_typing.final
 class StepStreamRequest(_message.Message):
@@ -1954,6 +2140,7 @@ class BlockStored(_message.Message):
     GROUP_IDX_FIELD_NUMBER: _builtins.int
     KV_CACHE_SPEC_KIND_FIELD_NUMBER: _builtins.int
     KV_CACHE_SPEC_SLIDING_WINDOW_FIELD_NUMBER: _builtins.int
+    EXTRA_KEYS_FIELD_NUMBER: _builtins.int
     parent_block_hash: _builtins.bytes
     """The hash of the block before the first one; unset for a request's first block."""
     block_size: _builtins.int
@@ -1977,6 +2164,13 @@ class BlockStored(_message.Message):
         included, as vLLM sends them).
         """
 
+    @_builtins.property
+    def extra_keys(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockExtraKeys]:
+        """Each block's extra keys, one entry per block hash in order, in vLLM's untagged
+        event form (vllm.v1.core.kv_cache_utils.to_event_extra_keys); empty when vLLM
+        sends None (no block of the request has any).
+        """
+
     def __init__(
         self,
         *,
@@ -1990,10 +2184,11 @@ class BlockStored(_message.Message):
         group_idx: _builtins.int | None = ...,
         kv_cache_spec_kind: _builtins.str = ...,
         kv_cache_spec_sliding_window: _builtins.int | None = ...,
+        extra_keys: _abc.Iterable[Global___BlockExtraKeys] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window", "_lora_id", b"_lora_id", "_lora_name", b"_lora_name", "_medium", b"_medium", "_parent_block_hash", b"_parent_block_hash", "group_idx", b"group_idx", "kv_cache_spec_sliding_window", b"kv_cache_spec_sliding_window", "lora_id", b"lora_id", "lora_name", b"lora_name", "medium", b"medium", "parent_block_hash", b"parent_block_hash"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window", "_lora_id", b"_lora_id", "_lora_name", b"_lora_name", "_medium", b"_medium", "_parent_block_hash", b"_parent_block_hash", "block_hashes", b"block_hashes", "block_size", b"block_size", "group_idx", b"group_idx", "kv_cache_spec_kind", b"kv_cache_spec_kind", "kv_cache_spec_sliding_window", b"kv_cache_spec_sliding_window", "lora_id", b"lora_id", "lora_name", b"lora_name", "medium", b"medium", "parent_block_hash", b"parent_block_hash", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window", "_lora_id", b"_lora_id", "_lora_name", b"_lora_name", "_medium", b"_medium", "_parent_block_hash", b"_parent_block_hash", "block_hashes", b"block_hashes", "block_size", b"block_size", "extra_keys", b"extra_keys", "group_idx", b"group_idx", "kv_cache_spec_kind", b"kv_cache_spec_kind", "kv_cache_spec_sliding_window", b"kv_cache_spec_sliding_window", "lora_id", b"lora_id", "lora_name", b"lora_name", "medium", b"medium", "parent_block_hash", b"parent_block_hash", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__group_idx: _TypeAlias = _typing.Literal["group_idx"]  # noqa: Y015
     _WhichOneofArgType__group_idx: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx"]  # noqa: Y015
@@ -2021,6 +2216,86 @@ class BlockStored(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__parent_block_hash) -> _WhichOneofReturnType__parent_block_hash | None: ...
 
 Global___BlockStored: _TypeAlias = BlockStored  # noqa: Y015
+
+@_typing.final
+class BlockExtraKeys(_message.Message):
+    """One block's extra keys, in vLLM's order (LoRA name, multimodal items, cache salt,
+    prompt embeddings digest). No keys: vLLM's None for that block.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedCompositeFieldContainer[Global___ExtraKey]: ...
+    def __init__(
+        self,
+        *,
+        keys: _abc.Iterable[Global___ExtraKey] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlockExtraKeys: _TypeAlias = BlockExtraKeys  # noqa: Y015
+
+@_typing.final
+class ExtraKey(_message.Message):
+    """One extra key in vLLM's untagged event form."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    MM_FIELD_NUMBER: _builtins.int
+    DIGEST_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """A LoRA adapter's name or a cache salt (vLLM sends the bare string)."""
+    digest: _builtins.bytes
+    """The SHA-256 digest of the block's prompt embeddings (vLLM's bytes)."""
+    @_builtins.property
+    def mm(self) -> Global___MultiModalKey:
+        """A multimodal item: (identifier, offset of the item relative to the block)."""
+
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        mm: Global___MultiModalKey | None = ...,
+        digest: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "key", b"key", "mm", b"mm", "text", b"text"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["digest", b"digest", "key", b"key", "mm", b"mm", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_key: _TypeAlias = _typing.Literal["text", "mm", "digest"]  # noqa: Y015
+    _WhichOneofArgType_key: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_key) -> _WhichOneofReturnType_key | None: ...
+
+Global___ExtraKey: _TypeAlias = ExtraKey  # noqa: Y015
+
+@_typing.final
+class MultiModalKey(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDENTIFIER_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    identifier: _builtins.str
+    offset: _builtins.int
+    def __init__(
+        self,
+        *,
+        identifier: _builtins.str = ...,
+        offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identifier", b"identifier", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MultiModalKey: _TypeAlias = MultiModalKey  # noqa: Y015
 
 @_typing.final
 class BlockRemoved(_message.Message):

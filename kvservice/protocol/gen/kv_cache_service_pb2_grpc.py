@@ -45,6 +45,16 @@ class KVCacheServiceStub:
                 request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.AppendTokensRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.AppendTokensResponse.FromString,
                 _registered_method=True)
+        self.NewStepStarts = channel.unary_unary(
+                '/kvservice.v1.KVCacheService/NewStepStarts',
+                request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.NewStepStartsRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.NewStepStartsResponse.FromString,
+                _registered_method=True)
+        self.FreeRetainedBlocks = channel.unary_unary(
+                '/kvservice.v1.KVCacheService/FreeRetainedBlocks',
+                request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.FreeRetainedBlocksRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.FreeRetainedBlocksResponse.FromString,
+                _registered_method=True)
         self.GetComputedBlocks = channel.unary_unary(
                 '/kvservice.v1.KVCacheService/GetComputedBlocks',
                 request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.GetComputedBlocksRequest.SerializeToString,
@@ -145,6 +155,29 @@ class KVCacheServiceServicer:
 
     def AppendTokens(self, request, context):
         """Append sampled (output) tokens to a request; hashes any block they complete.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def NewStepStarts(self, request, context):
+        """A scheduler step begins (vLLM's KVCacheManager.new_step_starts()): a Mamba state
+        cached from now on is refused as a prefix hit (AllocateSlots answers NO_SPACE,
+        vLLM's None) until the next NewStepStarts, since the step's forward pass has not
+        written it yet. Send it after the previous step's frees and before this step's
+        lookups, allocations and Admit (Admit runs inside a step and never starts one).
+        A step boundary is the pool's: a pool shared by several schedulers sees each
+        one's. A pool never told of steps treats each allocation as a step of its own.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FreeRetainedBlocks(self, request, context):
+        """Release copy-on-write holds a Step kept for the caller (StepRequest.
+        keep_copy_holds), in the order given, as vLLM's scheduler frees the retained
+        blocks of take_kv_cache_block_copies. FAILED_PRECONDITION (nothing released) for
+        a block the caller's session does not hold that many times.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -331,6 +364,16 @@ def add_KVCacheServiceServicer_to_server(servicer, server):
                     request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.AppendTokensRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.AppendTokensResponse.SerializeToString,
             ),
+            'NewStepStarts': grpc.unary_unary_rpc_method_handler(
+                    servicer.NewStepStarts,
+                    request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.NewStepStartsRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.NewStepStartsResponse.SerializeToString,
+            ),
+            'FreeRetainedBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.FreeRetainedBlocks,
+                    request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.FreeRetainedBlocksRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.FreeRetainedBlocksResponse.SerializeToString,
+            ),
             'GetComputedBlocks': grpc.unary_unary_rpc_method_handler(
                     servicer.GetComputedBlocks,
                     request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.GetComputedBlocksRequest.FromString,
@@ -472,6 +515,60 @@ class KVCacheService:
             '/kvservice.v1.KVCacheService/AppendTokens',
             kvservice_dot_v1_dot_kv__cache__service__pb2.AppendTokensRequest.SerializeToString,
             kvservice_dot_v1_dot_kv__cache__service__pb2.AppendTokensResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NewStepStarts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/NewStepStarts',
+            kvservice_dot_v1_dot_kv__cache__service__pb2.NewStepStartsRequest.SerializeToString,
+            kvservice_dot_v1_dot_kv__cache__service__pb2.NewStepStartsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FreeRetainedBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/FreeRetainedBlocks',
+            kvservice_dot_v1_dot_kv__cache__service__pb2.FreeRetainedBlocksRequest.SerializeToString,
+            kvservice_dot_v1_dot_kv__cache__service__pb2.FreeRetainedBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,6 +13,9 @@ its in-process KVCacheManager:
   AppendTokens          after each step, with the sampled tokens
   FreeRequest           PREEMPT to recompute later, FINISH to forget the request
   Probe                 any time: what an allocation would need, changing nothing
+  NewStepStarts         at the top of every scheduler step, as vLLM's scheduler
+                        calls new_step_starts() (Mamba "align" refuses a hit on a
+                        state cached earlier in the same step)
 
 A scheduler that makes many calls per step batches them: Step carries one step's
 operations in order and answers each with its own result; StepStream does the
@@ -46,6 +49,21 @@ class KVCacheServiceStub:
     """Register a new request (WAITING) with its prompt; hashes its full blocks."""
     AppendTokens: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.AppendTokensRequest, _kv_cache_service_pb2.AppendTokensResponse]
     """Append sampled (output) tokens to a request; hashes any block they complete."""
+    NewStepStarts: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.NewStepStartsRequest, _kv_cache_service_pb2.NewStepStartsResponse]
+    """A scheduler step begins (vLLM's KVCacheManager.new_step_starts()): a Mamba state
+    cached from now on is refused as a prefix hit (AllocateSlots answers NO_SPACE,
+    vLLM's None) until the next NewStepStarts, since the step's forward pass has not
+    written it yet. Send it after the previous step's frees and before this step's
+    lookups, allocations and Admit (Admit runs inside a step and never starts one).
+    A step boundary is the pool's: a pool shared by several schedulers sees each
+    one's. A pool never told of steps treats each allocation as a step of its own.
+    """
+    FreeRetainedBlocks: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.FreeRetainedBlocksRequest, _kv_cache_service_pb2.FreeRetainedBlocksResponse]
+    """Release copy-on-write holds a Step kept for the caller (StepRequest.
+    keep_copy_holds), in the order given, as vLLM's scheduler frees the retained
+    blocks of take_kv_cache_block_copies. FAILED_PRECONDITION (nothing released) for
+    a block the caller's session does not hold that many times.
+    """
     GetComputedBlocks: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.GetComputedBlocksRequest, _kv_cache_service_pb2.GetComputedBlocksResponse]
     """Look up the cached prefix of a waiting or preempted request. Takes no block
     references; the server remembers the hit for the next AllocateSlots.
@@ -159,6 +177,33 @@ class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _aio.ServicerContext[_kv_cache_service_pb2.AppendTokensRequest, _abc.Awaitable[_kv_cache_service_pb2.AppendTokensResponse]],
     ) -> _abc.Awaitable[_kv_cache_service_pb2.AppendTokensResponse]:
         """Append sampled (output) tokens to a request; hashes any block they complete."""
+
+    @_abc_1.abstractmethod
+    def NewStepStarts(
+        self,
+        request: _kv_cache_service_pb2.NewStepStartsRequest,
+        context: _aio.ServicerContext[_kv_cache_service_pb2.NewStepStartsRequest, _abc.Awaitable[_kv_cache_service_pb2.NewStepStartsResponse]],
+    ) -> _abc.Awaitable[_kv_cache_service_pb2.NewStepStartsResponse]:
+        """A scheduler step begins (vLLM's KVCacheManager.new_step_starts()): a Mamba state
+        cached from now on is refused as a prefix hit (AllocateSlots answers NO_SPACE,
+        vLLM's None) until the next NewStepStarts, since the step's forward pass has not
+        written it yet. Send it after the previous step's frees and before this step's
+        lookups, allocations and Admit (Admit runs inside a step and never starts one).
+        A step boundary is the pool's: a pool shared by several schedulers sees each
+        one's. A pool never told of steps treats each allocation as a step of its own.
+        """
+
+    @_abc_1.abstractmethod
+    def FreeRetainedBlocks(
+        self,
+        request: _kv_cache_service_pb2.FreeRetainedBlocksRequest,
+        context: _aio.ServicerContext[_kv_cache_service_pb2.FreeRetainedBlocksRequest, _abc.Awaitable[_kv_cache_service_pb2.FreeRetainedBlocksResponse]],
+    ) -> _abc.Awaitable[_kv_cache_service_pb2.FreeRetainedBlocksResponse]:
+        """Release copy-on-write holds a Step kept for the caller (StepRequest.
+        keep_copy_holds), in the order given, as vLLM's scheduler frees the retained
+        blocks of take_kv_cache_block_copies. FAILED_PRECONDITION (nothing released) for
+        a block the caller's session does not hold that many times.
+        """
 
     @_abc_1.abstractmethod
     def GetComputedBlocks(
