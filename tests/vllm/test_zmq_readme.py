@@ -34,7 +34,8 @@ def seen(scope: dict[str, Any]) -> Counter[Key]:
     """The subscriber's positive counts, read while its thread may be updating them."""
     while True:
         try:
-            return +scope.get("cached", Counter())
+            cached: Counter[Key] = +scope.get("cached", Counter())
+            return cached
         except RuntimeError:  # changed size during the copy: read again
             continue
 
