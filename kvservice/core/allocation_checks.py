@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from kvservice.core.allocation_options import AllocationOptions
 from kvservice.core.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -70,30 +71,28 @@ class AllocationChecker:
         num_new_tokens: int,
         num_new_computed_tokens: int,
         hits: tuple[Sequence[KVCacheBlock], ...],
-        num_lookahead_tokens: int,
-        num_external_computed_tokens: int,
-        num_encoder_tokens: int,
-        reserved_blocks: int,
+        options: AllocationOptions,
     ) -> None:
         """Refuse a malformed or out-of-order allocation before anything changes:
         negative counts, zero tokens, a finished request, ``num_computed_tokens`` below
         the last allocation's, past ``max_model_len``, hits that do not fit the call."""
         rid = request.request_id
+        num_external_computed_tokens = options.num_external_computed_tokens
         if (
             num_new_tokens < 0
             or num_new_computed_tokens < 0
-            or num_lookahead_tokens < 0
+            or options.num_lookahead_tokens < 0
             or num_external_computed_tokens < 0
-            or num_encoder_tokens < 0
-            or reserved_blocks < 0
+            or options.num_encoder_tokens < 0
+            or options.reserved_blocks < 0
         ):
             counts = {
                 "num_new_tokens": num_new_tokens,
                 "num_new_computed_tokens": num_new_computed_tokens,
-                "num_lookahead_tokens": num_lookahead_tokens,
+                "num_lookahead_tokens": options.num_lookahead_tokens,
                 "num_external_computed_tokens": num_external_computed_tokens,
-                "num_encoder_tokens": num_encoder_tokens,
-                "reserved_blocks": reserved_blocks,
+                "num_encoder_tokens": options.num_encoder_tokens,
+                "reserved_blocks": options.reserved_blocks,
             }
             negative = {k: v for k, v in counts.items() if v < 0}
             raise InvalidArgumentError(f"request {rid!r}: counts must be >= 0, got {negative}")

@@ -27,6 +27,7 @@ from kvservice.core.kv_cache_interface import (
 )
 from kvservice.core.single_type_kv_cache_manager import (
     BlockCopy,
+    CacheHitQuery,
     HitBlocks,
     MambaManager,
     SingleTypeKVCacheManager,
@@ -360,13 +361,16 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
 
     def _setup(self) -> None:
         assert len(self.single_type_managers) == 1
-        self._manager = self.single_type_managers[0]
-        self.block_size = self._manager.block_size
+        manager = self._manager = self.single_type_managers[0]
+        self.block_size = manager.block_size
         if self.block_pool.hash_block_size != self.block_size:
             raise InvalidArgumentError(
                 f"with one KV cache group, hash_block_size ({self.block_pool.hash_block_size}) "
                 f"must equal the group's block_size ({self.block_size})"
             )
+        self._hit_query = CacheHitQuery(
+            (0,), self.block_pool, manager.kv_cache_spec, self.block_size, manager.use_eagle
+        )
 
     # The fan-outs below are the base class's loops for one group, without the loop:
     # they run on every decode step.
@@ -413,15 +417,8 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_cache_hit_length: int
     ) -> CacheHit:
-        manager = self._manager
-        blocks, hit_length = type(manager).find_longest_cache_hit(
-            block_hashes,
-            max_cache_hit_length,
-            (0,),
-            self.block_pool,
-            manager.kv_cache_spec,
-            self.block_size,
-            use_eagle=manager.use_eagle,
+        blocks, hit_length = type(self._manager).find_longest_cache_hit(
+            block_hashes, max_cache_hit_length, self._hit_query
         )
         # One group cannot lag behind another: no uncached shared prefix.
         return blocks, hit_length, 0
@@ -466,7 +463,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         )
 
     def _split_attention_groups(self) -> list[_SpecGroup]:
-        groups: list[_SpecGroup] = []
+        ids_by_spec: list[tuple[KVCacheSpec, list[int]]] = []
         for i, group in enumerate(self.kv_cache_config.kv_cache_groups):
             spec = group.kv_cache_spec
             if (
@@ -478,19 +475,24 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     f"needs every group to share its block size for prefix caching; the "
                     f"scheduler block size is {self.alignment_tokens}"
                 )
-            for known in groups:
-                if known.spec == spec:
-                    known.group_ids.append(i)
+            for known_spec, group_ids in ids_by_spec:
+                if known_spec == spec:
+                    group_ids.append(i)
                     break
             else:
-                groups.append(_SpecGroup(spec, [i], manager_class_for_spec(spec)))
-        for known in groups:
+                ids_by_spec.append((spec, [i]))
+        groups: list[_SpecGroup] = []
+        for spec, group_ids in ids_by_spec:
             # Groups searched together must agree on EAGLE, or one list would be a block
             # longer than the other; siblings of a drafter group are treated as drafters.
-            known.use_eagle = any(gid in self.eagle_group_ids for gid in known.group_ids)
-            for gid in known.group_ids:
-                self.single_type_managers[gid].use_eagle = known.use_eagle
-        groups.sort(key=lambda g: not isinstance(g.spec, FullAttentionSpec))
+            use_eagle = any(gid in self.eagle_group_ids for gid in group_ids)
+            for gid in group_ids:
+                self.single_type_managers[gid].use_eagle = use_eagle
+            query = CacheHitQuery(
+                tuple(group_ids), self.block_pool, spec, self.alignment_tokens, use_eagle
+            )
+            groups.append(_SpecGroup(manager_class_for_spec(spec), query))
+        groups.sort(key=lambda g: not isinstance(g.query.kv_cache_spec, FullAttentionSpec))
         return groups
 
     def find_longest_cache_hit(
@@ -503,22 +505,23 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         # With two types, full attention first, one pass is exact: the second search ran
         # with the full-attention bound and only the full-attention list needs trimming.
         one_pass = len(self.attention_groups) == 2 and isinstance(
-            self.attention_groups[0].spec, FullAttentionSpec
+            self.attention_groups[0].query.kv_cache_spec, FullAttentionSpec
         )
         hit_length = max_cache_hit_length
         while True:
             candidate = hit_length
             for group in self.attention_groups:
-                spec = group.spec
+                query = group.query
+                spec, first_id = query.kv_cache_spec, query.kv_cache_group_ids[0]
                 is_full = isinstance(spec, FullAttentionSpec)
-                if is_full and group.group_ids[0] in full_hit_length:
+                if is_full and first_id in full_hit_length:
                     # Hits are downward closed: a shorter candidate only trims them (to
                     # a block boundary, or to a hash boundary with partial hits).
-                    candidate = min(candidate, full_hit_length[group.group_ids[0]])
+                    candidate = min(candidate, full_hit_length[first_id])
                     candidate -= candidate % min(spec.block_size, self.alignment_tokens)
                     continue
                 max_length = candidate
-                if group.use_eagle and not is_full:
+                if query.use_eagle and not is_full:
                     # Match one unit past the candidate, then give it back: the drop
                     # lands on the candidate instead of one unit below it.
                     margin = (
@@ -529,19 +532,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     )
                     max_length = min(candidate + margin, max_cache_hit_length)
                 lists, length = group.manager_cls.find_longest_cache_hit(
-                    block_hashes,
-                    max_length,
-                    group.group_ids,
-                    self.block_pool,
-                    spec,
-                    self.alignment_tokens,
-                    use_eagle=group.use_eagle,
+                    block_hashes, max_length, query
                 )
                 assert length <= candidate, "a group's hit exceeded the joint candidate"
-                for gid, blocks in zip(group.group_ids, lists, strict=True):
+                for gid, blocks in zip(query.kv_cache_group_ids, lists, strict=True):
                     hits_by_group[gid] = blocks
                 if is_full:
-                    full_hit_length[group.group_ids[0]] = length
+                    full_hit_length[first_id] = length
                 longest = max(longest, length)
                 candidate = length
             if candidate >= hit_length:
@@ -550,11 +547,12 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             if one_pass:
                 break
         for group in self.attention_groups:
-            if isinstance(group.spec, FullAttentionSpec):
-                for gid in group.group_ids:
+            spec = group.query.kv_cache_spec
+            if isinstance(spec, FullAttentionSpec):
+                for gid in group.query.kv_cache_group_ids:
                     full_hits = hits_by_group[gid]
                     assert full_hits is not None
-                    del full_hits[-(-hit_length // group.spec.block_size) :]
+                    del full_hits[-(-hit_length // spec.block_size) :]
         result = tuple(hits if hits is not None else [] for hits in hits_by_group)
         return result, hit_length, longest - hit_length
 
@@ -577,14 +575,13 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             manager.cache_blocks(request, num_tokens, boundaries)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class _SpecGroup:
-    """KV cache groups with equal specs, searched together by the hybrid coordinator."""
+    """KV cache groups with equal specs, searched together by the hybrid coordinator
+    with their type's rule."""
 
-    spec: KVCacheSpec
-    group_ids: list[int]
     manager_cls: type[SingleTypeKVCacheManager]
-    use_eagle: bool = False
+    query: CacheHitQuery
 
 
 def get_kv_cache_coordinator(

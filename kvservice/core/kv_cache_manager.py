@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from kvservice.core.allocation_checks import AllocationChecker
+from kvservice.core.allocation_options import PLAIN_ALLOCATION, AllocationOptions
 from kvservice.core.block_hashing import BlockHasher, MultiModalFeature
 from kvservice.core.errors import (
     FailedPreconditionError,
@@ -292,6 +293,43 @@ class KVCacheManager:
         reserved_blocks: int = 0,
         has_scheduled_reqs: bool = True,
     ) -> KVCacheBlocks | None:
+        """vLLM 0.33's ``allocate_slots``, argument for argument: see
+        ``allocate_slots_with_options``, which takes the arguments after the hit as one
+        ``AllocationOptions``."""
+        # A decode step passes vLLM's defaults: sharing one value rather than building
+        # one per call keeps bench_core's decode-heavy and mixed workloads at their
+        # speed before the options were one object (about 7% on each).
+        options = PLAIN_ALLOCATION
+        if (
+            num_lookahead_tokens
+            or num_external_computed_tokens
+            or delay_cache_blocks
+            or num_encoder_tokens
+            or full_sequence_must_fit
+            or reserved_blocks
+            or not has_scheduled_reqs
+        ):
+            options = AllocationOptions(
+                num_lookahead_tokens,
+                num_external_computed_tokens,
+                delay_cache_blocks,
+                num_encoder_tokens,
+                full_sequence_must_fit,
+                reserved_blocks,
+                has_scheduled_reqs,
+            )
+        return self.allocate_slots_with_options(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, options
+        )
+
+    def allocate_slots_with_options(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None,
+        options: AllocationOptions,
+    ) -> KVCacheBlocks | None:
         """Allocate slots for ``num_new_tokens`` more tokens of ``request``.
 
         Token layout::
@@ -312,7 +350,7 @@ class KVCacheManager:
         ``new_step_starts``). None changes no block table nor reference, though blocks
         that slid out of view are released first, as in vLLM. Blocks that fill up are
         hashed into the prefix cache now, up to ``request.num_tokens`` (draft tokens
-        that may be rejected are never cached), unless ``delay_cache_blocks``.
+        that may be rejected are never cached), unless ``options.delay_cache_blocks``.
 
         Raises ``InvalidArgumentError`` for negative counts or zero tokens,
         ``OutOfRangeError`` past ``max_model_len`` and ``FailedPreconditionError`` for
@@ -321,35 +359,26 @@ class KVCacheManager:
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else ()
         num_computed_tokens = request.num_computed_tokens
         self.checker.check_allocation(
-            request,
-            num_computed_tokens,
-            num_new_tokens,
-            num_new_computed_tokens,
-            hits,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            num_encoder_tokens,
-            reserved_blocks,
+            request, num_computed_tokens, num_new_tokens, num_new_computed_tokens, hits, options
         )
         request_id = request.request_id
+        num_external_computed_tokens = options.num_external_computed_tokens
+        num_encoder_tokens = options.num_encoder_tokens
         num_local_computed_tokens = num_computed_tokens + num_new_computed_tokens
         total_computed_tokens = num_local_computed_tokens + num_external_computed_tokens
         coordinator = self.coordinator
         block_pool = self.block_pool
 
-        watermark_blocks = self._watermark_blocks_for(request, has_scheduled_reqs)
-        if full_sequence_must_fit and not self._full_sequence_fits(
-            request,
-            hits,
-            num_encoder_tokens,
-            num_local_computed_tokens,
-            total_computed_tokens,
-            watermark_blocks,
+        watermark_blocks = self._watermark_blocks_for(request, options)
+        if options.full_sequence_must_fit and not self._full_sequence_fits(
+            request, hits, num_local_computed_tokens, options, watermark_blocks
         ):
             return None
 
         num_tokens_main_model = total_computed_tokens + num_new_tokens
-        num_tokens_need_slot = min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len)
+        num_tokens_need_slot = min(
+            num_tokens_main_model + options.num_lookahead_tokens, self.max_model_len
+        )
 
         # Free what has slid out of view before counting, so the request may cover its
         # need with memory it just released. Safe even if the request is refused below.
@@ -363,7 +392,8 @@ class KVCacheManager:
             num_local_computed_tokens=num_local_computed_tokens,
             num_tokens_main_model=num_tokens_main_model,
         )
-        if num_required + watermark_blocks > block_pool.get_num_free_blocks() - reserved_blocks:
+        free_blocks = block_pool.get_num_free_blocks() - options.reserved_blocks
+        if num_required + watermark_blocks > free_blocks:
             return None
 
         if num_external_computed_tokens > 0 or any(hits):
@@ -375,7 +405,7 @@ class KVCacheManager:
         )
         self.checker.record_allocation(request_id, num_computed_tokens)
 
-        if self.enable_caching and not delay_cache_blocks:
+        if self.enable_caching and not options.delay_cache_blocks:
             coordinator.cache_blocks(request, min(num_tokens_main_model, request.num_tokens))
         if not self._caller_steps:
             coordinator.new_step_starts()
@@ -414,9 +444,9 @@ class KVCacheManager:
         """Block id -> holds taken by ``take_kv_cache_block_copies`` not yet released."""
         return self._retained_holds
 
-    def _watermark_blocks_for(self, request: Request, has_scheduled_reqs: bool) -> int:
+    def _watermark_blocks_for(self, request: Request, options: AllocationOptions) -> int:
         # The watermark only guards admissions, and only when something else runs.
-        if has_scheduled_reqs and request.status in _WAITING_STATES:
+        if options.has_scheduled_reqs and request.status in _WAITING_STATES:
             return self.watermark_blocks
         return 0
 
@@ -424,9 +454,8 @@ class KVCacheManager:
         self,
         request: Request,
         hits: tuple[Sequence[KVCacheBlock], ...],
-        num_encoder_tokens: int,
         num_local_computed_tokens: int,
-        total_computed_tokens: int,
+        options: AllocationOptions,
         watermark_blocks: int,
     ) -> bool:
         """The admission gate: could the whole sequence be held now (window-bounded
@@ -436,8 +465,8 @@ class KVCacheManager:
             request.request_id,
             full_num_tokens,
             hits,
-            num_encoder_tokens,
-            total_computed_tokens,
+            options.num_encoder_tokens,
+            num_local_computed_tokens + options.num_external_computed_tokens,
             apply_admission_cap=True,
             num_local_computed_tokens=num_local_computed_tokens,
             num_tokens_main_model=full_num_tokens,
@@ -448,12 +477,7 @@ class KVCacheManager:
         self,
         request: Request,
         num_new_tokens: int | None = None,
-        num_lookahead_tokens: int = 0,
-        num_external_computed_tokens: int = 0,
-        num_encoder_tokens: int = 0,
-        full_sequence_must_fit: bool = False,
-        reserved_blocks: int = 0,
-        has_scheduled_reqs: bool = True,
+        options: AllocationOptions = PLAIN_ALLOCATION,
     ) -> AllocationProbe:
         """What ``get_computed_blocks`` + ``allocate_slots`` would do now, without doing
         it: no references taken, no block freed, LRU order and stats untouched.
@@ -472,48 +496,24 @@ class KVCacheManager:
                 request.block_hashes, request.num_tokens - 1
             )
         num_computed_tokens = request.num_computed_tokens
+        num_local_computed_tokens = num_computed_tokens + num_hit_tokens
+        total_computed_tokens = num_local_computed_tokens + options.num_external_computed_tokens
         if num_new_tokens is None:
-            num_new_tokens = max(
-                request.num_tokens
-                - num_computed_tokens
-                - num_hit_tokens
-                - num_external_computed_tokens,
-                0,
-            )
+            num_new_tokens = max(request.num_tokens - total_computed_tokens, 0)
         self.checker.check_allocation(
-            request,
-            num_computed_tokens,
-            num_new_tokens,
-            num_hit_tokens,
-            hits,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            num_encoder_tokens,
-            reserved_blocks,
+            request, num_computed_tokens, num_new_tokens, num_hit_tokens, hits, options
         )
-        total_computed_tokens = num_computed_tokens + num_hit_tokens + num_external_computed_tokens
-        watermark_blocks = self._watermark_blocks_for(request, has_scheduled_reqs)
-        fits = not full_sequence_must_fit or self._full_sequence_fits(
-            request,
-            hits,
-            num_encoder_tokens,
-            num_computed_tokens + num_hit_tokens,
-            total_computed_tokens,
-            watermark_blocks,
+        watermark_blocks = self._watermark_blocks_for(request, options)
+        fits = not options.full_sequence_must_fit or self._full_sequence_fits(
+            request, hits, num_local_computed_tokens, options, watermark_blocks
         )
         num_free = self.block_pool.get_num_free_blocks() + (
             self.coordinator.get_num_blocks_freed_by_skipping(request_id, total_computed_tokens)
         )
         num_required = self._num_required(
-            request_id,
-            hits,
-            num_computed_tokens + num_hit_tokens,
-            total_computed_tokens,
-            num_new_tokens,
-            num_lookahead_tokens,
-            num_encoder_tokens,
+            request_id, hits, num_local_computed_tokens, num_new_tokens, options
         )
-        fits = fits and num_required + watermark_blocks <= num_free - reserved_blocks
+        fits = fits and num_required + watermark_blocks <= num_free - options.reserved_blocks
         return AllocationProbe(num_hit_tokens, num_new_tokens, num_required, num_free, fits)
 
     def num_blocks_needed(
@@ -522,10 +522,7 @@ class KVCacheManager:
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
-        num_lookahead_tokens: int = 0,
-        num_external_computed_tokens: int = 0,
-        num_encoder_tokens: int = 0,
-        reserved_blocks: int = 0,
+        options: AllocationOptions = PLAIN_ALLOCATION,
     ) -> int:
         """Free blocks ``allocate_slots`` with these arguments would consume, net of
         those it first releases because they slid out of view: what a cap on one
@@ -534,27 +531,13 @@ class KVCacheManager:
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else ()
         num_computed_tokens = request.num_computed_tokens
         self.checker.check_allocation(
-            request,
-            num_computed_tokens,
-            num_new_tokens,
-            num_new_computed_tokens,
-            hits,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
-            num_encoder_tokens,
-            reserved_blocks,
+            request, num_computed_tokens, num_new_tokens, num_new_computed_tokens, hits, options
         )
         num_local_computed_tokens = num_computed_tokens + num_new_computed_tokens
-        total_computed_tokens = num_local_computed_tokens + num_external_computed_tokens
+        total_computed_tokens = num_local_computed_tokens + options.num_external_computed_tokens
         request_id = request.request_id
         return self._num_required(
-            request_id,
-            hits,
-            num_local_computed_tokens,
-            total_computed_tokens,
-            num_new_tokens,
-            num_lookahead_tokens,
-            num_encoder_tokens,
+            request_id, hits, num_local_computed_tokens, num_new_tokens, options
         ) - self.coordinator.get_num_blocks_freed_by_skipping(request_id, total_computed_tokens)
 
     def _num_required(
@@ -562,19 +545,18 @@ class KVCacheManager:
         request_id: str,
         hits: tuple[Sequence[KVCacheBlock], ...],
         num_local_computed_tokens: int,
-        total_computed_tokens: int,
         num_new_tokens: int,
-        num_lookahead_tokens: int,
-        num_encoder_tokens: int,
+        options: AllocationOptions,
     ) -> int:
-        """The predictor's count for an allocation (``allocate_slots`` inlines it on
-        its hot path)."""
+        """The predictor's count for an allocation (``allocate_slots_with_options``
+        inlines it on its hot path)."""
+        total_computed_tokens = num_local_computed_tokens + options.num_external_computed_tokens
         num_tokens_main_model = total_computed_tokens + num_new_tokens
         return self.coordinator.get_num_blocks_to_allocate(
             request_id,
-            min(num_tokens_main_model + num_lookahead_tokens, self.max_model_len),
+            min(num_tokens_main_model + options.num_lookahead_tokens, self.max_model_len),
             hits,
-            num_encoder_tokens,
+            options.num_encoder_tokens,
             total_computed_tokens,
             num_local_computed_tokens=num_local_computed_tokens,
             num_tokens_main_model=num_tokens_main_model,

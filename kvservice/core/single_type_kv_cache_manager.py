@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from kvservice.core.block_pool import BlockPool, resolve_block_hashes
@@ -30,6 +31,20 @@ if TYPE_CHECKING:
 HitBlocks = tuple[list[KVCacheBlock], ...]
 # A copy-on-write copy the runtime must apply: (source block, destination block).
 BlockCopy = tuple[KVCacheBlock, KVCacheBlock]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheHitQuery:
+    """What a prefix-hit search reads besides the hashes and the length bound: the KV
+    cache groups searched together (one spec), the pool, the boundary a hit must end
+    on, and whether an EAGLE drafter reads these groups. A coordinator builds one per
+    spec, once; ``SingleTypeKVCacheManager.find_longest_cache_hit`` takes it."""
+
+    kv_cache_group_ids: Sequence[int]
+    block_pool: BlockPool
+    kv_cache_spec: KVCacheSpec
+    alignment_tokens: int
+    use_eagle: bool = False
 
 
 def sparse_retention_mask(
@@ -396,34 +411,28 @@ class SingleTypeKVCacheManager(ABC):
     @classmethod
     @abstractmethod
     def find_longest_cache_hit(
-        cls,
-        block_hashes: Sequence[BlockHash],
-        max_length: int,
-        kv_cache_group_ids: Sequence[int],
-        block_pool: BlockPool,
-        kv_cache_spec: KVCacheSpec,
-        alignment_tokens: int,
-        use_eagle: bool = False,
+        cls, block_hashes: Sequence[BlockHash], max_length: int, query: CacheHitQuery
     ) -> tuple[HitBlocks, int]:
         """The longest usable cached prefix of at most ``max_length`` tokens: one block
-        list per group id (null blocks where the group needs nothing) and its length in
-        tokens, a multiple of ``alignment_tokens``. Takes no references.
+        list per group of ``query.kv_cache_group_ids`` (null blocks where the group
+        needs nothing) and its length in tokens, a multiple of
+        ``query.alignment_tokens``. Takes no references.
 
-        ``use_eagle``: an EAGLE drafter recomputes the hidden states of the last hit
-        block, so one block (one alignment unit at most) of the hit is given back."""
+        ``query.use_eagle``: an EAGLE drafter recomputes the hidden states of the last
+        hit block, so one block (one alignment unit at most) of the hit is given back."""
 
 
 def _fine_grained_hit(
+    query: CacheHitQuery,
     block_hashes: Sequence[BlockHash],
     first_fine_index: int,
     end_fine_index: int,
-    kv_cache_group_ids: Sequence[int],
-    block_pool: BlockPool,
 ) -> tuple[int, list[KVCacheBlock]] | None:
     """The highest hash boundary in ``[first, end)`` that is cached in every group:
     ``(fine index, blocks)``, or None. ``block_hashes`` are per hash block."""
+    block_pool, group_ids = query.block_pool, query.kv_cache_group_ids
     for fine_index in range(end_fine_index - 1, first_fine_index - 1, -1):
-        hit = block_pool.get_cached_block(block_hashes[fine_index], kv_cache_group_ids)
+        hit = block_pool.get_cached_block(block_hashes[fine_index], group_ids)
         if hit is not None:
             return fine_index, hit
     return None
@@ -435,28 +444,23 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
     @classmethod
     def find_longest_cache_hit(
-        cls,
-        block_hashes: Sequence[BlockHash],
-        max_length: int,
-        kv_cache_group_ids: Sequence[int],
-        block_pool: BlockPool,
-        kv_cache_spec: KVCacheSpec,
-        alignment_tokens: int,
-        use_eagle: bool = False,
+        cls, block_hashes: Sequence[BlockHash], max_length: int, query: CacheHitQuery
     ) -> tuple[HitBlocks, int]:
         """Left to right; the first miss ends the prefix (hashes are chained).
 
         With EAGLE, 48 cached tokens of block size 16 hit only 16 for a 48-token prompt:
         the cap at 47 leaves 2 blocks, and EAGLE gives one back.
         """
-        block_size = kv_cache_spec.block_size
+        block_pool, group_ids = query.block_pool, query.kv_cache_group_ids
+        block_size = query.kv_cache_spec.block_size
+        alignment_tokens = query.alignment_tokens
         hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
         num_blocks = min(max_length // block_size, len(hashes))
-        computed: HitBlocks = tuple([] for _ in kv_cache_group_ids)
-        if len(kv_cache_group_ids) == 1:
+        computed: HitBlocks = tuple([] for _ in group_ids)
+        if len(group_ids) == 1:
             # The common case, without a list per probe.
             lookup = block_pool.cached_block_hash_to_block.get_one_block
-            suffix = kv_cache_group_ids[0].to_bytes(4, "big")
+            suffix = group_ids[0].to_bytes(4, "big")
             out = computed[0]
             for i in range(num_blocks):
                 block = lookup(hashes[i] + suffix)
@@ -465,7 +469,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 out.append(block)
         else:
             for i in range(num_blocks):
-                hit = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
+                hit = block_pool.get_cached_block(hashes[i], group_ids)
                 if hit is None:
                     break
                 for blocks, block in zip(computed, hit, strict=True):
@@ -473,10 +477,9 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         hit_length = len(computed[0]) * block_size
         if alignment_tokens < block_size:
             hit_length = cls._extend_into_next_block(
-                block_hashes, max_length, kv_cache_group_ids, block_pool, block_size,
-                alignment_tokens, computed, hit_length,
-            )  # fmt: skip
-        if use_eagle and hit_length > 0:
+                query, block_hashes, max_length, computed, hit_length
+            )
+        if query.use_eagle and hit_length > 0:
             hit_length -= min(alignment_tokens, block_size)
         hit_length -= hit_length % alignment_tokens
         num_hit_blocks = cdiv(hit_length, block_size)
@@ -486,24 +489,22 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
     @staticmethod
     def _extend_into_next_block(
+        query: CacheHitQuery,
         block_hashes: Sequence[BlockHash],
         max_length: int,
-        kv_cache_group_ids: Sequence[int],
-        block_pool: BlockPool,
-        block_size: int,
-        alignment_tokens: int,
         computed: HitBlocks,
         hit_length: int,
     ) -> int:
         """Partial hits: probe the hash boundaries inside the first block that missed,
         highest first; a partial entry there extends the hit into that block."""
-        assert alignment_tokens == block_pool.hash_block_size, (
+        alignment_tokens = query.alignment_tokens
+        assert alignment_tokens == query.block_pool.hash_block_size, (
             "partial-block hits are aligned to the hash block size"
         )
-        scale = block_size // alignment_tokens
+        scale = query.kv_cache_spec.block_size // alignment_tokens
         first = len(computed[0]) * scale
         end = min(first + scale - 1, max_length // alignment_tokens, len(block_hashes))
-        found = _fine_grained_hit(block_hashes, first, end, kv_cache_group_ids, block_pool)
+        found = _fine_grained_hit(query, block_hashes, first, end)
         if found is None:
             return hit_length
         fine_index, hit = found
@@ -573,14 +574,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     @classmethod
     def find_longest_cache_hit(
-        cls,
-        block_hashes: Sequence[BlockHash],
-        max_length: int,
-        kv_cache_group_ids: Sequence[int],
-        block_pool: BlockPool,
-        kv_cache_spec: KVCacheSpec,
-        alignment_tokens: int,
-        use_eagle: bool = False,
+        cls, block_hashes: Sequence[BlockHash], max_length: int, query: CacheHitQuery
     ) -> tuple[HitBlocks, int]:
         """Right to left: the hit ends at the latest run of cached blocks long enough to
         cover one window; blocks before the run are null. A run that reaches block 0
@@ -589,20 +583,22 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         Example, block size 4, window 8 (2 blocks needed), blocks 2 and 3 cached:
         ``[NULL, NULL, B2, B3]``, 16 tokens.
         """
-        assert isinstance(kv_cache_spec, SlidingWindowSpec)
-        block_size = kv_cache_spec.block_size
-        need = cls.num_contiguous_blocks_needed(kv_cache_spec.sliding_window, block_size, use_eagle)
+        spec, use_eagle = query.kv_cache_spec, query.use_eagle
+        assert isinstance(spec, SlidingWindowSpec)
+        block_pool, group_ids = query.block_pool, query.kv_cache_group_ids
+        block_size, alignment_tokens = spec.block_size, query.alignment_tokens
+        need = cls.num_contiguous_blocks_needed(spec.sliding_window, block_size, use_eagle)
         # With EAGLE the run's last block is given back, so the block before it must end
         # on an aligned boundary.
         end_shift = 0 if use_eagle else 1
         hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
         num_blocks = min(max_length // block_size, len(hashes))
         null = block_pool.null_block
-        computed: HitBlocks = tuple([null] * num_blocks for _ in kv_cache_group_ids)
+        computed: HitBlocks = tuple([null] * num_blocks for _ in group_ids)
         run = 0
         found = False
         for i in range(num_blocks - 1, -1, -1):
-            hit = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
+            hit = block_pool.get_cached_block(hashes[i], group_ids)
             if hit is None:
                 run = 0
                 continue
@@ -667,14 +663,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
 
     @classmethod
     def find_longest_cache_hit(
-        cls,
-        block_hashes: Sequence[BlockHash],
-        max_length: int,
-        kv_cache_group_ids: Sequence[int],
-        block_pool: BlockPool,
-        kv_cache_spec: KVCacheSpec,
-        alignment_tokens: int,
-        use_eagle: bool = False,
+        cls, block_hashes: Sequence[BlockHash], max_length: int, query: CacheHitQuery
     ) -> tuple[HitBlocks, int]:
         """Blocks before the chunk holding token ``max_length`` are null (nothing will
         attend to them); from that chunk's start, left to right until the first miss.
@@ -682,20 +671,22 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         Chunk 8, block size 4, max_length 15: blocks 0-1 are null and only block 2
         (tokens 8-11) is probed: ``[NULL, NULL, B2]`` or ``[NULL, NULL]``.
         """
-        assert isinstance(kv_cache_spec, ChunkedLocalAttentionSpec)
-        assert not use_eagle, "EAGLE is not supported with chunked local attention"
-        block_size = kv_cache_spec.block_size
-        assert block_size == alignment_tokens, (
+        spec = query.kv_cache_spec
+        assert isinstance(spec, ChunkedLocalAttentionSpec)
+        assert not query.use_eagle, "EAGLE is not supported with chunked local attention"
+        block_pool, group_ids = query.block_pool, query.kv_cache_group_ids
+        block_size = spec.block_size
+        assert block_size == query.alignment_tokens, (
             "chunked local attention needs hits aligned to its own block size"
         )
-        chunk = kv_cache_spec.attention_chunk_size
+        chunk = spec.attention_chunk_size
         hashes = resolve_block_hashes(block_hashes, block_pool.hash_block_size, block_size)
         num_blocks = min(max_length // block_size, len(hashes))
         start_block = ((max_length // chunk) * chunk) // block_size if max_length > 0 else 0
         null = block_pool.null_block
-        computed: HitBlocks = tuple([null] * start_block for _ in kv_cache_group_ids)
+        computed: HitBlocks = tuple([null] * start_block for _ in group_ids)
         for i in range(start_block, num_blocks):
-            hit = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
+            hit = block_pool.get_cached_block(hashes[i], group_ids)
             if hit is None:
                 break
             for blocks, block in zip(computed, hit, strict=True):
@@ -1029,29 +1020,24 @@ class MambaManager(SingleTypeKVCacheManager):
 
     @classmethod
     def find_longest_cache_hit(
-        cls,
-        block_hashes: Sequence[BlockHash],
-        max_length: int,
-        kv_cache_group_ids: Sequence[int],
-        block_pool: BlockPool,
-        kv_cache_spec: KVCacheSpec,
-        alignment_tokens: int,
-        use_eagle: bool = False,
+        cls, block_hashes: Sequence[BlockHash], max_length: int, query: CacheHitQuery
     ) -> tuple[HitBlocks, int]:
         """Right to left: the latest cached state ending on an aligned boundary is the
         whole hit (``[NULL] * i + [state]``); earlier states are never read. With
         partial hits (alignment below the block size) every hash boundary is a
         candidate, mid-block states included."""
-        assert isinstance(kv_cache_spec, MambaSpec)
-        assert not use_eagle, "EAGLE is not supported with Mamba groups"
-        block_size = kv_cache_spec.block_size
+        spec = query.kv_cache_spec
+        assert isinstance(spec, MambaSpec)
+        assert not query.use_eagle, "EAGLE is not supported with Mamba groups"
+        block_pool, group_ids = query.block_pool, query.kv_cache_group_ids
+        block_size, alignment_tokens = spec.block_size, query.alignment_tokens
         null = block_pool.null_block
         if alignment_tokens < block_size:
             assert alignment_tokens == block_pool.hash_block_size
             end = min(max_length // alignment_tokens, len(block_hashes))
-            found = _fine_grained_hit(block_hashes, 0, end, kv_cache_group_ids, block_pool)
+            found = _fine_grained_hit(query, block_hashes, 0, end)
             if found is None:
-                return tuple([] for _ in kv_cache_group_ids), 0
+                return tuple([] for _ in group_ids), 0
             fine_index, fine_hit = found
             hit_length = (fine_index + 1) * alignment_tokens
             index = cdiv(hit_length, block_size) - 1
@@ -1060,10 +1046,10 @@ class MambaManager(SingleTypeKVCacheManager):
         for i in range(min(max_length // block_size, len(hashes)) - 1, -1, -1):
             if ((i + 1) * block_size) % alignment_tokens != 0:
                 continue
-            hit = block_pool.get_cached_block(hashes[i], kv_cache_group_ids)
+            hit = block_pool.get_cached_block(hashes[i], group_ids)
             if hit is not None:
                 return tuple([null] * i + [block] for block in hit), (i + 1) * block_size
-        return tuple([] for _ in kv_cache_group_ids), 0
+        return tuple([] for _ in group_ids), 0
 
 
 class CrossAttentionManager(SingleTypeKVCacheManager):
@@ -1074,14 +1060,7 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
 
     @classmethod
     def find_longest_cache_hit(
-        cls,
-        block_hashes: Sequence[BlockHash],
-        max_length: int,
-        kv_cache_group_ids: Sequence[int],
-        block_pool: BlockPool,
-        kv_cache_spec: KVCacheSpec,
-        alignment_tokens: int,
-        use_eagle: bool = False,
+        cls, block_hashes: Sequence[BlockHash], max_length: int, query: CacheHitQuery
     ) -> tuple[HitBlocks, int]:
         raise NotImplementedError("cross attention does not support prefix caching")
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvservice.core.admission import AdmissionResult, admit_in_order
+from kvservice.core.allocation_options import AllocationOptions
 from kvservice.core.errors import FailedPreconditionError, InvalidArgumentError
 from kvservice.core.request import Request, RequestStatus
 from kvservice.request_table.table import RequestTable
@@ -35,6 +36,10 @@ class AdmitArgs:
 def admit(table: RequestTable, args: AdmitArgs, tenant: str) -> TableAdmission:
     """Admit ``args.request_ids`` of ``tenant`` in order."""
     requests = _check(table, args, tenant)
+    options = AllocationOptions(
+        num_lookahead_tokens=args.num_lookahead_tokens,
+        full_sequence_must_fit=args.full_sequence_must_fit,
+    )
 
     def lookup(request_id: str) -> tuple[ComputedBlocks, int]:
         hit = table.get_computed_blocks(request_id, tenant)
@@ -49,8 +54,7 @@ def admit(table: RequestTable, args: AdmitArgs, tenant: str) -> TableAdmission:
                 num_new_tokens=num_new_tokens,
                 num_new_computed_tokens=num_hit_tokens,
                 new_computed_block_ids=hit.block_ids if num_hit_tokens else (),
-                num_lookahead_tokens=args.num_lookahead_tokens,
-                full_sequence_must_fit=args.full_sequence_must_fit,
+                options=options,
             ),
             tenant,
         )

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvservice.core.allocation_options import AllocationOptions
 from kvservice.core.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -56,7 +57,6 @@ from kvservice.request_table.types import (
     HitBlockIds,
     NewRequest,
     PoolUsage,
-    ProbeArgs,
 )
 
 # Told (tenant, reason) of every call refused for a limit: "quota" (max_blocks), or
@@ -343,18 +343,8 @@ class RequestTable:
         try:
             if counted and self.tenants.has_quota(tenant):
                 self._check_quota(request, request_id, tenant, args, hit)
-            new_blocks = self.manager.allocate_slots(
-                request,
-                args.num_new_tokens,
-                args.num_new_computed_tokens,
-                hit,
-                args.num_lookahead_tokens,
-                args.num_external_computed_tokens,
-                args.delay_cache_blocks,
-                args.num_encoder_tokens,
-                args.full_sequence_must_fit,
-                args.reserved_blocks,
-                args.has_scheduled_reqs,
+            new_blocks = self.manager.allocate_slots_with_options(
+                request, args.num_new_tokens, args.num_new_computed_tokens, hit, args.options
             )
         except Exception:
             request.num_computed_tokens = previous
@@ -370,7 +360,9 @@ class RequestTable:
         # vLLM's scheduler advances the count right after scheduling; the next call
         # sends num_computed_tokens only to correct it (rejected draft tokens).
         request.num_computed_tokens += (
-            args.num_new_computed_tokens + args.num_external_computed_tokens + args.num_new_tokens
+            args.num_new_computed_tokens
+            + args.options.num_external_computed_tokens
+            + args.num_new_tokens
         )
         if request.status is not RequestStatus.RUNNING:
             self.requests_per_tenant.waiting_changed(tenant, -request.num_tokens)
@@ -400,14 +392,7 @@ class RequestTable:
         less those sliding out of view. The core's argument checks run first, so a
         malformed call still answers its own status."""
         needed = self.manager.num_blocks_needed(
-            request,
-            args.num_new_tokens,
-            args.num_new_computed_tokens,
-            hit,
-            args.num_lookahead_tokens,
-            args.num_external_computed_tokens,
-            args.num_encoder_tokens,
-            args.reserved_blocks,
+            request, args.num_new_tokens, args.num_new_computed_tokens, hit, args.options
         )
         try:
             self.tenants.check(tenant, request_id, needed)
@@ -453,22 +438,18 @@ class RequestTable:
         return hit.blocks
 
     def probe(
-        self, request_id: str, args: ProbeArgs, tenant: str = DEFAULT_TENANT
+        self,
+        request_id: str,
+        num_new_tokens: int | None,
+        options: AllocationOptions,
+        tenant: str = DEFAULT_TENANT,
     ) -> AllocationProbe:
         """What a lookup plus ``allocate_slots`` would do now; changes nothing (no
-        references, LRU order and prefix cache stats untouched). ``would_fit`` is also
-        false when the allocation would take the tenant past its block quota."""
+        references, LRU order and prefix cache stats untouched). ``num_new_tokens=None``
+        probes every token not yet computed nor hit. ``would_fit`` is also false when
+        the allocation would take the tenant past its block quota."""
         request = self._get(request_id, tenant)
-        probe = self.manager.probe(
-            request,
-            args.num_new_tokens,
-            num_lookahead_tokens=args.num_lookahead_tokens,
-            num_external_computed_tokens=args.num_external_computed_tokens,
-            num_encoder_tokens=args.num_encoder_tokens,
-            full_sequence_must_fit=args.full_sequence_must_fit,
-            reserved_blocks=args.reserved_blocks,
-            has_scheduled_reqs=args.has_scheduled_reqs,
-        )
+        probe = self.manager.probe(request, num_new_tokens, options)
         if not probe.would_fit or not self.tenants.has_quota(tenant):
             return probe
         # The probe counts blocks sliding out of view as free; they are the tenant's.

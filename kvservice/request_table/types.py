@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from kvservice.core.allocation_options import PLAIN_ALLOCATION, AllocationOptions
 from kvservice.core.block_hashing import MultiModalFeature
 from kvservice.core.request import Request
 
@@ -62,28 +63,8 @@ class AllocateArgs(NamedTuple):
     num_new_tokens: int
     num_new_computed_tokens: int = 0
     new_computed_block_ids: HitBlockIds = ()
-    num_lookahead_tokens: int = 0
-    num_external_computed_tokens: int = 0
-    delay_cache_blocks: bool = False
-    num_encoder_tokens: int = 0
-    full_sequence_must_fit: bool = False
-    reserved_blocks: int = 0
-    has_scheduled_reqs: bool = True
+    options: AllocationOptions = PLAIN_ALLOCATION
     num_computed_tokens: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ProbeArgs:
-    """The arguments of ``KVCacheManager.probe``; ``num_new_tokens=None`` probes every
-    token not yet computed nor hit."""
-
-    num_new_tokens: int | None = None
-    num_lookahead_tokens: int = 0
-    num_external_computed_tokens: int = 0
-    num_encoder_tokens: int = 0
-    full_sequence_must_fit: bool = False
-    reserved_blocks: int = 0
-    has_scheduled_reqs: bool = True
 
 
 @dataclass(frozen=True, slots=True)

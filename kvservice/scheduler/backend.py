@@ -21,6 +21,7 @@ from kvservice.client.types import (
     ComputedBlocks,
     FreeMode,
 )
+from kvservice.core.allocation_options import AllocationOptions
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.request_table import admission
 from kvservice.request_table.table import RequestTable
@@ -273,8 +274,10 @@ class InProcessBackend:
             num_new_tokens,
             hit.num_computed_tokens if hit is not None else 0,
             hit.block_ids if hit is not None else (),
-            num_lookahead_tokens=num_lookahead_tokens,
-            full_sequence_must_fit=full_sequence_must_fit,
+            AllocationOptions(
+                num_lookahead_tokens=num_lookahead_tokens,
+                full_sequence_must_fit=full_sequence_must_fit,
+            ),
         )
         new_block_ids = self.table.allocate_slots(request_id, args).new_block_ids
         return None if new_block_ids is None else _ids(new_block_ids)

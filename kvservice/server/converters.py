@@ -10,6 +10,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvservice.core.admission import AdmitStop
+from kvservice.core.allocation_options import AllocationOptions
 from kvservice.core.block_hashing import MultiModalFeature
 from kvservice.core.errors import InvalidArgumentError
 from kvservice.core.kv_cache_interface import (
@@ -31,7 +32,6 @@ from kvservice.request_table.types import (
     FreeMode,
     NewRequest,
     PoolUsage,
-    ProbeArgs,
 )
 from kvservice.server.config import HashSeedSource
 
@@ -102,29 +102,33 @@ def allocate_args_from_pb(msg: pb.AllocateSlotsRequest) -> AllocateArgs:
         num_new_tokens=msg.num_new_tokens,
         num_new_computed_tokens=msg.num_new_computed_tokens,
         new_computed_block_ids=tuple(tuple(g.block_ids) for g in msg.new_computed_block_ids),
-        num_lookahead_tokens=msg.num_lookahead_tokens,
-        num_external_computed_tokens=msg.num_external_computed_tokens,
-        delay_cache_blocks=msg.delay_cache_blocks,
-        num_encoder_tokens=msg.num_encoder_tokens,
-        full_sequence_must_fit=msg.full_sequence_must_fit,
-        reserved_blocks=msg.reserved_blocks,
-        # Absent means vLLM's default (True); proto3's plain bool would mean False.
-        has_scheduled_reqs=(msg.has_scheduled_reqs if msg.HasField("has_scheduled_reqs") else True),
+        options=_allocation_options(msg, msg.delay_cache_blocks),
         num_computed_tokens=(
             msg.num_computed_tokens if msg.HasField("num_computed_tokens") else None
         ),
     )
 
 
-def probe_args_from_pb(msg: pb.ProbeRequest) -> ProbeArgs:
-    return ProbeArgs(
-        num_new_tokens=msg.num_new_tokens if msg.HasField("num_new_tokens") else None,
+def probe_args_from_pb(msg: pb.ProbeRequest) -> tuple[int | None, AllocationOptions]:
+    """``RequestTable.probe``'s ``num_new_tokens`` (None when absent) and options."""
+    num_new_tokens = msg.num_new_tokens if msg.HasField("num_new_tokens") else None
+    return num_new_tokens, _allocation_options(msg)
+
+
+def _allocation_options(
+    msg: pb.AllocateSlotsRequest | pb.ProbeRequest, delay_cache_blocks: bool = False
+) -> AllocationOptions:
+    """The fields both messages share (a probe caches nothing, so it has no
+    ``delay_cache_blocks``)."""
+    return AllocationOptions(
         num_lookahead_tokens=msg.num_lookahead_tokens,
         num_external_computed_tokens=msg.num_external_computed_tokens,
+        delay_cache_blocks=delay_cache_blocks,
         num_encoder_tokens=msg.num_encoder_tokens,
         full_sequence_must_fit=msg.full_sequence_must_fit,
         reserved_blocks=msg.reserved_blocks,
-        has_scheduled_reqs=(msg.has_scheduled_reqs if msg.HasField("has_scheduled_reqs") else True),
+        # Absent means vLLM's default (True); proto3's plain bool would mean False.
+        has_scheduled_reqs=msg.has_scheduled_reqs if msg.HasField("has_scheduled_reqs") else True,
     )
 
 

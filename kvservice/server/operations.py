@@ -142,8 +142,9 @@ def probe(
     with_state: bool,
     /,
 ) -> None:
-    args = converters.probe_args_from_pb(msg)
-    out.CopyFrom(converters.probe_to_pb(table.probe(msg.request_id, args, caller.tenant)))
+    num_new_tokens, options = converters.probe_args_from_pb(msg)
+    answer = table.probe(msg.request_id, num_new_tokens, options, caller.tenant)
+    out.CopyFrom(converters.probe_to_pb(answer))
 
 
 def get_request(

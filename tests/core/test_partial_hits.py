@@ -17,7 +17,7 @@ from kvservice.core.kv_cache_block import KVCacheBlock, make_block_hash_with_gro
 from kvservice.core.kv_cache_coordinator import HybridKVCacheCoordinator
 from kvservice.core.kv_cache_manager import KVCacheBlockCopy, KVCacheBlocks, KVCacheManager
 from kvservice.core.request import Request
-from kvservice.core.single_type_kv_cache_manager import FullAttentionManager
+from kvservice.core.single_type_kv_cache_manager import CacheHitQuery, FullAttentionManager
 from tests.core.helpers import finish, free_queue_ids, ids, make_manager, prefill
 from tests.core.support import full, sliding
 from tests.core.test_mamba import mamba
@@ -345,7 +345,7 @@ class TestEagleRewindsOneHashUnit:
         """§11.5: FullAttentionManager lookup, block 4, max_length 8, alignment 2."""
         pool, hashes = self.pool_with(entries)
         blocks, length = FullAttentionManager.find_longest_cache_hit(
-            hashes, 8, [0], pool, full(4), 2, use_eagle=eagle
+            hashes, 8, CacheHitQuery([0], pool, full(4), 2, use_eagle=eagle)
         )
         assert (length, [b.block_id for b in blocks[0]]) == expected
 

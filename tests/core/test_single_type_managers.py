@@ -13,6 +13,7 @@ import pytest
 from kvservice.core.block_pool import BlockPool
 from kvservice.core.kv_cache_block import BlockHash, KVCacheBlock
 from kvservice.core.single_type_kv_cache_manager import (
+    CacheHitQuery,
     ChunkedLocalAttentionManager,
     FullAttentionManager,
     SlidingWindowManager,
@@ -93,7 +94,7 @@ class TestChunkedLocalFindLongestCacheHit:
         pool, hashes = pool_with_cached(pattern, block_size)
         max_length = len(pattern) * block_size + tail
         lists, hit_length = ChunkedLocalAttentionManager.find_longest_cache_hit(
-            hashes, max_length, [0], pool, spec, block_size
+            hashes, max_length, CacheHitQuery([0], pool, spec, block_size)
         )
         (blocks,) = lists
         assert len(blocks) == expected_len
@@ -110,7 +111,9 @@ class TestChunkedLocalFindLongestCacheHit:
         spec = chunked(2, 4)
         pool, hashes = pool_with_cached([T, T, T], 2)
         free_before = pool.get_num_free_blocks()
-        ChunkedLocalAttentionManager.find_longest_cache_hit(hashes, 6, [0], pool, spec, 2)
+        ChunkedLocalAttentionManager.find_longest_cache_hit(
+            hashes, 6, CacheHitQuery([0], pool, spec, 2)
+        )
         assert pool.get_num_free_blocks() == free_before
         assert all(b.ref_cnt == 0 for b in pool.blocks)
 
@@ -139,7 +142,7 @@ class TestSlidingWindowFindLongestCacheHit:
         spec = sliding(block_size, 4)
         pool, hashes = pool_with_cached(pattern, block_size)
         lists, hit_length = SlidingWindowManager.find_longest_cache_hit(
-            hashes, len(pattern) * block_size, [0], pool, spec, block_size
+            hashes, len(pattern) * block_size, CacheHitQuery([0], pool, spec, block_size)
         )
         (blocks,) = lists
         assert len(blocks) == expected_len
@@ -155,7 +158,7 @@ class TestSlidingWindowFindLongestCacheHit:
         spec = sliding(4, 8)
         pool, hashes = pool_with_cached([F, F, T, T], 4)
         (blocks,), hit_length = SlidingWindowManager.find_longest_cache_hit(
-            hashes, 16, [0], pool, spec, 4
+            hashes, 16, CacheHitQuery([0], pool, spec, 4)
         )
         assert blocks == [pool.null_block, pool.null_block, pool.blocks[12], pool.blocks[13]]
         assert hit_length == 16
@@ -167,7 +170,7 @@ class TestFullAttentionFindLongestCacheHit:
         spec = full(2)
         pool, hashes = pool_with_cached([T, T, F, T], 2)
         (blocks,), hit_length = FullAttentionManager.find_longest_cache_hit(
-            hashes, 8, [0], pool, spec, 2
+            hashes, 8, CacheHitQuery([0], pool, spec, 2)
         )
         assert blocks == [pool.blocks[10], pool.blocks[11]]
         assert hit_length == 4
@@ -177,15 +180,15 @@ class TestFullAttentionFindLongestCacheHit:
         spec = full(2)
         pool, hashes = pool_with_cached([T, T, T, T], 2)
         (blocks,), hit_length = FullAttentionManager.find_longest_cache_hit(
-            hashes, 7, [0], pool, spec, 2
+            hashes, 7, CacheHitQuery([0], pool, spec, 2)
         )
         assert (len(blocks), hit_length) == (3, 6)
         (blocks,), hit_length = FullAttentionManager.find_longest_cache_hit(
-            hashes, 8, [0], pool, spec, 4
+            hashes, 8, CacheHitQuery([0], pool, spec, 4)
         )
         assert (len(blocks), hit_length) == (4, 8)
         (blocks,), hit_length = FullAttentionManager.find_longest_cache_hit(
-            hashes, 7, [0], pool, spec, 4
+            hashes, 7, CacheHitQuery([0], pool, spec, 4)
         )
         assert (len(blocks), hit_length) == (2, 4)
 

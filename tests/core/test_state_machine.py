@@ -57,6 +57,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
+from kvservice.core.allocation_options import AllocationOptions
 from kvservice.core.errors import InvalidArgumentError
 from kvservice.core.invariants import check_invariants
 from kvservice.core.kv_cache_block import KVCacheBlock, get_block_hash, get_group_id
@@ -696,11 +697,13 @@ class AllocatorMachine(RuleBasedStateMachine):
         probe = m.probe(
             request,
             num_new_tokens=num_new,
-            num_lookahead_tokens=step.lookahead,
-            num_external_computed_tokens=num_external,
-            full_sequence_must_fit=step.full_sequence_must_fit,
-            reserved_blocks=step.reserved_blocks,
-            has_scheduled_reqs=step.has_scheduled_reqs,
+            options=AllocationOptions(
+                num_lookahead_tokens=step.lookahead,
+                num_external_computed_tokens=num_external,
+                full_sequence_must_fit=step.full_sequence_must_fit,
+                reserved_blocks=step.reserved_blocks,
+                has_scheduled_reqs=step.has_scheduled_reqs,
+            ),
         )
         assert_same_state(take_state(m), before, "probe")
         assert len(m.block_pool.kv_event_queue) == num_events, "probe emitted events"

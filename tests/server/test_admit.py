@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kvservice.client import AdmitOptions, AdmitStopReason, AsyncKVClient, StepBuilder
 from kvservice.core.admission import AdmitStop
+from kvservice.core.allocation_options import AllocationOptions
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.request_table.admission import AdmitArgs, admit
 from kvservice.request_table.table import RequestTable
@@ -61,8 +62,10 @@ def one_by_one(allocator: RequestTable, args: AdmitArgs, tenant: str = TENANT) -
                 new_computed_block_ids=tuple(tuple(g) for g in hit.block_ids)
                 if hit.num_computed_tokens
                 else (),
-                num_lookahead_tokens=args.num_lookahead_tokens,
-                full_sequence_must_fit=args.full_sequence_must_fit,
+                options=AllocationOptions(
+                    num_lookahead_tokens=args.num_lookahead_tokens,
+                    full_sequence_must_fit=args.full_sequence_must_fit,
+                ),
             ),
             tenant,
         )

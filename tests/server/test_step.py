@@ -289,9 +289,9 @@ class TestHotPathEncoding:
         variants.append(pb.AllocateSlotsRequest(num_new_tokens=1, num_computed_tokens=0))
         args = [converters.allocate_args_from_pb(v) for v in variants]
         assert len(set(args)) == len(variants)
-        assert args[-3].has_scheduled_reqs is False
+        assert args[-3].options.has_scheduled_reqs is False
         assert args[-1].num_computed_tokens == 0
-        assert args[0].has_scheduled_reqs is True and args[0].num_computed_tokens is None
+        assert args[0].options.has_scheduled_reqs is True and args[0].num_computed_tokens is None
         other_id = pb.AllocateSlotsRequest(request_id="zz", num_new_tokens=1)
         assert converters.allocate_args_from_pb(other_id) == args[0]
 

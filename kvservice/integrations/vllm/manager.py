@@ -32,6 +32,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import RequestStatus as VllmRequestStatus
 
+from kvservice.core.allocation_options import AllocationOptions
 from kvservice.core.block_hashing import MultiModalFeature
 from kvservice.core.kv_cache_block import KVCacheBlock
 from kvservice.core.kv_cache_manager import KVCacheManager
@@ -50,11 +51,6 @@ if TYPE_CHECKING:
     from kvservice.integrations.vllm.server_link import ServerLink
 
 BlockIds = tuple[tuple[int, ...], ...]
-# allocate_slots' arguments after the hit, in vLLM's order (num_lookahead_tokens,
-# num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens,
-# full_sequence_must_fit, reserved_blocks, has_scheduled_reqs).
-RareArguments = tuple[int, int, bool, int, bool, int, bool]
-_PLAIN: RareArguments = (0, 0, False, 0, False, 0, True)
 _NO_HIT: tuple[int, BlockIds] = (0, ())
 
 
@@ -289,11 +285,7 @@ class KVServiceKVCacheManager:
         if server is not None:
             # The copies this allocation queues are the ones the server answers it with.
             pending_before = [len(m.pending_cow_copies) for m in self._core_managers]
-        new_blocks = self.core.allocate_slots(
-            self._sync(request),
-            num_new_tokens,
-            num_new_computed_tokens,
-            hits,
+        options = AllocationOptions(
             num_lookahead_tokens,
             num_external_computed_tokens,
             delay_cache_blocks,
@@ -302,19 +294,10 @@ class KVServiceKVCacheManager:
             reserved_blocks,
             has_scheduled_reqs,
         )
+        new_blocks = self.core.allocate_slots_with_options(
+            self._sync(request), num_new_tokens, num_new_computed_tokens, hits, options
+        )
         if server is not None:
-            # The rarer arguments in vLLM's order; None for a decode step's plain call.
-            rare: RareArguments | None = (
-                num_lookahead_tokens,
-                num_external_computed_tokens,
-                delay_cache_blocks,
-                num_encoder_tokens,
-                full_sequence_must_fit,
-                reserved_blocks,
-                has_scheduled_reqs,
-            )
-            if rare == _PLAIN:
-                rare = None
             hit = _NO_HIT if hits is None else (num_new_computed_tokens, _ids(hits.blocks))
             if new_blocks is None:
                 answer = None
@@ -327,7 +310,7 @@ class KVServiceKVCacheManager:
                 for manager, before in zip(self._core_managers, pending_before, strict=True)
                 for src, dst in manager.pending_cow_copies[before:]
             )
-            server.allocated(request, num_new_tokens, hit, rare, answer, copies)
+            server.allocated(request, num_new_tokens, hit, options, answer, copies)
         return None if new_blocks is None else self._blocks(new_blocks.blocks)
 
     def free(self, request: Any) -> None:

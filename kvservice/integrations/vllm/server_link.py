@@ -45,6 +45,7 @@ from kvservice.client import (
     Session,
     StepResults,
 )
+from kvservice.core.allocation_options import PLAIN_ALLOCATION, AllocationOptions
 from kvservice.integrations.vllm.embeds import prompt_embeds_bytes
 from kvservice.integrations.vllm.settings import ConnectionSettings
 from kvservice.integrations.vllm.step_log import ANY_ANSWER, Expected, NewRequest, StepLog
@@ -313,18 +314,22 @@ class ServerLink:
         request: Any,
         num_new_tokens: int,
         hit: tuple[int, BlockIds],
-        rare: tuple[int, int, bool, int, bool, int, bool] | None,
+        allocation_options: AllocationOptions,
         answer: BlockIds | None,
         copies: tuple[tuple[int, int], ...] = (),
     ) -> None:
         """The replica's ``allocate_slots`` answered ``answer`` (None: no room) for
-        ``request`` with ``hit`` (tokens, block ids) attached, queueing ``copies``
-        (copy-on-write: src, dst); ``rare`` the arguments after the hit in vLLM's order
-        (None: vLLM's defaults)."""
+        ``request`` with ``hit`` (tokens, block ids) attached and ``allocation_options``,
+        queueing ``copies`` (copy-on-write: src, dst)."""
         request_id = request.request_id
         attached = self._attached_hit(request_id, hit) if hit[0] else None
         self._send_tokens(request)
-        options = None if rare is None else AllocateOptions(*rare)
+        # vLLM's defaults (a decode step's plain call) are sent as no options at all.
+        options = (
+            None
+            if allocation_options == PLAIN_ALLOCATION
+            else AllocateOptions(*allocation_options.as_tuple())
+        )
         # The server counts computed tokens as the scheduler does; send the count only
         # where the scheduler moved it otherwise (rejected draft tokens).
         num_computed_tokens = request.num_computed_tokens
