@@ -17,6 +17,7 @@ import statistics
 import time
 
 from kvservice.request_table.table import RequestTable
+from kvservice.request_table.tenancy import DEFAULT_TENANT
 from kvservice.request_table.types import AllocateArgs, NewRequest
 from kvservice.server.audit import Auditor
 from kvservice.server.config import ServerConfig, build_manager
@@ -30,8 +31,12 @@ def build(num_blocks: int) -> RequestTable:
     allocator = RequestTable(build_manager(ServerConfig(num_blocks=num_blocks, metrics_port=None)))
     blocks_per_request = -(-PROMPT_TOKENS // 16)
     for i in range((num_blocks // 2) // blocks_per_request):
-        allocator.add_request(NewRequest(f"r{i}", list(range(i * 7, i * 7 + PROMPT_TOKENS))))
-        allocator.allocate_slots(f"r{i}", AllocateArgs(num_new_tokens=PROMPT_TOKENS))
+        allocator.add_request(
+            NewRequest(f"r{i}", list(range(i * 7, i * 7 + PROMPT_TOKENS))), tenant=DEFAULT_TENANT
+        )
+        allocator.allocate_slots(
+            f"r{i}", AllocateArgs(num_new_tokens=PROMPT_TOKENS), tenant=DEFAULT_TENANT
+        )
     return allocator
 
 

@@ -37,6 +37,7 @@ from multiprocessing.connection import Connection
 import msgspec
 import zmq
 
+from kvservice.request_table.tenancy import DEFAULT_TENANT
 from kvservice.request_table.types import AllocateArgs, FreeMode, NewRequest
 from kvservice.server.app import KVCacheServer
 from kvservice.server.config import ServerConfig
@@ -108,33 +109,36 @@ class Workload:
                 next_id += 1
                 tail = [rng.randrange(50_000) for _ in range(rng.randrange(32, 256))]
                 prompt = rng.choice(prefixes) + tail
-                allocator.add_request(NewRequest(rid, prompt))
-                hit = allocator.get_computed_blocks(rid)
+                allocator.add_request(NewRequest(rid, prompt), tenant=DEFAULT_TENANT)
+                hit = allocator.get_computed_blocks(rid, tenant=DEFAULT_TENANT)
                 args = AllocateArgs(
                     num_new_tokens=len(prompt) - hit.num_computed_tokens,
                     num_new_computed_tokens=hit.num_computed_tokens,
                     new_computed_block_ids=hit.block_ids,
                 )
                 ops += 3
-                if allocator.allocate_slots(rid, args).new_block_ids is None:
-                    allocator.free(rid, FreeMode.FINISH)
+                if allocator.allocate_slots(rid, args, tenant=DEFAULT_TENANT).new_block_ids is None:
+                    allocator.free(rid, FreeMode.FINISH, tenant=DEFAULT_TENANT)
                     ops += 1
                     continue
                 remaining[rid] = rng.randrange(16, 128)
             for rid in list(remaining):
-                allocator.append_tokens(rid, [rng.randrange(50_000)])
+                allocator.append_tokens(rid, [rng.randrange(50_000)], tenant=DEFAULT_TENANT)
                 ops += 2
                 remaining[rid] -= 1
-                fits = allocator.allocate_slots(rid, ONE).new_block_ids is not None
+                fits = (
+                    allocator.allocate_slots(rid, ONE, tenant=DEFAULT_TENANT).new_block_ids
+                    is not None
+                )
                 if not remaining[rid] or not fits:
-                    allocator.free(rid, FreeMode.FINISH)
+                    allocator.free(rid, FreeMode.FINISH, tenant=DEFAULT_TENANT)
                     del remaining[rid]
                     ops += 1
             await asyncio.sleep(0)  # the loop turn that ends the step's batch
         wall_s, cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
         events = (event_log.last_sequence if event_log is not None else 0) - events_before
         for rid in remaining:
-            allocator.free(rid, FreeMode.FINISH)
+            allocator.free(rid, FreeMode.FINISH, tenant=DEFAULT_TENANT)
         await asyncio.sleep(0)
         return Sample(ops, events, wall_s, cpu_s)
 
@@ -219,9 +223,11 @@ def _join(server: KVCacheServer, conn: Connection) -> None:
     allocator = server.table
     for i in range(10_000):
         rid = f"warm{i}"
-        allocator.add_request(NewRequest(rid, [i % 50_000] * BLOCK_SIZE))
-        allocator.allocate_slots(rid, AllocateArgs(num_new_tokens=BLOCK_SIZE))
-        allocator.free(rid, FreeMode.FINISH)
+        allocator.add_request(NewRequest(rid, [i % 50_000] * BLOCK_SIZE), tenant=DEFAULT_TENANT)
+        allocator.allocate_slots(
+            rid, AllocateArgs(num_new_tokens=BLOCK_SIZE), tenant=DEFAULT_TENANT
+        )
+        allocator.free(rid, FreeMode.FINISH, tenant=DEFAULT_TENANT)
         loop.run_until_complete(asyncio.sleep(0.005))
         if conn.poll():
             assert conn.recv() == "joined"

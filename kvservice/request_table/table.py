@@ -41,7 +41,6 @@ from kvservice.request_table.reporting import (
 )
 from kvservice.request_table.runtime_sync import HoldOwner, KVRuntime, RuntimeSync
 from kvservice.request_table.tenancy import (
-    DEFAULT_TENANT,
     RequestLedger,
     TenantLedger,
     check_tenant_blocks,
@@ -159,9 +158,7 @@ class RequestTable:
 
     # -- requests -------------------------------------------------------------------
 
-    def add_request(
-        self, new: NewRequest, tenant: str = DEFAULT_TENANT, session_id: str | None = None
-    ) -> Request:
+    def add_request(self, new: NewRequest, tenant: str, session_id: str | None = None) -> Request:
         """Register a WAITING request of ``tenant``, owned by ``session_id`` when one
         is given; ALREADY_EXISTS for an id the tenant already uses (another tenant's
         ids are no concern of it)."""
@@ -215,9 +212,7 @@ class RequestTable:
             self.limits.check_request_id(request_id)
             self.limits.check_mm_item_count(request_id, num_mm_items)
 
-    def append_tokens(
-        self, request_id: str, token_ids: Sequence[int], tenant: str = DEFAULT_TENANT
-    ) -> Request:
+    def append_tokens(self, request_id: str, token_ids: Sequence[int], tenant: str) -> Request:
         """Append sampled tokens (hashing the blocks they complete)."""
         request = self._get(request_id, tenant)
         self._check_new_tokens(request_id, token_ids, request.num_tokens, "token_ids")
@@ -289,7 +284,7 @@ class RequestTable:
 
     # -- lookup and allocation ------------------------------------------------------
 
-    def get_computed_blocks(self, request_id: str, tenant: str = DEFAULT_TENANT) -> ComputedBlocks:
+    def get_computed_blocks(self, request_id: str, tenant: str) -> ComputedBlocks:
         """The cached prefix of a waiting or preempted request, remembered for the
         next ``allocate_slots``. Side effect: records prefix cache stats."""
         request = self._get(request_id, tenant)
@@ -303,9 +298,7 @@ class RequestTable:
         self._after_change(tenant)
         return ComputedBlocks(hit.block_ids, num_hit, boundary)
 
-    def allocate_slots(
-        self, request_id: str, args: AllocateArgs, tenant: str = DEFAULT_TENANT
-    ) -> Allocation:
+    def allocate_slots(self, request_id: str, args: AllocateArgs, tenant: str) -> Allocation:
         """``allocate_slots`` for a known request; counts the outcome either way.
         RESOURCE_EXHAUSTED (nothing changed) when it would take ``tenant`` past its
         block quota."""
@@ -442,7 +435,7 @@ class RequestTable:
         request_id: str,
         num_new_tokens: int | None,
         options: AllocationOptions,
-        tenant: str = DEFAULT_TENANT,
+        tenant: str,
     ) -> AllocationProbe:
         """What a lookup plus ``allocate_slots`` would do now; changes nothing (no
         references, LRU order and prefix cache stats untouched). ``num_new_tokens=None``
@@ -491,7 +484,7 @@ class RequestTable:
 
     # -- freeing and queries --------------------------------------------------------
 
-    def free(self, request_id: str, mode: FreeMode, tenant: str = DEFAULT_TENANT) -> Request:
+    def free(self, request_id: str, mode: FreeMode, tenant: str) -> Request:
         """Release the request's blocks; PREEMPT keeps it for re-prefill, FINISH
         forgets it."""
         request = self._get(request_id, tenant)
@@ -528,11 +521,11 @@ class RequestTable:
         self._reporter.changed()
         return request
 
-    def get_request(self, request_id: str, tenant: str = DEFAULT_TENANT) -> Request:
+    def get_request(self, request_id: str, tenant: str) -> Request:
         """A known request of ``tenant``; NOT_FOUND otherwise."""
         return self._get(request_id, tenant)
 
-    def get_block_ids(self, request_id: str, tenant: str = DEFAULT_TENANT) -> BlockIdsPerGroup:
+    def get_block_ids(self, request_id: str, tenant: str) -> BlockIdsPerGroup:
         """The request's block table per group; empty lists before its first
         allocation."""
         key = self._get(request_id, tenant).request_id

@@ -253,13 +253,13 @@ class InProcessBackend:
         self.table = RequestTable(manager)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
-        self.table.add_request(NewRequest(request_id, list(prompt_token_ids)))
+        self.table.add_request(NewRequest(request_id, list(prompt_token_ids)), DEFAULT_TENANT)
 
     def new_step_starts(self) -> None:
         self.table.new_step_starts()
 
     def get_computed_blocks(self, request_id: str) -> PrefixHit:
-        hit = self.table.get_computed_blocks(request_id)
+        hit = self.table.get_computed_blocks(request_id, DEFAULT_TENANT)
         return PrefixHit(hit.block_ids, hit.num_computed_tokens, hit.shared_prefix_boundary)
 
     def allocate_slots(
@@ -279,7 +279,7 @@ class InProcessBackend:
                 full_sequence_must_fit=full_sequence_must_fit,
             ),
         )
-        new_block_ids = self.table.allocate_slots(request_id, args).new_block_ids
+        new_block_ids = self.table.allocate_slots(request_id, args, DEFAULT_TENANT).new_block_ids
         return None if new_block_ids is None else _ids(new_block_ids)
 
     def admit(
@@ -310,10 +310,14 @@ class InProcessBackend:
         ]
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
-        self.table.append_tokens(request_id, token_ids)
+        self.table.append_tokens(request_id, token_ids, DEFAULT_TENANT)
 
     def free(self, request_id: str, preempt: bool = False) -> None:
-        self.table.free(request_id, TableFreeMode.PREEMPT if preempt else TableFreeMode.FINISH)
+        self.table.free(
+            request_id,
+            TableFreeMode.PREEMPT if preempt else TableFreeMode.FINISH,
+            DEFAULT_TENANT,
+        )
 
     def num_free_blocks(self) -> int:
         return self.manager.block_pool.get_num_free_blocks()

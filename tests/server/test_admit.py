@@ -139,7 +139,7 @@ def test_admit_decides_as_the_scheduler_loop_does(
         # Earlier requests, finished: their blocks stay cached for the lookups.
         for i, prompt in enumerate(cached):
             allocator.add_request(NewRequest(f"old-{i}", prompt), TENANT)
-            allocator.allocate_slots(f"old-{i}", AllocateArgs(num_new_tokens=len(prompt)))
+            allocator.allocate_slots(f"old-{i}", AllocateArgs(num_new_tokens=len(prompt)), TENANT)
             allocator.free(f"old-{i}", FreeMode.FINISH, TENANT)
         for i, prompt in enumerate(waiting):
             allocator.add_request(NewRequest(f"w-{i}", prompt), TENANT)

@@ -21,6 +21,7 @@ import pytest
 from kvservice.client import AsyncKVClient
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.request_table.table import RequestTable
+from kvservice.request_table.tenancy import DEFAULT_TENANT
 from kvservice.request_table.types import AllocateArgs, FreeMode, NewRequest
 from kvservice.server import forking
 from kvservice.server.app import KVCacheServer
@@ -178,9 +179,11 @@ class TestForkedAudit:
         allocator = RequestTable(build_manager(SMALL_POOL))
         registry = SessionRegistry(allocator, SessionPolicy())
         for n in range(3):
-            allocator.add_request(NewRequest(f"r{n}", tokens(20, start=n)))
-            allocator.allocate_slots(f"r{n}", AllocateArgs(num_new_tokens=20))
-        allocator.free("r1", FreeMode.FINISH)
+            allocator.add_request(NewRequest(f"r{n}", tokens(20, start=n)), tenant=DEFAULT_TENANT)
+            allocator.allocate_slots(
+                f"r{n}", AllocateArgs(num_new_tokens=20), tenant=DEFAULT_TENANT
+            )
+        allocator.free("r1", FreeMode.FINISH, tenant=DEFAULT_TENANT)
         return allocator, Auditor(allocator, registry, fork_min_blocks=0)
 
     async def test_the_snapshot_reports_what_the_in_place_check_does(self) -> None:

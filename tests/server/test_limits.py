@@ -20,6 +20,7 @@ from kvservice.protocol import pack_token_ids
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.request_table.limits import RequestLimits
 from kvservice.request_table.table import RequestTable
+from kvservice.request_table.tenancy import DEFAULT_TENANT
 from kvservice.request_table.types import AllocateArgs, FreeMode, NewRequest
 from kvservice.server.app import KVCacheServer
 from kvservice.server.config import ServerConfig, build_manager
@@ -313,17 +314,20 @@ async def test_the_client_raises_a_typed_error(server: KVCacheServer) -> None:
 
 def test_the_ledger_is_audited() -> None:
     table = RequestTable(build_manager(SMALL_POOL), limits=RequestLimits())
-    table.add_request(NewRequest("a", tokens(20)))
-    table.allocate_slots("a", AllocateArgs(20))
-    table.add_request(NewRequest("b", tokens(5)))
-    table.free("a", FreeMode.PREEMPT)
+    table.add_request(NewRequest("a", tokens(20)), tenant=DEFAULT_TENANT)
+    table.allocate_slots("a", AllocateArgs(20), tenant=DEFAULT_TENANT)
+    table.add_request(NewRequest("b", tokens(5)), tenant=DEFAULT_TENANT)
+    table.free("a", FreeMode.PREEMPT, tenant=DEFAULT_TENANT)
     table.audit()
     assert table.requests_per_tenant.per_tenant() == {"": (2, 25)}
     table.requests_per_tenant.waiting_changed("", 1)
     with pytest.raises(InvariantViolationError, match="request ledger"):
         table.audit()
     table.requests_per_tenant.waiting_changed("", -1)
-    table.add_request(NewRequest("c", tokens(4), prompt_embeds=bytes(8), prompt_embeds_row_bytes=2))
+    table.add_request(
+        NewRequest("c", tokens(4), prompt_embeds=bytes(8), prompt_embeds_row_bytes=2),
+        tenant=DEFAULT_TENANT,
+    )
     table.audit()
     table.requests_per_tenant.added("", 0, 1)
     table.requests_per_tenant.finished("", 0)  # the count back, one byte left over

@@ -21,6 +21,7 @@ from kvservice.protocol import SESSION_KEY
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.request_table.table import RequestTable
+from kvservice.request_table.tenancy import DEFAULT_TENANT
 from kvservice.request_table.types import FreeMode, NewRequest
 from kvservice.server.app import KVCacheServer
 from kvservice.server.config import build_manager
@@ -324,7 +325,9 @@ class TestRegistry:
     def test_every_resolve_renews_the_lease(self) -> None:
         registry, allocator, clock = self.make()
         session = registry.open("", 10.0, "s", 0).session
-        allocator.add_request(NewRequest("r", tokens(8)), session_id=session.session_id)
+        allocator.add_request(
+            NewRequest("r", tokens(8)), session_id=session.session_id, tenant=DEFAULT_TENANT
+        )
         for _ in range(5):
             clock.now += 9.0
             registry.resolve(session.session_id, "")
@@ -332,7 +335,7 @@ class TestRegistry:
         clock.now += 10.0
         assert registry.reap() == 1
         with pytest.raises(RequestNotFoundError):
-            allocator.get_request("r")
+            allocator.get_request("r", tenant=DEFAULT_TENANT)
         with pytest.raises(SessionEndedError, match="lease ran out"):
             registry.resolve(session.session_id, "")
 
@@ -374,9 +377,11 @@ class TestRegistry:
     def test_freeing_under_a_session_releases_ownership(self) -> None:
         registry, allocator, _ = self.make()
         session = registry.open("", 10.0, "s", 0).session
-        allocator.add_request(NewRequest("r", tokens(8)), session_id=session.session_id)
+        allocator.add_request(
+            NewRequest("r", tokens(8)), session_id=session.session_id, tenant=DEFAULT_TENANT
+        )
         assert registry.num_owned_requests == 1
-        allocator.free("r", FreeMode.FINISH)
+        allocator.free("r", FreeMode.FINISH, tenant=DEFAULT_TENANT)
         assert registry.num_owned_requests == 0
         assert registry.violations() == []
 

@@ -13,6 +13,7 @@ import pytest
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.request_table.table import RequestTable
+from kvservice.request_table.tenancy import DEFAULT_TENANT
 from kvservice.request_table.types import AllocateArgs, NewRequest
 from kvservice.server import converters
 from kvservice.server.app import KVCacheServer, serve_in_background
@@ -310,8 +311,8 @@ class TestHotPathEncoding:
         built in one go (zero fields included, which proto3 leaves out)."""
         manager = build_manager(SMALL_POOL)
         allocator = RequestTable(manager)
-        request = allocator.add_request(NewRequest("r", tokens(20)))
-        allocator.allocate_slots("r", AllocateArgs(num_new_tokens=20))
+        request = allocator.add_request(NewRequest("r", tokens(20)), tenant=DEFAULT_TENANT)
+        allocator.allocate_slots("r", AllocateArgs(num_new_tokens=20), tenant=DEFAULT_TENANT)
         expected = pb.RequestState(
             request_id="r",
             status=pb.REQUEST_STATUS_RUNNING,

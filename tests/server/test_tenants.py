@@ -25,6 +25,7 @@ from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.request_table.table import RequestTable
 from kvservice.request_table.tenancy import (
+    DEFAULT_TENANT,
     check_tenant_name,
     core_request_id,
     tenant_cache_salt,
@@ -231,7 +232,9 @@ def test_the_default_tenant_hashes_exactly_as_before() -> None:
     prompt = tokens(3 * BLOCK)
     for salt in (None, "client-salt"):
         reference = Request("r", prompt, manager.block_hasher, cache_salt=salt)
-        plain = allocator.add_request(NewRequest(f"plain-{salt}", prompt, cache_salt=salt))
+        plain = allocator.add_request(
+            NewRequest(f"plain-{salt}", prompt, cache_salt=salt), tenant=DEFAULT_TENANT
+        )
         named = allocator.add_request(
             NewRequest(f"named-{salt}", prompt, cache_salt=salt), tenant="alpha"
         )
