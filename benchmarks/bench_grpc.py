@@ -71,6 +71,7 @@ from kvservice.client.types import FreeMode
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.request_table.table import RequestTable
+from kvservice.request_table.tenancy import DEFAULT_TENANT
 from kvservice.scheduler.backend import InProcessBackend
 from kvservice.server import converters
 from kvservice.server.caller import ANONYMOUS
@@ -243,18 +244,26 @@ def _domain_calls(table: RequestTable, workload: Workload) -> list[Callable[[], 
         kind = op.WhichOneof("op")
         if kind == "add_request":
             new = converters.new_request_from_pb(op.add_request)
-            calls.append(partial(table.add_request, new))
+            calls.append(partial(table.add_request, new, DEFAULT_TENANT))
         elif kind == "get_computed_blocks":
-            calls.append(partial(table.get_computed_blocks, op.get_computed_blocks.request_id))
+            calls.append(
+                partial(
+                    table.get_computed_blocks, op.get_computed_blocks.request_id, DEFAULT_TENANT
+                )
+            )
         elif kind == "allocate_slots":
             args = converters.allocate_args_from_pb(op.allocate_slots)
-            calls.append(partial(table.allocate_slots, op.allocate_slots.request_id, args))
+            calls.append(
+                partial(table.allocate_slots, op.allocate_slots.request_id, args, DEFAULT_TENANT)
+            )
         elif kind == "append_tokens":
             msg = op.append_tokens
-            calls.append(partial(table.append_tokens, msg.request_id, list(msg.token_ids)))
+            calls.append(
+                partial(table.append_tokens, msg.request_id, list(msg.token_ids), DEFAULT_TENANT)
+            )
         else:
             mode = converters.free_mode_from_pb(op.free_request.mode)
-            calls.append(partial(table.free, op.free_request.request_id, mode))
+            calls.append(partial(table.free, op.free_request.request_id, mode, DEFAULT_TENANT))
     return calls
 
 
