@@ -11,8 +11,9 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup build tools serve test lint typecheck unit proto bench bench-runtime clean
 
-# Installing the project compiles kvservice/core with mypyc (setup.py, in pip's build
-# environment from pyproject.toml's build-system pins) into kvservice/core/_compiled/.
+# Installing the project compiles kvservice/core and kvservice/request_table with mypyc
+# (setup.py, in pip's build environment from pyproject.toml's build-system pins) into
+# kvservice/_compiled/.
 # vLLM 0.33.0 (the differential tests' reference) goes in with --no-deps: its own
 # dependency list pulls CUDA packages; requirements/vllm-test.txt pins what it imports here.
 $(STAMP): pyproject.toml setup.py requirements/vllm-test.txt
@@ -26,8 +27,9 @@ $(SERVE_STAMP): pyproject.toml setup.py
 	$(BIN)/pip install --quiet --disable-pip-version-check -e .
 	touch $(SERVE_STAMP)
 
-## The compiled core, rebuilt whenever it differs from the sources: compared by content
-## (kvservice/core/compiled.py), so an edit, a checkout or a pull all count.
+## The compiled core and request table, rebuilt whenever they differ from the sources:
+## compared by content (kvservice/core/compiled.py), so an edit, a checkout or a pull all
+## count.
 build: $(SERVE_STAMP)
 	@$(BIN)/python -P kvservice/core/compiled.py || { \
 		$(BIN)/pip install --quiet --disable-pip-version-check --no-deps -e . \
@@ -67,9 +69,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-## The whole suite on the compiled core, then the core's own tests (conformance and
-## state machines included), the vLLM differential tests and the build's on its sources.
-PURE_PYTHON_TESTS := tests/core tests/vllm tests/server/test_vllm_vectors.py tests/build
+## The whole suite on the compiled build, then the core's own tests (conformance and
+## state machines included), the vLLM differential tests, the request table's (tenants,
+## limits, admission, the Step fast paths, the server fuzzer) and the build's on the
+## sources.
+PURE_PYTHON_TESTS := tests/core tests/vllm tests/server/test_vllm_vectors.py tests/build \
+	tests/server/test_tenants.py tests/server/test_limits.py tests/server/test_admit.py \
+	tests/server/test_step_fast_paths.py tests/server/test_fuzz.py
 
 unit: setup tools
 	KVSERVICE_PURE_PYTHON=0 $(BIN)/pytest
@@ -92,4 +98,4 @@ bench-runtime: setup
 	$(BIN)/python -m benchmarks.bench_paged_attention
 
 clean:
-	rm -rf $(VENV) $(TOOLS) build kvservice/core/_compiled .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(TOOLS) build kvservice/_compiled kvservice/core/_compiled .mypy_cache .pytest_cache .ruff_cache

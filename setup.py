@@ -1,10 +1,11 @@
-"""The build step pyproject.toml cannot declare: ``kvservice/core`` compiled with mypyc.
+"""The build step pyproject.toml cannot declare: ``kvservice/core`` and
+``kvservice/request_table`` compiled with mypyc.
 
 Every install (``pip install .``, ``pip install -e .``, hence ``make setup``) and
-``python setup.py build_ext --inplace`` compile the core's modules into
-``kvservice/core/_compiled/`` (a wheel ships it inside the package) and record the
-SHA-256 of each source they were built from; ``kvservice/core/compiled.py`` imports the
-build only while the sources still match. mypyc comes from ``build-system.requires``.
+``python setup.py build_ext --inplace`` compile their modules, as one mypyc group, into
+``kvservice/_compiled/`` (a wheel ships it inside the package) and record the SHA-256
+of each source they were built from; ``kvservice/core/compiled.py`` imports the build
+only while the sources still match. mypyc comes from ``build-system.requires``.
 """
 
 from __future__ import annotations
@@ -35,24 +36,24 @@ def _load_compiled() -> ModuleType:
 
 compiled = _load_compiled()
 # Where the build goes, as a package path: extension names decide file locations.
-BUILD_PACKAGE = "kvservice.core." + compiled.BUILD_DIR_NAME
+BUILD_PACKAGE = "kvservice." + compiled.BUILD_DIR_NAME
 
 
-class BuildCompiledCore(build_ext):
-    """``build_ext`` that compiles the core with mypyc into ``kvservice/core/_compiled``
-    (also for editable installs, which would otherwise put the extensions next to the
-    sources, where they would shadow any later edit)."""
+class BuildCompiled(build_ext):
+    """``build_ext`` that compiles the core and the request table with mypyc into
+    ``kvservice/_compiled`` (also for editable installs, which would otherwise put the
+    extensions next to the sources, where they would shadow any later edit)."""
 
     def finalize_options(self) -> None:
-        sources = compiled.compiled_sources(compiled.CORE_DIR)
-        self.digests = compiled.source_digests(compiled.CORE_DIR)
+        sources = compiled.compiled_sources()
+        self.digests = compiled.source_digests()
         extensions = mypycify(
             [os.path.relpath(p, ROOT) for p in sources],
             group_name=compiled.GROUP_NAME,
             target_dir=os.path.join("build", "mypyc"),
         )
-        if compiled.source_digests(compiled.CORE_DIR) != self.digests:
-            raise SystemExit("a core source changed while mypyc read them: build again")
+        if compiled.source_digests() != self.digests:
+            raise SystemExit("a source changed while mypyc read them: build again")
         for ext in extensions:
             ext.name = f"{BUILD_PACKAGE}.{ext.name}"
         self.distribution.ext_modules = extensions
@@ -73,7 +74,7 @@ class BuildCompiledCore(build_ext):
     def _replace_tree_build(self, built: Path) -> None:
         # A new directory, then a rename: a running process keeps the files it mapped,
         # and a reader sees the old build whole, or none, or the new one whole.
-        target = compiled.build_dir(compiled.CORE_DIR)
+        target = compiled.build_dir()
         staging = target.with_name(target.name + ".new")
         shutil.rmtree(staging, ignore_errors=True)
         shutil.copytree(built, staging)
@@ -83,8 +84,8 @@ class BuildCompiledCore(build_ext):
 
 setup(
     # Replaced by the mypyc extensions when build_ext runs (never in a metadata-only
-    # step, which need not type-check the core); its presence makes the wheel
+    # step, which need not type-check the sources); its presence makes the wheel
     # platform-specific and schedules build_ext.
     ext_modules=[Extension(f"{BUILD_PACKAGE}.{compiled.GROUP_LIBRARY}", sources=[])],
-    cmdclass={"build_ext": BuildCompiledCore},
+    cmdclass={"build_ext": BuildCompiled},
 )

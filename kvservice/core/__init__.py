@@ -5,10 +5,11 @@ Layer 1 ``KVCacheManager`` (kv_cache_manager.py) -> layer 2 ``KVCacheCoordinator
 (single_type_kv_cache_manager.py) -> layer 4 ``BlockPool`` (block_pool.py).
 
 The modules are imported compiled by mypyc unless ``KVSERVICE_PURE_PYTHON=1``; a build
-that does not match these sources is refused, never used (see ``compiled.py``).
+that does not match these sources (or the request table's, compiled with them) is
+refused, never used (see ``compiled.py``).
 """
 
 from kvservice.core.compiled import activate
 
-COMPILED: bool = activate(__path__)
+COMPILED: bool = activate("core", __path__)
 """Whether this process runs the mypyc-compiled core (False: the sources)."""

@@ -1,17 +1,24 @@
-"""Which build of the core is imported: the mypyc-compiled modules, or these sources.
+"""Which build of the compiled packages is imported: the mypyc-compiled modules, or
+their sources.
 
-Installing the project (``make build``, any ``pip install``) compiles the core with mypyc
-into ``kvservice/core/_compiled/``, a directory the import system never searches on its
-own. ``kvservice/core/__init__.py`` puts it first on the package's path only after
-checking that every compiled module was built from the exact bytes of its ``.py`` here
-(the build records their SHA-256 in ``_compiled/manifest.json``). So an edited source is
-never shadowed by an older binary: the import fails instead, naming what changed.
+Two packages run compiled: the core and the request table, the server's hot path
+around it (``COMPILED_PACKAGES``). Installing the project (``make build``, any ``pip
+install``) compiles them with mypyc, as one group (one shared library, so the table's
+calls into the core are native calls), into ``kvservice/_compiled/``, a directory the
+import system never searches on its own. Each package's ``__init__.py`` puts its part
+of the build first on the package's path only after checking that every compiled
+module of both was built from the exact bytes of its ``.py`` here (the build records
+their SHA-256 in ``_compiled/manifest.json``). So an edited source is never shadowed
+by an older binary: the import fails instead, naming what changed. The build is one
+library, so it is used whole or not at all.
 
-``KVSERVICE_PURE_PYTHON=1`` imports the sources, for debugging and profiling.
+``KVSERVICE_PURE_PYTHON=1`` imports the sources of both, for debugging and profiling.
 
-This module and ``__init__.py`` run before the build is on the path, so they are never
-compiled; it uses the standard library only, so that ``setup.py`` can load it by path
-and ``python -P kvservice/core/compiled.py`` can tell the Makefile whether to rebuild.
+This module and the packages' ``__init__.py`` run before the build is on the path, so
+they are never compiled; it uses the standard library only, so that ``setup.py`` can
+load it by path and ``python -P kvservice/core/compiled.py`` can tell the Makefile
+whether to rebuild. It lives in the core, which imports nothing outside itself; the
+request table imports it from here.
 """
 
 from __future__ import annotations
@@ -25,27 +32,38 @@ import sysconfig
 from pathlib import Path
 
 PURE_PYTHON_ENV = "KVSERVICE_PURE_PYTHON"
-CORE_DIR = Path(__file__).resolve().parent
+# The ``kvservice`` package directory: the compiled packages and the build lie in it.
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+CORE_DIR = PACKAGE_DIR / "core"
 BUILD_DIR_NAME = "_compiled"
 MANIFEST_NAME = "manifest.json"
-# mypyc puts every module's code in one shared library (so calls between modules are
-# native); each module's own extension is a shim that initializes it from there.
-GROUP_NAME = "kvservice_core"
+# mypyc puts every module's code in one shared library (so calls between modules, and
+# between the two packages, are native); each module's own extension is a shim that
+# initializes it from there.
+GROUP_NAME = "kvservice"
 GROUP_LIBRARY = f"{GROUP_NAME}__mypyc"
 EXT_SUFFIX: str = sysconfig.get_config_var("EXT_SUFFIX")
-# Left as sources: errors.py, whose exception classes mypyc cannot make native (nothing
-# to gain) and whose class attributes it drops unless declared ClassVar (which the
-# server's per-instance ``status`` rules out); invariants.py subclasses AssertionError,
-# which mypyc refuses; admission.py's generic dataclasses compile (mypyc 2.4.1) into a
-# module that fails at import ("attribute '__dict__' of 'type' objects is not writable").
-# The last two run once per step or audit, not per block.
-NOT_COMPILED = frozenset(
-    {"__init__.py", "admission.py", "compiled.py", "errors.py", "invariants.py"}
-)
+# Package -> its modules left as sources.
+#
+# core: errors.py, whose exception classes mypyc cannot make native (nothing to gain)
+# and whose class attributes it drops unless declared ClassVar (which the server's
+# per-instance ``status`` rules out); invariants.py subclasses AssertionError, which
+# mypyc refuses; admission.py's generic dataclasses compile (mypyc 2.4.1) into a module
+# that fails at import ("attribute '__dict__' of 'type' objects is not writable"). The
+# last two run once per step or audit, not per block.
+#
+# request_table: errors.py, for the core's errors.py's reason (its ``status`` class
+# attributes); tenancy.py, whose ``TenantRequestId`` subclasses ``str``, which mypyc
+# refuses for a native class ("Inheriting from most builtin types is unimplemented";
+# its ``native_class=False`` escape needs mypy_extensions at run time).
+COMPILED_PACKAGES: dict[str, frozenset[str]] = {
+    "core": frozenset({"__init__.py", "admission.py", "compiled.py", "errors.py", "invariants.py"}),
+    "request_table": frozenset({"__init__.py", "errors.py", "tenancy.py"}),
+}
 
 
 class CompiledCoreError(ImportError):
-    """The compiled core cannot be used with these sources (missing, or built from
+    """The compiled build cannot be used with these sources (missing, or built from
     other bytes); the message says how to rebuild it or run the sources."""
 
 
@@ -56,29 +74,47 @@ def pure_python_requested() -> bool:
     if value == "1":
         return True
     raise CompiledCoreError(
-        f"{PURE_PYTHON_ENV}={value!r}: set it to 1 to import the core's sources, "
-        "or to 0 (or unset it) for the compiled core"
+        f"{PURE_PYTHON_ENV}={value!r}: set it to 1 to import the sources of the core and "
+        "the request table, or to 0 (or unset it) for their compiled build"
     )
 
 
-def compiled_sources(core_dir: Path = CORE_DIR) -> list[Path]:
-    """The core's modules that the build compiles, by name."""
-    return sorted(p for p in core_dir.glob("*.py") if p.name not in NOT_COMPILED)
+def not_compiled(package: str) -> frozenset[str]:
+    """The file names of ``package``'s modules that stay sources."""
+    return COMPILED_PACKAGES[package]
 
 
-def source_digests(core_dir: Path = CORE_DIR) -> dict[str, str]:
-    """Module name -> SHA-256 of its source, for every module the build compiles."""
-    return {p.stem: hashlib.sha256(p.read_bytes()).hexdigest() for p in compiled_sources(core_dir)}
+def compiled_sources(package_dir: Path = PACKAGE_DIR) -> list[Path]:
+    """The modules the build compiles, package by package, by name."""
+    return [
+        path
+        for package, left_out in COMPILED_PACKAGES.items()
+        for path in sorted((package_dir / package).glob("*.py"))
+        if path.name not in left_out
+    ]
 
 
-def build_dir(core_dir: Path = CORE_DIR) -> Path:
-    return core_dir / BUILD_DIR_NAME
+def module_key(path: Path) -> str:
+    """How the manifest names a compiled module: ``package/module``."""
+    return f"{path.parent.name}/{path.stem}"
 
 
-def module_dir(build: Path) -> Path:
-    """Where the modules' extensions lie: below the shared library as their package
+def source_digests(package_dir: Path = PACKAGE_DIR) -> dict[str, str]:
+    """``package/module`` -> SHA-256 of its source, for every module the build compiles."""
+    return {
+        module_key(p): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in compiled_sources(package_dir)
+    }
+
+
+def build_dir(package_dir: Path = PACKAGE_DIR) -> Path:
+    return package_dir / BUILD_DIR_NAME
+
+
+def module_dir(build: Path, package: str) -> Path:
+    """Where ``package``'s extensions lie: below the shared library as their package
     path, the layout mypyc derives their ``__file__`` from."""
-    return build / "kvservice" / "core"
+    return build / "kvservice" / package
 
 
 def write_manifest(build: Path, digests: dict[str, str]) -> None:
@@ -87,10 +123,10 @@ def write_manifest(build: Path, digests: dict[str, str]) -> None:
     (build / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 
-def stale_reasons(core_dir: Path = CORE_DIR) -> list[str]:
-    """Why the compiled build next to ``core_dir``'s sources cannot be used with them;
-    empty when it can."""
-    build = build_dir(core_dir)
+def stale_reasons(package_dir: Path = PACKAGE_DIR) -> list[str]:
+    """Why the compiled build next to ``package_dir``'s sources cannot be used with
+    them; empty when it can."""
+    build = build_dir(package_dir)
     try:
         manifest = json.loads((build / MANIFEST_NAME).read_text())
     except FileNotFoundError:
@@ -98,43 +134,44 @@ def stale_reasons(core_dir: Path = CORE_DIR) -> list[str]:
     if manifest["ext_suffix"] != EXT_SUFFIX:
         return [f"it was built for {manifest['ext_suffix']}, this Python loads {EXT_SUFFIX}"]
     built: dict[str, str] = manifest["modules"]
-    now = source_digests(core_dir)
+    now = source_digests(package_dir)
     reasons = []
-    for name in sorted(built.keys() | now.keys()):
-        if name not in now:
-            reasons.append(f"{name}.py was removed")
-        elif name not in built:
-            reasons.append(f"{name}.py is new")
-        elif built[name] != now[name]:
-            reasons.append(f"{name}.py changed")
-        elif not (module_dir(build) / f"{name}{EXT_SUFFIX}").is_file():
-            reasons.append(f"the extension of {name}.py is missing")
-    strays = {p.name for p in module_dir(build).glob(f"*{EXT_SUFFIX}")} - {
-        f"{name}{EXT_SUFFIX}" for name in built
-    }
-    reasons.extend(f"{name} is not part of the build" for name in sorted(strays))
+    for key in sorted(built.keys() | now.keys()):
+        if key not in now:
+            reasons.append(f"{key}.py was removed")
+        elif key not in built:
+            reasons.append(f"{key}.py is new")
+        elif built[key] != now[key]:
+            reasons.append(f"{key}.py changed")
+        elif not (build / "kvservice" / f"{key}{EXT_SUFFIX}").is_file():
+            reasons.append(f"the extension of {key}.py is missing")
+    expected = {f"{key}{EXT_SUFFIX}" for key in built}
+    for package in COMPILED_PACKAGES:
+        found = {f"{package}/{p.name}" for p in module_dir(build, package).glob(f"*{EXT_SUFFIX}")}
+        reasons.extend(f"{name} is not part of the build" for name in sorted(found - expected))
     if not (build / f"{GROUP_LIBRARY}{EXT_SUFFIX}").is_file():
         reasons.append(f"{GROUP_LIBRARY}{EXT_SUFFIX} is missing")
     return reasons
 
 
-def activate(package_path: list[str]) -> bool:
-    """Put the compiled build first on ``kvservice.core``'s path, unless the sources
-    were asked for; True when the compiled modules will be imported. Raises
+def activate(package: str, package_path: list[str]) -> bool:
+    """Put the compiled build of ``kvservice.<package>`` first on its path, unless the
+    sources were asked for; True when the compiled modules will be imported. Raises
     ``CompiledCoreError`` rather than import a build made from other sources."""
     if pure_python_requested():
         return False
     reasons = stale_reasons()
     if reasons:
         raise CompiledCoreError(
-            f"kvservice.core: the compiled core does not match the sources in {CORE_DIR} ("
+            f"kvservice.{package}: the compiled build does not match the sources in "
+            f"{PACKAGE_DIR} ("
             + "; ".join(reasons)
             + "). Rebuild it with `make build` (or `python setup.py build_ext --inplace`), "
             f"or import the sources with {PURE_PYTHON_ENV}=1."
         )
     build = build_dir()
     _load_group_library(build)
-    package_path.insert(0, str(module_dir(build)))
+    package_path.insert(0, str(module_dir(build, package)))
     return True
 
 
@@ -157,9 +194,9 @@ def main() -> int:
     (re)built; the Makefile's ``build`` target asks before compiling."""
     reasons = stale_reasons()
     if reasons:
-        print("compiled core out of date: " + "; ".join(reasons))
+        print("compiled build out of date: " + "; ".join(reasons))
         return 1
-    print(f"compiled core up to date ({build_dir()})")
+    print(f"compiled build up to date ({build_dir()})")
     return 0
 
 

@@ -7,5 +7,14 @@ I/O: the gRPC server and the scheduler's in-process backend both run on it.
 takes and answers), ``admission`` (``Admit``: a step's admissions over the table),
 ``tenancy`` (tenants' keys, salts and block quotas), ``runtime_sync`` (the co-located
 KV tensors kept in step with the block table), ``reporting`` (metrics and KV events),
-``errors``. Imports nothing itself.
+``errors``.
+
+Compiled by mypyc with the core, as one build (``kvservice.core.compiled``): imported
+compiled unless ``KVSERVICE_PURE_PYTHON=1``, and refused when it does not match the
+sources.
 """
+
+from kvservice.core.compiled import activate
+
+COMPILED: bool = activate("request_table", __path__)
+"""Whether this process runs the compiled request table (False: the sources)."""

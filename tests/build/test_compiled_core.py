@@ -1,8 +1,9 @@
-"""The compiled core: the build a process imports is the one it asked for, and a build
-that does not match the sources is refused, never imported.
+"""The compiled build (the core and the request table): the build a process imports is
+the one it asked for, and a build that does not match the sources is refused, never
+imported.
 
 ``make test`` runs this file twice, compiled and with ``KVSERVICE_PURE_PYTHON=1``. The
-refusals are checked in a copy of the package, imported by a child process.
+refusals are checked in a copy of the packages, imported by a child process.
 """
 
 from __future__ import annotations
@@ -19,39 +20,47 @@ from pathlib import Path
 
 import pytest
 
-import kvservice.core
 from kvservice.core import compiled
 from kvservice.core.block_pool import BlockPool
+from kvservice.request_table.table import RequestTable
 
 ROOT = Path(__file__).resolve().parents[2]
 PURE = os.environ.get(compiled.PURE_PYTHON_ENV) == "1"
 BUILD_PRESENT = not compiled.stale_reasons()
 
 
-def test_the_core_loaded_is_the_one_asked_for() -> None:
-    assert kvservice.core.COMPILED is not PURE
-    build = compiled.module_dir(compiled.build_dir())
-    names = [p.stem for p in compiled.compiled_sources()]
-    assert "block_pool" in names and "kv_cache_manager" in names
+@pytest.mark.parametrize("package", sorted(compiled.COMPILED_PACKAGES))
+def test_the_build_loaded_is_the_one_asked_for(package: str) -> None:
+    assert importlib.import_module(f"kvservice.{package}").COMPILED is not PURE
+    build = compiled.module_dir(compiled.build_dir(), package)
+    sources = compiled.PACKAGE_DIR / package
+    names = [p.stem for p in compiled.compiled_sources() if p.parent.name == package]
+    assert names
     for name in names:
-        module = importlib.import_module(f"kvservice.core.{name}")
-        expected = (
-            compiled.CORE_DIR / f"{name}.py" if PURE else build / f"{name}{compiled.EXT_SUFFIX}"
-        )
+        module = importlib.import_module(f"kvservice.{package}.{name}")
+        expected = sources / f"{name}.py" if PURE else build / f"{name}{compiled.EXT_SUFFIX}"
         assert module.__file__ == str(expected)
         assert Path(module.__file__).is_file()
-    # Native code, not Python functions that happen to come from an .so's directory.
+    for name in sorted(compiled.not_compiled(package) - {"__init__.py"}):
+        module = importlib.import_module(f"kvservice.{package}.{Path(name).stem}")
+        assert module.__file__ == str(sources / name)
+
+
+def test_the_hot_paths_are_native_code() -> None:
+    """Native code, not Python functions that happen to come from an .so's directory."""
+    assert {"core/block_pool", "core/kv_cache_manager", "request_table/table"} <= set(
+        compiled.source_digests()
+    )
     assert inspect.isfunction(BlockPool.get_new_blocks) is PURE
-    for name in sorted(compiled.NOT_COMPILED - {"__init__.py"}):
-        module = importlib.import_module(f"kvservice.core.{Path(name).stem}")
-        assert module.__file__ == str(compiled.CORE_DIR / name)
+    assert inspect.isfunction(RequestTable.allocate_slots) is PURE
 
 
-# -- a copy of the package, imported by a child process --------------------------------
+# -- a copy of the packages, imported by a child process -------------------------------
 
 PROBE = (
     "import kvservice.core as core, kvservice.core.block_pool as block_pool; "
-    "print(core.COMPILED, block_pool.__file__)"
+    "import kvservice.request_table as rt, kvservice.request_table.table as table; "
+    "print(core.COMPILED, block_pool.__file__, rt.COMPILED, table.__file__)"
 )
 
 needs_build = pytest.mark.skipif(
@@ -61,12 +70,18 @@ needs_build = pytest.mark.skipif(
 
 @pytest.fixture
 def tree(tmp_path: Path) -> Path:
-    """kvservice/__init__.py and kvservice/core/ with its compiled build, copied."""
+    """kvservice/__init__.py, the compiled packages and their build, copied."""
     (tmp_path / "kvservice").mkdir()
     shutil.copy(ROOT / "kvservice" / "__init__.py", tmp_path / "kvservice")
-    shutil.copytree(
-        compiled.CORE_DIR, tmp_path / "kvservice" / "core", ignore=shutil.ignore_patterns("*.pyc")
-    )
+    copied = [*compiled.COMPILED_PACKAGES]
+    if BUILD_PRESENT:
+        copied.append(compiled.BUILD_DIR_NAME)
+    for name in copied:
+        shutil.copytree(
+            compiled.PACKAGE_DIR / name,
+            tmp_path / "kvservice" / name,
+            ignore=shutil.ignore_patterns("*.pyc"),
+        )
     return tmp_path
 
 
@@ -84,48 +99,99 @@ def refusal(tree: Path) -> str:
     return result.stderr
 
 
-def core(tree: Path) -> Path:
-    return tree / "kvservice" / "core"
+def package(tree: Path) -> Path:
+    return tree / "kvservice"
 
 
 def build_of(tree: Path) -> Path:
-    return compiled.build_dir(core(tree))
+    return compiled.build_dir(package(tree))
+
+
+def shims(build: Path) -> list[str]:
+    """What a compiled run of PROBE prints for ``build``."""
+    return [
+        "True",
+        str(compiled.module_dir(build, "core") / f"block_pool{compiled.EXT_SUFFIX}"),
+        "True",
+        str(compiled.module_dir(build, "request_table") / f"table{compiled.EXT_SUFFIX}"),
+    ]
 
 
 @needs_build
 def test_a_matching_copy_imports_its_own_build(tree: Path) -> None:
     result = import_from(tree)
     assert result.returncode == 0, result.stderr
-    shim = compiled.module_dir(build_of(tree)) / f"block_pool{compiled.EXT_SUFFIX}"
-    assert result.stdout.split() == ["True", str(shim)]
+    assert result.stdout.split() == shims(build_of(tree))
 
 
 @needs_build
-def test_an_edited_source_is_refused_not_shadowed(tree: Path) -> None:
-    source = core(tree) / "block_pool.py"
-    source.write_text(source.read_text() + "\n# edited after the build\n")
-    assert "block_pool.py changed" in refusal(tree)
+@pytest.mark.parametrize("source", ["core/block_pool.py", "request_table/table.py"])
+def test_an_edited_source_is_refused_not_shadowed(tree: Path, source: str) -> None:
+    path = package(tree) / source
+    path.write_text(path.read_text() + "\n# edited after the build\n")
+    assert f"{source} changed" in refusal(tree)
     # The sources still import, on request.
     result = import_from(tree, pure="1")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["False", str(source)]
+    sources = package(tree)
+    assert result.stdout.split() == [
+        "False",
+        str(sources / "core" / "block_pool.py"),
+        "False",
+        str(sources / "request_table" / "table.py"),
+    ]
+
+
+@needs_build
+def test_an_edited_table_source_refuses_the_table_too(tree: Path) -> None:
+    """The build is one library: the table is refused whichever package imports first."""
+    path = package(tree) / "request_table" / "types.py"
+    path.write_text(path.read_text() + "\n# edited after the build\n")
+    env = {**os.environ, "PYTHONPATH": str(tree), compiled.PURE_PYTHON_ENV: "0"}
+    result = subprocess.run(
+        [sys.executable, "-c", "import kvservice.request_table.table"],
+        check=False,
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode != 0
+    assert "CompiledCoreError" in result.stderr
+    assert "request_table/types.py changed" in result.stderr
 
 
 @needs_build
 def test_a_new_or_removed_module_is_refused(tree: Path) -> None:
-    (core(tree) / "new_module.py").write_text("X = 1\n")
-    (core(tree) / "stats.py").unlink()
+    (package(tree) / "core" / "new_module.py").write_text("X = 1\n")
+    (package(tree) / "request_table" / "new_table_module.py").write_text("X = 1\n")
+    (package(tree) / "core" / "stats.py").unlink()
+    (package(tree) / "request_table" / "limits.py").unlink()
     message = refusal(tree)
-    assert "new_module.py is new" in message and "stats.py was removed" in message
+    assert "core/new_module.py is new" in message and "core/stats.py was removed" in message
+    assert "request_table/new_table_module.py is new" in message
+    assert "request_table/limits.py was removed" in message
+
+
+@needs_build
+def test_a_source_left_out_of_the_build_may_change(tree: Path) -> None:
+    """A module that stays a source is imported as one: editing it needs no rebuild."""
+    path = package(tree) / "request_table" / "tenancy.py"
+    path.write_text(path.read_text() + "\n# edited after the build\n")
+    result = import_from(tree)
+    assert result.returncode == 0, result.stderr
 
 
 @needs_build
 def test_a_build_missing_a_piece_is_refused(tree: Path) -> None:
-    modules = compiled.module_dir(build_of(tree))
-    (modules / f"block_pool{compiled.EXT_SUFFIX}").rename(modules / f"old{compiled.EXT_SUFFIX}")
+    ext = compiled.EXT_SUFFIX
+    core_modules = compiled.module_dir(build_of(tree), "core")
+    (core_modules / f"block_pool{ext}").rename(core_modules / f"old{ext}")
+    (compiled.module_dir(build_of(tree), "request_table") / f"table{ext}").unlink()
     message = refusal(tree)
-    assert "the extension of block_pool.py is missing" in message
-    assert f"old{compiled.EXT_SUFFIX} is not part of the build" in message
+    assert "the extension of core/block_pool.py is missing" in message
+    assert "the extension of request_table/table.py is missing" in message
+    assert f"core/old{ext} is not part of the build" in message
     shutil.rmtree(build_of(tree))
     assert "there is no compiled build" in refusal(tree)
 
@@ -146,19 +212,21 @@ def test_an_unclear_mode_is_refused(tree: Path) -> None:
 
 
 @needs_build
-def test_the_makefiles_check_tells_a_stale_build(tree: Path) -> None:
+@pytest.mark.parametrize("source", ["core/request.py", "request_table/table.py"])
+def test_the_makefiles_check_tells_a_stale_build(tree: Path, source: str) -> None:
     """``make build`` recompiles exactly when this check fails."""
-    check = [sys.executable, "-P", str(core(tree) / "compiled.py")]
+    check = [sys.executable, "-P", str(package(tree) / "core" / "compiled.py")]
     assert subprocess.run(check, check=False, capture_output=True).returncode == 0
-    (core(tree) / "request.py").write_text("# edited\n")
+    (package(tree) / source).write_text("# edited\n")
     result = subprocess.run(check, check=False, capture_output=True, text=True)
-    assert result.returncode == 1 and "request.py changed" in result.stdout
+    assert result.returncode == 1 and f"{source} changed" in result.stdout
 
 
 @pytest.mark.skipif(PURE, reason="builds a wheel: once per suite, in the compiled run")
 def test_a_wheel_carries_a_build_of_its_own_sources(tmp_path: Path) -> None:
-    """``pip install .`` (the Docker image's install) compiles the core into the package,
-    from the sources the wheel ships: this tree's, built in pip's build environment."""
+    """``pip install .`` (the Docker image's install) compiles the core and the request
+    table into the package, from the sources the wheel ships: this tree's, built in
+    pip's build environment."""
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), "."],
         cwd=ROOT,
@@ -169,10 +237,13 @@ def test_a_wheel_carries_a_build_of_its_own_sources(tmp_path: Path) -> None:
     unpacked = tmp_path / "site"
     with zipfile.ZipFile(wheel) as archive:
         archive.extractall(unpacked)
-    wheel_core = unpacked / "kvservice" / "core"
-    assert compiled.stale_reasons(wheel_core) == []
-    assert compiled.source_digests(wheel_core) == compiled.source_digests()
+    wheel_package = unpacked / "kvservice"
+    assert compiled.stale_reasons(wheel_package) == []
+    assert compiled.source_digests(wheel_package) == compiled.source_digests()
+    assert {p.parent.name for p in compiled.compiled_sources(wheel_package)} == {
+        "core",
+        "request_table",
+    }
     result = import_from(unpacked)
     assert result.returncode == 0, result.stderr
-    shim = compiled.module_dir(compiled.build_dir(wheel_core)) / f"block_pool{compiled.EXT_SUFFIX}"
-    assert result.stdout.split() == ["True", str(shim)]
+    assert result.stdout.split() == shims(compiled.build_dir(wheel_package))

@@ -63,7 +63,7 @@ def test_installs_the_project_from_the_repo() -> None:
     ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
     assert {".venv", ".tools", ".git", "tests"} <= ignored
     assert not {"pyproject.toml", "setup.py", "README.md", "kvservice", "gpu_runtime"} & ignored
-    assert "kvservice/core/_compiled" in ignored
+    assert "kvservice/_compiled" in ignored
 
 
 def test_entrypoint_is_kvservice_serve_with_the_charts_flags() -> None:
