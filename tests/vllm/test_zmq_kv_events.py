@@ -24,6 +24,7 @@ from kvservice.client import AsyncKVClient, CachedBlocksView, CacheSnapshot, Ste
 from kvservice.client import BlockRemoved as GrpcRemoved
 from kvservice.client import BlockStored as GrpcStored
 from kvservice.request_table.tenancy import tenant_cache_salt
+from kvservice.server import turns
 from kvservice.server.zmq_events.wire import int_block_hash
 from tests.server.support import HYBRID_POOL, running_server, tokens
 from tests.server.test_tenants import write_tokens_file
@@ -193,12 +194,15 @@ async def test_a_late_subscriber_replays_then_follows_live(
 
 
 async def test_a_stalled_subscriber_overflows_alone_and_the_server_keeps_serving(
-    zmq_context: zmq.asyncio.Context,
+    zmq_context: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A subscriber that stops reading fills its kernel buffers, then its hwm: the
     publisher counts the overflow and goes on; every Step is served, each batch
     handed on. A subscriber reading meanwhile gets every batch; the stalled one, once
     it reads again, finds the gap, replays and ends with the pool's keys."""
+    # One batch per Step is counted below: no Step may pause (a garbage collection
+    # inside one can take a whole slice of CPU time and split its batch in two).
+    monkeypatch.setattr(turns, "SLICE_S", 60.0)
     config = dataclasses.replace(
         ZMQ_POOL,
         num_blocks=65,
