@@ -36,7 +36,7 @@ from kvservice.client.events import (
     EventStreamItem,
     KVEvent,
 )
-from kvservice.client.step import OpHandle, StepBuilder, StepResults
+from kvservice.client.step import OpHandle, RunHandle, StepBuilder, StepResults
 from kvservice.client.sync import KVClient, Lease, PendingStep, Session
 from kvservice.client.types import (
     AdmitOptions,
@@ -107,6 +107,7 @@ __all__ = [
     "RequestStateOmittedError",
     "RequestStatus",
     "ResourceExhaustedError",
+    "RunHandle",
     "ServiceUnavailableError",
     "Session",
     "StaleHitError",

@@ -426,28 +426,37 @@ def _append_rows(msg: pb.AppendTokensBatchResponse) -> list[Any]:
 
 
 def _allocation_rows(msg: pb.AllocateSlotsBatchResponse) -> list[Any]:
-    num_groups = msg.num_groups
-    counts = list(msg.num_new_blocks)
-    ids = list(msg.new_block_ids)
-    extras = _ExtraColumns(msg)
-    states = msg.requests
     rows: list[Any] = [None] * msg.num_requests
     for index, error in batch_errors(msg).items():
         rows[index] = error
     no_space = set(msg.no_space)
+    extras = _ExtraColumns(msg)
+    states = msg.requests
+    for index, new_block_ids in enumerate(_entry_block_ids(msg)):
+        if rows[index] is None and index not in no_space:
+            # (A refused entry's state is an empty placeholder: never decoded.)
+            request = request_state(states[index]) if states else None
+            rows[index] = extras.allocation(index, new_block_ids, request)
+    return rows
+
+
+def _entry_block_ids(msg: pb.AllocateSlotsBatchResponse) -> list[BlockIds]:
+    """Each entry's new block ids, per group, for the entries that ran (a refused or
+    no-room entry's are empty)."""
+    num_run, num_groups = msg.num_run, msg.num_groups
+    ids = list(msg.new_block_ids)
+    if num_groups == 1 and not ids:
+        return [_NO_BLOCKS] * num_run  # a decode step that takes no block
+    counts = list(msg.num_new_blocks)
+    entries: list[BlockIds] = []
     pos = 0
-    for index in range(msg.num_run):
+    for index in range(num_run):
         groups = []
         for count in counts[index * num_groups : (index + 1) * num_groups]:
             groups.append(tuple(ids[pos : pos + count]))
             pos += count
-        if rows[index] is not None or index in no_space:
-            # Refused (its state is an empty placeholder) or no room: already answered.
-            continue
-        new_block_ids = _NO_BLOCKS if groups == [()] else tuple(groups)
-        request = request_state(states[index]) if states else None
-        rows[index] = extras.allocation(index, new_block_ids, request)
-    return rows
+        entries.append(_NO_BLOCKS if groups == [()] else tuple(groups))
+    return entries
 
 
 class _ExtraColumns:

@@ -61,6 +61,18 @@ class OpHandle(NamedTuple, Generic[T]):
     row: int = -1
 
 
+class RunHandle(NamedTuple, Generic[T]):
+    """Where the entries of one ``*_batch`` call are in the step's results
+    (``StepResults.rows``): ``index`` is the first entry's place among the step's
+    operations, ``wire`` the columnar operation that carries them, ``row`` the first
+    entry's row in it, ``num_entries`` how many there are."""
+
+    index: int  # type: ignore[assignment]
+    wire: int
+    row: int
+    num_entries: int
+
+
 def _same(value: Any) -> Any:
     # A batch entry is decoded with its whole batch (``_wire.BATCH_ROWS``).
     return value
@@ -129,40 +141,59 @@ class StepBuilder:
         message refuses raises as the single operation's message would, leaving the
         builder as it was."""
         if self._open_kind != kind:
-            return self._open_entry(kind, column, request_id, value)
+            self._open(kind, column)
         # The hot path: one entry of a decode step's run (the columns are cached).
-        values = self._open_values
-        values.append(value)
+        row = self._open_rows
         try:
+            self._open_values.append(value)
             self._open_ids.append(request_id)
         except Exception:
-            del values[-1]
+            del self._open_values[row:], self._open_ids[row:]
+            self._close_if_empty()
             raise
-        row = self._open_rows
         self._open_rows = row + 1
         index = self._num_ops
         self._num_ops = index + 1
         return OpHandle(index, _same, self._open_wire, row)
 
-    def _open_entry(self, kind: str, column: str, request_id: str, value: int) -> OpHandle[Any]:
-        """Open a columnar operation of ``kind`` with its first entry; nothing is left
-        of it when the message refuses the entry."""
-        opened = getattr(self._request.ops.add(), kind)
+    def _entries(
+        self, kind: str, column: str, request_ids: Sequence[str], values: Sequence[int]
+    ) -> RunHandle[Any]:
+        """``_entry`` for each (request id, value) pair, in one call per column."""
+        count = len(request_ids)
+        if len(values) != count:
+            raise ValueError(f"{count} request ids but {len(values)} values")
+        if not count:
+            return RunHandle(self._num_ops, -1, 0, 0)
+        if self._open_kind != kind:
+            self._open(kind, column)
+        row = self._open_rows
         try:
-            values = getattr(opened, column)
-            values.append(value)
-            opened.request_ids.append(request_id)
+            self._open_values.extend(values)
+            self._open_ids.extend(request_ids)
         except Exception:
-            del self._request.ops[-1]
+            del self._open_values[row:], self._open_ids[row:]
+            self._close_if_empty()
             raise
+        self._open_rows = row + count
+        index = self._num_ops
+        self._num_ops = index + count
+        return RunHandle(index, self._open_wire, row, count)
+
+    def _open(self, kind: str, column: str) -> None:
+        """Open a columnar operation of ``kind``, with no entry yet."""
+        opened = getattr(self._request.ops.add(), kind)
         self._open_kind = kind
-        self._open_values = values
+        self._open_values = getattr(opened, column)
         self._open_ids = opened.request_ids
         self._open_wire = len(self._request.ops) - 1
-        self._open_rows = 1
-        index = self._num_ops
-        self._num_ops = index + 1
-        return OpHandle(index, _same, self._open_wire, 0)
+        self._open_rows = 0
+
+    def _close_if_empty(self) -> None:
+        """Drop the open columnar operation if it has no entry (its first was refused)."""
+        if not self._open_rows:
+            del self._request.ops[-1]
+            self._open_kind = None
 
     def to_pb(self, step_id: int = 0, stop_on_error: bool = False) -> pb.StepRequest:
         """The ``Step`` message (for the clients; it shares the builder's operations)."""
@@ -219,6 +250,24 @@ class StepBuilder:
         if self._coalesce and len(token_ids) == 1:
             return self._entry(_wire.APPEND_TOKENS_BATCH, "token_ids", request_id, token_ids[0])
         return self._add(_wire.append_tokens(request_id, token_ids))
+
+    def append_tokens_batch(
+        self, request_ids: Sequence[str], token_ids: Sequence[int]
+    ) -> RunHandle[RequestState]:
+        """One token for each request, in order: ``append_tokens(request_ids[i],
+        [token_ids[i]])`` for every i, as entries of one columnar operation (or of
+        the open one), without a handle per entry."""
+        return self._entries(_wire.APPEND_TOKENS_BATCH, "token_ids", request_ids, token_ids)
+
+    def allocate_slots_batch(
+        self, request_ids: Sequence[str], num_new_tokens: Sequence[int]
+    ) -> RunHandle[Allocation | None]:
+        """``allocate_slots(request_ids[i], num_new_tokens[i])`` (no hit, no options)
+        for every i, in order, as entries of one columnar operation (or of the open
+        one), without a handle per entry."""
+        return self._entries(
+            _wire.ALLOCATE_SLOTS_BATCH, "num_new_tokens", request_ids, num_new_tokens
+        )
 
     def get_computed_blocks(self, request_id: str) -> OpHandle[ComputedBlocks]:
         return self._add(_wire.get_computed_blocks(request_id))
@@ -294,6 +343,20 @@ class StepResults:
             raise error_for_number(value.code, value.message)
         return handle.parse(value)
 
+    def rows(self, handle: RunHandle[T]) -> list[T]:
+        """The values of a ``*_batch`` call's entries, in order; raises the first failed
+        entry's typed error."""
+        if not handle.num_entries:
+            return []
+        rows = self._decoded(handle.wire)
+        if rows.__class__ is _wire.RowError:
+            raise error_for_number(rows.code, rows.message)
+        values: list[Any] = rows[handle.row : handle.row + handle.num_entries]
+        for value in values:
+            if value.__class__ is _wire.RowError:
+                raise error_for_number(value.code, value.message)
+        return values
+
     def error(self, handle: OpHandle[Any]) -> KVServiceError | None:
         """The operation's error, or None if it succeeded."""
         if handle.row < 0:
@@ -307,16 +370,22 @@ class StepResults:
         return None
 
     def _row(self, handle: OpHandle[Any]) -> Any:
-        rows = self._rows.get(handle.wire)
+        rows = self._decoded(handle.wire)
+        if rows.__class__ is _wire.RowError:
+            return rows
+        return rows[handle.row]
+
+    def _decoded(self, wire: int) -> Any:
+        """The decoded entries of the columnar operation at ``wire``, or the
+        ``RowError`` every entry reads when the batch was refused as a whole."""
+        rows = self._rows.get(wire)
         if rows is None:
-            result = self._results[handle.wire]
+            result = self._results[wire]
             kind = result.WhichOneof("result")
             if kind == "error" or kind is None:
-                # The batch was refused as a whole: every entry reads that refusal.
-                refused = _wire.RowError(result.error.code, result.error.message)
-                return refused
-            rows = self._rows[handle.wire] = _wire.BATCH_ROWS[kind](getattr(result, kind))
-        return rows[handle.row]
+                return _wire.RowError(result.error.code, result.error.message)
+            rows = self._rows[wire] = _wire.BATCH_ROWS[kind](getattr(result, kind))
+        return rows
 
     def _spans(self) -> Iterator[tuple[int, Any]]:
         """(operations answered, the StepResult) per message operation. A batch

@@ -24,6 +24,7 @@ from kvservice.client import (
     NotRunError,
     OpHandle,
     RequestNotFoundError,
+    RunHandle,
     StepBuilder,
     StepResults,
 )
@@ -201,6 +202,96 @@ def test_coalescing_reads_the_same_through_every_handle(
     finally:
         coalesced.finish()
         plain.finish()
+
+
+# A run of entries for one batch call: one-token appends or plain allocations, with bad
+# tokens, counts and ids among them.
+runs = st.tuples(
+    st.sampled_from(("append", "allocate")),
+    st.lists(st.tuples(ids, st.sampled_from((1, 1, 2, BLOCK, 0, -2, 200))), max_size=6),
+)
+
+
+@fuzz_settings(30)
+@given(
+    first=prelude,
+    plan=st.lists(st.one_of(runs, ops), min_size=1, max_size=6),
+    stop_on_error=st.booleans(),
+)
+def test_batch_calls_read_as_their_single_operations(
+    twins: tuple[Twin, Twin], first: list[Op], plan: list[Any], stop_on_error: bool
+) -> None:
+    """``append_tokens_batch`` and ``allocate_slots_batch``, mixed with single
+    operations, against the same entries sent one operation each: each run's
+    ``rows`` read every entry's value, or raise the first failed entry's error; the
+    step's indices and errors agree, and the pools end identical."""
+    coalesced, plain = twins
+    try:
+        send(coalesced, first, True, omit=True, stop_on_error=False)
+        send(plain, first, False, omit=True, stop_on_error=False)
+        batched = StepBuilder(omit_request_state=True)
+        single = StepBuilder(omit_request_state=True, coalesce=False)
+        pairs: list[tuple[Any, list[OpHandle[Any]]]] = []
+        for item in plan:
+            if item[0] not in ("append", "allocate") or not isinstance(item[1], list):
+                pairs.append((apply(batched, item), [apply(single, item)]))
+                continue
+            kind, entries = item
+            request_ids = [request_id for request_id, _ in entries]
+            values = [value for _, value in entries]
+            run: RunHandle[Any]
+            handles: list[OpHandle[Any]]
+            if kind == "append":
+                run = batched.append_tokens_batch(request_ids, values)
+                handles = [single.append_tokens(r, [v]) for r, v in entries]
+            else:
+                run = batched.allocate_slots_batch(request_ids, values)
+                handles = [single.allocate_slots(r, v) for r, v in entries]
+            assert run.num_entries == len(handles)
+            if handles:
+                assert run.index == handles[0].index
+            pairs.append((run, handles))
+        assert len(batched) == len(single)
+        got = coalesced.client.step(batched, stop_on_error=stop_on_error)
+        want = plain.client.step(single, stop_on_error=stop_on_error)
+        assert {i: (type(e), e.message) for i, e in got.errors.items()} == {
+            i: (type(e), e.message) for i, e in want.errors.items()
+        }
+        for handle, handles in pairs:
+            if isinstance(handle, OpHandle):
+                assert outcome(got, handle) == outcome(want, handles[0])
+                continue
+            errors = [error for error in map(want.error, handles) if error is not None]
+            if errors:
+                with pytest.raises(type(errors[0])) as raised:
+                    got.rows(handle)
+                assert raised.value.message == errors[0].message
+            else:
+                assert got.rows(handle) == [want[h] for h in handles]
+        assert coalesced.state() == plain.state()
+    finally:
+        coalesced.finish()
+        plain.finish()
+
+
+def test_a_batch_call_that_the_message_refuses_leaves_the_builder_as_it_was() -> None:
+    """A bad id, a value past int64 or columns of different lengths raise when added,
+    and the builder sends what it held before: no half-added run, no empty batch."""
+    builder = StepBuilder()
+    builder.get_usage()
+    before = builder.to_pb().SerializeToString()
+    with pytest.raises(TypeError):
+        builder.allocate_slots_batch(["a", 5], [1, 1])  # type: ignore[list-item]
+    with pytest.raises(ValueError):
+        builder.append_tokens_batch(["a", "b"], [1, 2**70])
+    with pytest.raises(ValueError, match="2 request ids but 1 values"):
+        builder.allocate_slots_batch(["a", "b"], [1])
+    assert builder.allocate_slots_batch([], []).num_entries == 0
+    assert builder.to_pb().SerializeToString() == before
+    assert len(builder) == 1
+    builder.allocate_slots_batch(["a"], [1])
+    builder.allocate_slots("b", 1)  # joins the open run
+    assert len(builder) == 3 and len(builder.to_pb().ops) == 2
 
 
 def test_a_decode_step_travels_as_two_columnar_operations() -> None:

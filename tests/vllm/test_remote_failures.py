@@ -171,6 +171,27 @@ def test_another_writer_on_the_pool_is_detected_not_absorbed(
             Workload(5, num_requests=20).run(scheduler)
 
 
+def test_another_writer_is_named_at_the_decode_allocation_it_diverts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The running requests' allocations are checked in bulk; the one the server
+    answered otherwise is named, with both answers."""
+    with remote(monkeypatch) as server:
+        scheduler = build_scheduler(SETUP, KVServiceScheduler)
+        _admit(scheduler)
+        with KVClient(server.handle.target) as intruder:
+            intruder.add_request("intruder", list(range(16)))
+            assert intruder.allocate_slots("intruder", 16) is not None
+        with pytest.raises(
+            KVServiceManagerError,
+            match=r"answered allocate_slots\('held-\d', 1\) with \(\(\d+,\),\); the "
+            r"scheduler's replica answered \(\(\d+,\),\)\. Is another client",
+        ):
+            for _ in range(16):  # each request takes a fourth block within 9 steps
+                output = scheduler.schedule()
+                scheduler.update_from_output(output, model_runner_output(scheduler, output))
+
+
 def test_a_second_engine_on_a_held_pool_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSERVICE_SESSION_TTL", "0.5")
     with remote(monkeypatch):

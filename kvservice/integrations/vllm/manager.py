@@ -284,7 +284,7 @@ class KVServiceKVCacheManager:
         )
         if server is not None:
             # The copies this allocation queues are the ones the server answers it with.
-            pending_before = [len(m.pending_cow_copies) for m in self._core_managers]
+            pending_before = self._num_pending_copies()
         options = AllocationOptions(
             num_lookahead_tokens,
             num_external_computed_tokens,
@@ -305,13 +305,24 @@ class KVServiceKVCacheManager:
                 answer = self._no_block_ids  # most decode steps: one shared answer
             else:
                 answer = _ids(new_blocks.blocks)
-            copies = tuple(
-                (src.block_id, dst.block_id)
-                for manager, before in zip(self._core_managers, pending_before, strict=True)
-                for src, dst in manager.pending_cow_copies[before:]
+            server.allocated(
+                request, num_new_tokens, hit, options, answer, self._copies_since(pending_before)
             )
-            server.allocated(request, num_new_tokens, hit, options, answer, copies)
         return None if new_blocks is None else self._blocks(new_blocks.blocks)
+
+    def _num_pending_copies(self) -> list[int]:
+        """How many copy-on-write copies each group's manager has queued."""
+        return [len(manager.pending_cow_copies) for manager in self._core_managers]
+
+    def _copies_since(self, before: list[int]) -> tuple[tuple[int, int], ...]:
+        """The copies (src, dst) queued since ``_num_pending_copies`` answered ``before``."""
+        if self._num_pending_copies() == before:
+            return ()  # almost every allocation
+        return tuple(
+            (src.block_id, dst.block_id)
+            for manager, num_before in zip(self._core_managers, before, strict=True)
+            for src, dst in manager.pending_cow_copies[num_before:]
+        )
 
     def free(self, request: Any) -> None:
         if self.server is not None:

@@ -48,12 +48,23 @@ from kvservice.client import (
 from kvservice.core.allocation_options import PLAIN_ALLOCATION, AllocationOptions
 from kvservice.integrations.vllm.embeds import prompt_embeds_bytes
 from kvservice.integrations.vllm.settings import ConnectionSettings
-from kvservice.integrations.vllm.step_log import ANY_ANSWER, Expected, NewRequest, StepLog
+from kvservice.integrations.vllm.step_log import (
+    ANY_ANSWER,
+    AllocationRun,
+    Expected,
+    NewRequest,
+    StepLog,
+)
 
 # How often startup polls a pool that a previous engine's lease still holds.
 _IDLE_POLL_S = 0.5
 
 BlockIds = tuple[tuple[int, ...], ...]
+
+
+def _copies(allocation: Allocation) -> tuple[tuple[int, int], ...]:
+    """The copy-on-write copies the server answered an allocation with."""
+    return allocation.block_copies_to_apply or allocation.block_copies_applied
 
 
 class KVServiceManagerError(RuntimeError):
@@ -127,7 +138,7 @@ class ServerLink:
         self._session: Session = self._call("StepStream", self._client.session)
         self._log = StepLog()
         # With confirm="overlap": the step sent last, not yet checked, and its answers.
-        self._unconfirmed: tuple[PendingStep, list[Expected], int] | None = None
+        self._unconfirmed: tuple[PendingStep, list[Expected | AllocationRun], int] | None = None
         # Tokens the server has of each request, and its num_computed_tokens.
         self._server_tokens: dict[str, int] = {}
         self._server_computed: dict[str, int] = {}
@@ -325,15 +336,19 @@ class ServerLink:
         attached = self._attached_hit(request_id, hit) if hit[0] else None
         self._send_tokens(request)
         # vLLM's defaults (a decode step's plain call) are sent as no options at all.
-        options = (
-            None
-            if allocation_options == PLAIN_ALLOCATION
-            else AllocateOptions(*allocation_options.as_tuple())
-        )
+        plain = allocation_options == PLAIN_ALLOCATION
+        num_computed_tokens = request.num_computed_tokens
+        server_computed = self._server_computed
+        if attached is None and plain and num_computed_tokens == server_computed[request_id]:
+            # Most allocations: a running request's, one columnar entry of the step.
+            self._log.allocate(request_id, num_new_tokens, answer, copies)
+            if answer is not None:
+                server_computed[request_id] = num_computed_tokens + num_new_tokens
+            return
+        options = None if plain else AllocateOptions(*allocation_options.as_tuple())
         # The server counts computed tokens as the scheduler does; send the count only
         # where the scheduler moved it otherwise (rejected draft tokens).
-        num_computed_tokens = request.num_computed_tokens
-        if num_computed_tokens != self._server_computed[request_id]:
+        if num_computed_tokens != server_computed[request_id]:
             options = dataclasses.replace(
                 options or AllocateOptions(), num_computed_tokens=num_computed_tokens
             )
@@ -342,9 +357,7 @@ class ServerLink:
         )
         if answer is not None:
             external = options.num_external_computed_tokens if options else 0
-            self._server_computed[request_id] = (
-                num_computed_tokens + hit[0] + external + num_new_tokens
-            )
+            server_computed[request_id] = num_computed_tokens + hit[0] + external + num_new_tokens
             if attached is not None:
                 del self._lookups[request_id]
 
@@ -417,43 +430,76 @@ class ServerLink:
             )
         self._compare(results, expected)
 
-    def _compare(self, results: StepResults, expected: list[Expected]) -> None:
+    def _compare(self, results: StepResults, expected: list[Expected | AllocationRun]) -> None:
         if not results.ok:
             self._fail_refused(results, expected)
         for item in expected:
-            if item.answer is ANY_ANSWER:
-                continue
-            answer = results[item.handle]
-            if isinstance(answer, Allocation):
-                copies = answer.block_copies_to_apply or answer.block_copies_applied
-                if tuple(copies) != item.copies:
-                    self._fail(
-                        KVServiceManagerError(
-                            f"kvservice at {self.target} answered {item.label} with the "
-                            f"copies {copies!r}; the scheduler's replica queued "
-                            f"{item.copies!r}"
-                        )
-                    )
-                answer = answer.new_block_ids
-            if answer != item.answer:
-                self._fail(
-                    KVServiceManagerError(
-                        f"kvservice at {self.target} answered {item.label} with {answer!r}; "
-                        f"the scheduler's replica answered {item.answer!r}. Is another client "
-                        "using this pool?"
-                    )
-                )
+            if isinstance(item, AllocationRun):
+                self._compare_run(results, item)
+            elif item.answer is not ANY_ANSWER:
+                self._check(item.label, results[item.handle], item.answer, item.copies)
 
-    def _fail_refused(self, results: StepResults, expected: list[Expected]) -> None:
-        for item in expected:
-            error = results.error(item.handle)
-            if error is not None:
+    def _compare_run(self, results: StepResults, run: AllocationRun) -> None:
+        """A run's answers in bulk; entry by entry only to name the first that differs."""
+        assert run.handle is not None
+        allocations = results.rows(run.handle)
+        new_block_ids = [None if a is None else a.new_block_ids for a in allocations]
+        copies = [() if a is None else _copies(a) for a in allocations]
+        if new_block_ids == run.answers and copies == run.copies:
+            return
+        for row, allocation in enumerate(allocations):
+            self._check(run.label(row), allocation, run.answers[row], run.copies[row])
+
+    def _check(
+        self, label: str, answer: Any, expected: Any, expected_copies: tuple[tuple[int, int], ...]
+    ) -> None:
+        """The server's ``answer`` to the operation ``label`` against the replica's."""
+        if isinstance(answer, Allocation):
+            copies = _copies(answer)
+            if copies != expected_copies:
                 self._fail(
                     KVServiceManagerError(
-                        f"kvservice at {self.target} refused {item.label}: {error}"
+                        f"kvservice at {self.target} answered {label} with the "
+                        f"copies {copies!r}; the scheduler's replica queued "
+                        f"{expected_copies!r}"
                     )
                 )
+            answer = answer.new_block_ids
+        if answer != expected:
+            self._fail(
+                KVServiceManagerError(
+                    f"kvservice at {self.target} answered {label} with {answer!r}; "
+                    f"the scheduler's replica answered {expected!r}. Is another client "
+                    "using this pool?"
+                )
+            )
+
+    def _fail_refused(
+        self, results: StepResults, expected: list[Expected | AllocationRun]
+    ) -> NoReturn:
+        """Name the operation the server refused first (under ``stop_on_error``, the
+        later ones were not run)."""
+        errors = results.errors
+        if errors:
+            index = min(errors)
+            error = errors[index]
+            for item in expected:
+                if isinstance(item, AllocationRun):
+                    assert item.handle is not None
+                    row = index - item.handle.index
+                    if 0 <= row < item.handle.num_entries:
+                        self._fail_op(item.label(row), error)
+                elif item.handle.index == index:
+                    self._fail_op(item.label, error)
+            self._fail(
+                KVServiceManagerError(
+                    f"kvservice at {self.target} refused operation {index} of a step: {error}"
+                )
+            )
         self._fail(KVServiceManagerError(f"kvservice at {self.target} refused a step"))
+
+    def _fail_op(self, label: str, error: KVServiceError) -> NoReturn:
+        self._fail(KVServiceManagerError(f"kvservice at {self.target} refused {label}: {error}"))
 
     def _fail(self, error: KVServiceManagerError) -> NoReturn:
         self._failure = error

@@ -14,10 +14,12 @@ replica's scheduler releases them, as vLLM's does.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvservice.client import OpHandle, StepBuilder
+from kvservice.client import Allocation, OpHandle, RunHandle, StepBuilder
+
+BlockIds = tuple[tuple[int, ...], ...]
 
 
 # Not frozen: one is made per operation of every step sent, and a frozen dataclass's
@@ -57,14 +59,36 @@ class NewRequest:
     prompt_embeds_row_bytes: int = 0
 
 
+@dataclass(slots=True)
+class AllocationRun:
+    """Consecutive plain allocations (no hit, no options) of a sent step, column by
+    column: the most common operation, which travels as one columnar entry each and is
+    checked in bulk (``ServerLink``)."""
+
+    request_ids: list[str] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    # The replica's answers (None: no room) and each allocation's copies (src, dst).
+    answers: list[BlockIds | None] = field(default_factory=list)
+    copies: list[tuple[tuple[int, int], ...]] = field(default_factory=list)
+    handle: RunHandle[Allocation | None] | None = None
+
+    def label(self, row: int) -> str:
+        return f"allocate_slots({self.request_ids[row]!r}, {self.num_new_tokens[row]})"
+
+
 class StepLog:
     """The operations recorded since the last send (see the module docstring)."""
 
     def __init__(self) -> None:
         self._new: list[NewRequest] = []
         self._appends: dict[str, list[int]] = {}
-        # (StepBuilder method, its arguments, the replica's answer, its copies)
-        self._ops: list[tuple[str, tuple[Any, ...], Any, tuple[tuple[int, int], ...]]] = []
+        # (StepBuilder method, its arguments, the replica's answer, its copies), or a
+        # run of plain allocations.
+        self._ops: list[
+            tuple[str, tuple[Any, ...], Any, tuple[tuple[int, int], ...]] | AllocationRun
+        ] = []
+        # The last of _ops while it is a run that the next plain allocation joins.
+        self._run: AllocationRun | None = None
 
     def __bool__(self) -> bool:
         return bool(self._new or self._appends or self._ops)
@@ -86,8 +110,26 @@ class StepLog:
         equal ``answer`` (``ANY_ANSWER``: only succeed), and for an allocation whose
         copy-on-write copies must be ``copies``."""
         self._ops.append((method, args, answer, copies))
+        self._run = None
 
-    def build(self) -> tuple[StepBuilder, list[Expected]]:
+    def allocate(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        answer: BlockIds | None,
+        copies: tuple[tuple[int, int], ...],
+    ) -> None:
+        """A plain ``allocate_slots`` (no hit, no options) that answered ``answer``."""
+        run = self._run
+        if run is None:
+            run = self._run = AllocationRun()
+            self._ops.append(run)
+        run.request_ids.append(request_id)
+        run.num_new_tokens.append(num_new_tokens)
+        run.answers.append(answer)
+        run.copies.append(copies)
+
+    def build(self) -> tuple[StepBuilder, list[Expected | AllocationRun]]:
         """The step to send, and what each recorded operation must answer."""
         step = StepBuilder(omit_request_state=True, keep_copy_holds=True)
         for new in self._new:
@@ -102,15 +144,20 @@ class StepLog:
                 prompt_embeds=new.prompt_embeds,
                 prompt_embeds_row_bytes=new.prompt_embeds_row_bytes,
             )
-        appends = self._appends.items()
-        for request_id, tokens in appends:
-            if len(tokens) == 1:
-                step.append_tokens(request_id, tokens)
-        for request_id, tokens in appends:
+        appends = self._appends
+        ones = [request_id for request_id, tokens in appends.items() if len(tokens) == 1]
+        step.append_tokens_batch(ones, [appends[request_id][0] for request_id in ones])
+        for request_id, tokens in appends.items():
             if len(tokens) > 1:
                 step.append_tokens(request_id, tokens)
-        expected = [
-            Expected(getattr(step, method)(*args), answer, method, args, copies)
-            for method, args, answer, copies in self._ops
-        ]
+        expected: list[Expected | AllocationRun] = []
+        for op in self._ops:
+            if isinstance(op, AllocationRun):
+                op.handle = step.allocate_slots_batch(op.request_ids, op.num_new_tokens)
+                expected.append(op)
+            else:
+                method, args, answer, copies = op
+                expected.append(
+                    Expected(getattr(step, method)(*args), answer, method, args, copies)
+                )
         return step, expected
