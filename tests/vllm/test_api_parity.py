@@ -339,30 +339,37 @@ async def test_cache_config_reports_the_seed_vllm_resolves(
 
 
 def test_the_remote_manager_sends_what_vllm_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The vLLM integration's remote mode: requests with a LoRA adapter, a salt or
-    prompt embeddings reach the server with them, so the server hits exactly where
-    vLLM's hashes (the replica's) hit; a different answer would stop the manager."""
+    """The vLLM integration's remote mode: requests with a LoRA adapter, a salt,
+    prompt embeddings or multimodal items reach the server with them, so the server
+    hits exactly where vLLM's hashes (the replica's) hit; a different answer would stop
+    the manager."""
     setup = SchedulerSetup(num_blocks=64, max_model_len=512)
     config = dataclasses.replace(
         ZMQ_POOL, num_blocks=64, max_model_len=512, kv_events_config=ServerConfig().kv_events_config
     )
     hasher = block_hasher(16)
     embeds = {"x": _embeddings(PROMPT), "y": _embeddings(PROMPT) + 1.0}
-    # (request id, LoRA, salt, embeddings) -> the hit vLLM's hashes give.
+    # (request id, LoRA, salt, embeddings, multimodal items) -> the hit vLLM's hashes give.
+    image, other = ("image-a", 4, 8), ("image-b", 4, 8)
     cases = [
-        ("a", ("adapter", 1, "/adapters/a"), None, None, 0),
-        ("b", ("adapter", 1, "/adapters/a"), None, None, 32),
-        ("c", ("adapter", 2, "/adapters/c"), None, None, 0),
-        ("d", None, "adapter", None, 0),
-        ("e", None, None, "x", 0),
-        ("f", None, None, "x", 32),
-        ("g", None, None, "y", 0),
+        ("a", ("adapter", 1, "/adapters/a"), None, None, (), 0),
+        ("b", ("adapter", 1, "/adapters/a"), None, None, (), 32),
+        ("c", ("adapter", 2, "/adapters/c"), None, None, (), 0),
+        ("d", None, "adapter", None, (), 0),
+        ("e", None, None, "x", (), 0),
+        ("f", None, None, "x", (), 32),
+        ("g", None, None, "y", (), 0),
+        ("h", None, None, None, (image,), 0),
+        ("i", None, None, None, (image,), 32),
+        ("j", None, None, None, (other,), 0),
+        ("l", None, None, None, (), 0),
+        ("m", None, None, None, (("image-b", 20, 8),), 16),  # the item is in block 2
     ]
     with background_server(config) as server:
         monkeypatch.setenv("KVSERVICE_TARGET", server.handle.target)
         scheduler = build_scheduler(setup, KVServiceScheduler)
         manager = scheduler.kv_cache_manager
-        for rid, lora, salt, embedding, expected_hit in cases:
+        for rid, lora, salt, embedding, mm, expected_hit in cases:
             request = Request(
                 rid,
                 list(PROMPT),
@@ -371,6 +378,16 @@ def test_the_remote_manager_sends_what_vllm_hashes(monkeypatch: pytest.MonkeyPat
                 lora_request=LoRARequest(*lora) if lora else None,
                 cache_salt=salt,
                 prompt_embeds=embeds[embedding] if embedding else None,
+                mm_features=[
+                    MultiModalFeatureSpec(
+                        data=None,
+                        modality="image",
+                        identifier=identifier,
+                        mm_position=PlaceholderRange(offset=offset, length=length),
+                    )
+                    for identifier, offset, length in mm
+                ]
+                or None,
                 block_hasher=hasher,
             )
             manager.new_step_starts()

@@ -41,6 +41,7 @@ from kvservice.client import (
     FreeMode,
     KVClient,
     KVServiceError,
+    MultiModalFeature,
     PendingStep,
     Session,
     StepResults,
@@ -285,10 +286,6 @@ class ServerLink:
         if known == num_tokens:
             return  # nothing new: most lookups, preempted requests coming back
         if known is None:
-            if request.mm_features:
-                raise NotImplementedError(
-                    "multimodal requests are not supported by kvservice's remote manager yet"
-                )
             lora = request.lora_request
             embeds, row_bytes = prompt_embeds_bytes(request)
             self._log.add_request(
@@ -303,6 +300,11 @@ class ServerLink:
                     lora_int_id=lora.lora_int_id if lora else None,
                     prompt_embeds=embeds,
                     prompt_embeds_row_bytes=row_bytes,
+                    # What vLLM's block hasher keys: the item's identifier and placement.
+                    mm_features=[
+                        MultiModalFeature(f.identifier, f.mm_position.offset, f.mm_position.length)
+                        for f in request.mm_features or ()
+                    ],
                 )
             )
             known = request.num_prompt_tokens

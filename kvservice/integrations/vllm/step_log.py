@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvservice.client import Allocation, OpHandle, RunHandle, StepBuilder
+from kvservice.client import Allocation, MultiModalFeature, OpHandle, RunHandle, StepBuilder
 
 BlockIds = tuple[tuple[int, ...], ...]
 
@@ -57,6 +57,7 @@ class NewRequest:
     lora_int_id: int | None = None
     prompt_embeds: bytes | None = None
     prompt_embeds_row_bytes: int = 0
+    mm_features: Sequence[MultiModalFeature] = ()
 
 
 @dataclass(slots=True)
@@ -138,6 +139,7 @@ class StepLog:
                 new.prompt_token_ids,
                 cache_salt=new.cache_salt,
                 lora_name=new.lora_name,
+                mm_features=new.mm_features,
                 skip_reading_prefix_cache=new.skip_reading_prefix_cache,
                 lora_path=new.lora_path,
                 lora_int_id=new.lora_int_id,
