@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import pytest
@@ -111,16 +111,7 @@ class VllmSide:
             None,
             lora_request=LoRARequest(*extras.lora) if extras.lora else None,
             cache_salt=extras.salt,
-            mm_features=[
-                MultiModalFeatureSpec(
-                    data=None,
-                    modality="image",
-                    identifier=identifier,
-                    mm_position=PlaceholderRange(offset=offset, length=length),
-                )
-                for identifier, offset, length in extras.mm
-            ]
-            or None,
+            mm_features=_mm_features(extras.mm),
             prompt_embeds=_embeddings(prompt) if extras.embeds else None,
             block_hasher=self.hasher,
         )
@@ -147,6 +138,20 @@ async def _admit(client: AsyncKVClient, request_id: str, prompt: list[int], extr
     hit = await client.get_computed_blocks(request_id)
     assert await client.allocate_slots(request_id, len(prompt) - hit.num_computed_tokens, hit)
     return hit.num_computed_tokens
+
+
+def _mm_features(items: Sequence[tuple[str, int, int]]) -> list[MultiModalFeatureSpec] | None:
+    """vLLM's features for (identifier, offset, length) image items; None for none."""
+    features = [
+        MultiModalFeatureSpec(
+            data=None,
+            modality="image",
+            identifier=identifier,
+            mm_position=PlaceholderRange(offset=offset, length=length),
+        )
+        for identifier, offset, length in items
+    ]
+    return features or None
 
 
 def _plain(value: Any) -> Any:
@@ -378,16 +383,7 @@ def test_the_remote_manager_sends_what_vllm_hashes(monkeypatch: pytest.MonkeyPat
                 lora_request=LoRARequest(*lora) if lora else None,
                 cache_salt=salt,
                 prompt_embeds=embeds[embedding] if embedding else None,
-                mm_features=[
-                    MultiModalFeatureSpec(
-                        data=None,
-                        modality="image",
-                        identifier=identifier,
-                        mm_position=PlaceholderRange(offset=offset, length=length),
-                    )
-                    for identifier, offset, length in mm
-                ]
-                or None,
+                mm_features=_mm_features(mm),
                 block_hasher=hasher,
             )
             manager.new_step_starts()
