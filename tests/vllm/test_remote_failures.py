@@ -81,7 +81,7 @@ def test_an_unreachable_server_fails_startup_naming_it(monkeypatch: pytest.Monke
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ({"num_blocks": 80}, r"num_blocks: vLLM 64, kvservice 80 .*--num-blocks 64"),
+        ({"num_blocks": 80}, r"num_blocks: vLLM 64, kvservice 80 .*--num-blocks 64 or fewer"),
         (
             {"block_size": 32},
             r"KV cache groups \(kind, block size\): vLLM \[\('full_attention', 16\)\]",

@@ -137,6 +137,28 @@ def test_remote_matches_vllm_step_for_step(
     assert first_difference(expected, actual) is None
 
 
+def test_remote_on_a_smaller_server_pool_decides_as_vllm_on_that_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM computed a larger KV cache than the server's pool: the scheduler uses the
+    server's pool, and decides as vLLM's own manager on a pool of that size (so the
+    user need not tell vLLM the server's size)."""
+    setup = SETUPS["preempting"]
+    larger = SchedulerSetup(**{**setup.__dict__, "num_blocks": setup.num_blocks * 3})
+    expected = Workload(3).run(build_scheduler(setup))
+    assert sum(len(step["preempted"]) for step in expected) > 0
+    with background_server(_server_config(setup)) as server:
+        monkeypatch.setenv("KVSERVICE_TARGET", server.handle.target)
+        scheduler = build_scheduler(larger, KVServiceScheduler)
+        manager = scheduler.kv_cache_manager
+        assert manager.block_pool.get_num_free_blocks() == setup.num_blocks - 1
+        actual = Workload(3).run(scheduler)
+        scheduler.shutdown()
+        with KVClient(server.handle.target) as client:
+            assert client.audit().ok
+    assert first_difference(expected, actual) is None
+
+
 def test_the_comparison_sees_a_manager_that_decides_otherwise() -> None:
     """The traces are rich enough to tell managers apart: one block fewer changes them."""
     setup = SETUPS["preempting"]

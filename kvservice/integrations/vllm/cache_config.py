@@ -86,8 +86,9 @@ def core_spec(spec: Any, group_id: int) -> KVCacheSpec:
     )
 
 
-def core_cache_config(config: Any) -> KVCacheConfig:
-    """kvservice's ``KVCacheConfig`` for vLLM's: same pool, same groups, in order."""
+def core_cache_config(config: Any, num_blocks: int | None = None) -> KVCacheConfig:
+    """kvservice's ``KVCacheConfig`` for vLLM's: same groups, in order, and the same
+    pool unless ``num_blocks`` names a smaller one (a kvservice server's)."""
     groups = []
     for group_id, group in enumerate(config.kv_cache_groups):
         if group.host_resident or group.role != vllm_spec.KVCacheGroupRole.DEFAULT:
@@ -104,7 +105,7 @@ def core_cache_config(config: Any) -> KVCacheConfig:
             )
         )
     return KVCacheConfig(
-        num_blocks=config.num_blocks,
+        num_blocks=config.num_blocks if num_blocks is None else num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=groups,
         needs_kv_cache_zeroing=config.needs_kv_cache_zeroing,

@@ -48,7 +48,7 @@ from kvservice.integrations.vllm.views import (
 )
 
 if TYPE_CHECKING:
-    from kvservice.integrations.vllm.server_link import ServerLink
+    from kvservice.integrations.vllm.server_link import PoolLayout, ServerLink
 
 BlockIds = tuple[tuple[int, ...], ...]
 _NO_HIT: tuple[int, BlockIds] = (0, ())
@@ -131,8 +131,12 @@ class KVServiceKVCacheManager:
             tuple(() for _ in range(self.num_kv_cache_groups))
         )
         self._no_block_ids: BlockIds = tuple(() for _ in range(self.num_kv_cache_groups))
+        settings = ConnectionSettings.from_env()
+        # The server first: its pool, when smaller than vLLM's, is the replica's too.
+        link = None if settings.target is None else self._connect(settings)
+        num_blocks = config.num_blocks if link is None else link.pool_size(config.num_blocks)
         self.core = KVCacheManager(
-            core_cache_config(config),
+            core_cache_config(config, num_blocks),
             max_model_len=args.max_model_len,
             scheduler_block_size=args.scheduler_block_size,
             hash_block_size=args.hash_block_size,
@@ -177,29 +181,33 @@ class KVServiceKVCacheManager:
         # vLLM request id -> the core's view of that request.
         self._requests: dict[str, Request] = {}
         self.server: ServerLink | None = None
-        settings = ConnectionSettings.from_env()
-        if settings.target is not None:
-            self.server = self._connect(settings)
+        if link is not None:
+            link.start(self._layout(link))
+            self.server = link
 
-    def _connect(self, settings: ConnectionSettings) -> ServerLink:
+    @staticmethod
+    def _connect(settings: ConnectionSettings) -> ServerLink:
         # In-process serving loads no gRPC: the link is imported only when needed.
-        from kvservice.integrations.vllm.server_link import (  # noqa: PLC0415
-            PoolLayout,
-            ServerLink,
-        )
+        from kvservice.integrations.vllm.server_link import ServerLink  # noqa: PLC0415
+
+        return ServerLink(settings)
+
+    def _layout(self, link: ServerLink) -> PoolLayout:
+        """The pool this engine needs the server to have, as vLLM computed it (the pool
+        size the replica's, which ``pool_size`` may have lowered to the server's)."""
+        from kvservice.integrations.vllm.server_link import PoolLayout  # noqa: PLC0415
 
         managers = self.core.coordinator.single_type_managers
-        layout = PoolLayout(
+        return PoolLayout(
             groups=[(m.kv_cache_spec.kind.value, m.block_size) for m in managers],
             sliding_windows=[getattr(m.kv_cache_spec, "sliding_window", None) for m in managers],
-            num_blocks=self.kv_cache_config.num_blocks,
+            num_blocks=self.core.block_pool.num_gpu_blocks,
             watermark=self.args.watermark,
             watermark_blocks=self.core.watermark_blocks,
             enable_caching=self.enable_caching,
             max_model_len=self.max_model_len,
             hash_block_size=self.args.hash_block_size,
         )
-        return ServerLink(settings, layout)
 
     # -- requests ------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -56,6 +57,8 @@ from kvservice.integrations.vllm.step_log import (
     NewRequest,
     StepLog,
 )
+
+logger = logging.getLogger(__name__)
 
 # How often startup polls a pool that a previous engine's lease still holds.
 _IDLE_POLL_S = 0.5
@@ -101,7 +104,9 @@ class ServerLink:
     """A session on a kvservice server that replays and checks the replica's
     operations (see the module docstring)."""
 
-    def __init__(self, settings: ConnectionSettings, layout: PoolLayout) -> None:
+    def __init__(self, settings: ConnectionSettings) -> None:
+        """Connect and read the server's cache config; ``start`` checks it and opens
+        the engine's session."""
         assert settings.target is not None, "a ServerLink needs KVSERVICE_TARGET"
         self.target = settings.target
         self.settings = settings
@@ -123,6 +128,39 @@ class ServerLink:
         self.server_config: CacheConfig = self._call(
             "GetCacheConfig", self._client.get_cache_config
         )
+        self._log = StepLog()
+        # With confirm="overlap": the step sent last, not yet checked, and its answers.
+        self._unconfirmed: tuple[PendingStep, list[Expected | AllocationRun], int] | None = None
+        # Tokens the server has of each request, and its num_computed_tokens.
+        self._server_tokens: dict[str, int] = {}
+        self._server_computed: dict[str, int] = {}
+        # The last lookup of each waiting request: what its allocation attaches.
+        self._lookups: dict[str, ComputedBlocks] = {}
+        self.round_trips = 0
+
+    def pool_size(self, vllm_num_blocks: int) -> int:
+        """The blocks the scheduler may use: the server's pool when it is no larger than
+        the one vLLM computed (vLLM's KV cache tensors then hold every block id the
+        server hands out), else vLLM's, which ``start`` refuses."""
+        server_num_blocks = self.server_config.num_blocks
+        if server_num_blocks >= vllm_num_blocks:
+            return vllm_num_blocks
+        logger.warning(
+            "kvservice at %s has %d KV cache blocks, vLLM computed %d: the scheduler "
+            "uses kvservice's %d (the rest of vLLM's KV cache stays unused; start "
+            "kvservice with --num-blocks %d to use it all)",
+            self.target,
+            server_num_blocks,
+            vllm_num_blocks,
+            server_num_blocks,
+            vllm_num_blocks,
+        )
+        return server_num_blocks
+
+    def start(self, layout: PoolLayout) -> None:
+        """Check that the server's pool is ``layout``, open the engine's session, wait
+        for the pool to be idle and reset it to a fresh pool's state."""
+        settings = self.settings
         self._check_layout(layout)
         # A restarted engine opens with a higher epoch, which fences its predecessor.
         self._call(
@@ -137,15 +175,6 @@ class ServerLink:
         ):
             raise KVServiceManagerError(f"kvservice at {self.target} refused to reset its pool")
         self._session: Session = self._call("StepStream", self._client.session)
-        self._log = StepLog()
-        # With confirm="overlap": the step sent last, not yet checked, and its answers.
-        self._unconfirmed: tuple[PendingStep, list[Expected | AllocationRun], int] | None = None
-        # Tokens the server has of each request, and its num_computed_tokens.
-        self._server_tokens: dict[str, int] = {}
-        self._server_computed: dict[str, int] = {}
-        # The last lookup of each waiting request: what its allocation attaches.
-        self._lookups: dict[str, ComputedBlocks] = {}
-        self.round_trips = 0
 
     # -- startup --------------------------------------------------------------------
 
@@ -180,8 +209,8 @@ class ServerLink:
                 "num_blocks",
                 layout.num_blocks,
                 server.num_blocks,
-                f" (start kvservice with --num-blocks {layout.num_blocks}, or vLLM with "
-                f"--num-gpu-blocks-override {server.num_blocks})",
+                f" (kvservice's pool may not be larger than vLLM's KV cache: start "
+                f"kvservice with --num-blocks {layout.num_blocks} or fewer)",
             ),
             (
                 "watermark blocks",
