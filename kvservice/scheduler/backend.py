@@ -21,7 +21,7 @@ from kvservice.client.types import (
     ComputedBlocks,
     FreeMode,
 )
-from kvservice.core.allocation_options import AllocationOptions
+from kvservice.core.allocation_options import allocation_options
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.request_table import admission
 from kvservice.request_table.table import RequestTable
@@ -274,7 +274,7 @@ class InProcessBackend:
             num_new_tokens,
             hit.num_computed_tokens if hit is not None else 0,
             hit.block_ids if hit is not None else (),
-            AllocationOptions(
+            allocation_options(
                 num_lookahead_tokens=num_lookahead_tokens,
                 full_sequence_must_fit=full_sequence_must_fit,
             ),

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvservice.core.admission import AdmitStop
-from kvservice.core.allocation_options import AllocationOptions
+from kvservice.core.allocation_options import AllocationOptions, allocation_options
 from kvservice.core.block_hashing import MultiModalFeature
 from kvservice.core.errors import InvalidArgumentError
 from kvservice.core.kv_cache_interface import (
@@ -120,7 +120,7 @@ def _allocation_options(
 ) -> AllocationOptions:
     """The fields both messages share (a probe caches nothing, so it has no
     ``delay_cache_blocks``)."""
-    return AllocationOptions(
+    return allocation_options(
         num_lookahead_tokens=msg.num_lookahead_tokens,
         num_external_computed_tokens=msg.num_external_computed_tokens,
         delay_cache_blocks=delay_cache_blocks,

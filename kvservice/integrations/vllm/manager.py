@@ -32,7 +32,7 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import RequestStatus as VllmRequestStatus
 
-from kvservice.core.allocation_options import AllocationOptions
+from kvservice.core.allocation_options import allocation_options
 from kvservice.core.block_hashing import MultiModalFeature
 from kvservice.core.kv_cache_block import KVCacheBlock
 from kvservice.core.kv_cache_manager import KVCacheManager
@@ -293,7 +293,7 @@ class KVServiceKVCacheManager:
         if server is not None:
             # The copies this allocation queues are the ones the server answers it with.
             pending_before = self._num_pending_copies()
-        options = AllocationOptions(
+        options = allocation_options(
             num_lookahead_tokens,
             num_external_computed_tokens,
             delay_cache_blocks,

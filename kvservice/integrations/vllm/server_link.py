@@ -367,7 +367,7 @@ class ServerLink:
         attached = self._attached_hit(request_id, hit) if hit[0] else None
         self._send_tokens(request)
         # vLLM's defaults (a decode step's plain call) are sent as no options at all.
-        plain = allocation_options == PLAIN_ALLOCATION
+        plain = allocation_options is PLAIN_ALLOCATION
         num_computed_tokens = request.num_computed_tokens
         server_computed = self._server_computed
         if attached is None and plain and num_computed_tokens == server_computed[request_id]:
