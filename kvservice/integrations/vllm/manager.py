@@ -1,4 +1,6 @@
-"""``KVServiceKVCacheManager``: vLLM 0.33's ``KVCacheManager``, answered by kvservice.
+"""``KVServiceKVCacheManager``: vLLM's ``KVCacheManager``, answered by kvservice.
+
+Written for vLLM 0.33, and run on 0.32 as well (``versions`` says what differs).
 
 vLLM's scheduler builds its manager with keyword arguments (``Scheduler.__init__``);
 this class takes exactly those, and answers with vLLM's own types (``KVCacheBlocks``,
@@ -22,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from vllm import __version__ as vllm_version
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks as VllmKVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 from vllm.v1.kv_cache_interface import (
@@ -41,6 +44,7 @@ from kvservice.integrations.vllm.cache_config import core_cache_config
 from kvservice.integrations.vllm.embeds import prompt_embeds_bytes
 from kvservice.integrations.vllm.events import to_vllm_events
 from kvservice.integrations.vllm.settings import ConnectionSettings
+from kvservice.integrations.vllm.versions import refuse_divergences
 from kvservice.integrations.vllm.views import (
     BlockPoolView,
     CoordinatorView,
@@ -56,7 +60,8 @@ _NO_HIT: tuple[int, BlockIds] = (0, ())
 
 @dataclass(frozen=True, slots=True)
 class ManagerArgs:
-    """The keyword arguments vLLM 0.33's ``Scheduler`` passes to ``KVCacheManager``."""
+    """The keyword arguments vLLM's ``Scheduler`` passes to ``KVCacheManager`` (0.32
+    passes no ``num_hash_lookahead_tokens``: its default is 0.32's meaning)."""
 
     kv_cache_config: Any
     max_model_len: int
@@ -110,13 +115,14 @@ def _ids(blocks: tuple[Sequence[KVCacheBlock], ...]) -> BlockIds:
 
 
 class KVServiceKVCacheManager:
-    """vLLM 0.33's ``KVCacheManager`` interface over kvservice (see the module
+    """vLLM's ``KVCacheManager`` interface over kvservice (see the module
     docstring). ``server`` is the link to the confirming server, None in-process."""
 
     def __init__(self, **kwargs: Any) -> None:
         self.args = args = ManagerArgs(**kwargs)
         args.refuse_unsupported()
         config = args.kv_cache_config
+        refuse_divergences(vllm_version, config, args.enable_caching, args.use_eagle)
         self.kv_cache_config = config
         self.max_model_len = args.max_model_len
         self.enable_caching = args.enable_caching

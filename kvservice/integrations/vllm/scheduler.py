@@ -1,4 +1,4 @@
-"""``KVServiceScheduler``: vLLM 0.33's own ``Scheduler`` with kvservice's manager.
+"""``KVServiceScheduler``: vLLM's own ``Scheduler`` (0.32 or 0.33) with kvservice's manager.
 
 For ``vllm serve --scheduler-cls kvservice.integrations.vllm.KVServiceScheduler``.
 Every scheduling decision is vLLM's code; only the ``KVCacheManager`` it builds is
