@@ -39,6 +39,8 @@ class EngineSetup:
     max_num_seqs: int = 8
     max_num_batched_tokens: int = 256
     enable_prefix_caching: bool = True
+    # vLLM's ``KVEventsConfig`` (``--kv-events-config``): its own ZMQ event publisher.
+    kv_events_config: Any = None
 
     def engine_args(self, model: Path, scheduler_cls: str | None) -> EngineArgs:
         extra = {} if scheduler_cls is None else {"scheduler_cls": scheduler_cls}
@@ -55,6 +57,7 @@ class EngineSetup:
             max_num_batched_tokens=self.max_num_batched_tokens,
             enable_prefix_caching=self.enable_prefix_caching,
             disable_log_stats=False,
+            kv_events_config=self.kv_events_config,
             **extra,
         )
 
@@ -185,8 +188,15 @@ def run_engine(
     return run
 
 
-def drive(engine: Any, workload: EngineWorkload, run: EngineRun, max_steps: int = 5000) -> None:
-    """Feed ``workload`` to ``engine`` step by step until every request has ended."""
+def drive(
+    engine: Any,
+    workload: EngineWorkload,
+    run: EngineRun,
+    max_steps: int = 5000,
+    stop_early: bool = False,
+) -> None:
+    """Feed ``workload`` to ``engine`` step by step until every request has ended (or
+    for ``max_steps`` when ``stop_early``)."""
     pending = sorted(workload.arrivals, key=lambda arrival: arrival.step)
     for step in range(max_steps):
         while pending and pending[0].step <= step:
@@ -215,6 +225,8 @@ def drive(engine: Any, workload: EngineWorkload, run: EngineRun, max_steps: int 
             run.requests[output.request_id] = RequestResult(
                 tuple(completion.token_ids), output.num_cached_tokens, completion.finish_reason
             )
+    if stop_early:
+        return
     raise AssertionError(f"the workload did not finish in {max_steps} steps")
 
 

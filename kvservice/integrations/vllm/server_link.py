@@ -556,5 +556,14 @@ class ServerLink:
                 self.flush()
                 self.confirm()
         finally:
-            self._session.close()
-            self._client.close()
+            try:
+                self._session.close()
+            except KVServiceError as error:
+                # After a failure the engine has already raised, naming the server; its
+                # session's lease frees what it held on a server that is still there.
+                if self._failure is None:
+                    raise KVServiceManagerError(
+                        f"kvservice at {self.target}: CloseSession failed: {error}"
+                    ) from error
+            finally:
+                self._client.close()
