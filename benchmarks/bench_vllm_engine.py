@@ -262,12 +262,12 @@ def main(argv: list[str] | None = None) -> int:
             reference: EngineRun | None = None
             for round_index in range(rounds):
                 order = rotated(all_modes, round_index)
-                # Stock first within the round's list of results, whatever its turn.
                 measured = {
                     mode.name: measure(model, load, mode, server.target, server.pid)
                     for mode in order
                 }
-                reference = reference or measured[STOCK].run
+                if reference is None:
+                    reference = measured[STOCK].run
                 for mode in all_modes:
                     check_outcome(reference, measured[mode.name].run, mode.name, round_index)
                     runs[mode.name].append(measured[mode.name])

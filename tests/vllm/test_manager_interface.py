@@ -1,5 +1,6 @@
-"""``KVServiceKVCacheManager`` answers everything vLLM 0.33's scheduler and engine read
-of a ``KVCacheManager``, with vLLM's signatures, checked against the installed source."""
+"""``KVServiceKVCacheManager`` answers everything vLLM's scheduler and engine read of a
+``KVCacheManager``, with vLLM's signatures, checked against the installed source: vLLM
+0.33.0 in .venv, 0.32.0 in .venv-engine (whose manager takes fewer arguments)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import inspect
 import re
 
 import pytest
+import vllm
 import vllm.v1.core.sched.scheduler as vllm_scheduler
 import vllm.v1.engine.core as vllm_engine_core
 from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -14,6 +16,11 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from kvservice.integrations.vllm import KVServiceKVCacheManager, KVServiceScheduler
 from kvservice.integrations.vllm.manager import ManagerArgs
 from kvservice.integrations.vllm.testing import SchedulerSetup, build_scheduler
+from kvservice.integrations.vllm.versions import release
+
+# What vLLM 0.33 added to the manager's arguments: 0.32's scheduler leaves them out,
+# and their defaults mean what 0.32 does.
+NEWER_ARGUMENTS = {"0.32": {"num_hash_lookahead_tokens"}, "0.33": set()}[release(vllm.__version__)]
 
 _READ = re.compile(r"kv_cache_manager\.(\w+)")
 
@@ -37,11 +44,14 @@ def test_the_manager_answers_every_name_the_scheduler_reads(
     "method", ["allocate_slots", "get_computed_blocks", "free", "get_blocks", "reset_prefix_cache"]
 )
 def test_signatures_are_vllms(method: str) -> None:
-    ours = inspect.signature(getattr(KVServiceKVCacheManager, method)).parameters
-    theirs = inspect.signature(getattr(KVCacheManager, method)).parameters
-    assert [(p.name, p.default) for p in ours.values()] == [
-        (p.name, p.default) for p in theirs.values()
+    ours = list(inspect.signature(getattr(KVServiceKVCacheManager, method)).parameters.values())
+    theirs = list(inspect.signature(getattr(KVCacheManager, method)).parameters.values())
+    # vLLM's parameters, in vLLM's order; after them only optional ones of a newer vLLM
+    # (0.33's max_cache_hit_length on 0.32).
+    assert [(p.name, p.default) for p in ours[: len(theirs)]] == [
+        (p.name, p.default) for p in theirs
     ]
+    assert all(p.default is not inspect.Parameter.empty for p in ours[len(theirs) :])
 
 
 def test_the_constructor_takes_what_the_scheduler_passes() -> None:
@@ -50,7 +60,8 @@ def test_the_constructor_takes_what_the_scheduler_passes() -> None:
     passed = set(re.findall(r"^\s+(\w+)=", call[: call.index("\n        )")], re.MULTILINE))
     accepted = set(inspect.signature(KVCacheManager.__init__).parameters) - {"self"}
     assert passed and passed <= accepted  # the scheduler passes vLLM's own keywords...
-    assert set(ManagerArgs.__dataclass_fields__) == accepted  # ...and we take all of them
+    # ...and we take all of them
+    assert set(ManagerArgs.__dataclass_fields__) == accepted | NEWER_ARGUMENTS
 
 
 def test_connector_reads_match_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
