@@ -101,10 +101,11 @@ unit: setup tools engine
 	KVSERVICE_PURE_PYTHON=1 $(BIN)/pytest $(PURE_PYTHON_TESTS)
 
 ## On vLLM 0.32.0's CPU engine: the end-to-end tests (tests/engine/, which .venv's run
-## leaves out: it has no engine), and the scheduler differential, the manager's
-## interface and the version checks against vLLM 0.32.
+## leaves out: it has no engine), and the scheduler differentials (sync and async), the
+## manager's interface and the version checks against vLLM 0.32.
 ENGINE_TESTS := tests/engine tests/vllm/test_scheduler_differential.py \
-	tests/vllm/test_manager_interface.py tests/vllm/test_versions.py
+	tests/vllm/test_async_scheduler.py tests/vllm/test_manager_interface.py \
+	tests/vllm/test_versions.py
 
 engine: engine-setup
 	KVSERVICE_ENGINE_TESTS=1 $(ENGINE_BIN)/pytest $(ENGINE_TESTS)

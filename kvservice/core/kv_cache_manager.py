@@ -373,7 +373,10 @@ class KVCacheManager:
 
         # Free what has slid out of view before counting, so the request may cover its
         # need with memory it just released. Safe even if the request is refused below.
-        coordinator.remove_skipped_blocks(request_id, total_computed_tokens)
+        # Only below the processed tokens: a step in flight still reads its window.
+        coordinator.remove_skipped_blocks(
+            request_id, max(0, total_computed_tokens - request.num_in_flight_tokens)
+        )
         num_required = coordinator.get_num_blocks_to_allocate(
             request_id,
             num_tokens_need_slot,

@@ -24,7 +24,9 @@ class Request:
     request re-hits its own generated blocks).
 
     ``num_computed_tokens`` is set by the caller, as vLLM's scheduler does after each
-    successful ``allocate_slots``.
+    successful ``allocate_slots``. ``num_in_flight_tokens`` is vLLM's count of those
+    tokens whose step has not run yet (async scheduling keeps a step in flight while
+    it plans the next): windows free blocks only below the tokens actually processed.
 
     What enters the block hashes besides the tokens: the LoRA adapter (``lora_name``
     and ``lora_path``; a name given without a path keys the path as None), multimodal
@@ -46,6 +48,7 @@ class Request:
         "lora_name",
         "lora_path",
         "mm_features",
+        "num_in_flight_tokens",
         "num_preemptions",
         "num_prompt_tokens",
         "prompt_embeds",
@@ -106,6 +109,7 @@ class Request:
         self.shared_prefix_boundary: int | None = None
         self.num_preemptions = 0
         self._num_computed_tokens = 0
+        self.num_in_flight_tokens = 0
         self.block_hashes: list[BlockHash] = []
         self._block_hasher = block_hasher
         self._update_block_hashes()

@@ -10,6 +10,6 @@ Importing this package imports vLLM.
 """
 
 from kvservice.integrations.vllm.manager import KVServiceKVCacheManager
-from kvservice.integrations.vllm.scheduler import KVServiceScheduler
+from kvservice.integrations.vllm.scheduler import KVServiceAsyncScheduler, KVServiceScheduler
 
-__all__ = ["KVServiceKVCacheManager", "KVServiceScheduler"]
+__all__ = ["KVServiceAsyncScheduler", "KVServiceKVCacheManager", "KVServiceScheduler"]

@@ -245,6 +245,7 @@ class KVServiceKVCacheManager:
             self._requests[request.request_id] = mirror
         mirror.status = _STATUS[request.status]
         mirror.num_computed_tokens = request.num_computed_tokens
+        mirror.num_in_flight_tokens = request.num_in_flight_tokens
         return mirror
 
     def _blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> Any:

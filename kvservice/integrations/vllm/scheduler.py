@@ -1,8 +1,15 @@
-"""``KVServiceScheduler``: vLLM's own ``Scheduler`` (0.32 or 0.33) with kvservice's manager.
+"""``KVServiceScheduler``: vLLM's own scheduler (0.32 or 0.33) with kvservice's manager.
 
 For ``vllm serve --scheduler-cls kvservice.integrations.vllm.KVServiceScheduler``.
 Every scheduling decision is vLLM's code; only the ``KVCacheManager`` it builds is
 kvservice's (``KVServiceKVCacheManager``, configured from ``KVSERVICE_*`` variables).
+
+vLLM takes a named scheduler class as it is, whatever ``async_scheduling`` says, and a
+subclass of its synchronous ``Scheduler`` adds no output placeholders: a running
+request would get no new tokens while its previous step is in flight. So the class
+the README names builds the matching variant itself, as vLLM's own
+``get_scheduler_cls`` would pick: ``KVServiceAsyncScheduler`` (vLLM's
+``AsyncScheduler``) when async scheduling is on, vLLM's default on a GPU.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from typing import Any
 
 import vllm.v1.core.sched.scheduler as vllm_scheduler
 from vllm.v1.core import kv_cache_utils
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from kvservice.integrations.vllm.manager import KVServiceKVCacheManager
@@ -35,13 +43,30 @@ def _kv_cache_manager_class(cls: type) -> Iterator[None]:
             vllm_scheduler.KVCacheManager = original
 
 
+def _vllm_config(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return kwargs.get("vllm_config", args[0] if args else None)
+
+
 class KVServiceScheduler(Scheduler):  # type: ignore[misc]
-    """vLLM's v1 ``Scheduler``, unchanged, allocating through kvservice."""
+    """vLLM's v1 ``Scheduler``, unchanged, allocating through kvservice; constructed
+    with async scheduling on, a ``KVServiceAsyncScheduler``."""
 
     kv_cache_manager: KVServiceKVCacheManager
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> KVServiceScheduler:
+        vllm_config = _vllm_config(args, kwargs)
+        variant = cls
+        if (
+            cls is KVServiceScheduler
+            and vllm_config is not None
+            and vllm_config.scheduler_config.async_scheduling
+        ):
+            variant = KVServiceAsyncScheduler
+        instance: KVServiceScheduler = super().__new__(variant)
+        return instance
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        vllm_config = _vllm_config(args, kwargs)
         if vllm_config is not None and vllm_config.kv_transfer_config is not None:
             raise NotImplementedError(
                 "KVServiceScheduler does not support KV connectors (--kv-transfer-config): "
@@ -58,3 +83,8 @@ class KVServiceScheduler(Scheduler):  # type: ignore[misc]
     def shutdown(self) -> None:
         super().shutdown()
         self.kv_cache_manager.close()
+
+
+class KVServiceAsyncScheduler(KVServiceScheduler, AsyncScheduler):  # type: ignore[misc]
+    """vLLM's ``AsyncScheduler``, unchanged, allocating through kvservice: output
+    placeholders let a request's next step be planned while its last one runs."""

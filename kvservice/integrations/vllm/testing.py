@@ -20,7 +20,6 @@ from vllm import ModelRegistry
 from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -90,6 +89,9 @@ class SchedulerSetup:
     enable_chunked_prefill: bool = True
     watermark: float = 0.0
     max_model_len: int = 2048
+    # vLLM's default on a GPU; the scheduler is then driven in the engine's batch-queue
+    # order (two steps in flight).
+    async_scheduling: bool = False
 
     @property
     def mamba_align(self) -> bool:
@@ -155,17 +157,24 @@ def vllm_config(setup: SchedulerSetup) -> Any:
         enable_chunked_prefill=setup.enable_chunked_prefill,
         watermark=setup.watermark,
     )
-    return VllmConfig(
+    config = VllmConfig(
         model_config=model, cache_config=cache_config, scheduler_config=scheduler_config
     )
+    # Set after the config is built: vLLM turns it off where the platform (this CPU)
+    # cannot overlap steps, but the scheduler itself runs anywhere.
+    config.scheduler_config.async_scheduling = setup.async_scheduling
+    return config
 
 
-def build_scheduler(setup: SchedulerSetup, scheduler_cls: type = Scheduler) -> Any:
-    """vLLM's ``Scheduler`` (or ``KVServiceScheduler``) for ``setup``, stats on. As
-    vLLM's engine does before building its scheduler, the hash chain's seed is set for
-    the configured algorithm (sha256) first."""
+def build_scheduler(setup: SchedulerSetup, scheduler_cls: type | None = None) -> Any:
+    """vLLM's scheduler for ``setup`` (``Scheduler``, or ``AsyncScheduler`` with async
+    scheduling, as vLLM picks it), or ``scheduler_cls`` (``KVServiceScheduler``), stats
+    on. As vLLM's engine does before building its scheduler, the hash chain's seed is set
+    for the configured algorithm (sha256) first."""
     config = vllm_config(setup)
     init_none_hash(sha256)
+    if scheduler_cls is None:
+        scheduler_cls = config.scheduler_config.get_scheduler_cls()
     return scheduler_cls(
         vllm_config=config,
         kv_cache_config=kv_cache_config(setup),
