@@ -22,7 +22,12 @@ process and the server together. Every run must generate the tokens stock vLLM d
 (``EngineRun.outcome()``: tokens, cached tokens, finish reasons, preemptions and
 prefix-cache counters); a difference stops the benchmark with an error.
 
+The forward pass runs on one torch thread (``--threads``): with two on a two-core
+machine shared with other work, a step stalls whenever the OS deschedules either thread,
+and the rounds' spread measured that rather than the scheduler.
+
     .venv-engine/bin/python -m benchmarks.bench_vllm_engine [--rounds 3] [--requests 64]
+        [--threads 1] [--quick]
 """
 
 from __future__ import annotations
@@ -127,7 +132,7 @@ class Measured:
         return self.scheduler_s / sum(self.run.step_seconds)
 
 
-class TokensDiffer(AssertionError):
+class TokensDifferError(AssertionError):
     """A mode's engine did not generate what stock vLLM generated."""
 
 
@@ -209,7 +214,7 @@ def measure(
 
 
 def check_outcome(reference: EngineRun, run: EngineRun, mode: str, round_index: int) -> None:
-    """Raise ``TokensDiffer`` unless ``run`` decided as the reference stock run did."""
+    """Raise ``TokensDifferError`` unless ``run`` decided as the reference stock run did."""
     expected, actual = reference.outcome(), run.outcome()
     if actual == expected:
         return
@@ -222,14 +227,23 @@ def check_outcome(reference: EngineRun, run: EngineRun, mode: str, round_index: 
     for request_id in sorted(set(requests) | set(theirs)):
         if requests.get(request_id) != theirs.get(request_id):
             details.append(
-                f"{request_id}: stock {requests.get(request_id)}, "
-                f"{mode} {theirs.get(request_id)}"
+                f"{request_id}: stock {requests.get(request_id)}, {mode} {theirs.get(request_id)}"
             )
             break  # the first request that differs
-    raise TokensDiffer(
+    raise TokensDifferError(
         f"round {round_index + 1}: {mode} did not generate what {STOCK} generated:\n  "
         + "\n  ".join(details)
     )
+
+
+def _set_torch_threads(count: int) -> None:
+    import torch  # noqa: PLC0415  (vLLM imported it already)
+
+    if torch.get_num_threads() != count:
+        # Before the first engine: vLLM's CPU worker then turns set_num_threads off.
+        torch.set_num_threads(count)
+    if torch.get_num_threads() != count:
+        print(f"note: torch keeps {torch.get_num_threads()} threads (an engine was built)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,7 +256,18 @@ def main(argv: list[str] | None = None) -> int:
         help=f"a smoke run: {QUICK_REQUESTS} short requests, 1 round, no warm-up",
     )
     parser.add_argument("--seed", type=int, default=0, help="the workload's seed")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads of the forward pass (default 1; 0: torch's own choice). With "
+        "several, a step waits for every thread, and one descheduled by another process "
+        "stalls it: on a small shared machine the spread is then the OS's, not the "
+        "scheduler's",
+    )
     args = parser.parse_args(argv)
+    if args.threads:
+        _set_torch_threads(args.threads)
     rounds = args.rounds or (1 if args.quick else 3)
     requests = args.requests or (QUICK_REQUESTS if args.quick else 64)
     load = workload(requests, args.quick, args.seed)
@@ -284,12 +309,16 @@ def _report(
     rounds: int,
     load: EngineWorkload,
 ) -> None:
+    import torch  # noqa: PLC0415
+
+    threads = torch.get_num_threads()
     stock = runs[STOCK]
     low, high = load.max_tokens
     print(
         f"\nvLLM CPU engine, tiny Llama: {requests} requests (max_tokens {low}-{high - 1}), "
         f"max_num_seqs {SETUP.max_num_seqs}, {SETUP.num_blocks} blocks of "
-        f"{SETUP.block_size} tokens; {stock[0].steps} steps x {rounds} rounds"
+        f"{SETUP.block_size} tokens, {threads} torch thread(s); "
+        f"{stock[0].steps} steps x {rounds} rounds"
     )
     print(
         f"{'mode':<26}{'tokens/s':>9}{'ratio':>8}{'spread':>13}{'step ms':>9}"
