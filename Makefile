@@ -104,7 +104,7 @@ unit: setup tools engine
 ## leaves out: it has no engine), and the scheduler differentials (sync and async), the
 ## manager's interface and the version checks against vLLM 0.32.
 ENGINE_TESTS := tests/engine tests/vllm/test_scheduler_differential.py \
-	tests/vllm/test_async_scheduler.py tests/vllm/test_manager_interface.py \
+	tests/vllm/test_engine_order_differential.py tests/vllm/test_manager_interface.py \
 	tests/vllm/test_versions.py
 
 engine: engine-setup

@@ -189,6 +189,11 @@ def _group(msg: pb.KVCacheGroup) -> KVCacheGroup:
         attention_chunk_size=(
             msg.attention_chunk_size if msg.HasField("attention_chunk_size") else None
         ),
+        max_admission_blocks_per_request=(
+            msg.max_admission_blocks_per_request
+            if msg.HasField("max_admission_blocks_per_request")
+            else None
+        ),
     )
 
 
@@ -208,6 +213,7 @@ def cache_config(msg: pb.GetCacheConfigResponse) -> CacheConfig:
         runtime_device=msg.runtime_device,
         vocab_size=msg.vocab_size,
         watermark_blocks=msg.watermark_blocks,
+        max_in_flight_tokens=msg.max_in_flight_tokens,
         none_hash_seed=msg.none_hash_seed,
         none_hash_seed_source=_SEED_SOURCES.get(msg.none_hash_seed_source, ""),
     )
@@ -314,6 +320,7 @@ def _set_allocate_options(message: pb.AllocateSlotsRequest, options: AllocateOpt
     message.has_scheduled_reqs = options.has_scheduled_reqs
     if options.num_computed_tokens is not None:
         message.num_computed_tokens = options.num_computed_tokens
+    message.num_in_flight_tokens = options.num_in_flight_tokens
 
 
 def free(request_id: str, mode: FreeMode = FreeMode.FINISH) -> Op[FreeResult]:
@@ -375,6 +382,11 @@ def free_retained_blocks(block_ids: Sequence[int]) -> Op[int]:
 
 def _num_free_blocks(msg: pb.FreeRetainedBlocksResponse) -> int:
     return msg.num_free_blocks
+
+
+def cache_blocks(request_id: str, num_computed_tokens: int) -> Op[None]:
+    message = pb.CacheBlocksRequest(request_id=request_id, num_computed_tokens=num_computed_tokens)
+    return Op("CacheBlocks", "cache_blocks", message, _nothing)
 
 
 def get_cache_config() -> Op[CacheConfig]:

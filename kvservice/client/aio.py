@@ -327,6 +327,11 @@ class AsyncKVClient:
         ``keep_copy_holds``), in the order given; the pool's free blocks after."""
         return await self._call(_wire.free_retained_blocks(block_ids))
 
+    async def cache_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """vLLM's ``cache_blocks``: hash into the prefix cache the request's blocks
+        its first ``num_computed_tokens`` tokens fill (monotonic, idempotent)."""
+        return await self._call(_wire.cache_blocks(request_id, num_computed_tokens))
+
     async def get_cache_config(self) -> CacheConfig:
         return await self._call(_wire.get_cache_config())
 

@@ -246,6 +246,10 @@ class StepBuilder:
         order given; answers the pool's free blocks after."""
         return self._add(_wire.free_retained_blocks(block_ids))
 
+    def cache_blocks(self, request_id: str, num_computed_tokens: int) -> OpHandle[None]:
+        """vLLM's ``cache_blocks`` for ``request_id`` (see ``KVClient.cache_blocks``)."""
+        return self._add(_wire.cache_blocks(request_id, num_computed_tokens))
+
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> OpHandle[RequestState]:
         if self._coalesce and len(token_ids) == 1:
             return self._entry(_wire.APPEND_TOKENS_BATCH, "token_ids", request_id, token_ids[0])

@@ -229,6 +229,11 @@ class KVClient:
         ``keep_copy_holds``), in the order given; the pool's free blocks after."""
         return self._call(_wire.free_retained_blocks(block_ids))
 
+    def cache_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """vLLM's ``cache_blocks``: hash into the prefix cache the request's blocks
+        its first ``num_computed_tokens`` tokens fill (monotonic, idempotent)."""
+        return self._call(_wire.cache_blocks(request_id, num_computed_tokens))
+
     def get_cache_config(self) -> CacheConfig:
         return self._call(_wire.get_cache_config())
 

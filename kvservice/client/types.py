@@ -145,6 +145,8 @@ class AllocateOptions:
 
     ``num_computed_tokens``, when set, replaces the server's count before allocating
     (rejected draft tokens); it is restored if the call is refused or has no room.
+    ``num_in_flight_tokens``: of the computed tokens, those whose step has not run yet
+    (vLLM's async scheduling); windows release blocks only below the rest.
     """
 
     num_lookahead_tokens: int = 0
@@ -155,6 +157,7 @@ class AllocateOptions:
     reserved_blocks: int = 0
     has_scheduled_reqs: bool = True
     num_computed_tokens: int | None = None
+    num_in_flight_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,6 +264,9 @@ class KVCacheGroup:
     page_size_bytes: int
     sliding_window: int | None = None
     attention_chunk_size: int | None = None
+    # Window-bounded groups: the most blocks admission (full_sequence_must_fit) counts
+    # for one request; None for the others.
+    max_admission_blocks_per_request: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,6 +290,9 @@ class CacheConfig:
     vocab_size: int = 0
     # Blocks kept free for admissions while others run (vLLM's watermark).
     watermark_blocks: int = 0
+    # Tokens one engine step may schedule before it has run (vLLM's
+    # max_in_flight_tokens); it bounds max_admission_blocks_per_request. 0: not reported.
+    max_in_flight_tokens: int = 0
     # The hash chain's seed when it is not secret (SHA variants' fixed seed, an explicit
     # --none-hash-seed, PYTHONHASHSEED); "" for a random xxhash seed.
     none_hash_seed: str = ""

@@ -109,7 +109,9 @@ class KVCacheManager:
         watermark: fraction of ``num_blocks`` kept free when admitting waiting or
             preempted requests while others are scheduled.
         max_in_flight_tokens: tokens one request can have in flight in a step (the
-            window-bounded admission cap); defaults to ``max_model_len``.
+            window-bounded admission cap); defaults to ``max_model_len``. vLLM passes
+            ``VllmConfig.max_in_flight_tokens``: ``max_num_batched_tokens`` times its
+            concurrent batches.
         hash_algo / none_hash_seed: the block hash function and its chain seed.
         use_eagle: an EAGLE drafter reads the groups marked ``is_eagle_group`` (all
             groups if none is marked): their hits give back one block.
@@ -136,6 +138,11 @@ class KVCacheManager:
             raise InvalidArgumentError(f"max_model_len must be positive, got {max_model_len}")
         if not 0.0 <= watermark < 1.0:
             raise InvalidArgumentError(f"watermark must be in [0, 1), got {watermark}")
+        if max_in_flight_tokens is not None and max_in_flight_tokens < 0:
+            raise InvalidArgumentError(
+                f"max_in_flight_tokens must be >= 0 (0 or None: max_model_len), got "
+                f"{max_in_flight_tokens}"
+            )
         self.kv_cache_config = kv_cache_config
         # Block sizes below are in the scheduler's tokens: DCP-scaled for full attention.
         scheduler_view = scale_for_context_parallelism(
@@ -148,6 +155,8 @@ class KVCacheManager:
             )
         groups = scheduler_view.kv_cache_groups
         self.max_model_len = max_model_len
+        # vLLM's default: a request may have up to max_model_len tokens in flight.
+        self.max_in_flight_tokens = max_in_flight_tokens or max_model_len
         self.scheduler_block_size = scheduler_block_size or scheduler_block_size_of(groups)
         self.hash_block_size = hash_block_size or hash_block_size_of(groups)
         self.enable_caching = enable_caching
@@ -161,7 +170,7 @@ class KVCacheManager:
             enable_kv_cache_events=enable_kv_cache_events,
             scheduler_block_size=self.scheduler_block_size,
             hash_block_size=self.hash_block_size,
-            max_in_flight_tokens=max_in_flight_tokens or max_model_len,
+            max_in_flight_tokens=self.max_in_flight_tokens,
             use_eagle=use_eagle,
         )
         self.num_kv_cache_groups = len(groups)

@@ -89,6 +89,9 @@ class SingleTypeKVCacheManager(ABC):
 
     ``num_cached_block[request_id]`` counts the leading blocks of a request already in
     the prefix cache; a request in it is running (it gets no new prefix hits).
+    ``max_admission_blocks_per_request`` is the most blocks the admission gate
+    (``full_sequence_must_fit``) counts for one request: set for window-bounded groups
+    (a window plus the tokens in flight), None for the others.
     """
 
     spec_type: ClassVar[type[KVCacheSpec]]
@@ -115,7 +118,7 @@ class SingleTypeKVCacheManager(ABC):
         self._null_block = block_pool.null_block
         self._record_new_block_ids = record_new_block_ids
         self.new_block_ids: list[int] = []
-        self._max_admission_blocks_per_request = max_admission_blocks_per_request
+        self.max_admission_blocks_per_request = max_admission_blocks_per_request
         # Set by the coordinator for the groups an EAGLE drafter reads.
         self.use_eagle = False
         # Sparse retention (KVCacheConfig.prefix_cache_retention_interval), set by the
@@ -157,7 +160,7 @@ class SingleTypeKVCacheManager(ABC):
         ``total_computed_tokens``.
         """
         num_required_blocks = cdiv(num_tokens, self.block_size)
-        cap = self._max_admission_blocks_per_request
+        cap = self.max_admission_blocks_per_request
         if apply_admission_cap and cap is not None:
             num_required_blocks = min(num_required_blocks, cap)
         req_blocks = self.req_to_blocks.get(request_id)

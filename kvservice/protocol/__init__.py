@@ -30,6 +30,7 @@ MUTATING_UNARY_METHODS = frozenset(
         "Step",
         "NewStepStarts",
         "FreeRetainedBlocks",
+        "CacheBlocks",
     }
 )
 # Every call that changes the pool, the step stream included.

@@ -322,6 +322,11 @@ class RequestTable:
         hit = None
         if args.num_computed_tokens is not None:
             self._check_num_computed_tokens(request_id, args.num_computed_tokens)
+        if args.num_in_flight_tokens < 0:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: num_in_flight_tokens must be >= 0, got "
+                f"{args.num_in_flight_tokens}"
+            )
         if args.new_computed_block_ids:
             hit = self._hit_to_attach(request_id, key, args.new_computed_block_ids)
         previous = request.num_computed_tokens
@@ -333,6 +338,7 @@ class RequestTable:
         counted = self.tenants.counts(tenant)
         pool = self.manager.block_pool
         free_before = pool.get_num_free_blocks() if counted else 0
+        request.num_in_flight_tokens = args.num_in_flight_tokens
         try:
             if counted and self.tenants.has_quota(tenant):
                 self._check_quota(request, request_id, tenant, args, hit)
@@ -343,6 +349,7 @@ class RequestTable:
             request.num_computed_tokens = previous
             raise
         finally:
+            request.num_in_flight_tokens = 0
             if counted:
                 self.tenants.charge(tenant, free_before - pool.get_num_free_blocks())
         if new_blocks is None:
@@ -474,6 +481,23 @@ class RequestTable:
         self._runtime_sync.release_kept((tenant, session_id), block_ids)
         self._reporter.changed()
         return self.manager.block_pool.get_num_free_blocks()
+
+    def cache_blocks(self, request_id: str, num_computed_tokens: int, tenant: str) -> None:
+        """vLLM's ``cache_blocks``: hash into the prefix cache the request's blocks its
+        first ``num_computed_tokens`` tokens fill (after a step's outputs came back under
+        async scheduling or with draft tokens). Monotonic and idempotent. OUT_OF_RANGE,
+        changing nothing, past the request's known tokens or its allocated slots."""
+        request = self._get(request_id, tenant)
+        limit = min(request.num_tokens, request.num_computed_tokens)
+        if not 0 <= num_computed_tokens <= limit:
+            raise OutOfRangeError(
+                f"request {request_id!r}: cache_blocks({num_computed_tokens}) must lie "
+                f"within the request's {request.num_tokens} known tokens and its "
+                f"{request.num_computed_tokens} computed ones"
+            )
+        if self.manager.enable_caching:
+            self.manager.coordinator.cache_blocks(request, num_computed_tokens)
+            self._reporter.changed()
 
     def release_copy_holds(self, tenant: str, session_id: str) -> int:
         """Release every copy hold ``session_id`` kept (the session ended); how many."""

@@ -65,6 +65,9 @@ class AllocateArgs(NamedTuple):
     new_computed_block_ids: HitBlockIds = ()
     options: AllocationOptions = PLAIN_ALLOCATION
     num_computed_tokens: int | None = None
+    # Of the computed tokens, those whose step has not run (vLLM's async scheduling):
+    # windows release blocks only below the rest. For this call only.
+    num_in_flight_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,6 +68,11 @@ class ServerConfig:
     # Fraction of num_blocks kept free when admitting waiting or preempted requests
     # while others are scheduled (vLLM's --watermark).
     watermark: float = 0.0
+    # Tokens one engine step may schedule before the step has run (vLLM's
+    # ``max_in_flight_tokens``: max_num_batched_tokens times its concurrent batches);
+    # sliding-window groups are counted for at most a window plus this at admission.
+    # 0: max_model_len, as vLLM's manager defaults.
+    max_in_flight_tokens: int = 0
     needs_kv_cache_zeroing: bool = False
     model_name: str = "default"
     engine: str = "0"
@@ -195,7 +200,9 @@ def build_kv_cache_config(
         num_gpu_blocks_override=config.num_blocks if available_memory is None else None,
         needs_kv_cache_zeroing=config.needs_kv_cache_zeroing or config.has_runtime,
     )
-    check_enough_kv_cache_memory(kv_cache_config, config.max_model_len, config.max_model_len)
+    check_enough_kv_cache_memory(
+        kv_cache_config, config.max_model_len, config.max_in_flight_tokens or config.max_model_len
+    )
     return kv_cache_config
 
 
@@ -241,6 +248,7 @@ def build_manager(
         enable_caching=config.enable_caching,
         log_stats=True,
         watermark=config.watermark,
+        max_in_flight_tokens=config.max_in_flight_tokens or None,
         hash_algo=config.hash_algo,
         none_hash_seed=config.none_hash_seed,
         hash_block_size=config.hash_block_size or None,

@@ -106,6 +106,7 @@ def allocate_args_from_pb(msg: pb.AllocateSlotsRequest) -> AllocateArgs:
         num_computed_tokens=(
             msg.num_computed_tokens if msg.HasField("num_computed_tokens") else None
         ),
+        num_in_flight_tokens=msg.num_in_flight_tokens,
     )
 
 
@@ -367,10 +368,15 @@ def cache_config_to_pb(
     seed came from (the seed itself is reported unless it is a random one)."""
     config = manager.kv_cache_config
     hasher = manager.block_hasher
+    groups = [group_to_pb(g) for g in config.kv_cache_groups]
+    for msg, single in zip(groups, manager.coordinator.single_type_managers, strict=True):
+        cap = single.max_admission_blocks_per_request
+        if cap is not None:
+            msg.max_admission_blocks_per_request = cap
     return pb.GetCacheConfigResponse(
         none_hash_seed="" if seed_source.secret else hasher.none_hash_seed,
         none_hash_seed_source=_SEED_SOURCES[seed_source],
-        groups=[group_to_pb(g) for g in config.kv_cache_groups],
+        groups=groups,
         num_blocks=config.num_blocks,
         max_model_len=manager.max_model_len,
         scheduler_block_size=manager.scheduler_block_size,
@@ -384,6 +390,7 @@ def cache_config_to_pb(
         runtime_device=runtime_device,
         vocab_size=vocab_size,
         watermark_blocks=manager.watermark_blocks,
+        max_in_flight_tokens=manager.max_in_flight_tokens,
     )
 
 

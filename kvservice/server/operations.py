@@ -120,6 +120,17 @@ def free_retained_blocks(
     )
 
 
+def cache_blocks(
+    table: RequestTable,
+    msg: pb.CacheBlocksRequest,
+    out: pb.CacheBlocksResponse,
+    caller: Caller,
+    with_state: bool,
+    /,
+) -> None:
+    table.cache_blocks(msg.request_id, msg.num_computed_tokens, caller.tenant)
+
+
 def free_request(
     table: RequestTable,
     msg: pb.FreeRequestRequest,
@@ -230,6 +241,7 @@ STEP_OPERATIONS: dict[str, Operation] = {
     "admit": admit,
     "new_step_starts": new_step_starts,
     "free_retained_blocks": free_retained_blocks,
+    "cache_blocks": cache_blocks,
 }
 
 

@@ -138,6 +138,14 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
             operations.free_retained_blocks, request, pb.FreeRetainedBlocksResponse()
         )
 
+    async def CacheBlocks(  # noqa: N802
+        self, request: pb.CacheBlocksRequest, context: Context
+    ) -> pb.CacheBlocksResponse:
+        """vLLM's cache_blocks: hash into the prefix cache the blocks the request's first
+        num_computed_tokens tokens fill. NOT_FOUND; OUT_OF_RANGE past its known tokens
+        or its allocated slots."""
+        return await self._run(operations.cache_blocks, request, pb.CacheBlocksResponse())
+
     async def FreeRequest(  # noqa: N802
         self, request: pb.FreeRequestRequest, context: Context
     ) -> pb.FreeRequestResponse:

@@ -141,6 +141,15 @@ OPTIONS: tuple[Option, ...] = (
         "watermark",
     ),
     Option(
+        "max_in_flight_tokens",
+        int,
+        "tokens one engine step may schedule before it has run: vLLM's "
+        "max_num_batched_tokens, twice it with async scheduling; a sliding-window group "
+        "is counted for at most its window plus this when admitting a request "
+        "(full_sequence_must_fit), as in vLLM (0: max_model_len)",
+        "max_in_flight_tokens",
+    ),
+    Option(
         "zero_new_blocks",
         bool,
         "report freshly allocated blocks for the runtime to zero",

@@ -73,6 +73,8 @@ ALLOWED_CODES: dict[str, frozenset[grpc.StatusCode]] = {
     # Step boundaries and copy holds (a hold the caller's session does not have).
     "NewStepStarts": frozenset({Code.OK}),
     "FreeRetainedBlocks": frozenset({Code.OK, Code.FAILED_PRECONDITION}),
+    # vLLM's cache_blocks: past the request's tokens or slots is OUT_OF_RANGE.
+    "CacheBlocks": _PER_REQUEST | {Code.OUT_OF_RANGE},
     "SubscribeEvents": frozenset({Code.FAILED_PRECONDITION}),
     # Sessions and the audit.
     "OpenSession": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION}),
@@ -317,6 +319,7 @@ MESSAGES: dict[str, st.SearchStrategy[Any]] = {
         reserved_blocks=small_counts,
         has_scheduled_reqs=st.none() | st.booleans(),
         num_computed_tokens=st.none() | counts,
+        num_in_flight_tokens=small_counts,
     ),
     "FreeRequest": st.builds(pb.FreeRequestRequest, request_id=request_ids, mode=enum_values),
     "GetRequest": st.builds(pb.GetRequestRequest, request_id=request_ids),
@@ -326,6 +329,9 @@ MESSAGES: dict[str, st.SearchStrategy[Any]] = {
     "FreeRetainedBlocks": st.builds(
         pb.FreeRetainedBlocksRequest,
         block_ids=st.lists(st.one_of(st.integers(0, 12), st.sampled_from(EDGE_INTS)), max_size=4),
+    ),
+    "CacheBlocks": st.builds(
+        pb.CacheBlocksRequest, request_id=request_ids, num_computed_tokens=counts
     ),
     "GetUsage": st.just(pb.GetUsageRequest()),
     "GetCacheConfig": st.just(pb.GetCacheConfigRequest()),

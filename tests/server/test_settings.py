@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 from pathlib import Path
 
 import pytest
 
 from kvservice.cli import build_parser, main
+from kvservice.core.errors import InvalidArgumentError
 from kvservice.server import event_loop as loop
-from kvservice.server.config import ServerConfig
+from kvservice.server.config import ServerConfig, build_manager
+from kvservice.server.converters import cache_config_to_pb
 from kvservice.server.settings import OPTIONS, SettingsError, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,6 +182,27 @@ class TestOperatorSurface:
         assert (server.block_size, server.max_model_len) == (32, 4096)
         assert server.gpu_memory_utilization == 0.5
         assert settings_for(["--enable-prefix-caching"], {}).server.enable_caching  # type: ignore[attr-defined]
+
+    def test_max_in_flight_tokens_bounds_the_window_at_admission(self) -> None:
+        """--max-in-flight-tokens is vLLM's max_in_flight_tokens: a sliding-window group
+        is counted for at most its window plus it at admission (max_model_len unless
+        given, as vLLM's manager), and GetCacheConfig reports both."""
+        pool = ["--sliding-window", "256", "--max-model-len", "2048", "--num-blocks", "300"]
+        cases: list[tuple[list[str], int, int]] = [
+            ([], 2048, 129),
+            (["--max-in-flight-tokens", "512"], 512, 49),
+        ]
+        for flags, in_flight, cap in cases:
+            server = settings_for([*pool, *flags], {}).server  # type: ignore[attr-defined]
+            response = cache_config_to_pb(build_manager(server), "m")
+            full, window = response.groups
+            assert not full.HasField("max_admission_blocks_per_request")
+            assert (response.max_in_flight_tokens, window.max_admission_blocks_per_request) == (
+                in_flight,
+                cap,
+            )
+        with pytest.raises(InvalidArgumentError, match="max_in_flight_tokens must be >= 0"):
+            build_manager(dataclasses.replace(server, max_in_flight_tokens=-1))
 
     def test_help_lists_the_allowed_values(self, capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit):

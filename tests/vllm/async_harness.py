@@ -1,10 +1,15 @@
-"""vLLM's scheduler driven as its engine drives it with async scheduling.
+"""vLLM's scheduler driven in its engine's order, with async scheduling and with
+speculative decoding.
 
 ``EngineCore.step_with_batch_queue`` keeps two steps in flight: it plans step N+1
 before it hands step N's model output to ``update_from_output``, so a running request
 is scheduled on output placeholders, its outputs may arrive after it was preempted or
 aborted (stale), and the manager is asked for blocks for tokens not yet computed.
-``BatchQueueWorkload`` replays that order on the seeded traffic of ``Workload``.
+With draft tokens, each step verifies the drafts scheduled for it: a seeded share of
+them is accepted, the rest rolls back (``num_computed_tokens`` goes back), and the
+synchronous engine hands the next drafts over after the step
+(``update_draft_token_ids``); the asynchronous one schedules on draft placeholders.
+``EngineOrderWorkload`` replays that on the seeded traffic of ``Workload``.
 """
 
 from __future__ import annotations
@@ -13,23 +18,28 @@ import random
 from collections import deque
 from typing import Any
 
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
 from tests.vllm.scheduler_harness import Workload, _stats, sampled_token, snapshot
-
-BATCH_QUEUE_SIZE = 2
 
 
 def model_runner_output(scheduler: Any, output: Any) -> Any:
     """The fake model's output for ``output``, fixed when the step is planned (as the
-    real model's inputs are): one token at the request's next position for each request
-    whose step is not a partial prefill chunk."""
+    real model's inputs are). A request whose step is not a partial prefill chunk
+    samples at its next position: with draft tokens scheduled, a seeded number of them
+    is accepted and one more token is sampled after them."""
     req_ids = list(output.num_scheduled_tokens)
+    drafts = output.scheduled_spec_decode_tokens
     sampled: list[list[int]] = []
     for req_id in req_ids:
         request = scheduler.requests[req_id]
-        done = not request.is_prefill_chunk
-        sampled.append([sampled_token(req_id, request.num_computed_tokens)] if done else [])
+        if request.is_prefill_chunk:
+            sampled.append([])
+            continue
+        num_drafts = len(drafts.get(req_id, ()))
+        position = request.num_computed_tokens - num_drafts
+        accepted = random.Random(f"{req_id}:{position}:accepted").randrange(num_drafts + 1)
+        sampled.append([sampled_token(req_id, position + i) for i in range(accepted + 1)])
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
@@ -37,8 +47,27 @@ def model_runner_output(scheduler: Any, output: Any) -> Any:
     )
 
 
-class BatchQueueWorkload(Workload):
-    """``Workload``'s traffic in the engine's batch-queue order (two steps in flight)."""
+def draft_token_ids(scheduler: Any, output: Any, num_drafts: int) -> Any:
+    """The drafter's proposals after a synchronous step, for each request it ran (vLLM
+    drops them for finished requests and prefill chunks)."""
+    req_ids = [req_id for req_id in output.num_scheduled_tokens if req_id in scheduler.requests]
+    return DraftTokenIds(
+        req_ids,
+        [[sampled_token(req_id, -1 - i) for i in range(num_drafts)] for req_id in req_ids],
+    )
+
+
+class EngineOrderWorkload(Workload):
+    """``Workload``'s traffic in the engine's order: ``batch_queue_size`` steps in
+    flight (2: async scheduling), ``num_drafts`` draft tokens a step (0: none)."""
+
+    batch_queue_size: int = 2
+    num_drafts: int = 0
+
+    def configure(self, batch_queue_size: int, num_drafts: int) -> EngineOrderWorkload:
+        self.batch_queue_size = batch_queue_size
+        self.num_drafts = num_drafts
+        return self
 
     def run(self, scheduler: Any, max_steps: int = 4000, stop_early: bool = False) -> list[Any]:
         rng = random.Random(self.seed + 1)
@@ -55,16 +84,23 @@ class BatchQueueWorkload(Workload):
             if scheduler.has_requests():
                 output = scheduler.schedule()
                 step = snapshot(scheduler, output)
+                step["drafts"] = dict(output.scheduled_spec_decode_tokens)
                 trace.append(step)
                 in_flight.appendleft((output, model_runner_output(scheduler, output), step))
                 executed = output.total_num_scheduled_tokens > 0
-                if len(in_flight) < BATCH_QUEUE_SIZE and (executed or scheduler.has_requests()):
+                if len(in_flight) < self.batch_queue_size and (
+                    executed or scheduler.has_requests()
+                ):
                     continue
             elif not in_flight:
                 continue
             output, runner_output, step = in_flight.pop()
             self._maybe_abort(scheduler, rng)
             step["stats"] = _stats(scheduler.update_from_output(output, runner_output))
+            if self.num_drafts and self.batch_queue_size == 1:
+                scheduler.update_draft_token_ids(
+                    draft_token_ids(scheduler, output, self.num_drafts)
+                )
         if stop_early:
             return trace
         raise AssertionError(f"workload {self.seed} did not finish in {max_steps} iterations")

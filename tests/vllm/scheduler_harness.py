@@ -127,7 +127,9 @@ def _stats(engine_outputs: Any) -> Any:
 @dataclass
 class Workload:
     """Seeded traffic: shared prefixes, arrivals over steps, aborts before a step and
-    between ``schedule`` and ``update_from_output``."""
+    between ``schedule`` and ``update_from_output``. With ``repeat_rate``, that share of
+    the requests repeats an earlier request's prompt whole (a full prefix hit); at 0 (the
+    default) the traffic is drawn exactly as without the option."""
 
     seed: int
     num_requests: int = 60
@@ -140,6 +142,7 @@ class Workload:
     # Stop tokens end about one answer in 64 tokens early; off, answers run to max_tokens.
     stop_tokens: bool = True
     hash_block_size: int = 16
+    repeat_rate: float = 0.0
     _specs: list[RequestSpec] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -149,13 +152,17 @@ class Workload:
             for _ in range(self.shared_prefixes)
         ]
         for i in range(self.num_requests):
-            length = rng.randrange(*self.prompt_len)
-            prefix = rng.choice(prefixes) if prefixes and rng.random() < 0.6 else ()
-            body = tuple(rng.randrange(VOCAB_SIZE) for _ in range(max(length - len(prefix), 1)))
+            if self.repeat_rate and self._specs and rng.random() < self.repeat_rate:
+                prompt = rng.choice(self._specs).prompt
+            else:
+                length = rng.randrange(*self.prompt_len)
+                prefix = rng.choice(prefixes) if prefixes and rng.random() < 0.6 else ()
+                body = tuple(rng.randrange(VOCAB_SIZE) for _ in range(max(length - len(prefix), 1)))
+                prompt = prefix + body
             self._specs.append(
                 RequestSpec(
                     f"req-{i}",
-                    prefix + body,
+                    prompt,
                     rng.randrange(*self.max_tokens),
                     cache_salt=rng.choice(self.salts),
                     arrival_time=float(i),

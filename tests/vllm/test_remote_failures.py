@@ -126,6 +126,58 @@ def test_a_server_hashing_other_blocks_fails_startup(monkeypatch: pytest.MonkeyP
         build_scheduler(setup, KVServiceScheduler)
 
 
+# A hybrid pool whose window group vLLM's admission gate counts for at most the window
+# plus max_in_flight_tokens (max_num_batched_tokens, 128 here): 13 blocks, not 33.
+WINDOW_SETUP = SchedulerSetup(
+    num_blocks=100,
+    max_model_len=512,
+    max_num_batched_tokens=128,
+    groups=(("full", 16, 0), ("sliding_window", 16, 64)),
+)
+WINDOW_POOL = dataclasses.replace(POOL, num_blocks=100, sliding_window=64)
+
+
+def test_a_server_counting_windows_otherwise_at_admission_fails_startup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server bounding the window group's admission count otherwise than vLLM (here
+    by its max_model_len, its default) would refuse admissions the replica makes under
+    pool pressure: startup names both and the flag."""
+    with (
+        remote(monkeypatch, WINDOW_POOL),
+        pytest.raises(
+            ServerConfigMismatchError,
+            match=r"admission blocks per request of the window-bounded groups \(from "
+            r"max_in_flight_tokens\): vLLM \[None, 13\] from 128, kvservice \[None, 33\] "
+            r"from 512 \(start kvservice with --max-in-flight-tokens 128\)",
+        ),
+    ):
+        build_scheduler(WINDOW_SETUP, KVServiceScheduler)
+
+
+@pytest.mark.parametrize(
+    ("setup_override", "pool_override"),
+    [
+        ({}, {"max_in_flight_tokens": 128}),
+        # Both bounds lie past the blocks of vLLM's max_model_len (32): 33 blocks for
+        # vLLM (2048 tokens in flight, 512 at most), 65 for the server (its 1024).
+        (
+            {"max_num_batched_tokens": 2048, "num_blocks": 140},
+            {"max_model_len": 1024, "num_blocks": 140},
+        ),
+    ],
+)
+def test_a_server_counting_windows_as_vllm_starts(
+    monkeypatch: pytest.MonkeyPatch,
+    setup_override: dict[str, Any],
+    pool_override: dict[str, Any],
+) -> None:
+    setup = dataclasses.replace(WINDOW_SETUP, **setup_override)
+    with remote(monkeypatch, dataclasses.replace(WINDOW_POOL, **pool_override)):
+        scheduler = build_scheduler(setup, KVServiceScheduler)
+        scheduler.shutdown()
+
+
 def test_a_lost_server_stops_the_scheduler_with_the_step_named(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -245,3 +297,18 @@ def test_a_killed_engine_gets_its_blocks_back(monkeypatch: pytest.MonkeyPatch) -
         finally:
             engine.kill()
             engine.wait()
+
+
+def test_shutdown_ends_the_engines_session_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scheduler shut down ends its session (CloseSession) and frees what it held
+    right away, not when its 30 s lease would run out."""
+    with remote(monkeypatch) as server, KVClient(server.handle.target) as client:
+        scheduler = build_scheduler(SETUP, KVServiceScheduler)
+        _admit(scheduler)
+        assert client.audit().num_sessions == 1
+        assert client.get_usage().num_used_blocks > 0
+        scheduler.shutdown()
+        report = client.audit()
+        assert report.ok and report.num_sessions == 0
+        usage = client.get_usage()
+        assert (usage.num_requests, usage.num_used_blocks) == (0, 0)

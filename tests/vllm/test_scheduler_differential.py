@@ -18,6 +18,7 @@ import vllm
 
 from kvservice.client import KVClient
 from kvservice.integrations.vllm import KVServiceScheduler
+from kvservice.integrations.vllm.testing import vllm_config
 from kvservice.integrations.vllm.versions import release
 from kvservice.server.config import ServerConfig
 from tests.deploy.support import background_server
@@ -36,6 +37,14 @@ SETUPS = {
         num_blocks=160,
         groups=(("full", 16, 0), ("sliding_window", 16, 64)),
         max_model_len=1024,
+    ),
+    # Admission under pool pressure on a hybrid pool: long prompts whose window group is
+    # counted at its admission cap (window + max_in_flight_tokens), not at its length.
+    "hybrid-sliding-window-pressure": SchedulerSetup(
+        num_blocks=300,
+        groups=(("full", 16, 0), ("sliding_window", 16, 256)),
+        max_model_len=2048,
+        max_num_seqs=16,
     ),
     "chunked-prefill": SchedulerSetup(max_num_batched_tokens=96, long_prefill_token_threshold=40),
     "watermark": SchedulerSetup(num_blocks=60, watermark=0.1, max_model_len=512),
@@ -67,7 +76,15 @@ WORKLOADS: dict[str, dict[str, Any]] = {
         "max_tokens": (100, 200),
         "stop_tokens": False,
         "abort_rate": 0.002,
-    }
+    },
+    # Shared system prompts, repeated prompts and unique ones up to 2000 tokens: prompts
+    # longer than the window's cap meet a pool too full for them uncapped.
+    "hybrid-sliding-window-pressure": {
+        "num_requests": 40,
+        "prompt_len": (10, 2000),
+        "max_tokens": (1, 300),
+        "repeat_rate": 0.3,
+    },
 }
 
 
@@ -111,6 +128,8 @@ def _server_config(setup: SchedulerSetup) -> ServerConfig:
         sliding_window=windows[0] if windows else 0,
         enable_caching=setup.enable_prefix_caching,
         watermark=setup.watermark,
+        # What vLLM passes its manager: max_num_batched_tokens per step in flight.
+        max_in_flight_tokens=vllm_config(setup).max_in_flight_tokens,
         num_layers=2,
         num_kv_heads=4,
         head_size=16,
@@ -127,6 +146,7 @@ REMOTE_CASES = [
     + [
         ("preempting", "overlap"),
         ("hybrid-full-sliding-window", "overlap"),
+        ("hybrid-sliding-window-pressure", "overlap"),
         ("hybrid-full-mamba-align-4x-hash", "overlap"),
     ]
     if case[0] not in REFUSED

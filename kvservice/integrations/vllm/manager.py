@@ -213,6 +213,9 @@ class KVServiceKVCacheManager:
             enable_caching=self.enable_caching,
             max_model_len=self.max_model_len,
             hash_block_size=self.args.hash_block_size,
+            # The window-bounded groups' admission gate: vLLM's max_in_flight_tokens.
+            max_in_flight_tokens=self.core.max_in_flight_tokens,
+            admission_caps=tuple(m.max_admission_blocks_per_request for m in managers),
         )
 
     # -- requests ------------------------------------------------------------------
@@ -397,9 +400,16 @@ class KVServiceKVCacheManager:
         return cached or 0
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
-        self.refuse_remote("cache_blocks (async scheduling, speculative decoding)")
-        if self.enable_caching:
-            self.core.coordinator.cache_blocks(self._sync(request), num_computed_tokens)
+        """Hash the blocks the first ``num_computed_tokens`` tokens fill (vLLM's
+        scheduler calls it after a step's outputs under async scheduling or with draft
+        tokens); monotonic and idempotent."""
+        if not self.enable_caching:
+            return
+        if self.server is not None:
+            self.server.check_alive()
+        self.core.coordinator.cache_blocks(self._sync(request), num_computed_tokens)
+        if self.server is not None:
+            self.server.cached(request, num_computed_tokens)
 
     def new_step_starts(self) -> None:
         """A scheduler step begins (vLLM calls this at the top of ``schedule()``): no

@@ -30,7 +30,7 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -42,12 +42,14 @@ from kvservice.client import (
     FreeMode,
     KVClient,
     KVServiceError,
+    Lease,
     MultiModalFeature,
     PendingStep,
     Session,
     StepResults,
 )
 from kvservice.core.allocation_options import PLAIN_ALLOCATION, AllocationOptions
+from kvservice.core.kv_cache_interface import KVCacheSpecKind
 from kvservice.integrations.vllm.embeds import prompt_embeds_bytes
 from kvservice.integrations.vllm.settings import ConnectionSettings
 from kvservice.integrations.vllm.step_log import (
@@ -69,6 +71,12 @@ BlockIds = tuple[tuple[int, ...], ...]
 def _copies(allocation: Allocation) -> tuple[tuple[int, int], ...]:
     """The copy-on-write copies the server answered an allocation with."""
     return allocation.block_copies_to_apply or allocation.block_copies_applied
+
+
+# Group kinds that never release a block while its request runs.
+_KEEP_EVERY_BLOCK = frozenset(
+    {KVCacheSpecKind.FULL_ATTENTION.value, KVCacheSpecKind.CROSS_ATTENTION.value}
+)
 
 
 class KVServiceManagerError(RuntimeError):
@@ -98,6 +106,23 @@ class PoolLayout:
     enable_caching: bool
     max_model_len: int
     hash_block_size: int
+    # vLLM's max_in_flight_tokens, and the admission cap (blocks) it gives each
+    # window-bounded group (None for the others).
+    max_in_flight_tokens: int
+    admission_caps: tuple[int | None, ...]
+
+    def admission_blocks(self, caps: Sequence[int | None]) -> list[int]:
+        """The most blocks admission can count per group for a request of vLLM's:
+        ``caps`` bounded by the blocks of ``max_model_len`` tokens (a cap above that
+        decides as no cap)."""
+        return [
+            longest if cap is None else min(cap, longest)
+            for cap, longest in zip(
+                caps,
+                [-(-self.max_model_len // block_size) for _, block_size in self.groups],
+                strict=True,
+            )
+        ]
 
 
 class ServerLink:
@@ -136,6 +161,14 @@ class ServerLink:
         self._server_computed: dict[str, int] = {}
         # The last lookup of each waiting request: what its allocation attaches.
         self._lookups: dict[str, ComputedBlocks] = {}
+        # The hash blocks of each request that a cache_blocks sent covered: a call
+        # covering no new one caches nothing, on the replica as on the server.
+        self._server_cached: dict[str, int] = {}
+        # Set by start: the pool has groups that release blocks out of view (sliding
+        # windows, chunked local attention, Mamba states), below the processed tokens
+        # only: an allocation then sends its in-flight tokens.
+        self._windowed = False
+        self._hash_block_size = 1
         self.round_trips = 0
 
     def pool_size(self, vllm_num_blocks: int) -> int:
@@ -162,8 +195,10 @@ class ServerLink:
         for the pool to be idle and reset it to a fresh pool's state."""
         settings = self.settings
         self._check_layout(layout)
+        self._windowed = any(kind not in _KEEP_EVERY_BLOCK for kind, _ in layout.groups)
+        self._hash_block_size = layout.hash_block_size
         # A restarted engine opens with a higher epoch, which fences its predecessor.
-        self._call(
+        self._lease: Lease = self._call(
             "OpenSession",
             lambda: self._client.open_session(
                 settings.session_ttl_s, epoch=time.time_ns() // 1000, client_name=settings.client_id
@@ -191,14 +226,10 @@ class ServerLink:
         windows, pool size and policy (hashing is checked by ``check_hashing``, which
         knows vLLM's algorithm)."""
         server = self.server_config
+        server_groups = [(group.kind, group.block_size) for group in server.groups]
         # (what, vLLM's value, kvservice's value, how to fix it)
         comparisons = [
-            (
-                "KV cache groups (kind, block size)",
-                layout.groups,
-                [(group.kind, group.block_size) for group in server.groups],
-                "",
-            ),
+            ("KV cache groups (kind, block size)", layout.groups, server_groups, ""),
             (
                 "sliding windows",
                 layout.sliding_windows,
@@ -236,6 +267,17 @@ class ServerLink:
             for what, ours, theirs, hint in comparisons
             if ours != theirs
         ]
+        server_caps = [group.max_admission_blocks_per_request for group in server.groups]
+        if layout.groups == server_groups and layout.admission_blocks(
+            layout.admission_caps
+        ) != layout.admission_blocks(server_caps):
+            mismatches.append(
+                f"admission blocks per request of the window-bounded groups (from "
+                f"max_in_flight_tokens): vLLM {list(layout.admission_caps)} from "
+                f"{layout.max_in_flight_tokens}, kvservice {server_caps} from "
+                f"{server.max_in_flight_tokens} (start kvservice with --max-in-flight-tokens "
+                f"{layout.max_in_flight_tokens})"
+            )
         if server.max_model_len < layout.max_model_len:
             mismatches.append(
                 f"max_model_len: vLLM {layout.max_model_len}, kvservice "
@@ -370,7 +412,14 @@ class ServerLink:
         plain = allocation_options is PLAIN_ALLOCATION
         num_computed_tokens = request.num_computed_tokens
         server_computed = self._server_computed
-        if attached is None and plain and num_computed_tokens == server_computed[request_id]:
+        # Async scheduling keeps steps in flight; only windows read that.
+        in_flight = request.num_in_flight_tokens if self._windowed else 0
+        if (
+            attached is None
+            and plain
+            and not in_flight
+            and num_computed_tokens == server_computed[request_id]
+        ):
             # Most allocations: a running request's, one columnar entry of the step.
             self._log.allocate(request_id, num_new_tokens, answer, copies)
             if answer is not None:
@@ -382,6 +431,10 @@ class ServerLink:
         if num_computed_tokens != server_computed[request_id]:
             options = dataclasses.replace(
                 options or AllocateOptions(), num_computed_tokens=num_computed_tokens
+            )
+        if in_flight:
+            options = dataclasses.replace(
+                options or AllocateOptions(), num_in_flight_tokens=in_flight
             )
         self._log.record(
             "allocate_slots", (request_id, num_new_tokens, attached, options), answer, copies
@@ -403,6 +456,17 @@ class ServerLink:
             )
         return lookup
 
+    def cached(self, request: Any, num_computed_tokens: int) -> None:
+        """The replica's ``cache_blocks(request, num_computed_tokens)`` (vLLM's scheduler
+        after a step's outputs, under async scheduling or with draft tokens)."""
+        request_id = request.request_id
+        covered = num_computed_tokens // self._hash_block_size
+        if covered <= self._server_cached.get(request_id, 0):
+            return  # no hash block more than the last call's: nothing to cache
+        self._send_tokens(request)
+        self._log.record("cache_blocks", (request_id, num_computed_tokens), ANY_ANSWER)
+        self._server_cached[request_id] = covered
+
     def step_started(self) -> None:
         """The replica's scheduler began a step (``new_step_starts``)."""
         self._log.record("new_step_starts", (), ANY_ANSWER)
@@ -422,6 +486,7 @@ class ServerLink:
         mode = FreeMode.FINISH if finished else FreeMode.PREEMPT
         self._log.record("free", (request_id, mode), ANY_ANSWER)
         self._lookups.pop(request_id, None)
+        self._server_cached.pop(request_id, None)
         if finished:
             del self._server_tokens[request_id], self._server_computed[request_id]
         else:
@@ -558,6 +623,9 @@ class ServerLink:
         finally:
             try:
                 self._session.close()
+                # Ends the session now (freeing what the engine still holds), not when
+                # its lease runs out.
+                self._lease.close()
             except KVServiceError as error:
                 # After a failure the engine has already raised, naming the server; its
                 # session's lease frees what it held on a server that is still there.

@@ -17,7 +17,13 @@ from typing import Any
 
 import torch
 from vllm import ModelRegistry
-from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config import (
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import (
@@ -92,6 +98,8 @@ class SchedulerSetup:
     # vLLM's default on a GPU; the scheduler is then driven in the engine's batch-queue
     # order (two steps in flight).
     async_scheduling: bool = False
+    # Draft tokens per step (vLLM's n-gram speculative decoding: no draft model).
+    num_speculative_tokens: int = 0
 
     @property
     def mamba_align(self) -> bool:
@@ -157,8 +165,21 @@ def vllm_config(setup: SchedulerSetup) -> Any:
         enable_chunked_prefill=setup.enable_chunked_prefill,
         watermark=setup.watermark,
     )
+    speculative_config = (
+        SpeculativeConfig(
+            method="ngram",
+            num_speculative_tokens=setup.num_speculative_tokens,
+            prompt_lookup_min=1,
+            prompt_lookup_max=3,
+        )
+        if setup.num_speculative_tokens
+        else None
+    )
     config = VllmConfig(
-        model_config=model, cache_config=cache_config, scheduler_config=scheduler_config
+        model_config=model,
+        cache_config=cache_config,
+        scheduler_config=scheduler_config,
+        speculative_config=speculative_config,
     )
     # Set after the config is built: vLLM turns it off where the platform (this CPU)
     # cannot overlap steps, but the scheduler itself runs anywhere.

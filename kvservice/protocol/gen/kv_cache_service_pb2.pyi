@@ -546,6 +546,7 @@ class AllocateSlotsRequest(_message.Message):
     RESERVED_BLOCKS_FIELD_NUMBER: _builtins.int
     HAS_SCHEDULED_REQS_FIELD_NUMBER: _builtins.int
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_IN_FLIGHT_TOKENS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     num_new_tokens: _builtins.int
     """Tokens to compute this step (> 0 unless num_external_computed_tokens > 0)."""
@@ -571,6 +572,12 @@ class AllocateSlotsRequest(_message.Message):
     """When present, request.num_computed_tokens is set to this before allocating
     (0 <= value <= max_model_len; it may not go backwards without a preemption).
     """
+    num_in_flight_tokens: _builtins.int
+    """Of the computed tokens, those whose step has not run yet (vLLM's
+    request.num_in_flight_tokens under async scheduling): sliding-window and chunked
+    local groups release blocks only below the tokens already processed. For this
+    call only; absent means 0.
+    """
     @_builtins.property
     def new_computed_block_ids(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockIds]:
         """The hit to attach: exactly GetComputedBlocksResponse.block_ids of the last
@@ -593,10 +600,11 @@ class AllocateSlotsRequest(_message.Message):
         reserved_blocks: _builtins.int = ...,
         has_scheduled_reqs: _builtins.bool | None = ...,
         num_computed_tokens: _builtins.int | None = ...,
+        num_in_flight_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_has_scheduled_reqs", b"_has_scheduled_reqs", "_num_computed_tokens", b"_num_computed_tokens", "has_scheduled_reqs", b"has_scheduled_reqs", "num_computed_tokens", b"num_computed_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_has_scheduled_reqs", b"_has_scheduled_reqs", "_num_computed_tokens", b"_num_computed_tokens", "delay_cache_blocks", b"delay_cache_blocks", "full_sequence_must_fit", b"full_sequence_must_fit", "has_scheduled_reqs", b"has_scheduled_reqs", "new_computed_block_ids", b"new_computed_block_ids", "num_computed_tokens", b"num_computed_tokens", "num_encoder_tokens", b"num_encoder_tokens", "num_external_computed_tokens", b"num_external_computed_tokens", "num_lookahead_tokens", b"num_lookahead_tokens", "num_new_computed_tokens", b"num_new_computed_tokens", "num_new_tokens", b"num_new_tokens", "request_id", b"request_id", "reserved_blocks", b"reserved_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_has_scheduled_reqs", b"_has_scheduled_reqs", "_num_computed_tokens", b"_num_computed_tokens", "delay_cache_blocks", b"delay_cache_blocks", "full_sequence_must_fit", b"full_sequence_must_fit", "has_scheduled_reqs", b"has_scheduled_reqs", "new_computed_block_ids", b"new_computed_block_ids", "num_computed_tokens", b"num_computed_tokens", "num_encoder_tokens", b"num_encoder_tokens", "num_external_computed_tokens", b"num_external_computed_tokens", "num_in_flight_tokens", b"num_in_flight_tokens", "num_lookahead_tokens", b"num_lookahead_tokens", "num_new_computed_tokens", b"num_new_computed_tokens", "num_new_tokens", b"num_new_tokens", "request_id", b"request_id", "reserved_blocks", b"reserved_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__has_scheduled_reqs: _TypeAlias = _typing.Literal["has_scheduled_reqs"]  # noqa: Y015
     _WhichOneofArgType__has_scheduled_reqs: _TypeAlias = _typing.Literal["_has_scheduled_reqs", b"_has_scheduled_reqs"]  # noqa: Y015
@@ -1005,6 +1013,7 @@ class KVCacheGroup(_message.Message):
     PAGE_SIZE_BYTES_FIELD_NUMBER: _builtins.int
     SLIDING_WINDOW_FIELD_NUMBER: _builtins.int
     ATTENTION_CHUNK_SIZE_FIELD_NUMBER: _builtins.int
+    MAX_ADMISSION_BLOCKS_PER_REQUEST_FIELD_NUMBER: _builtins.int
     kind: Global___KVCacheSpecKind.ValueType
     block_size: _builtins.int
     """Tokens per block."""
@@ -1017,6 +1026,11 @@ class KVCacheGroup(_message.Message):
     """Set for sliding-window groups."""
     attention_chunk_size: _builtins.int
     """Set for chunked-local-attention groups."""
+    max_admission_blocks_per_request: _builtins.int
+    """Set for window-bounded groups (sliding window, chunked local): the most blocks
+    the admission gate (full_sequence_must_fit) counts for one request, vLLM's
+    max_admission_blocks_per_request(max_in_flight_tokens, max_model_len).
+    """
     @_builtins.property
     def layer_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -1031,17 +1045,22 @@ class KVCacheGroup(_message.Message):
         page_size_bytes: _builtins.int = ...,
         sliding_window: _builtins.int | None = ...,
         attention_chunk_size: _builtins.int | None = ...,
+        max_admission_blocks_per_request: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_attention_chunk_size", b"_attention_chunk_size", "_sliding_window", b"_sliding_window", "attention_chunk_size", b"attention_chunk_size", "sliding_window", b"sliding_window"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_attention_chunk_size", b"_attention_chunk_size", "_max_admission_blocks_per_request", b"_max_admission_blocks_per_request", "_sliding_window", b"_sliding_window", "attention_chunk_size", b"attention_chunk_size", "max_admission_blocks_per_request", b"max_admission_blocks_per_request", "sliding_window", b"sliding_window"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attention_chunk_size", b"_attention_chunk_size", "_sliding_window", b"_sliding_window", "attention_chunk_size", b"attention_chunk_size", "block_size", b"block_size", "dtype", b"dtype", "head_size", b"head_size", "kind", b"kind", "layer_names", b"layer_names", "num_kv_heads", b"num_kv_heads", "page_size_bytes", b"page_size_bytes", "sliding_window", b"sliding_window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attention_chunk_size", b"_attention_chunk_size", "_max_admission_blocks_per_request", b"_max_admission_blocks_per_request", "_sliding_window", b"_sliding_window", "attention_chunk_size", b"attention_chunk_size", "block_size", b"block_size", "dtype", b"dtype", "head_size", b"head_size", "kind", b"kind", "layer_names", b"layer_names", "max_admission_blocks_per_request", b"max_admission_blocks_per_request", "num_kv_heads", b"num_kv_heads", "page_size_bytes", b"page_size_bytes", "sliding_window", b"sliding_window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__attention_chunk_size: _TypeAlias = _typing.Literal["attention_chunk_size"]  # noqa: Y015
     _WhichOneofArgType__attention_chunk_size: _TypeAlias = _typing.Literal["_attention_chunk_size", b"_attention_chunk_size"]  # noqa: Y015
+    _WhichOneofReturnType__max_admission_blocks_per_request: _TypeAlias = _typing.Literal["max_admission_blocks_per_request"]  # noqa: Y015
+    _WhichOneofArgType__max_admission_blocks_per_request: _TypeAlias = _typing.Literal["_max_admission_blocks_per_request", b"_max_admission_blocks_per_request"]  # noqa: Y015
     _WhichOneofReturnType__sliding_window: _TypeAlias = _typing.Literal["sliding_window"]  # noqa: Y015
     _WhichOneofArgType__sliding_window: _TypeAlias = _typing.Literal["_sliding_window", b"_sliding_window"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__attention_chunk_size) -> _WhichOneofReturnType__attention_chunk_size | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_admission_blocks_per_request) -> _WhichOneofReturnType__max_admission_blocks_per_request | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__sliding_window) -> _WhichOneofReturnType__sliding_window | None: ...
 
@@ -1067,6 +1086,7 @@ class GetCacheConfigResponse(_message.Message):
     WATERMARK_BLOCKS_FIELD_NUMBER: _builtins.int
     NONE_HASH_SEED_FIELD_NUMBER: _builtins.int
     NONE_HASH_SEED_SOURCE_FIELD_NUMBER: _builtins.int
+    MAX_IN_FLIGHT_TOKENS_FIELD_NUMBER: _builtins.int
     SCHEDULER_EPOCH_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
     """The pool size, null block (id 0) included."""
@@ -1110,6 +1130,11 @@ class GetCacheConfigResponse(_message.Message):
     """
     none_hash_seed_source: Global___HashSeedSource.ValueType
     """Where the effective seed came from."""
+    max_in_flight_tokens: _builtins.int
+    """Tokens one engine step may schedule before it has run (vLLM's
+    VllmConfig.max_in_flight_tokens; --max-in-flight-tokens, max_model_len unless
+    given): it bounds the window-bounded groups' max_admission_blocks_per_request.
+    """
     scheduler_epoch: _builtins.int
     """The caller's current scheduler epoch (the highest OpenSession epoch so far; 0
     before any). Numbered apart from the layout fields above.
@@ -1135,11 +1160,12 @@ class GetCacheConfigResponse(_message.Message):
         watermark_blocks: _builtins.int = ...,
         none_hash_seed: _builtins.str = ...,
         none_hash_seed_source: Global___HashSeedSource.ValueType = ...,
+        max_in_flight_tokens: _builtins.int = ...,
         scheduler_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_zeroed_by_server", b"blocks_zeroed_by_server", "enable_caching", b"enable_caching", "groups", b"groups", "hash_algo", b"hash_algo", "hash_block_size", b"hash_block_size", "max_model_len", b"max_model_len", "model_name", b"model_name", "needs_kv_cache_zeroing", b"needs_kv_cache_zeroing", "none_hash_seed", b"none_hash_seed", "none_hash_seed_fingerprint", b"none_hash_seed_fingerprint", "none_hash_seed_source", b"none_hash_seed_source", "num_blocks", b"num_blocks", "runtime_device", b"runtime_device", "scheduler_block_size", b"scheduler_block_size", "scheduler_epoch", b"scheduler_epoch", "vocab_size", b"vocab_size", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_zeroed_by_server", b"blocks_zeroed_by_server", "enable_caching", b"enable_caching", "groups", b"groups", "hash_algo", b"hash_algo", "hash_block_size", b"hash_block_size", "max_in_flight_tokens", b"max_in_flight_tokens", "max_model_len", b"max_model_len", "model_name", b"model_name", "needs_kv_cache_zeroing", b"needs_kv_cache_zeroing", "none_hash_seed", b"none_hash_seed", "none_hash_seed_fingerprint", b"none_hash_seed_fingerprint", "none_hash_seed_source", b"none_hash_seed_source", "num_blocks", b"num_blocks", "runtime_device", b"runtime_device", "scheduler_block_size", b"scheduler_block_size", "scheduler_epoch", b"scheduler_epoch", "vocab_size", b"vocab_size", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1360,6 +1386,7 @@ class StepOperation(_message.Message):
     ALLOCATE_SLOTS_BATCH_FIELD_NUMBER: _builtins.int
     NEW_STEP_STARTS_FIELD_NUMBER: _builtins.int
     FREE_RETAINED_BLOCKS_FIELD_NUMBER: _builtins.int
+    CACHE_BLOCKS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def add_request(self) -> Global___AddRequestRequest: ...
     @_builtins.property
@@ -1388,6 +1415,8 @@ class StepOperation(_message.Message):
     def new_step_starts(self) -> Global___NewStepStartsRequest: ...
     @_builtins.property
     def free_retained_blocks(self) -> Global___FreeRetainedBlocksRequest: ...
+    @_builtins.property
+    def cache_blocks(self) -> Global___CacheBlocksRequest: ...
     def __init__(
         self,
         *,
@@ -1405,12 +1434,13 @@ class StepOperation(_message.Message):
         allocate_slots_batch: Global___AllocateSlotsBatch | None = ...,
         new_step_starts: Global___NewStepStartsRequest | None = ...,
         free_retained_blocks: Global___FreeRetainedBlocksRequest | None = ...,
+        cache_blocks: Global___CacheBlocksRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "new_step_starts", b"new_step_starts", "op", b"op", "probe", b"probe"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "new_step_starts", b"new_step_starts", "op", b"op", "probe", b"probe"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "new_step_starts", b"new_step_starts", "op", b"op", "probe", b"probe"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "new_step_starts", b"new_step_starts", "op", b"op", "probe", b"probe"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "new_step_starts", "free_retained_blocks"]  # noqa: Y015
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "new_step_starts", "free_retained_blocks", "cache_blocks"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 
@@ -1724,6 +1754,7 @@ class StepResult(_message.Message):
     NEW_STEP_STARTS_FIELD_NUMBER: _builtins.int
     FREE_RETAINED_BLOCKS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    CACHE_BLOCKS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def add_request(self) -> Global___AddRequestResponse: ...
     @_builtins.property
@@ -1760,6 +1791,8 @@ class StepResult(_message.Message):
         how many entries it held.
         """
 
+    @_builtins.property
+    def cache_blocks(self) -> Global___CacheBlocksResponse: ...
     def __init__(
         self,
         *,
@@ -1778,12 +1811,13 @@ class StepResult(_message.Message):
         new_step_starts: Global___NewStepStartsResponse | None = ...,
         free_retained_blocks: Global___FreeRetainedBlocksResponse | None = ...,
         error: Global___OperationError | None = ...,
+        cache_blocks: Global___CacheBlocksResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "error", b"error", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "new_step_starts", b"new_step_starts", "probe", b"probe", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "error", b"error", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "new_step_starts", b"new_step_starts", "probe", b"probe", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "error", b"error", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "new_step_starts", b"new_step_starts", "probe", b"probe", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "error", b"error", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "new_step_starts", b"new_step_starts", "probe", b"probe", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "new_step_starts", "free_retained_blocks", "error"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "new_step_starts", "free_retained_blocks", "error", "cache_blocks"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
@@ -1942,6 +1976,44 @@ class FreeRetainedBlocksResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___FreeRetainedBlocksResponse: _TypeAlias = FreeRetainedBlocksResponse  # noqa: Y015
+
+@_typing.final
+class CacheBlocksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    num_computed_tokens: _builtins.int
+    """Cache the blocks these first tokens of the request fill."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        num_computed_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_computed_tokens", b"num_computed_tokens", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CacheBlocksRequest: _TypeAlias = CacheBlocksRequest  # noqa: Y015
+
+@_typing.final
+class CacheBlocksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CacheBlocksResponse: _TypeAlias = CacheBlocksResponse  # noqa: Y015
 
 @_typing.final
 class StepStreamRequest(_message.Message):

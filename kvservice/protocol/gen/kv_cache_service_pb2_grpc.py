@@ -55,6 +55,11 @@ class KVCacheServiceStub:
                 request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.FreeRetainedBlocksRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.FreeRetainedBlocksResponse.FromString,
                 _registered_method=True)
+        self.CacheBlocks = channel.unary_unary(
+                '/kvservice.v1.KVCacheService/CacheBlocks',
+                request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.CacheBlocksRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.CacheBlocksResponse.FromString,
+                _registered_method=True)
         self.GetComputedBlocks = channel.unary_unary(
                 '/kvservice.v1.KVCacheService/GetComputedBlocks',
                 request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.GetComputedBlocksRequest.SerializeToString,
@@ -178,6 +183,18 @@ class KVCacheServiceServicer:
         keep_copy_holds), in the order given, as vLLM's scheduler frees the retained
         blocks of take_kv_cache_block_copies. FAILED_PRECONDITION (nothing released) for
         a block the caller's session does not hold that many times.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CacheBlocks(self, request, context):
+        """vLLM's cache_blocks: hash the request's blocks that its first num_computed_tokens
+        tokens fill into the prefix cache (its scheduler calls it after a step's outputs
+        came back under async scheduling or with draft tokens, whose allocation cached
+        only what was then known). Monotonic and idempotent: blocks already cached stay
+        as they are, a smaller count does nothing. NOT_FOUND for an unknown request,
+        OUT_OF_RANGE past the request's known tokens or its allocated slots.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -374,6 +391,11 @@ def add_KVCacheServiceServicer_to_server(servicer, server):
                     request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.FreeRetainedBlocksRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.FreeRetainedBlocksResponse.SerializeToString,
             ),
+            'CacheBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.CacheBlocks,
+                    request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.CacheBlocksRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.CacheBlocksResponse.SerializeToString,
+            ),
             'GetComputedBlocks': grpc.unary_unary_rpc_method_handler(
                     servicer.GetComputedBlocks,
                     request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.GetComputedBlocksRequest.FromString,
@@ -569,6 +591,33 @@ class KVCacheService:
             '/kvservice.v1.KVCacheService/FreeRetainedBlocks',
             kvservice_dot_v1_dot_kv__cache__service__pb2.FreeRetainedBlocksRequest.SerializeToString,
             kvservice_dot_v1_dot_kv__cache__service__pb2.FreeRetainedBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CacheBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/CacheBlocks',
+            kvservice_dot_v1_dot_kv__cache__service__pb2.CacheBlocksRequest.SerializeToString,
+            kvservice_dot_v1_dot_kv__cache__service__pb2.CacheBlocksResponse.FromString,
             options,
             channel_credentials,
             insecure,

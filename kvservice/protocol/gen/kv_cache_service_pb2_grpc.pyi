@@ -64,6 +64,14 @@ class KVCacheServiceStub:
     blocks of take_kv_cache_block_copies. FAILED_PRECONDITION (nothing released) for
     a block the caller's session does not hold that many times.
     """
+    CacheBlocks: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.CacheBlocksRequest, _kv_cache_service_pb2.CacheBlocksResponse]
+    """vLLM's cache_blocks: hash the request's blocks that its first num_computed_tokens
+    tokens fill into the prefix cache (its scheduler calls it after a step's outputs
+    came back under async scheduling or with draft tokens, whose allocation cached
+    only what was then known). Monotonic and idempotent: blocks already cached stay
+    as they are, a smaller count does nothing. NOT_FOUND for an unknown request,
+    OUT_OF_RANGE past the request's known tokens or its allocated slots.
+    """
     GetComputedBlocks: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.GetComputedBlocksRequest, _kv_cache_service_pb2.GetComputedBlocksResponse]
     """Look up the cached prefix of a waiting or preempted request. Takes no block
     references; the server remembers the hit for the next AllocateSlots.
@@ -203,6 +211,20 @@ class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
         keep_copy_holds), in the order given, as vLLM's scheduler frees the retained
         blocks of take_kv_cache_block_copies. FAILED_PRECONDITION (nothing released) for
         a block the caller's session does not hold that many times.
+        """
+
+    @_abc_1.abstractmethod
+    def CacheBlocks(
+        self,
+        request: _kv_cache_service_pb2.CacheBlocksRequest,
+        context: _aio.ServicerContext[_kv_cache_service_pb2.CacheBlocksRequest, _abc.Awaitable[_kv_cache_service_pb2.CacheBlocksResponse]],
+    ) -> _abc.Awaitable[_kv_cache_service_pb2.CacheBlocksResponse]:
+        """vLLM's cache_blocks: hash the request's blocks that its first num_computed_tokens
+        tokens fill into the prefix cache (its scheduler calls it after a step's outputs
+        came back under async scheduling or with draft tokens, whose allocation cached
+        only what was then known). Monotonic and idempotent: blocks already cached stay
+        as they are, a smaller count does nothing. NOT_FOUND for an unknown request,
+        OUT_OF_RANGE past the request's known tokens or its allocated slots.
         """
 
     @_abc_1.abstractmethod

@@ -1,0 +1,117 @@
+"""vLLM's scheduler as its engine drives it with async scheduling and with speculative
+decoding, once with its built-in manager and once with kvservice's, must decide the
+same step for step.
+
+Modes: vLLM's ``AsyncScheduler`` with two steps in flight (``KVServiceScheduler``
+builds ``KVServiceAsyncScheduler`` when async scheduling is on); synchronous steps with
+three draft tokens each, a seeded share accepted; and both together. In-process on
+every setup of the synchronous differential (``test_scheduler_differential.py``), and
+remote, confirming in sync and overlap mode; after each remote run the server's audit
+passes and every block is back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from kvservice.client import KVClient
+from kvservice.integrations.vllm import KVServiceAsyncScheduler, KVServiceScheduler
+from tests.deploy.support import background_server
+from tests.vllm.async_harness import EngineOrderWorkload
+from tests.vllm.scheduler_harness import SchedulerSetup, build_scheduler, first_difference
+from tests.vllm.test_scheduler_differential import REFUSED, WORKLOADS, _server_config
+from tests.vllm.test_scheduler_differential import SETUPS as SYNC_SETUPS
+
+NUM_DRAFTS = 3
+# (steps in flight, draft tokens a step)
+MODES = {"async": (2, 0), "spec": (1, NUM_DRAFTS), "async-spec": (2, NUM_DRAFTS)}
+# Draft tokens on a Mamba group need its speculative state blocks (a drafter's own
+# config): the speculative modes run on the attention setups.
+SPEC_SETUPS = {
+    "full",
+    "full-no-prefix-caching",
+    "preempting",
+    "hybrid-full-sliding-window",
+    "chunked-prefill",
+    "watermark",
+    "256-running",
+}
+CASES = [
+    (name, mode)
+    for name in SYNC_SETUPS
+    if name not in REFUSED
+    for mode in MODES
+    if mode == "async" or name in SPEC_SETUPS
+]
+
+
+def setup_for(name: str, mode: str) -> SchedulerSetup:
+    batch_queue_size, num_drafts = MODES[mode]
+    return dataclasses.replace(
+        SYNC_SETUPS[name],
+        async_scheduling=batch_queue_size > 1,
+        num_speculative_tokens=num_drafts,
+    )
+
+
+def workload(name: str, mode: str, seed: int, **traffic: Any) -> EngineOrderWorkload:
+    setup = SYNC_SETUPS[name]
+    traffic = {"hash_block_size": setup.hash_block, **WORKLOADS.get(name, {}), **traffic}
+    return EngineOrderWorkload(seed, **traffic).configure(*MODES[mode])
+
+
+@pytest.fixture(autouse=True)
+def _in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVSERVICE_TARGET", raising=False)
+
+
+def test_the_named_class_builds_the_async_variant() -> None:
+    scheduler = build_scheduler(setup_for("full", "async"), KVServiceScheduler)
+    assert type(scheduler) is KVServiceAsyncScheduler
+    assert type(build_scheduler(SchedulerSetup(), KVServiceScheduler)) is KVServiceScheduler
+
+
+@pytest.mark.parametrize(("name", "mode"), CASES)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_in_process_matches_vllm(name: str, mode: str, seed: int) -> None:
+    setup = setup_for(name, mode)
+    salts = (None, "tenant-a") if seed else (None,)
+    expected = workload(name, mode, seed, salts=salts).run(build_scheduler(setup))
+    actual = workload(name, mode, seed, salts=salts).run(build_scheduler(setup, KVServiceScheduler))
+    assert first_difference(expected, actual) is None
+    if MODES[mode][1]:
+        assert any(step["drafts"] for step in actual)  # drafts were verified
+
+
+REMOTE_CASES = [(name, mode, "sync") for name, mode in CASES] + [
+    (name, mode, "overlap")
+    for name in ("preempting", "hybrid-full-sliding-window", "hybrid-full-mamba-align-4x-hash")
+    for mode in ("async", "async-spec")
+    if (name, mode) in CASES
+]
+
+
+@pytest.mark.parametrize(("name", "mode", "confirm"), REMOTE_CASES)
+def test_remote_matches_vllm(
+    name: str, mode: str, confirm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    setup = setup_for(name, mode)
+    monkeypatch.setenv("KVSERVICE_CONFIRM", confirm)
+    salts = (None, "tenant-a")
+    expected = workload(name, mode, 3, salts=salts).run(build_scheduler(setup))
+    with background_server(_server_config(setup)) as server:
+        monkeypatch.setenv("KVSERVICE_TARGET", server.handle.target)
+        scheduler = build_scheduler(setup, KVServiceScheduler)
+        actual = workload(name, mode, 3, salts=salts).run(scheduler)
+        server_link = scheduler.kv_cache_manager.server
+        assert server_link is not None
+        assert server_link.round_trips <= len(actual)
+        scheduler.shutdown()
+        with KVClient(server.handle.target) as client:
+            assert client.audit().ok
+            usage = client.get_usage()
+            assert (usage.num_requests, usage.num_used_blocks) == (0, 0)
+    assert first_difference(expected, actual) is None
