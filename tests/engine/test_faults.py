@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +32,7 @@ from kvservice.integrations.vllm.engine_driver import (
 )
 from kvservice.integrations.vllm.server_link import KVServiceManagerError
 from tests.engine.test_generation import server_args
+from tests.server.support import wait_for_blocks_back
 
 SETUP = EngineSetup(num_blocks=64)
 # Long answers: the engine is still generating when it (or the server) is killed.
@@ -87,13 +87,7 @@ def test_a_killed_engine_gets_its_blocks_back_within_its_lease(tiny_model: Path)
             assert held.num_requests > 0 and held.num_used_blocks > 0
             engine.send_signal(signal.SIGKILL)
             engine.wait()
-            # A safety net, not a timing: the 2 s lease ends long before it.
-            deadline = time.monotonic() + 60
-            while client.get_usage().num_used_blocks and time.monotonic() < deadline:
-                time.sleep(0.1)
-            usage = client.get_usage()
-            assert (usage.num_requests, usage.num_used_blocks) == (0, 0)
-            assert client.audit().ok
+            wait_for_blocks_back(client)
         finally:
             engine.kill()
             engine.wait()

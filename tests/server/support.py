@@ -6,12 +6,14 @@ import asyncio
 import contextlib
 import dataclasses
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
 import pytest
 
+from kvservice.client import KVClient
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server.app import KVCacheServer
@@ -73,6 +75,18 @@ async def raw_stub(server: KVCacheServer) -> AsyncIterator[Stub]:
     """The generated stub on a plaintext channel to ``server``."""
     async with grpc.aio.insecure_channel(server.handle.target) as channel:
         yield pb_grpc.KVCacheServiceStub(channel)
+
+
+def wait_for_blocks_back(client: KVClient, safety_s: float = 60.0) -> None:
+    """Wait until the pool holds no request and no block (a dead client's lease ran
+    out), then check that the audit passes. ``safety_s`` is a safety net, not a
+    timing: the leases the tests use end long before it."""
+    deadline = time.monotonic() + safety_s
+    while client.get_usage().num_used_blocks and time.monotonic() < deadline:
+        time.sleep(0.1)
+    usage = client.get_usage()
+    assert (usage.num_requests, usage.num_used_blocks) == (0, 0)
+    assert client.audit().ok
 
 
 def tokens(n: int, start: int = 0) -> list[int]:

@@ -17,12 +17,10 @@ from typing import Any
 
 import pytest
 
-from kvservice.client import KVClient
 from kvservice.integrations.vllm import KVServiceAsyncScheduler, KVServiceScheduler
-from tests.deploy.support import background_server
 from tests.vllm.async_harness import EngineOrderWorkload
 from tests.vllm.scheduler_harness import SchedulerSetup, build_scheduler, first_difference
-from tests.vllm.test_scheduler_differential import REFUSED, WORKLOADS, _server_config
+from tests.vllm.test_scheduler_differential import REFUSED, WORKLOADS, run_remote
 from tests.vllm.test_scheduler_differential import SETUPS as SYNC_SETUPS
 
 NUM_DRAFTS = 3
@@ -102,16 +100,5 @@ def test_remote_matches_vllm(
     monkeypatch.setenv("KVSERVICE_CONFIRM", confirm)
     salts = (None, "tenant-a")
     expected = workload(name, mode, 3, salts=salts).run(build_scheduler(setup))
-    with background_server(_server_config(setup)) as server:
-        monkeypatch.setenv("KVSERVICE_TARGET", server.handle.target)
-        scheduler = build_scheduler(setup, KVServiceScheduler)
-        actual = workload(name, mode, 3, salts=salts).run(scheduler)
-        server_link = scheduler.kv_cache_manager.server
-        assert server_link is not None
-        assert server_link.round_trips <= len(actual)
-        scheduler.shutdown()
-        with KVClient(server.handle.target) as client:
-            assert client.audit().ok
-            usage = client.get_usage()
-            assert (usage.num_requests, usage.num_used_blocks) == (0, 0)
+    actual = run_remote(setup, workload(name, mode, 3, salts=salts), monkeypatch)
     assert first_difference(expected, actual) is None

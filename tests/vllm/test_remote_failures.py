@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -26,6 +25,7 @@ from kvservice.integrations.vllm.server_link import (
 from kvservice.integrations.vllm.testing import SchedulerSetup, build_scheduler
 from kvservice.server.config import ServerConfig
 from tests.deploy.support import BackgroundServer, background_server
+from tests.server.support import wait_for_blocks_back
 from tests.vllm.scheduler_harness import RequestSpec, Workload, model_runner_output
 
 SETUP = SchedulerSetup(num_blocks=64, max_model_len=512)
@@ -287,13 +287,7 @@ def test_a_killed_engine_gets_its_blocks_back(monkeypatch: pytest.MonkeyPatch) -
             assert held.num_requests == 3 and held.num_used_blocks > 0
             engine.kill()
             engine.wait()
-            # A safety net, not a timing: the lease (1 s) ends long before it.
-            deadline = time.monotonic() + 60
-            while client.get_usage().num_used_blocks and time.monotonic() < deadline:
-                time.sleep(0.1)
-            usage = client.get_usage()
-            assert (usage.num_requests, usage.num_used_blocks) == (0, 0)
-            assert client.audit().ok
+            wait_for_blocks_back(client)
         finally:
             engine.kill()
             engine.wait()

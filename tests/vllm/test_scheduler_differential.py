@@ -161,19 +161,27 @@ def test_remote_matches_vllm_step_for_step(
     monkeypatch.setenv("KVSERVICE_CONFIRM", confirm)
     traffic = {"hash_block_size": setup.hash_block, **WORKLOADS.get(name, {})}
     expected = Workload(3, salts=(None, "tenant-a"), **traffic).run(build_scheduler(setup))
+    actual = run_remote(setup, Workload(3, salts=(None, "tenant-a"), **traffic), monkeypatch)
+    assert first_difference(expected, actual) is None
+
+
+def run_remote(setup: SchedulerSetup, workload: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``workload`` on ``KVServiceScheduler`` against a server with ``setup``'s pool:
+    its trace, once the scheduler shut down, the server's audit passed, every block came
+    back, and every step took at most one round trip."""
     with background_server(_server_config(setup)) as server:
         monkeypatch.setenv("KVSERVICE_TARGET", server.handle.target)
         scheduler = build_scheduler(setup, KVServiceScheduler)
-        actual = Workload(3, salts=(None, "tenant-a"), **traffic).run(scheduler)
+        trace = workload.run(scheduler)
         server_link = scheduler.kv_cache_manager.server
         assert server_link is not None
-        assert server_link.round_trips <= len(actual)
+        assert server_link.round_trips <= len(trace)
         scheduler.shutdown()
         with KVClient(server.handle.target) as client:
             assert client.audit().ok
             usage = client.get_usage()
             assert (usage.num_requests, usage.num_used_blocks) == (0, 0)
-    assert first_difference(expected, actual) is None
+    return trace
 
 
 def test_remote_on_a_smaller_server_pool_decides_as_vllm_on_that_pool(
