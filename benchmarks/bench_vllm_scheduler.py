@@ -17,18 +17,33 @@ per step of the remote modes. ``KVSERVICE_CONFIRM=overlap`` waits for the server
 answer before the next step instead of before the output: its round trip hides behind
 the forward pass, which ``--forward-ms`` simulates (a sleep outside the timer).
 
+With ``--async-scheduling`` every mode runs as vLLM runs with async scheduling on (its
+default on a GPU): vLLM's ``AsyncScheduler`` against ``KVServiceAsyncScheduler``
+in-process and remote, driven in the order of ``EngineCore.step_with_batch_queue``
+with a batch queue of 2 (step N+1 is planned before step N's output is applied). The
+forward pass is then a fake GPU: a step dispatched at ``schedule()`` runs for
+``--forward-ms`` once the previous step's forward is done, and its output is applied
+once that forward has ended, so the scheduler's work for step N+1 (and the update of
+step N) overlaps step N+1's forward as in the engine. What is timed is the whole loop,
+steps/s, each step taking about max(forward, scheduler work); the fake model's output,
+the arrivals and the decision check are left out of the clock. Every kvservice mode's
+scheduler outputs, sampled tokens and stats must equal the ``AsyncScheduler``'s.
+
     python -m benchmarks.bench_vllm_scheduler [--rounds 5] [--steps 200] [--forward-ms 0]
+        [--async-scheduling]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import random
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 for _key, _value in {
@@ -40,6 +55,7 @@ for _key, _value in {
     os.environ.setdefault(_key, _value)
 
 from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
@@ -61,6 +77,9 @@ SETUP = SchedulerSetup(
     max_num_seqs=NUM_RUNNING,
     max_model_len=4096,
 )
+# vLLM's engine with async scheduling keeps two steps in flight (its batch queue).
+ASYNC_SETUP = replace(SETUP, async_scheduling=True)
+BATCH_QUEUE_SIZE = 2
 
 
 @dataclass(frozen=True)
@@ -117,6 +136,11 @@ class Timing:
     server_cpu_seconds: float = 0.0
     round_trips: int = 0
     steps: int = 0
+    # Async scheduling only: wall seconds inside schedule() and update_from_output(),
+    # the fake GPU's forward seconds, and a digest of every decision and output.
+    scheduler_seconds: float = 0.0
+    gpu_seconds: float = 0.0
+    decisions: str = ""
 
 
 def _step(
@@ -178,20 +202,216 @@ WORKLOADS: dict[str, Callable[[Any, int, int, float, int | None], Timing]] = {
 }
 
 
-def _run(mode: Mode, workload: str, steps: int, seed: int, forward_s: float) -> Timing:
+def _async_output(scheduler: Any, scheduled: Any) -> Any:
+    """The fake model's output for a step planned by an ``AsyncScheduler``, fixed when
+    the step is planned (as the real model's inputs are): ``schedule()`` has already
+    counted the step's tokens as computed, so a request whose step is not a partial
+    prefill chunk samples at position ``num_computed_tokens``."""
+    req_ids = list(scheduled.num_scheduled_tokens)
+    sampled = []
+    for req_id in req_ids:
+        request = scheduler.requests[req_id]
+        sampled.append(
+            [] if request.is_prefill_chunk else [_token(req_id, request.num_computed_tokens)]
+        )
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+    )
+
+
+def _scheduled_decisions(scheduled: Any) -> tuple[Any, ...]:
+    """Everything of a ``SchedulerOutput`` that the KV cache manager decides."""
+    cached = scheduled.scheduled_cached_reqs
+    return (
+        [(r.req_id, r.block_ids, r.num_computed_tokens) for r in scheduled.scheduled_new_reqs],
+        cached.req_ids,
+        cached.new_block_ids,
+        cached.num_computed_tokens,
+        sorted(cached.resumed_req_ids),
+        list(scheduled.num_scheduled_tokens.items()),
+        sorted(scheduled.preempted_req_ids or ()),
+        sorted(scheduled.finished_req_ids),
+        scheduled.new_block_ids_to_zero,
+        scheduled.kv_cache_block_copies,
+    )
+
+
+def _update_decisions(outputs: Any) -> list[Any]:
+    """What ``update_from_output`` handed back: tokens, finishes, usage, prefix hits."""
+    seen: list[Any] = []
+    for client, engine_outputs in sorted(outputs.items()):
+        stats = engine_outputs.scheduler_stats
+        prefix = None if stats is None else stats.prefix_cache_stats
+        seen.append(
+            (
+                client,
+                [(o.request_id, o.new_token_ids, o.finish_reason) for o in engine_outputs.outputs],
+                None if stats is None else stats.kv_cache_usage,
+                None if prefix is None else (prefix.requests, prefix.queries, prefix.hits),
+            )
+        )
+    return seen
+
+
+class EngineLoop:
+    """vLLM's ``EngineCore.step_with_batch_queue`` with a batch queue of 2 over a fake,
+    serial GPU. A step is dispatched when ``schedule()`` returns; its forward starts
+    then or when the previous step's forward ends, whichever is later, and lasts
+    ``forward_s`` (none for a step that scheduled no tokens); ``update_from_output`` of a
+    step first sleeps until its forward has ended. Steady state: plan step N+1 (its
+    forward queued behind step N's), wait for step N's forward, apply its output; the
+    loop's step time is max(forward, scheduler work).
+
+    The clock leaves out what the real engine does not do on the scheduler's thread or
+    does the same for every manager: building the fake model's output, the decision
+    digest, and the arrivals (``before`` of ``timed``)."""
+
+    def __init__(self, scheduler: Any, forward_s: float) -> None:
+        self.scheduler = scheduler
+        self.forward_s = forward_s
+        # (scheduled, model output, when its forward ends, whether it ran), newest left.
+        self.in_flight: deque[tuple[Any, Any, float, bool]] = deque()
+        self.gpu_free_at = 0.0
+        self.excluded = 0.0
+        self.digest = hashlib.blake2b(digest_size=16)
+        self.timing = Timing()
+
+    def now(self) -> float:
+        """Wall time, less the time spent outside the engine's own work."""
+        return time.perf_counter() - self.excluded
+
+    def _untimed(self, work: Callable[[], Any]) -> Any:
+        start = time.perf_counter()
+        result = work()
+        self.excluded += time.perf_counter() - start
+        return result
+
+    def _in_scheduler(self, work: Callable[[], Any]) -> Any:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        result = work()
+        self.timing.scheduler_seconds += time.perf_counter() - wall
+        self.timing.cpu_seconds += time.thread_time() - cpu
+        return result
+
+    def _plan(self, scheduled: Any) -> Any:
+        self.digest.update(repr(_scheduled_decisions(scheduled)).encode())
+        return _async_output(self.scheduler, scheduled)
+
+    def iteration(self) -> bool:
+        """One call of ``step_with_batch_queue``; True when it applied a step's output."""
+        scheduler = self.scheduler
+        if scheduler.has_requests():
+            scheduled = self._in_scheduler(scheduler.schedule)
+            executed = scheduled.total_num_scheduled_tokens > 0
+            dispatched = self.now()
+            output = self._untimed(lambda: self._plan(scheduled))
+            ready = dispatched
+            if executed:
+                ready = self.gpu_free_at = max(dispatched, self.gpu_free_at) + self.forward_s
+            self.in_flight.appendleft((scheduled, output, ready, executed))
+            if len(self.in_flight) < BATCH_QUEUE_SIZE and (executed or scheduler.has_requests()):
+                return False
+        elif not self.in_flight:
+            return False
+        scheduled, output, ready, executed = self.in_flight.pop()
+        wait = ready - self.now()
+        if wait > 0:
+            time.sleep(wait)  # the GPU still runs this step's forward
+        outputs = self._in_scheduler(lambda: scheduler.update_from_output(scheduled, output))
+        self._untimed(lambda: self.digest.update(repr(_update_decisions(outputs)).encode()))
+        if executed:
+            self.timing.gpu_seconds += self.forward_s
+        return True
+
+    def timed(
+        self, steps: int, server_pid: int | None, before: Callable[[], None] | None = None
+    ) -> Timing:
+        """Loop until ``steps`` steps' outputs are applied, timing the whole loop."""
+        self.timing = timing = Timing()
+        server = getattr(self.scheduler.kv_cache_manager, "server", None)
+        trips = 0 if server is None else server.round_trips
+        server_cpu = process_cpu_seconds(server_pid) if server_pid else None
+        start = self.now()
+        while timing.steps < steps:
+            if before is not None:
+                self._untimed(before)
+            if self.iteration():
+                timing.steps += 1
+        timing.seconds = self.now() - start
+        if server is not None:
+            timing.round_trips = server.round_trips - trips
+        if server_pid and server_cpu is not None:
+            timing.server_cpu_seconds = (process_cpu_seconds(server_pid) or 0.0) - server_cpu
+        return timing
+
+
+def decode_async(
+    scheduler: Any, steps: int, seed: int, forward_s: float, server_pid: int | None
+) -> EngineLoop:
+    """``decode`` in the engine's batch-queue order: the prefills untimed, then
+    ``steps`` decode steps."""
+    for request in _requests(seed, NUM_RUNNING, (100_000, 100_001), 0):
+        scheduler.add_request(request)
+    loop = EngineLoop(scheduler, forward_s)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.requests.values()):
+        loop.iteration()
+    loop.timed(steps, server_pid)
+    return loop
+
+
+def churn_async(
+    scheduler: Any, steps: int, seed: int, forward_s: float, server_pid: int | None
+) -> EngineLoop:
+    """``churn`` in the engine's batch-queue order (arrivals before each iteration)."""
+    arrivals = iter(_requests(seed, NUM_RUNNING * 40, (8, 64), 0))
+
+    def arrive() -> None:
+        while len(scheduler.requests) < NUM_RUNNING + 32:
+            scheduler.add_request(next(arrivals))
+
+    loop = EngineLoop(scheduler, forward_s)
+    loop.timed(steps, server_pid, arrive)
+    return loop
+
+
+ASYNC_WORKLOADS: dict[str, Callable[[Any, int, int, float, int | None], EngineLoop]] = {
+    "decode": decode_async,
+    "churn": churn_async,
+}
+
+
+def _run(
+    mode: Mode,
+    workload: str,
+    steps: int,
+    seed: int,
+    forward_s: float,
+    async_scheduling: bool = False,
+) -> Timing:
     if mode.target is None:
         os.environ.pop("KVSERVICE_TARGET", None)
     else:
         os.environ["KVSERVICE_TARGET"] = mode.target
     os.environ["KVSERVICE_CONFIRM"] = mode.confirm
-    scheduler = build_scheduler(SETUP, mode.scheduler_cls)
-    timing = WORKLOADS[workload](scheduler, steps, seed, forward_s, mode.server_pid)
+    if async_scheduling:
+        scheduler = build_scheduler(ASYNC_SETUP, mode.scheduler_cls)
+        # KVServiceScheduler builds KVServiceAsyncScheduler from the config, as vLLM
+        # picks AsyncScheduler: every mode must run vLLM's async variant.
+        assert isinstance(scheduler, AsyncScheduler), type(scheduler)
+        loop = ASYNC_WORKLOADS[workload](scheduler, steps, seed, forward_s, mode.server_pid)
+        timing = loop.timing
+        timing.decisions = loop.digest.hexdigest()
+    else:
+        scheduler = build_scheduler(SETUP, mode.scheduler_cls)
+        timing = WORKLOADS[workload](scheduler, steps, seed, forward_s, mode.server_pid)
     scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
     scheduler.shutdown()
     return timing
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=200)
@@ -202,7 +422,14 @@ def main(argv: list[str] | None = None) -> None:
         default=0.0,
         help="sleep this long between schedule() and update_from_output(), as a model's "
         "forward pass would take (untimed; what KVSERVICE_CONFIRM=overlap hides its "
-        "round trip behind)",
+        "round trip behind); with --async-scheduling, each step's forward on a fake GPU "
+        "that the scheduler's work overlaps (timed: the loop's steps/s)",
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="run every mode as vLLM does with async scheduling on: AsyncScheduler vs "
+        "KVServiceAsyncScheduler, in the engine's batch-queue order (2 steps in flight)",
     )
     args = parser.parse_args(argv)
     server_args = [
@@ -221,13 +448,27 @@ def main(argv: list[str] | None = None) -> None:
                 "kvservice remote overlap", KVServiceScheduler, server.target, "overlap", server.pid
             ),
         ]
+        if args.async_scheduling:
+            modes[0] = Mode("vllm built-in", AsyncScheduler, None)
+        same = True
         for workload in args.workloads:
             runs: dict[str, list[Timing]] = {m.name: [] for m in modes}
             for round_ in range(args.rounds):
                 for mode in modes:
-                    timing = _run(mode, workload, args.steps, round_, args.forward_ms / 1000)
+                    timing = _run(
+                        mode,
+                        workload,
+                        args.steps,
+                        round_,
+                        args.forward_ms / 1000,
+                        args.async_scheduling,
+                    )
                     runs[mode.name].append(timing)
-            _report(workload, modes, runs, args)
+            if args.async_scheduling:
+                same = _report_async(workload, modes, runs, args) and same
+            else:
+                _report(workload, modes, runs, args)
+    return 0 if same else 1
 
 
 def _report(
@@ -259,5 +500,59 @@ def _report(
     )
 
 
+def _report_async(
+    workload: str, modes: list[Mode], runs: dict[str, list[Timing]], args: argparse.Namespace
+) -> bool:
+    """The async table; False when a kvservice mode decided otherwise than vLLM's."""
+    base = runs[modes[0].name]
+    forward = f"{args.forward_ms:g} ms forward on a fake GPU" if args.forward_ms else "no forward"
+    print(
+        f"\n{workload}, async scheduling (AsyncScheduler, batch queue {BATCH_QUEUE_SIZE}, "
+        f"{forward}): {NUM_RUNNING} requests, {args.steps} steps x {args.rounds} rounds"
+    )
+    print(
+        f"{'manager':<26}{'steps/s':>9}{'ratio':>8}{'spread':>13}{'sched ms/step':>15}"
+        f"{'CPU ms/step':>13}{'CPU ratio':>11}{'trips/step':>12}{'server CPU ms/step':>20}"
+        f"{'GPU busy':>10}"
+    )
+    differ = []
+    for mode in modes:
+        timings = runs[mode.name]
+        ratios = [b.seconds / t.seconds for t, b in zip(timings, base, strict=True)]
+        cpu_ratios = [b.cpu_seconds / t.cpu_seconds for t, b in zip(timings, base, strict=True)]
+        busy = statistics.median(t.gpu_seconds / t.seconds for t in timings)
+        differ += [
+            f"{mode.name} (round {round_})"
+            for round_, (t, b) in enumerate(zip(timings, base, strict=True))
+            if t.decisions != b.decisions
+        ]
+        print(
+            f"{mode.name:<26}{statistics.median(t.steps / t.seconds for t in timings):>9.1f}"
+            f"{statistics.median(ratios):>7.2f}x"
+            f"{f'{min(ratios):.2f}-{max(ratios):.2f}x':>13}"
+            f"{statistics.median(1000 * t.scheduler_seconds / t.steps for t in timings):>15.2f}"
+            f"{statistics.median(1000 * t.cpu_seconds / t.steps for t in timings):>13.2f}"
+            f"{statistics.median(cpu_ratios):>10.2f}x"
+            f"{statistics.median(t.round_trips / t.steps for t in timings):>12.2f}"
+            f"{statistics.median(1000 * t.server_cpu_seconds / t.steps for t in timings):>20.2f}"
+            f"{f'{100 * busy:.0f}%' if args.forward_ms else '-':>10}"
+        )
+    print(
+        "steps/s: the whole engine loop (scheduler work overlapping the fake forward); "
+        "ratio: the AsyncScheduler's loop time over this mode's, within each round "
+        "(median, lowest-highest); sched ms: wall time in schedule() and "
+        "update_from_output(); CPU: the scheduler thread's; GPU busy: forward time over "
+        "loop time"
+    )
+    if differ:
+        print(f"DECISIONS DIFFER from vLLM's AsyncScheduler: {', '.join(differ)}")
+    else:
+        print(
+            "decisions: every mode's scheduler outputs, tokens and stats equal the "
+            "AsyncScheduler's, in every round"
+        )
+    return not differ
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""``benchmarks/bench_vllm_scheduler.py`` runs end to end in its smallest configuration
+(its figures are quoted in the README): every mode's row of every workload is printed,
+and with async scheduling every kvservice mode decided as vLLM's ``AsyncScheduler``.
+Never a timing."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from benchmarks import bench_vllm_scheduler
+
+MODES = (
+    "vllm built-in",
+    "kvservice in-process",
+    "kvservice remote",
+    "kvservice remote overlap",
+)
+
+
+@pytest.fixture(autouse=True)
+def _restore_kvservice_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The benchmark points KVSERVICE_TARGET at its child server, which is gone after.
+    monkeypatch.delenv("KVSERVICE_TARGET", raising=False)
+    monkeypatch.setenv("KVSERVICE_CONFIRM", "sync")
+
+
+def _rows(out: str, workload: str) -> None:
+    for mode in MODES:
+        assert re.search(rf"^{mode} +\d", out, re.MULTILINE), (workload, mode, out)
+
+
+def test_bench_vllm_scheduler_async_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    """Both workloads in the engine's batch-queue order over the fake GPU."""
+    argv = ["--async-scheduling", "--rounds", "1", "--steps", "2", "--forward-ms", "1"]
+    assert bench_vllm_scheduler.main(argv) == 0
+    out = capsys.readouterr().out
+    for workload in bench_vllm_scheduler.ASYNC_WORKLOADS:
+        assert f"\n{workload}, async scheduling (AsyncScheduler, batch queue 2" in out, out
+    _rows(out, "async")
+    assert out.count("decisions: every mode's scheduler outputs") == 2, out
+    assert "DECISIONS DIFFER" not in out
+
+
+def test_bench_vllm_scheduler_sync_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--rounds", "1", "--steps", "2", "--workloads", "decode"]
+    assert bench_vllm_scheduler.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "\ndecode: 256 requests, 2 steps x 1 rounds" in out, out
+    _rows(out, "decode")
+    assert "async" not in out
+
+
+def test_the_async_report_names_a_mode_that_decided_otherwise(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    modes = [
+        bench_vllm_scheduler.Mode(name, object, None)
+        for name in ("vllm built-in", "kvservice in-process")
+    ]
+
+    def timing(decisions: str) -> bench_vllm_scheduler.Timing:
+        return bench_vllm_scheduler.Timing(
+            seconds=1.0, cpu_seconds=0.5, steps=10, gpu_seconds=0.1, decisions=decisions
+        )
+
+    runs = {"vllm built-in": [timing("a"), timing("b")], "kvservice in-process": [timing("a")] * 2}
+    args = argparse.Namespace(forward_ms=10.0, steps=10, rounds=2)
+    assert not bench_vllm_scheduler._report_async("decode", modes, runs, args)
+    assert "DECISIONS DIFFER from vLLM's AsyncScheduler: kvservice in-process (round 1)" in (
+        capsys.readouterr().out
+    )
