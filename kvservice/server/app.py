@@ -36,6 +36,7 @@ from kvservice.server.drain import Drain
 from kvservice.server.events import EventLog
 from kvservice.server.idempotency import IdempotencyLayer, OperationCache
 from kvservice.server.interceptors import BoundaryInterceptor, RpcLayer
+from kvservice.server.log import unfiltered_logger
 from kvservice.server.metrics import ClientTracker, KVCacheMetrics, MetricsEndpoint
 from kvservice.server.probes import LoopProbe
 from kvservice.server.runtime import build_runtime, kv_cache_budget
@@ -370,7 +371,8 @@ async def serve(config: ServerConfig) -> None:
     signals = (signal.SIGTERM, signal.SIGINT)
     for sig in signals:
         loop.add_signal_handler(sig, stopping.set)
-    log.info(
+    # Written at any log level: with --port 0 it is the only way to learn the port.
+    unfiltered_logger().info(
         "serving",
         address=handle.target,
         port=handle.port,

@@ -192,6 +192,10 @@ def build_kv_cache_config(
         )
         groups.append(KVCacheGroupSpec(["model.layers.sliding_window"], window))
     _check_hash_block_size(config)
+    if available_memory is None and config.num_blocks < 2:
+        raise InvalidArgumentError(
+            f"num_blocks must be at least 2 (block 0 is the null block), got {config.num_blocks}"
+        )
     if config.mamba_block_size:
         groups.append(_mamba_group(config, spec.page_size_bytes))
     kv_cache_config = kv_cache_config_from_memory(

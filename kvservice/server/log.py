@@ -45,3 +45,13 @@ def configure_logging(level: str = "info") -> None:
         logger_factory=structlog.WriteLoggerFactory(file=sys.stdout),
         cache_logger_on_first_use=True,
     )
+
+
+def unfiltered_logger() -> structlog.typing.FilteringBoundLogger:
+    """A logger that writes whatever ``--log-level`` says, for the few lines an
+    operator needs at any level (the startup line: the only way to learn a port bound
+    as 0)."""
+    logger: structlog.typing.FilteringBoundLogger = structlog.wrap_logger(
+        None, wrapper_class=structlog.make_filtering_bound_logger(logging.NOTSET)
+    )
+    return logger

@@ -90,3 +90,31 @@ async def test_bad_pool_exits_with_a_message() -> None:
     _, stderr = await asyncio.wait_for(process.communicate(), TIMEOUT_S)
     assert process.returncode == 2
     assert "max_model_len" in stderr.decode() or "max seq len" in stderr.decode()
+
+
+async def test_the_startup_line_is_written_at_any_log_level() -> None:
+    """With --port 0 the startup line is the only way to learn the port: a quieter log
+    level keeps it (and drops the info lines around it)."""
+    process = await asyncio.create_subprocess_exec(
+        *kvservice_command(),
+        "serve",
+        "--port=0",
+        "--no-metrics",
+        "--log-level=error",
+        "--num-blocks=64",
+        "--max-model-len=256",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert process.stdout is not None
+    try:
+        serving = await asyncio.wait_for(read_event(process.stdout, "serving"), TIMEOUT_S)
+        assert await health_status(serving["port"]) == health_pb2.HealthCheckResponse.SERVING
+        process.send_signal(signal.SIGTERM)
+        out, _ = await asyncio.wait_for(process.communicate(), TIMEOUT_S)
+        assert process.returncode == 0
+        assert b'"stopped"' not in out  # an info line: below the level
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()

@@ -36,6 +36,10 @@ def test_client_quick_start_runs_against_the_embedded_default() -> None:
     (code,) = [b for b in python_blocks() if DEFAULT_TARGET in b]
     # The embedded default pool, on a free port instead of 50051.
     with server_in_thread(ServerConfig(port=0, metrics_port=None)) as running:
-        printed = run(code.replace(DEFAULT_TARGET, repr(running.target)))
+        code = code.replace(DEFAULT_TARGET, repr(running.target))
+        printed = run(code)
+        running.call(running.server.audit)
+        # As a person tries it again: it leaves the pool as it found it.
+        assert "AdmitStopReason.ALL_ADMITTED" in run(code)
         running.call(running.server.audit)
     assert "AdmitStopReason.ALL_ADMITTED" in printed

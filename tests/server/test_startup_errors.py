@@ -75,6 +75,14 @@ async def test_the_metrics_port_in_use() -> None:
     assert f"127.0.0.1:{port}" in line and "in use" in line and "--metrics-port" in line
 
 
+@pytest.mark.parametrize("num_blocks", ["-5", "0", "1"])
+async def test_a_pool_without_a_usable_block(num_blocks: str) -> None:
+    status, _, stderr = await run("serve", "--port=0", "--no-metrics", f"--num-blocks={num_blocks}")
+    assert status == 2
+    line = one_line(stderr)
+    assert f"num_blocks must be at least 2 (block 0 is the null block), got {num_blocks}" in line
+
+
 async def test_a_tls_key_that_does_not_match_its_certificate(pki: Pki) -> None:  # noqa: F811
     status, _, stderr = await run(
         "serve",

@@ -98,6 +98,11 @@ def test_an_unreachable_server_fails_startup_naming_it(monkeypatch: pytest.Monke
             r"random seed",
         ),
         ({"sliding_window": 64, "num_blocks": 100}, r"KV cache groups"),
+        (
+            {"max_model_len": 256},
+            r"max_model_len: vLLM 512, kvservice 256 .*--max-model-len 512, or give vLLM "
+            r"--max-model-len 256",
+        ),
     ],
 )
 def test_a_server_of_another_layout_fails_startup_naming_both_values(

@@ -281,7 +281,9 @@ class ServerLink:
         if server.max_model_len < layout.max_model_len:
             mismatches.append(
                 f"max_model_len: vLLM {layout.max_model_len}, kvservice "
-                f"{server.max_model_len} (kvservice refuses longer sequences)"
+                f"{server.max_model_len} (kvservice refuses longer sequences: start it with "
+                f"--max-model-len {layout.max_model_len}, or give vLLM --max-model-len "
+                f"{server.max_model_len})"
             )
         if mismatches:
             raise ServerConfigMismatchError(
