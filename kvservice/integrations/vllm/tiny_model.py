@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
@@ -29,33 +30,44 @@ def text(token_ids: list[int]) -> str:
     return " ".join(word(token_id) for token_id in token_ids)
 
 
-def build_tiny_llama(path: Path, seed: int = 0) -> Path:
-    """Write the model and its tokenizer into ``path`` (created); ``path``."""
+def build_tiny_llama(path: Path, seed: int = 0, sliding_window: int | None = None) -> Path:
+    """Write the model and its tokenizer into ``path`` (created); ``path``. With
+    ``sliding_window``, a Mistral of the same shape whose every layer attends to that
+    many tokens (vLLM then lays out one sliding-window KV cache group)."""
     # The heavy imports only where a model is built.
     import torch  # noqa: PLC0415
     from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: PLC0415
     from transformers import (  # noqa: PLC0415
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
         PreTrainedTokenizerFast,
     )
 
     path.mkdir(parents=True, exist_ok=True)
-    config = LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=MAX_POSITIONS,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=EOS_TOKEN_ID,
-        tie_word_embeddings=False,
-    )
+    shape: dict[str, Any] = {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": MAX_POSITIONS,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": EOS_TOKEN_ID,
+        "tie_word_embeddings": False,
+    }
     torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(path)  # type: ignore[no-untyped-call]
+    model: Any
+    if sliding_window is None:
+        model = LlamaForCausalLM(LlamaConfig(**shape))  # type: ignore[no-untyped-call]
+    else:
+        config = MistralConfig(**shape, sliding_window=sliding_window)
+        model = MistralForCausalLM(config)  # type: ignore[no-untyped-call]
+    model.save_pretrained(path)
 
     vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
     vocab.update({word(i): i for i in range(len(SPECIAL_TOKENS), VOCAB_SIZE)})
