@@ -162,6 +162,10 @@ class RuntimeSync:
             blocks.setdefault(tenant, set()).update(ids)
         return blocks
 
+    def kept_per_owner(self) -> dict[HoldOwner, int]:
+        """Holds kept per owner (for the audit: each owner must be a live session)."""
+        return {owner: len(ids) for owner, ids in self._kept.items()}
+
     def num_kept(self) -> int:
         """Holds kept, every owner's."""
         return sum(len(ids) for ids in self._kept.values())

@@ -506,6 +506,11 @@ class RequestTable:
             self._reporter.changed()
         return released
 
+    def copy_hold_owners(self) -> dict[HoldOwner, int]:
+        """The copy holds kept (``batched(keep_copy_holds=...)``) per (tenant, session
+        id) keeping them: for the server's audit, which checks each session is live."""
+        return self._runtime_sync.kept_per_owner()
+
     # -- freeing and queries --------------------------------------------------------
 
     def free(self, request_id: str, mode: FreeMode, tenant: str) -> Request:

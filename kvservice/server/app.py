@@ -158,9 +158,12 @@ class KVCacheServer:
         self.clients = ClientTracker()
         # Sessions own requests (the registry hooks into the table); the reaper
         # and the self-check run on the server's loop between start and stop.
-        self.sessions = SessionRegistry(self.table, SessionPolicy.of(config), self.metrics)
-        # Whose turn it is on the table (``turns``): a large Step pauses holding it.
+        # Whose turn it is on the table (``turns``): a large Step pauses holding it;
+        # a session's end frees what it owns in it.
         self.turn = TableTurn()
+        self.sessions = SessionRegistry(
+            self.table, SessionPolicy.of(config), self.metrics, turn=self.turn
+        )
         self.auditor = Auditor(self.table, self.sessions, self.metrics, turn=self.turn)
         self._operations = OperationCache(config.idempotency_cache_size)
         self._reaper = SessionReaper(self.sessions, turn=self.turn)

@@ -3,8 +3,10 @@
 Both run the same check (``Auditor.run``): the core's invariants (every block free and
 queued once, or held with a reference count equal to the block-table entries holding
 it; the prefix cache's hash map agreeing with the blocks), every block table belonging
-to a request the service knows, the per-tenant ledgers, and the sessions' ownership
-records agreeing with each other and with the request table. A violation is a bug in
+to a request the service knows, the per-tenant ledgers, the sessions' ownership
+records agreeing with each other and with the request table, and every held block
+having a live owner: no request, and no copy hold kept by a step, belongs to a session
+that has ended (nothing would ever free it). A violation is a bug in
 the server, never a caller's mistake: it is logged at error level and counted in
 ``kvservice_audit_failures_total``.
 

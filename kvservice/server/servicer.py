@@ -54,12 +54,12 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self._turn = turn or TableTurn()
         # Client sessions and the audit (``sessions``, ``audit``); the server passes
         # its own, shared with the reaper and the self-check.
-        self._sessions = sessions or SessionRegistry(table, SessionPolicy())
-        self._auditor = auditor or Auditor(table, self._sessions)
+        self._sessions = sessions or SessionRegistry(table, SessionPolicy(), turn=self._turn)
+        self._auditor = auditor or Auditor(table, self._sessions, turn=self._turn)
         self._model_name = model_name
         # Where the co-located runtime's KV tensors live; "" without a runtime.
         self._runtime_device = runtime_device
-        self._steps = StepRunner(table, max_step_ops, self._turn)
+        self._steps = StepRunner(table, max_step_ops, self._turn, self._sessions.check_live)
         # The KV event log; None when the server runs without --kv-events.
         self._events = events
         # Where the hash chain's seed came from (GetCacheConfig reports it).
@@ -69,10 +69,13 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         self, operation: operations.Operation, request: Any, response: Response
     ) -> Response:
         """``operation`` for this call's caller, answering into ``response``, in the
-        table's turn."""
+        table's turn. A call that waited for the turn re-checks its session first: it
+        may have ended meanwhile (FAILED_PRECONDITION, nothing done)."""
         caller = current_caller()
         if self._turn.taken:
             async with self._turn:
+                if caller.session_id is not None:
+                    self._sessions.check_live(caller.session_id, caller.tenant)
                 operation(self._table, request, response, caller, True)
         else:
             operation(self._table, request, response, caller, True)
@@ -208,7 +211,8 @@ class KVCacheServicer(pb_grpc.KVCacheServiceServicer):
         """One step's operations in order, one result each (see ``step``); with a
         co-located runtime the step's fresh blocks are zeroed once, after the last
         operation and before this returns. INVALID_ARGUMENT, nothing run, over the
-        operations-per-step limit."""
+        operations-per-step limit; under a session that ends while the step pauses, the
+        later operations answer FAILED_PRECONDITION without running."""
         response = pb.StepResponse()
         await self._steps.run(request, response, current_caller())
         return response

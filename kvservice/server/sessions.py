@@ -8,6 +8,15 @@ lives. Every request added under a session is owned by it. When the lease runs o
 client vanished mid-stream), the session ends and every request it owns is freed with
 FINISH, so no block outlives its owner's lease.
 
+Ending a session is an operation of the table's turn (``turns``), wherever the end
+comes from: ``CloseSession`` and the reaper wait for the turn; a broken stream, or a
+lease found run out by a call, ends the session at once (no call is served under it
+from then on) and frees what it owns in the turn (``TableTurn.defer``): at once when
+the table is free, else as soon as the Step holding the turn gives it back. That Step,
+if it runs under the ended session, re-checks its session after each pause and stops
+(``StepRunner``), so everything the session owned, what the Step added included, is
+freed, and nothing is left ownerless.
+
 Fencing: each session carries its scheduler's epoch; the highest epoch a tenant has
 opened is current, and a call under an older one is refused FAILED_PRECONDITION, so a
 restarted scheduler (which opens with a higher epoch) cannot be confused with its
@@ -140,6 +149,9 @@ class Session:
     requests: set[str] = field(default_factory=set)
     # StepStreams open under the session: while one is, the lease cannot run out.
     open_streams: int = 0
+    # Why it ended, from the moment its end is decided; its requests are freed in the
+    # table's turn, at once or as the Step holding it gives it back. None while live.
+    ended: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,9 +176,12 @@ class SessionRegistry:
         policy: SessionPolicy,
         metrics: KVCacheMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        turn: TableTurn | None = None,
     ) -> None:
         self.policy = policy
         self._table = table
+        # The table's turn: a session's end frees its requests in it.
+        self._turn = turn or TableTurn()
         self._metrics = metrics
         self._clock = clock
         self._sessions: dict[str, Session] = {}
@@ -220,7 +235,8 @@ class SessionRegistry:
     def close(self, session_id: str, tenant: str, free_requests: bool) -> int:
         """End the session; with ``free_requests`` free what it owns (else the
         requests stay, unowned). Allowed under a superseded epoch, so a stale
-        scheduler can still clean up. Returns the number of requests freed."""
+        scheduler can still clean up. Returns the number of requests freed. Runs in
+        the table's turn (the caller's business)."""
         session = self._get(session_id, tenant)
         if not free_requests:
             for rid in session.requests:
@@ -238,7 +254,7 @@ class SessionRegistry:
         session = self._get(session_id, tenant)
         now = self._clock()
         if not session.open_streams and session.expires_at <= now:
-            self._expire(session, "ttl")
+            self._expire(session, "ttl")  # freed in the table's turn
             raise self._ended_error(session_id)
         current = self.current_epoch(tenant)
         if session.epoch < current:
@@ -249,6 +265,12 @@ class SessionRegistry:
             )
         session.expires_at = now + session.ttl_s
         return session
+
+    def check_live(self, session_id: str, tenant: str) -> None:
+        """Raise unless the session is live: ``resolve``'s errors for an unknown or
+        ended one, without renewing the lease (a Step re-checks its session with this
+        after each pause, and a call after waiting for the table's turn)."""
+        self._get(session_id, tenant)
 
     def current_epoch(self, tenant: str) -> int:
         """The highest epoch ``tenant`` has opened a session with (0 before any)."""
@@ -261,9 +283,10 @@ class SessionRegistry:
 
     def stream_closed(self, session: Session, broken: bool) -> None:
         """A stream under ``session`` ended: a broken one ends the session at once
-        (its client is gone), a clean one restarts the lease from now."""
+        (its client is gone; what it owns is freed in the table's turn), a clean one
+        restarts the lease from now."""
         session.open_streams -= 1
-        if self._sessions.get(session.session_id) is not session:
+        if self._sessions.get(session.session_id) is not session or session.ended:
             return  # ended meanwhile (closed, or another of its streams broke)
         if broken:
             self._expire(session, "stream_broken")
@@ -273,28 +296,40 @@ class SessionRegistry:
     def reap(self) -> int:
         """End every session whose lease has run out; returns how many."""
         now = self._clock()
-        due = [s for s in self._sessions.values() if not s.open_streams and s.expires_at <= now]
+        due = [
+            s
+            for s in self._sessions.values()
+            if not s.open_streams and s.expires_at <= now and s.ended is None
+        ]
         for session in due:
             self._expire(session, "ttl")
         return len(due)
 
     def next_expiry_in(self) -> float | None:
         """Seconds until the earliest lease runs out (None with no session that can)."""
-        expiries = [s.expires_at for s in self._sessions.values() if not s.open_streams]
+        expiries = [
+            s.expires_at for s in self._sessions.values() if not s.open_streams and not s.ended
+        ]
         return max(0.0, min(expiries) - self._clock()) if expiries else None
 
     # -- RequestOwnership ----------------------------------------------------------------
 
     def adopt(self, tenant: str, request_id: str, session_id: str) -> None:
+        # Recorded even for a session gone meanwhile (a bug: every call re-checks its
+        # session in the table's turn), so the audit reports the ownerless request
+        # instead of it passing for an unowned one. A session whose end is pending
+        # frees it with the rest.
+        self._owners[(tenant, request_id)] = session_id
         session = self._sessions.get(session_id)
         if session is not None:
             session.requests.add(request_id)
-            self._owners[(tenant, request_id)] = session_id
 
     def release(self, tenant: str, request_id: str) -> None:
         owner = self._owners.pop((tenant, request_id), None)
         if owner is not None:
-            self._sessions[owner].requests.discard(request_id)
+            session = self._sessions.get(owner)
+            if session is not None:
+                session.requests.discard(request_id)
 
     # -- audit ---------------------------------------------------------------------------
 
@@ -307,12 +342,32 @@ class SessionRegistry:
         return len(self._owners)
 
     def violations(self) -> list[str]:
-        """Where the ownership records disagree with each other or with the table."""
+        """Where the ownership records disagree with each other or with the table, and
+        what is held with no live owner: a request, or a copy hold, of a session that
+        has ended (nothing would ever free it)."""
         found: list[str] = []
+        ownerless: list[str] = []
+        ownerless_blocks: set[int] = set()
         for (tenant, rid), owner in self._owners.items():
             session = self._sessions.get(owner)
-            if session is None or rid not in session.requests or session.tenant != tenant:
+            if session is None or session.ended is not None:
+                ownerless.append(rid)
+                ownerless_blocks.update(self._blocks_of(tenant, rid))
+            elif rid not in session.requests or session.tenant != tenant:
                 found.append(f"request {rid!r} is owned by session {owner!r}, which lacks it")
+        if ownerless:
+            found.append(
+                f"{len(ownerless)} requests (e.g. {sorted(ownerless)[:5]}) belong to sessions "
+                f"that have ended, holding {len(ownerless_blocks)} blocks: nothing will free "
+                f"them"
+            )
+        for (tenant, session_id), num_holds in self._table.copy_hold_owners().items():
+            session = self._sessions.get(session_id)
+            if session is None or session.ended is not None or session.tenant != tenant:
+                found.append(
+                    f"{num_holds} copy holds are kept for session {session_id!r}, which has "
+                    f"ended: nothing will release them"
+                )
         for session in self._sessions.values():
             for rid in session.requests:
                 if self._owners.get((session.tenant, rid)) != session.session_id:
@@ -323,6 +378,13 @@ class SessionRegistry:
                         f"request table does not know"
                     )
         return found
+
+    def _blocks_of(self, tenant: str, request_id: str) -> set[int]:
+        try:
+            groups = self._table.get_block_ids(request_id, tenant)
+        except RequestNotFoundError:
+            return set()
+        return {block for group in groups for block in group}
 
     def _known(self, tenant: str, request_id: str) -> bool:
         try:
@@ -338,6 +400,8 @@ class SessionRegistry:
         # Another tenant's session is reported as unknown: its id is none of the
         # caller's business.
         if session is not None and session.tenant == tenant:
+            if session.ended is not None:  # its requests are being freed
+                raise self._ended_error(session_id)
             return session
         ended = self._ended.get(session_id)
         if ended is not None and ended[0] == tenant:
@@ -348,31 +412,50 @@ class SessionRegistry:
         )
 
     def _ended_error(self, session_id: str) -> SessionEndedError:
+        ended = self._ended.get(session_id)
+        why = ended[1] if ended is not None else "ended"
         return SessionEndedError(
-            f"session {session_id!r} has ended ({self._ended[session_id][1]}) and the "
+            f"session {session_id!r} has ended ({why}) and the "
             f"requests it owned were freed; open a new session with OpenSession"
         )
 
     def _expire(self, session: Session, reason: str) -> None:
-        freed = self._end(session, "its lease ran out" if reason == "ttl" else "its stream broke")
-        if self._metrics is not None:
-            self._metrics.session_expirations[reason].inc()
-            self._metrics.requests_reclaimed.inc(freed)
-        log.info(
-            "session expired",
-            session_id=session.session_id,
-            client_name=session.client_name,
-            reason=reason,
-            num_requests_freed=freed,
-        )
+        """End the session now (no call is served under it from here on) and free
+        what it owns in the table's turn: at once when the table is free, else as the
+        Step holding the turn gives it back."""
+        if session.ended is not None:
+            return  # its end is already on its way
+        why = "its lease ran out" if reason == "ttl" else "its stream broke"
+        session.ended = why
+        self._remember_ended(session, why)
 
-    def _end(self, session: Session, why: str) -> int:
-        """Forget the session and free (FINISH) every request it still owns."""
-        freed = self._free_owned(session)
-        del self._sessions[session.session_id]
+        def free() -> None:
+            freed = self._end(session, why)
+            if self._metrics is not None:
+                self._metrics.session_expirations[reason].inc()
+                self._metrics.requests_reclaimed.inc(freed)
+            log.info(
+                "session expired",
+                session_id=session.session_id,
+                client_name=session.client_name,
+                reason=reason,
+                num_requests_freed=freed,
+            )
+
+        self._turn.defer(free)
+
+    def _remember_ended(self, session: Session, why: str) -> None:
         self._ended[session.session_id] = (session.tenant, why)
         while len(self._ended) > ENDED_SESSIONS_KEPT:
             self._ended.popitem(last=False)
+
+    def _end(self, session: Session, why: str) -> int:
+        """Forget the session and free (FINISH) every request it still owns (in the
+        table's turn)."""
+        session.ended = why
+        freed = self._free_owned(session)
+        del self._sessions[session.session_id]
+        self._remember_ended(session, why)
         self._record_active()
         return freed
 

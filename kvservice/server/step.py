@@ -15,6 +15,12 @@ Failure semantics (the ``Step`` and ``StepStream`` contract):
   step pauses every few milliseconds so that health checks and calls that do not touch
   the table go on, but keeps the table's turn meanwhile (``turns``); a cancellation
   during a pause takes effect once the step is done.
+* A step runs only under a live session: one whose session ended before it got the
+  table's turn is refused as a whole (FAILED_PRECONDITION, nothing run), and one whose
+  session ends during a pause (another of its streams broke, its lease was found run
+  out) stops there: the operations already run stay applied, every later one answers
+  FAILED_PRECONDITION without running, and the session's end then frees everything it
+  owned, what the step added included.
 * With a co-located runtime, the blocks every ``allocate_slots`` of the step handed out
   are zeroed once, when the last operation has run and before the answer is sent
   (``RequestTable.batched``): one device op per step, not one per allocation, and no
@@ -76,6 +82,9 @@ _NOT_RUN = "not run: an earlier operation failed (stop_on_error)"
 _INTERNAL = code_number(grpc.StatusCode.INTERNAL)
 _INVALID_ARGUMENT = code_number(grpc.StatusCode.INVALID_ARGUMENT)
 
+# (session id, tenant) -> None; raises the error saying why the session is not live.
+SessionCheck = Callable[[str, str], None]
+
 
 @dataclass(slots=True)
 class StepRunner:
@@ -84,6 +93,9 @@ class StepRunner:
     table: RequestTable
     max_ops: int
     turn: TableTurn = field(default_factory=TableTurn)
+    # Re-checks the caller's session in the turn: before the first operation and
+    # after each pause (None: sessions are not checked, as in benchmarks).
+    check_session: SessionCheck | None = None
 
     async def run(self, step: pb.StepRequest, response: pb.StepResponse, caller: Caller) -> None:
         """Run every operation of ``step`` for ``caller`` in order, answering into
@@ -117,6 +129,10 @@ class StepRunner:
                 f"operation counted); the server accepts at most {self.max_ops} per step "
                 f"(split it)"
             )
+        session_id = caller.session_id
+        check_session = self.check_session if session_id is not None else None
+        if check_session is not None and session_id is not None:
+            check_session(session_id, caller.tenant)  # ended: nothing run
         keep_holds = None
         if step.keep_copy_holds:
             if caller.session_id is None:
@@ -136,6 +152,13 @@ class StepRunner:
             for index, op in enumerate(step.ops):
                 if slices.due():
                     await slices.pause()
+                    if check_session is not None:
+                        ended = _session_error(check_session, session_id, caller.tenant)
+                        if ended is not None:
+                            # Its end frees what it owned once the turn is given back.
+                            _answer_refused(step.ops[index:], add_result, *ended)
+                            failed[ended[0]] += len(step.ops) - index
+                            break
                 result = add_result()
                 code = run_one(op, result, caller, stop_on_error, with_state)
                 if code:
@@ -254,6 +277,28 @@ def _answer_not_run(
             out.SetInParent()
         else:
             _fail(result, _CANCELLED, _NOT_RUN)
+
+
+def _session_error(
+    check: SessionCheck, session_id: str | None, tenant: str
+) -> tuple[int, str] | None:
+    """(code, message) when the step's session is no longer live, else None."""
+    try:
+        check(session_id or "", tenant)
+    except KVCacheError as err:
+        return code_number(status_code_of(err)), status_message_of(err)
+    return None
+
+
+def _answer_refused(
+    ops: Sequence[pb.StepOperation],
+    add_result: Callable[[], pb.StepResult],
+    code: int,
+    message: str,
+) -> None:
+    """Answer operations not run because the step's session ended: each its error."""
+    for _ in ops:
+        _fail(add_result(), code, message)
 
 
 def _fail(result: pb.StepResult, code: int, message: str) -> None:

@@ -9,6 +9,11 @@ other tasks, and keeps the table's turn while it does: calls that do not touch t
 table (health checks, reflection, lease renewals) go on, the table's other users wait
 until the Step is done, so it stays isolated. A call that finds the table free (no
 Step pausing: nearly always) runs at once, without awaiting.
+
+Work that must not wait for the turn, yet must not run in the middle of a Step (a
+session ended by its broken stream, or by a lease found run out: the end frees what
+the session owns), is ``defer``red: it runs at once when the table is free, else as the
+holder of the turn gives it back, before any call waiting for the turn.
 """
 
 from __future__ import annotations
@@ -19,7 +24,11 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import TypeVar
 
+import structlog
+
 T = TypeVar("T")
+
+log = structlog.get_logger("kvservice.turns")
 
 # Work a Step does between two pauses: a health check waits at most about this long
 # behind it (and behind each other Step in progress), far under any probe's timeout.
@@ -31,6 +40,8 @@ class TableTurn:
 
     def __init__(self) -> None:
         self._lock = asyncio.Lock()
+        # Work deferred while the turn was taken, run as it is given back.
+        self._deferred: list[Callable[[], object]] = []
 
     @property
     def taken(self) -> bool:
@@ -41,8 +52,18 @@ class TableTurn:
         Step in progress (``work`` must not await)."""
         if not self._lock.locked():
             return work()
-        async with self._lock:
+        async with self:
             return work()
+
+    def defer(self, work: Callable[[], object]) -> None:
+        """``work()`` in the table's turn without awaiting it: at once when the table
+        is free (its errors raised to the caller), else by the holder of the turn as it
+        gives it back, before any call waiting for the turn (its errors then logged:
+        they are no concern of that holder). ``work`` must not await."""
+        if not self._lock.locked():
+            work()
+            return
+        self._deferred.append(work)
 
     async def __aenter__(self) -> TableTurn:
         await self._lock.acquire()
@@ -54,7 +75,15 @@ class TableTurn:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._lock.release()
+        try:
+            while self._deferred:
+                work = self._deferred.pop(0)
+                try:
+                    work()
+                except Exception:  # a bug: log it, run the others, give the turn back
+                    log.exception("deferred table work failed")
+        finally:
+            self._lock.release()
 
 
 class Slices:
