@@ -17,12 +17,12 @@ from vllm.config import SchedulerConfig
 
 from kvservice.bench.server import free_port
 from kvservice.client import KVClient
-from kvservice.integrations.vllm import KVServiceScheduler
+from kvservice.integrations.vllm import KVServiceKVCacheManager, KVServiceScheduler
 from kvservice.integrations.vllm.server_link import (
     KVServiceManagerError,
     ServerConfigMismatchError,
 )
-from kvservice.integrations.vllm.testing import SchedulerSetup, build_scheduler
+from kvservice.integrations.vllm.testing import SchedulerSetup, build_scheduler, kv_cache_config
 from kvservice.server.config import ServerConfig
 from tests.deploy.support import BackgroundServer, background_server
 from tests.server.support import wait_for_blocks_back
@@ -311,3 +311,16 @@ def test_shutdown_ends_the_engines_session_at_once(monkeypatch: pytest.MonkeyPat
         assert report.ok and report.num_sessions == 0
         usage = client.get_usage()
         assert (usage.num_requests, usage.num_used_blocks) == (0, 0)
+
+
+def test_eagle_drafting_is_refused_remotely_at_startup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Named before any connection, rather than stopping the engine at its first hit."""
+    monkeypatch.setenv("KVSERVICE_TARGET", f"127.0.0.1:{free_port()}")
+    with pytest.raises(NotImplementedError, match=r"EAGLE drafting \(use_eagle\)"):
+        KVServiceKVCacheManager(
+            kv_cache_config=kv_cache_config(SETUP),
+            max_model_len=SETUP.max_model_len,
+            scheduler_block_size=SETUP.block_size,
+            hash_block_size=SETUP.block_size,
+            use_eagle=True,
+        )

@@ -138,6 +138,13 @@ class KVServiceKVCacheManager:
         )
         self._no_block_ids: BlockIds = tuple(() for _ in range(self.num_kv_cache_groups))
         settings = ConnectionSettings.from_env()
+        if settings.target is not None and args.use_eagle:
+            # The server's pool is not told of a drafter: its hits would keep the block
+            # an EAGLE drafter gives back, and the first one would stop the engine.
+            raise NotImplementedError(
+                "kvservice's remote manager does not serve EAGLE drafting (use_eagle) yet: "
+                "unset KVSERVICE_TARGET to run kvservice's manager in vLLM's process"
+            )
         # The server first: its pool, when smaller than vLLM's, is the replica's too.
         link = None if settings.target is None else self._connect(settings)
         num_blocks = config.num_blocks if link is None else link.pool_size(config.num_blocks)
