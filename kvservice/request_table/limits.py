@@ -1,12 +1,13 @@
 """How much one caller may send and hold: the sizes of a request's fields and, per
-tenant, the requests it holds and the tokens of those waiting.
+tenant, the requests it holds, the tokens of those waiting and the multimodal items
+(and their identifiers' bytes) they keep.
 
 Waiting requests hold no blocks, so neither the pool nor a tenant's ``max_blocks``
 bounds the memory they take; nor does anything bound a string field but the message
 size, nor the prompt embeddings a request keeps until it finishes. These limits do. A
 field too long, or a prompt with too many multimodal items, is refused
 INVALID_ARGUMENT (malformed whatever the state); a request past a tenant's count,
-waiting-token or prompt-embeddings limit RESOURCE_EXHAUSTED (``LimitExceededError``:
+waiting-token, prompt-embeddings or multimodal limit RESOURCE_EXHAUSTED (``LimitExceededError``:
 finish some first). Each message names the limit by its setting's name, and each refusal is
 reported to the table's refusal sink under that name (the server counts them in
 ``kvservice_refusals_total{reason}``). The per-tenant counts themselves are kept by
@@ -15,6 +16,7 @@ reported to the table's refusal sink under that name (the server counts them in
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
 from kvservice.core.block_hashing import MultiModalFeature
@@ -31,8 +33,13 @@ class RequestLimits:
     Lengths are in characters. The defaults leave room for anything vLLM sends (its
     request ids, salts and LoRA names are short; a multimodal identifier is a 64-digit
     hash or a client's uuid; vLLM allows 999 items per modality and prompt) and bound
-    a tenant's waiting requests to a few hundred MB (about 40 bytes per token), and
-    the prompt embeddings its requests hold to 256 MiB.
+    a tenant's waiting requests to a few hundred MB (about 40 bytes per token), the
+    prompt embeddings its requests hold to 256 MiB, and the multimodal items they
+    keep to a few hundred MB: a million items (vLLM's 999 per modality in a thousand
+    requests) and 64 MiB of identifiers (a million of vLLM's 64-digit hashes). An
+    item costs about 130 bytes beside its identifier, so a tenant's items take at
+    most about 200 MB with the shortest identifiers, and about 100 MB with 256-
+    character ones (262,144 items), where nothing bounded them before.
     """
 
     max_request_id_length: int = 512
@@ -47,6 +54,10 @@ class RequestLimits:
     # Prompt embeddings stay with their request until it finishes (the blocks past the
     # prompt's full ones are hashed from them later): 256 MiB per tenant.
     max_prompt_embeds_bytes_per_tenant: int = 268_435_456
+    # Multimodal items stay with their request until it finishes: per tenant, their
+    # number and their identifiers' UTF-8 bytes.
+    max_mm_items_per_tenant: int = 1_000_000
+    max_mm_identifier_bytes_per_tenant: int = 67_108_864
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -118,6 +129,15 @@ class LimitError(InvalidArgumentError):
     def __init__(self, limit: str, message: str) -> None:
         super().__init__(message)
         self.limit = limit
+
+
+def mm_identifier_bytes(mm_features: Iterable[MultiModalFeature]) -> int:
+    """The UTF-8 bytes of the items' identifiers (what the per-tenant limit counts)."""
+    total = 0
+    for feature in mm_features:
+        identifier = feature.identifier
+        total += len(identifier) if identifier.isascii() else len(identifier.encode("utf-8", "surrogatepass"))
+    return total
 
 
 def _quoted(value: str) -> str:
