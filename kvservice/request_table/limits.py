@@ -136,7 +136,10 @@ def mm_identifier_bytes(mm_features: Iterable[MultiModalFeature]) -> int:
     total = 0
     for feature in mm_features:
         identifier = feature.identifier
-        total += len(identifier) if identifier.isascii() else len(identifier.encode("utf-8", "surrogatepass"))
+        if identifier.isascii():
+            total += len(identifier)
+        else:
+            total += len(identifier.encode("utf-8", "surrogatepass"))
     return total
 
 

@@ -32,7 +32,7 @@ from kvservice.core.kv_cache_block import BlockHashWithGroupId
 from kvservice.core.kv_cache_manager import AllocationProbe, KVCacheBlocks, KVCacheManager
 from kvservice.core.request import Request, RequestStatus
 from kvservice.request_table.errors import AlreadyExistsError, LimitExceededError, StaleHitError
-from kvservice.request_table.limits import LimitError, RequestLimits
+from kvservice.request_table.limits import LimitError, RequestLimits, mm_identifier_bytes
 from kvservice.request_table.reporting import (
     AllocationResult,
     EventSink,
@@ -141,6 +141,8 @@ class RequestTable:
             self.limits.max_requests_per_tenant,
             self.limits.max_waiting_tokens_per_tenant,
             self.limits.max_prompt_embeds_bytes_per_tenant,
+            self.limits.max_mm_items_per_tenant,
+            self.limits.max_mm_identifier_bytes_per_tenant,
         )
         self._on_refusal = on_refusal
         self._runtime_sync = RuntimeSync(manager, runtime, self.tenants)
@@ -184,8 +186,12 @@ class RequestTable:
         _check_lora(new)
         _check_prompt_embeds(new)
         embeds_bytes = len(new.prompt_embeds) if new.prompt_embeds is not None else 0
+        mm_items = len(new.mm_features)
+        mm_bytes = mm_identifier_bytes(new.mm_features)
         with self._reporting_limits(tenant):
-            self.requests_per_tenant.check_add(tenant, rid, len(new.prompt_token_ids), embeds_bytes)
+            self.requests_per_tenant.check_add(
+                tenant, rid, len(new.prompt_token_ids), embeds_bytes, mm_items, mm_bytes
+            )
         request = Request(
             key,
             new.prompt_token_ids,
@@ -199,7 +205,7 @@ class RequestTable:
             prompt_embeds=new.prompt_embeds,
         )
         self._requests[key] = request
-        self.requests_per_tenant.added(tenant, request.num_tokens, embeds_bytes)
+        self.requests_per_tenant.added(tenant, request.num_tokens, embeds_bytes, mm_items, mm_bytes)
         if session_id is not None and self.ownership is not None:
             self.ownership.adopt(tenant, rid, session_id)
         return request
@@ -211,6 +217,7 @@ class RequestTable:
         with self._reporting_limits(tenant):
             self.limits.check_request_id(request_id)
             self.limits.check_mm_item_count(request_id, num_mm_items)
+            self.requests_per_tenant.check_mm_items(tenant, request_id, num_mm_items)
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int], tenant: str) -> Request:
         """Append sampled tokens (hashing the blocks they complete)."""
@@ -530,7 +537,11 @@ class RequestTable:
             del self._requests[key]
             embeds = request.prompt_embeds
             self.requests_per_tenant.finished(
-                tenant, waiting, len(embeds) if embeds is not None else 0
+                tenant,
+                waiting,
+                len(embeds) if embeds is not None else 0,
+                len(request.mm_features),
+                mm_identifier_bytes(request.mm_features),
             )
             if self.ownership is not None:
                 self.ownership.release(tenant, request_id)

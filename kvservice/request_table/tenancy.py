@@ -13,8 +13,9 @@ it on every call into the table. This is where limits per caller belong.
   the blocks a tenant holds change by exactly the change in the pool's free count
   around that tenant's own allocate or free, which is how the ledger counts them.
 * Requests are counted per tenant, and so are the tokens of its requests that are not
-  running (waiting or preempted): they hold no blocks, so only these counts bound the
-  memory they take (``RequestLedger``, against ``limits.RequestLimits``).
+  running (waiting or preempted), their prompt embeddings and their multimodal items:
+  none of these is held in blocks, so only these counts bound the memory they take
+  (``RequestLedger``, against ``limits.RequestLimits``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kvservice.core.invariants import InvariantViolationError
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.request import Request, RequestStatus
 from kvservice.request_table.errors import LimitExceededError
+from kvservice.request_table.limits import mm_identifier_bytes
 
 DEFAULT_TENANT = ""
 # Separates the tenant from the request id in a core key; tenant names may not hold it.
@@ -195,9 +197,11 @@ def describe_tenant(tenant: str) -> str:
 
 
 class RequestLedger:
-    """Requests each tenant holds, the tokens of those not running and the bytes of
-    prompt embeddings they keep, against ``max_requests``, ``max_waiting_tokens`` and
-    ``max_prompt_embeds_bytes`` per tenant.
+    """Requests each tenant holds, the tokens of those not running, the bytes of
+    prompt embeddings they keep and their multimodal items (count and identifier
+    bytes), against ``max_requests``, ``max_waiting_tokens``,
+    ``max_prompt_embeds_bytes``, ``max_mm_items`` and ``max_mm_identifier_bytes`` per
+    tenant.
 
     The table tells it every change: a request added (waiting) or finished, a request
     starting to run or preempted, tokens appended to one that is not running. A
@@ -205,14 +209,23 @@ class RequestLedger:
     it then adds nothing until it is back under."""
 
     def __init__(
-        self, max_requests: int, max_waiting_tokens: int, max_prompt_embeds_bytes: int = 0
+        self,
+        max_requests: int,
+        max_waiting_tokens: int,
+        max_prompt_embeds_bytes: int = 0,
+        max_mm_items: int = 0,
+        max_mm_identifier_bytes: int = 0,
     ) -> None:
         self.max_requests = max_requests
         self.max_waiting_tokens = max_waiting_tokens
         self.max_prompt_embeds_bytes = max_prompt_embeds_bytes
+        self.max_mm_items = max_mm_items
+        self.max_mm_identifier_bytes = max_mm_identifier_bytes
         self._requests: dict[str, int] = {}
         self._waiting_tokens: dict[str, int] = {}
         self._embeds_bytes: dict[str, int] = {}
+        self._mm_items: dict[str, int] = {}
+        self._mm_bytes: dict[str, int] = {}
 
     def requests(self, tenant: str) -> int:
         return self._requests.get(tenant, 0)
@@ -223,11 +236,24 @@ class RequestLedger:
     def prompt_embeds_bytes(self, tenant: str) -> int:
         return self._embeds_bytes.get(tenant, 0)
 
+    def mm_items(self, tenant: str) -> int:
+        return self._mm_items.get(tenant, 0)
+
+    def mm_identifier_bytes(self, tenant: str) -> int:
+        return self._mm_bytes.get(tenant, 0)
+
     def check_add(
-        self, tenant: str, request_id: str, num_tokens: int, embeds_bytes: int = 0
+        self,
+        tenant: str,
+        request_id: str,
+        num_tokens: int,
+        embeds_bytes: int = 0,
+        mm_items: int = 0,
+        mm_bytes: int = 0,
     ) -> None:
         """Raise ``LimitExceededError`` unless ``tenant`` may add a waiting request of
-        ``num_tokens`` tokens with ``embeds_bytes`` bytes of prompt embeddings."""
+        ``num_tokens`` tokens with ``embeds_bytes`` bytes of prompt embeddings and
+        ``mm_items`` multimodal items whose identifiers take ``mm_bytes`` bytes."""
         held = self.requests(tenant)
         if held >= self.max_requests:
             raise LimitExceededError(
@@ -246,6 +272,30 @@ class RequestLedger:
                 f"{self.max_prompt_embeds_bytes} (max_prompt_embeds_bytes_per_tenant); "
                 f"finish requests with prompt embeddings first",
             )
+        self.check_mm_items(tenant, request_id, mm_items)
+        held = self.mm_identifier_bytes(tenant)
+        if mm_bytes and held + mm_bytes > self.max_mm_identifier_bytes:
+            raise LimitExceededError(
+                "max_mm_identifier_bytes_per_tenant",
+                f"request {request_id!r}: {mm_bytes} bytes of multimodal identifiers "
+                f"would take {describe_tenant(tenant)} to {held + mm_bytes}, past its "
+                f"limit of {self.max_mm_identifier_bytes} "
+                f"(max_mm_identifier_bytes_per_tenant, --max-mm-identifier-bytes-per-tenant); "
+                f"finish multimodal requests first",
+            )
+
+    def check_mm_items(self, tenant: str, request_id: str, mm_items: int) -> None:
+        """Raise ``LimitExceededError`` unless ``tenant`` may hold ``mm_items`` more
+        multimodal items (checked on the count alone, before the items are read)."""
+        held = self.mm_items(tenant)
+        if mm_items and held + mm_items > self.max_mm_items:
+            raise LimitExceededError(
+                "max_mm_items_per_tenant",
+                f"request {request_id!r}: {mm_items} multimodal items would take "
+                f"{describe_tenant(tenant)} to {held + mm_items}, past its limit of "
+                f"{self.max_mm_items} (max_mm_items_per_tenant, --max-mm-items-per-tenant); "
+                f"finish multimodal requests first",
+            )
 
     def check_waiting(self, tenant: str, request_id: str, num_tokens: int) -> None:
         """Raise ``LimitExceededError`` unless ``tenant`` may have ``num_tokens`` more
@@ -260,16 +310,34 @@ class RequestLedger:
                 f"finish waiting requests first",
             )
 
-    def added(self, tenant: str, num_tokens: int, embeds_bytes: int = 0) -> None:
+    def added(
+        self,
+        tenant: str,
+        num_tokens: int,
+        embeds_bytes: int = 0,
+        mm_items: int = 0,
+        mm_bytes: int = 0,
+    ) -> None:
         """A waiting request of ``num_tokens`` tokens (and ``embeds_bytes`` bytes of
-        prompt embeddings) was added."""
+        prompt embeddings, ``mm_items`` multimodal items of ``mm_bytes`` identifier
+        bytes) was added."""
         self._requests[tenant] = self.requests(tenant) + 1
         self.waiting_changed(tenant, num_tokens)
         _add_count(self._embeds_bytes, tenant, embeds_bytes)
+        _add_count(self._mm_items, tenant, mm_items)
+        _add_count(self._mm_bytes, tenant, mm_bytes)
 
-    def finished(self, tenant: str, num_waiting_tokens: int, embeds_bytes: int = 0) -> None:
+    def finished(
+        self,
+        tenant: str,
+        num_waiting_tokens: int,
+        embeds_bytes: int = 0,
+        mm_items: int = 0,
+        mm_bytes: int = 0,
+    ) -> None:
         """A request was forgotten; ``num_waiting_tokens``: its tokens if it was not
-        running, else 0; ``embeds_bytes``: its prompt embeddings."""
+        running, else 0; ``embeds_bytes``: its prompt embeddings; ``mm_items`` and
+        ``mm_bytes``: its multimodal items and their identifiers' bytes."""
         left = self.requests(tenant) - 1
         if left:
             self._requests[tenant] = left
@@ -277,6 +345,8 @@ class RequestLedger:
             self._requests.pop(tenant, None)
         self.waiting_changed(tenant, -num_waiting_tokens)
         _add_count(self._embeds_bytes, tenant, -embeds_bytes)
+        _add_count(self._mm_items, tenant, -mm_items)
+        _add_count(self._mm_bytes, tenant, -mm_bytes)
 
     def waiting_changed(self, tenant: str, num_tokens: int) -> None:
         """``tenant``'s waiting tokens changed by ``num_tokens`` (negative: fewer)."""
@@ -293,6 +363,8 @@ class RequestLedger:
         ``requests`` (by core key)."""
         expected: dict[str, tuple[int, int]] = {}
         embeds: dict[str, int] = {}
+        items: dict[str, int] = {}
+        item_bytes: dict[str, int] = {}
         for key, request in requests.items():
             tenant = tenant_of(key)
             count, waiting = expected.get(tenant, (0, 0))
@@ -301,6 +373,8 @@ class RequestLedger:
             expected[tenant] = (count + 1, waiting)
             if request.prompt_embeds is not None:
                 _add_count(embeds, tenant, len(request.prompt_embeds))
+            _add_count(items, tenant, len(request.mm_features))
+            _add_count(item_bytes, tenant, mm_identifier_bytes(request.mm_features))
         if expected != self.per_tenant():
             raise InvariantViolationError(
                 f"requests and waiting tokens per tenant {expected} do not match the "
@@ -310,6 +384,11 @@ class RequestLedger:
             raise InvariantViolationError(
                 f"prompt embeddings bytes per tenant {embeds} do not match the request "
                 f"ledger {self._embeds_bytes}"
+            )
+        if items != self._mm_items or item_bytes != self._mm_bytes:
+            raise InvariantViolationError(
+                f"multimodal items (identifier bytes) per tenant {items} ({item_bytes}) do "
+                f"not match the request ledger {self._mm_items} ({self._mm_bytes})"
             )
 
 

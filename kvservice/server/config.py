@@ -110,6 +110,13 @@ class ServerConfig:
     session_ttl_max_s: float = 3600.0
     session_ttl_default_s: float = 30.0
     require_sessions: bool = False
+    # How many sessions may be open, per tenant and in all, and how many StepStreams
+    # may be open at once, per tenant and in all (``sessions``; RESOURCE_EXHAUSTED
+    # past them). A session costs about 600 bytes, a stream about 30 KB.
+    max_sessions_per_tenant: int = 1024
+    max_sessions: int = 65_536
+    max_step_streams_per_tenant: int = 256
+    max_step_streams: int = 4096
     # Seconds between the pool's periodic self-checks (``audit``); 0 disables them.
     audit_interval_s: float = 60.0
     # Operation ids remembered for idempotent retries (``idempotency``).
@@ -124,7 +131,8 @@ class ServerConfig:
     # Serve a non-loopback address without TLS plus client authentication.
     allow_insecure_bind: bool = False
     # What one caller may send and hold (``RequestLimits``): field lengths, multimodal
-    # items per prompt, and per tenant the requests held and their waiting tokens.
+    # items per prompt, and per tenant the requests held, their waiting tokens, prompt
+    # embeddings and multimodal items.
     max_request_id_length: int = _LIMITS.max_request_id_length
     max_cache_salt_length: int = _LIMITS.max_cache_salt_length
     max_lora_name_length: int = _LIMITS.max_lora_name_length
@@ -134,6 +142,8 @@ class ServerConfig:
     max_requests_per_tenant: int = _LIMITS.max_requests_per_tenant
     max_waiting_tokens_per_tenant: int = _LIMITS.max_waiting_tokens_per_tenant
     max_prompt_embeds_bytes_per_tenant: int = _LIMITS.max_prompt_embeds_bytes_per_tenant
+    max_mm_items_per_tenant: int = _LIMITS.max_mm_items_per_tenant
+    max_mm_identifier_bytes_per_tenant: int = _LIMITS.max_mm_identifier_bytes_per_tenant
 
     @property
     def request_limits(self) -> RequestLimits:
@@ -148,6 +158,8 @@ class ServerConfig:
             max_requests_per_tenant=self.max_requests_per_tenant,
             max_waiting_tokens_per_tenant=self.max_waiting_tokens_per_tenant,
             max_prompt_embeds_bytes_per_tenant=self.max_prompt_embeds_bytes_per_tenant,
+            max_mm_items_per_tenant=self.max_mm_items_per_tenant,
+            max_mm_identifier_bytes_per_tenant=self.max_mm_identifier_bytes_per_tenant,
         )
 
     @property

@@ -264,7 +264,10 @@ class KVCacheMetrics:
             "request limit (max_requests_per_tenant, max_waiting_tokens_per_tenant, "
             "max_prompt_embeds_bytes_per_tenant, max_request_id_length, "
             "max_cache_salt_length, max_lora_name_length, max_lora_path_length, "
-            "max_mm_identifier_length, max_mm_items_per_prompt).",
+            "max_mm_identifier_length, max_mm_items_per_prompt, max_mm_items_per_tenant, "
+            "max_mm_identifier_bytes_per_tenant), or of the session and stream limit "
+            "(max_sessions_per_tenant, max_sessions, max_step_streams_per_tenant, "
+            "max_step_streams).",
             (*_LABELS, "tenant", "reason"),
             registry=self.registry,
         )

@@ -26,6 +26,17 @@ either, so its lease runs out and its requests are freed like any other.
 Epochs are kept per tenant: with authentication, one tenant's scheduler must not be
 able to fence another's. Without it there is one tenant, hence one epoch per pool.
 
+Bounds: the sessions open and the StepStreams open at once are limited per tenant and
+in all (``SessionPolicy``; ``--max-sessions-per-tenant``, ``--max-sessions``,
+``--max-step-streams-per-tenant``, ``--max-step-streams``). A call past one is refused
+RESOURCE_EXHAUSTED naming the limit and its flag, changes nothing (no lease renewed,
+no epoch raised) and is counted in ``kvservice_refusals_total``. The reaper's cost
+does not grow with the idle sessions: leases wait in a heap of expiry times, each
+live session without an open stream in it once, and a tick looks only at the
+entries that are due. A renewal does not touch the heap; an entry found due for a
+renewed session is pushed back with its new expiry (lazy deletion), one for a
+session ended or streaming is dropped.
+
 ``SessionLayer`` resolves the metadata at the RPC boundary and fills
 ``session_id`` and ``epoch`` of the call's ``Caller``; no servicer method reads the
 metadata itself. Like the request table, nothing here is thread safe: it all runs on
@@ -37,6 +48,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import heapq
+import itertools
 import math
 import secrets
 import time
@@ -54,7 +67,9 @@ from kvservice.core.errors import (
     RequestNotFoundError,
 )
 from kvservice.protocol import MUTATING_METHODS, SESSION_KEY
+from kvservice.request_table.errors import LimitExceededError
 from kvservice.request_table.table import RequestTable
+from kvservice.request_table.tenancy import describe_tenant
 from kvservice.request_table.types import FreeMode
 from kvservice.server.caller import CURRENT_CALLER, current_caller
 from kvservice.server.config import ServerConfig
@@ -71,6 +86,14 @@ MAX_CLIENT_NAME_LENGTH = 256
 # How long a stream that ended waits for a cancellation before counting as closed
 # cleanly (a cancellation missed by this only delays the reclaim to the lease's end).
 STREAM_CLOSE_GRACE_S = 0.1
+
+
+_COUNT_LIMITS = (
+    "max_sessions_per_tenant",
+    "max_sessions",
+    "max_step_streams_per_tenant",
+    "max_step_streams",
+)
 
 
 class SessionNotFoundError(KVCacheError):
@@ -99,12 +122,17 @@ class SessionRequiredError(KVCacheError):
 
 @dataclass(frozen=True, slots=True)
 class SessionPolicy:
-    """The lease bounds and whether sessions are mandatory."""
+    """The lease bounds, whether sessions are mandatory, and how many sessions and
+    StepStreams may be open, per tenant and in all (``ServerConfig``'s defaults)."""
 
     ttl_min_s: float = 1.0
     ttl_max_s: float = 3600.0
     ttl_default_s: float = 30.0
     require_sessions: bool = False
+    max_sessions_per_tenant: int = 1024
+    max_sessions: int = 65_536
+    max_step_streams_per_tenant: int = 256
+    max_step_streams: int = 4096
 
     def __post_init__(self) -> None:
         if not 0 < self.ttl_min_s <= self.ttl_default_s <= self.ttl_max_s < math.inf:
@@ -113,6 +141,10 @@ class SessionPolicy:
                 f"session_ttl_default ({self.ttl_default_s}) <= session_ttl_max "
                 f"({self.ttl_max_s}) < inf"
             )
+        for name in _COUNT_LIMITS:
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
 
     @classmethod
     def of(cls, config: ServerConfig) -> SessionPolicy:
@@ -121,6 +153,10 @@ class SessionPolicy:
             config.session_ttl_max_s,
             config.session_ttl_default_s,
             config.require_sessions,
+            config.max_sessions_per_tenant,
+            config.max_sessions,
+            config.max_step_streams_per_tenant,
+            config.max_step_streams,
         )
 
     def ttl(self, requested: float) -> float:
@@ -152,6 +188,8 @@ class Session:
     # Why it ended, from the moment its end is decided; its requests are freed in the
     # table's turn, at once or as the Step holding it gives it back. None while live.
     ended: str | None = None
+    # Whether the registry's expiry heap holds an entry for it (at most one).
+    queued: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +228,17 @@ class SessionRegistry:
         self._epochs: dict[str, int] = {}
         # Ended sessions: id -> (tenant, why it ended).
         self._ended: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        # Sessions in ``_sessions`` per tenant (``max_sessions_per_tenant``).
+        self._sessions_per_tenant: dict[str, int] = {}
+        # Leases by expiry (see the module docstring): (expiry when pushed, tie
+        # breaker, session). An entry may be older than its session's lease.
+        self._expiries: list[tuple[float, int, Session]] = []
+        self._tie = itertools.count()
+        # Heap entries the reaper has looked at, in all (what a tick costs).
+        self.num_inspected = 0
+        # StepStreams open, per tenant and in all (``max_step_streams*``).
+        self._streams_per_tenant: dict[str, int] = {}
+        self._num_streams = 0
         table.ownership = self
 
     # -- the RPCs ------------------------------------------------------------------------
@@ -197,7 +246,9 @@ class SessionRegistry:
     def open(self, tenant: str, ttl_seconds: float, client_name: str, epoch: int) -> Lease:
         """A new session of ``tenant``; its epoch becomes current if it is the highest.
         INVALID_ARGUMENT for a bad TTL, name or epoch; FAILED_PRECONDITION (nothing
-        opened) for an epoch older than the current one."""
+        opened) for an epoch older than the current one; RESOURCE_EXHAUSTED (nothing
+        opened, the epoch unchanged) past ``max_sessions_per_tenant`` or
+        ``max_sessions``."""
         ttl = self.policy.ttl(ttl_seconds)
         if len(client_name) > MAX_CLIENT_NAME_LENGTH:
             raise InvalidArgumentError(
@@ -212,11 +263,14 @@ class SessionRegistry:
                 f"epoch {epoch} is older than the pool's current epoch {current}: a newer "
                 f"scheduler has taken over; open the session with epoch >= {current}"
             )
+        self._check_session_limits(tenant)
         self._epochs[tenant] = epoch
         session = Session(
             secrets.token_urlsafe(16), tenant, client_name, epoch, ttl, self._clock() + ttl
         )
         self._sessions[session.session_id] = session
+        self._sessions_per_tenant[tenant] = self._sessions_per_tenant.get(tenant, 0) + 1
+        self._queue(session)
         self._record_active()
         log.info(
             "session opened",
@@ -292,25 +346,91 @@ class SessionRegistry:
             self._expire(session, "stream_broken")
         else:
             session.expires_at = self._clock() + session.ttl_s
+            self._queue(session)
 
     def reap(self) -> int:
-        """End every session whose lease has run out; returns how many."""
+        """End every session whose lease has run out; returns how many. Looks only at
+        the heap entries that are due: an idle session costs nothing until its lease
+        may have run out."""
         now = self._clock()
-        due = [
-            s
-            for s in self._sessions.values()
-            if not s.open_streams and s.expires_at <= now and s.ended is None
-        ]
-        for session in due:
+        expiries = self._expiries
+        ended = 0
+        while expiries and expiries[0][0] <= now:
+            session = heapq.heappop(expiries)[2]
+            self.num_inspected += 1
+            session.queued = False
+            if (
+                session.ended is not None
+                or session.open_streams
+                or self._sessions.get(session.session_id) is not session
+            ):
+                continue  # ended, or held by a stream (its close queues it again)
+            if session.expires_at > now:
+                self._queue(session)  # renewed since it was queued
+                continue
             self._expire(session, "ttl")
-        return len(due)
+            ended += 1
+        return ended
 
     def next_expiry_in(self) -> float | None:
-        """Seconds until the earliest lease runs out (None with no session that can)."""
-        expiries = [
-            s.expires_at for s in self._sessions.values() if not s.open_streams and not s.ended
-        ]
-        return max(0.0, min(expiries) - self._clock()) if expiries else None
+        """Seconds until the earliest heap entry is due (None with none): no later
+        than the earliest lease runs out, maybe earlier (an entry older than its
+        lease, or a session's that has ended or streams)."""
+        if not self._expiries:
+            return None
+        return max(0.0, self._expiries[0][0] - self._clock())
+
+    @property
+    def num_queued(self) -> int:
+        """Entries in the expiry heap (one per live session without a stream, and
+        ones not yet found stale)."""
+        return len(self._expiries)
+
+    def stream_started(self, tenant: str) -> None:
+        """Count a StepStream of ``tenant`` opening; RESOURCE_EXHAUSTED (nothing
+        counted) past ``max_step_streams_per_tenant`` or ``max_step_streams``.
+        ``stream_finished`` must follow once it ends."""
+        policy = self.policy
+        held = self._streams_per_tenant.get(tenant, 0)
+        if held >= policy.max_step_streams_per_tenant:
+            self._refuse(
+                tenant,
+                "max_step_streams_per_tenant",
+                f"{describe_tenant(tenant)} already has {held} StepStreams open, as many "
+                f"as it may (max_step_streams_per_tenant = "
+                f"{policy.max_step_streams_per_tenant}, --max-step-streams-per-tenant); "
+                f"close one before opening another",
+            )
+        if self._num_streams >= policy.max_step_streams:
+            self._refuse(
+                tenant,
+                "max_step_streams",
+                f"the server already has {self._num_streams} StepStreams open, as many as "
+                f"it allows (max_step_streams = {policy.max_step_streams}, "
+                f"--max-step-streams); retry later",
+            )
+        self._streams_per_tenant[tenant] = held + 1
+        self._num_streams += 1
+
+    def stream_finished(self, tenant: str) -> None:
+        """A StepStream counted by ``stream_started`` ended."""
+        self._num_streams -= 1
+        left = self._streams_per_tenant.get(tenant, 0) - 1
+        if left > 0:
+            self._streams_per_tenant[tenant] = left
+        else:
+            self._streams_per_tenant.pop(tenant, None)
+
+    def num_streams(self, tenant: str | None = None) -> int:
+        """StepStreams open: of ``tenant``, or in all."""
+        if tenant is None:
+            return self._num_streams
+        return self._streams_per_tenant.get(tenant, 0)
+
+    def num_sessions_of(self, tenant: str) -> int:
+        """Sessions of ``tenant`` open (ended ones whose requests are still being
+        freed included)."""
+        return self._sessions_per_tenant.get(tenant, 0)
 
     # -- RequestOwnership ----------------------------------------------------------------
 
@@ -455,6 +575,11 @@ class SessionRegistry:
         session.ended = why
         freed = self._free_owned(session)
         del self._sessions[session.session_id]
+        left = self._sessions_per_tenant.get(session.tenant, 0) - 1
+        if left > 0:
+            self._sessions_per_tenant[session.tenant] = left
+        else:
+            self._sessions_per_tenant.pop(session.tenant, None)
         self._remember_ended(session, why)
         self._record_active()
         return freed
@@ -473,6 +598,38 @@ class SessionRegistry:
                 freed += 1
         session.requests.clear()
         return freed
+
+    def _queue(self, session: Session) -> None:
+        """Put the session's lease in the expiry heap unless it is there already."""
+        if not session.queued:
+            session.queued = True
+            heapq.heappush(self._expiries, (session.expires_at, next(self._tie), session))
+
+    def _check_session_limits(self, tenant: str) -> None:
+        policy = self.policy
+        held = self._sessions_per_tenant.get(tenant, 0)
+        if held >= policy.max_sessions_per_tenant:
+            self._refuse(
+                tenant,
+                "max_sessions_per_tenant",
+                f"{describe_tenant(tenant)} already has {held} sessions open, as many as "
+                f"it may (max_sessions_per_tenant = {policy.max_sessions_per_tenant}, "
+                f"--max-sessions-per-tenant); close some (CloseSession) before opening more",
+            )
+        if len(self._sessions) >= policy.max_sessions:
+            self._refuse(
+                tenant,
+                "max_sessions",
+                f"the server already has {len(self._sessions)} sessions open, as many as it "
+                f"allows (max_sessions = {policy.max_sessions}, --max-sessions); retry "
+                f"later",
+            )
+
+    def _refuse(self, tenant: str, limit: str, message: str) -> None:
+        """Count the refusal under ``limit`` and raise it (RESOURCE_EXHAUSTED)."""
+        if self._metrics is not None:
+            self._metrics.record_refusal(tenant, limit)
+        raise LimitExceededError(limit, message)
 
     def _lease(self, session: Session) -> Lease:
         return Lease(session, time.time() + (session.expires_at - self._clock()))
@@ -590,25 +747,31 @@ class SessionLayer:
         registry = self._registry
 
         async def stream(requests: Any, context: Any) -> AsyncIterator[Any]:
-            session = self._enter(context, method)
-            if session is None:
-                async for response in behavior(requests, context):
-                    yield response
-                return
-            registry.stream_opened(session)
-            broken = False
+            # Counted first: a stream refused here renews no lease.
+            tenant = current_caller().tenant
+            registry.stream_started(tenant)
             try:
-                async for response in behavior(_Renewing(requests, registry, session), context):
-                    yield response
-                # A client that cancels or vanishes ends the request iterator just as a
-                # half-close does; its cancellation reaches this task a moment later.
-                # Wait that moment before calling the stream finished.
-                await asyncio.sleep(STREAM_CLOSE_GRACE_S)
-            except (asyncio.CancelledError, GeneratorExit):
-                broken = True
-                raise
+                session = self._enter(context, method)
+                if session is None:
+                    async for response in behavior(requests, context):
+                        yield response
+                    return
+                registry.stream_opened(session)
+                broken = False
+                try:
+                    async for response in behavior(_Renewing(requests, registry, session), context):
+                        yield response
+                    # A client that cancels or vanishes ends the request iterator just as
+                    # a half-close does; its cancellation reaches this task a moment
+                    # later. Wait that moment before calling the stream finished.
+                    await asyncio.sleep(STREAM_CLOSE_GRACE_S)
+                except (asyncio.CancelledError, GeneratorExit):
+                    broken = True
+                    raise
+                finally:
+                    registry.stream_closed(session, broken)
             finally:
-                registry.stream_closed(session, broken)
+                registry.stream_finished(tenant)
 
         return stream
 

@@ -257,6 +257,34 @@ OPTIONS: tuple[Option, ...] = (
         "require_sessions",
     ),
     Option(
+        "max_sessions_per_tenant",
+        int,
+        "most sessions one tenant may have open; OpenSession past it is refused "
+        "RESOURCE_EXHAUSTED (without a tokens file every caller is one tenant)",
+        "max_sessions_per_tenant",
+    ),
+    Option(
+        "max_sessions",
+        int,
+        "most sessions open on the server, all tenants together; OpenSession past it is "
+        "refused RESOURCE_EXHAUSTED",
+        "max_sessions",
+    ),
+    Option(
+        "max_step_streams_per_tenant",
+        int,
+        "most StepStreams one tenant may have open at once; a stream past it is refused "
+        "RESOURCE_EXHAUSTED",
+        "max_step_streams_per_tenant",
+    ),
+    Option(
+        "max_step_streams",
+        int,
+        "most StepStreams open at once on the server, all tenants together; a stream past "
+        "it is refused RESOURCE_EXHAUSTED",
+        "max_step_streams",
+    ),
+    Option(
         "audit_interval",
         float,
         "seconds between the pool's invariant self-checks (0 disables them)",
@@ -347,6 +375,20 @@ OPTIONS: tuple[Option, ...] = (
         "most bytes of prompt embeddings one tenant's requests may hold (a request keeps "
         "them until it finishes); RESOURCE_EXHAUSTED past it",
         "max_prompt_embeds_bytes_per_tenant",
+    ),
+    Option(
+        "max_mm_items_per_tenant",
+        int,
+        "most multimodal items one tenant's requests may hold, all prompts together (a "
+        "request keeps them until it finishes); RESOURCE_EXHAUSTED past it",
+        "max_mm_items_per_tenant",
+    ),
+    Option(
+        "max_mm_identifier_bytes_per_tenant",
+        int,
+        "most bytes (UTF-8) of multimodal item identifiers one tenant's requests may hold, "
+        "all prompts together; RESOURCE_EXHAUSTED past it",
+        "max_mm_identifier_bytes_per_tenant",
     ),
     Option("log_level", str, "log level", choices=LOG_LEVELS),
     Option(

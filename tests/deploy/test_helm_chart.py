@@ -20,6 +20,7 @@ import yaml
 
 from kvservice.cli import build_parser
 from kvservice.request_table.limits import RequestLimits
+from kvservice.server.config import ServerConfig
 from tests.deploy.support import ALERTS, CHART, DASHBOARD
 
 KUBE_VERSION = "1.30.0"
@@ -227,6 +228,16 @@ def test_container_args_are_kvservice_serve_flags() -> None:
         **{
             "--" + field.name.replace("_", "-"): str(getattr(RequestLimits(), field.name))
             for field in dataclasses.fields(RequestLimits)
+        },
+        # And so are its session and stream limits.
+        **{
+            "--" + name.replace("_", "-"): str(getattr(ServerConfig(), name))
+            for name in (
+                "max_sessions_per_tenant",
+                "max_sessions",
+                "max_step_streams_per_tenant",
+                "max_step_streams",
+            )
         },
     }
     # The CLI accepts what the chart passes (the $(VAR)s expanded as the kubelet does).
