@@ -4,9 +4,11 @@ signal."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +49,10 @@ async def health_status(port: int) -> int:
         return status
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-async def test_serve_until_signalled(sig: signal.Signals) -> None:
-    """The server binds a free port, answers health checks, and on SIGTERM or SIGINT
-    shuts down cleanly with exit code 0."""
+@contextlib.asynccontextmanager
+async def serving(*flags: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, Any]]:
+    """``kvservice serve`` on a free port with ``flags``, once it answers health checks
+    as SERVING: the process and its startup line. Killed on exit if still running."""
     process = await asyncio.create_subprocess_exec(
         *kvservice_command(),
         "serve",
@@ -58,22 +60,32 @@ async def test_serve_until_signalled(sig: signal.Signals) -> None:
         "--no-metrics",
         "--num-blocks=64",
         "--max-model-len=256",
+        *flags,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
     assert process.stdout is not None
     try:
-        serving = await asyncio.wait_for(read_event(process.stdout, "serving"), TIMEOUT_S)
-        assert serving["metrics_url"] is None
-        assert await health_status(serving["port"]) == health_pb2.HealthCheckResponse.SERVING
-        process.send_signal(sig)
-        await asyncio.wait_for(read_event(process.stdout, "stopped"), TIMEOUT_S)
-        _, stderr = await asyncio.wait_for(process.communicate(), TIMEOUT_S)
-        assert process.returncode == 0, stderr.decode()
+        startup = await asyncio.wait_for(read_event(process.stdout, "serving"), TIMEOUT_S)
+        assert await health_status(startup["port"]) == health_pb2.HealthCheckResponse.SERVING
+        yield process, startup
     finally:
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+async def test_serve_until_signalled(sig: signal.Signals) -> None:
+    """The server binds a free port, answers health checks, and on SIGTERM or SIGINT
+    shuts down cleanly with exit code 0."""
+    async with serving() as (process, startup):
+        assert startup["metrics_url"] is None
+        assert process.stdout is not None
+        process.send_signal(sig)
+        await asyncio.wait_for(read_event(process.stdout, "stopped"), TIMEOUT_S)
+        _, stderr = await asyncio.wait_for(process.communicate(), TIMEOUT_S)
+        assert process.returncode == 0, stderr.decode()
 
 
 async def test_bad_pool_exits_with_a_message() -> None:
@@ -95,26 +107,8 @@ async def test_bad_pool_exits_with_a_message() -> None:
 async def test_the_startup_line_is_written_at_any_log_level() -> None:
     """With --port 0 the startup line is the only way to learn the port: a quieter log
     level keeps it (and drops the info lines around it)."""
-    process = await asyncio.create_subprocess_exec(
-        *kvservice_command(),
-        "serve",
-        "--port=0",
-        "--no-metrics",
-        "--log-level=error",
-        "--num-blocks=64",
-        "--max-model-len=256",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    assert process.stdout is not None
-    try:
-        serving = await asyncio.wait_for(read_event(process.stdout, "serving"), TIMEOUT_S)
-        assert await health_status(serving["port"]) == health_pb2.HealthCheckResponse.SERVING
+    async with serving("--log-level=error") as (process, _):
         process.send_signal(signal.SIGTERM)
         out, _ = await asyncio.wait_for(process.communicate(), TIMEOUT_S)
         assert process.returncode == 0
         assert b'"stopped"' not in out  # an info line: below the level
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
