@@ -54,7 +54,7 @@ for _key, _value in {
 }.items():
     os.environ.setdefault(_key, _value)
 
-from kvservice.bench.measure import process_cpu_seconds, rotated  # noqa: E402
+from kvservice.bench.measure import process_cpu_seconds, ratio_columns, rotated  # noqa: E402
 from kvservice.bench.server import child_server  # noqa: E402
 from kvservice.integrations.vllm.engine_driver import (  # noqa: E402
     SCHEDULER_CLS,
@@ -329,8 +329,7 @@ def _report(
         ratios = [m.tokens_per_s / s.tokens_per_s for m, s in zip(mine, stock, strict=True)]
         print(
             f"{mode.name:<26}{statistics.median(m.tokens_per_s for m in mine):>9.0f}"
-            f"{statistics.median(ratios):>7.2f}x"
-            f"{f'{min(ratios):.2f}-{max(ratios):.2f}x':>13}"
+            f"{ratio_columns(ratios)}"
             f"{statistics.median(m.step_ms for m in mine):>9.2f}"
             f"{statistics.median(1000 * m.scheduler_s / m.steps for m in mine):>15.2f}"
             f"{statistics.median(100 * m.scheduler_share for m in mine):>12.0f}%"

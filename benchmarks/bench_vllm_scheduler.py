@@ -60,7 +60,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-from kvservice.bench.measure import process_cpu_seconds  # noqa: E402
+from kvservice.bench.measure import process_cpu_seconds, ratio_columns  # noqa: E402
 from kvservice.bench.server import child_server  # noqa: E402
 from kvservice.integrations.vllm import KVServiceScheduler  # noqa: E402
 from kvservice.integrations.vllm.testing import (  # noqa: E402
@@ -110,20 +110,6 @@ def _requests(seed: int, count: int, max_tokens: tuple[int, int], first: int) ->
             )
         )
     return made
-
-
-def _output(scheduler: Any, scheduled: Any) -> Any:
-    req_ids = list(scheduled.num_scheduled_tokens)
-    sampled = []
-    for req_id in req_ids:
-        request = scheduler.requests[req_id]
-        done = request.num_computed_tokens >= request.num_tokens
-        sampled.append([_token(req_id, request.num_tokens)] if done else [])
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-        sampled_token_ids=sampled,
-    )
 
 
 @dataclass
@@ -202,11 +188,11 @@ WORKLOADS: dict[str, Callable[[Any, int, int, float, int | None], Timing]] = {
 }
 
 
-def _async_output(scheduler: Any, scheduled: Any) -> Any:
-    """The fake model's output for a step planned by an ``AsyncScheduler``, fixed when
-    the step is planned (as the real model's inputs are): ``schedule()`` has already
-    counted the step's tokens as computed, so a request whose step is not a partial
-    prefill chunk samples at position ``num_computed_tokens``."""
+def _output(scheduler: Any, scheduled: Any) -> Any:
+    """The fake model's output for a step, fixed when the step is planned (as the real
+    model's inputs are, also with a step in flight): ``schedule()`` has already counted
+    the step's tokens as computed, so a request whose step is not a partial prefill
+    chunk samples at position ``num_computed_tokens``."""
     req_ids = list(scheduled.num_scheduled_tokens)
     sampled = []
     for req_id in req_ids:
@@ -297,7 +283,7 @@ class EngineLoop:
 
     def _plan(self, scheduled: Any) -> Any:
         self.digest.update(repr(_scheduled_decisions(scheduled)).encode())
-        return _async_output(self.scheduler, scheduled)
+        return _output(self.scheduler, scheduled)
 
     def iteration(self) -> bool:
         """One call of ``step_with_batch_queue``; True when it applied a step's output."""
@@ -486,8 +472,7 @@ def _report(
         cpu_ratios = [b.cpu_seconds / t.cpu_seconds for t, b in zip(timings, base, strict=True)]
         print(
             f"{mode.name:<22}{statistics.median(t.steps / t.seconds for t in timings):>9.1f}"
-            f"{statistics.median(ratios):>7.2f}x"
-            f"{f'{min(ratios):.2f}-{max(ratios):.2f}x':>13}"
+            f"{ratio_columns(ratios)}"
             f"{statistics.median(1000 * t.cpu_seconds / t.steps for t in timings):>13.2f}"
             f"{statistics.median(cpu_ratios):>10.2f}x"
             f"{statistics.median(t.round_trips / t.steps for t in timings):>12.2f}"
@@ -528,8 +513,7 @@ def _report_async(
         ]
         print(
             f"{mode.name:<26}{statistics.median(t.steps / t.seconds for t in timings):>9.1f}"
-            f"{statistics.median(ratios):>7.2f}x"
-            f"{f'{min(ratios):.2f}-{max(ratios):.2f}x':>13}"
+            f"{ratio_columns(ratios)}"
             f"{statistics.median(1000 * t.scheduler_seconds / t.steps for t in timings):>15.2f}"
             f"{statistics.median(1000 * t.cpu_seconds / t.steps for t in timings):>13.2f}"
             f"{statistics.median(cpu_ratios):>10.2f}x"

@@ -89,3 +89,10 @@ def rotated(items: Sequence[T], round_index: int) -> list[T]:
 def median_ratio(values: Sequence[float], baselines: Sequence[float]) -> float:
     """The median over rounds of ``value / baseline`` within each round."""
     return statistics.median(v / b for v, b in zip(values, baselines, strict=True))
+
+
+def ratio_columns(ratios: Sequence[float]) -> str:
+    """The median of per-round ratios and their spread (lowest-highest), as two columns
+    of the benchmarks' tables (8 and 13 characters wide)."""
+    spread = f"{min(ratios):.2f}-{max(ratios):.2f}x"
+    return f"{statistics.median(ratios):>7.2f}x{spread:>13}"

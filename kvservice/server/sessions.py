@@ -390,25 +390,15 @@ class SessionRegistry:
         """Count a StepStream of ``tenant`` opening; RESOURCE_EXHAUSTED (nothing
         counted) past ``max_step_streams_per_tenant`` or ``max_step_streams``.
         ``stream_finished`` must follow once it ends."""
-        policy = self.policy
         held = self._streams_per_tenant.get(tenant, 0)
-        if held >= policy.max_step_streams_per_tenant:
-            self._refuse(
-                tenant,
-                "max_step_streams_per_tenant",
-                f"{describe_tenant(tenant)} already has {held} StepStreams open, as many "
-                f"as it may (max_step_streams_per_tenant = "
-                f"{policy.max_step_streams_per_tenant}, --max-step-streams-per-tenant); "
-                f"close one before opening another",
-            )
-        if self._num_streams >= policy.max_step_streams:
-            self._refuse(
-                tenant,
-                "max_step_streams",
-                f"the server already has {self._num_streams} StepStreams open, as many as "
-                f"it allows (max_step_streams = {policy.max_step_streams}, "
-                f"--max-step-streams); retry later",
-            )
+        self._check_open(
+            tenant,
+            "StepStreams",
+            "max_step_streams",
+            held,
+            self._num_streams,
+            "close one before opening another",
+        )
         self._streams_per_tenant[tenant] = held + 1
         self._num_streams += 1
 
@@ -606,24 +596,34 @@ class SessionRegistry:
             heapq.heappush(self._expiries, (session.expires_at, next(self._tie), session))
 
     def _check_session_limits(self, tenant: str) -> None:
-        policy = self.policy
-        held = self._sessions_per_tenant.get(tenant, 0)
-        if held >= policy.max_sessions_per_tenant:
-            self._refuse(
-                tenant,
-                "max_sessions_per_tenant",
-                f"{describe_tenant(tenant)} already has {held} sessions open, as many as "
-                f"it may (max_sessions_per_tenant = {policy.max_sessions_per_tenant}, "
-                f"--max-sessions-per-tenant); close some (CloseSession) before opening more",
-            )
-        if len(self._sessions) >= policy.max_sessions:
-            self._refuse(
-                tenant,
-                "max_sessions",
-                f"the server already has {len(self._sessions)} sessions open, as many as it "
-                f"allows (max_sessions = {policy.max_sessions}, --max-sessions); retry "
-                f"later",
-            )
+        self._check_open(
+            tenant,
+            "sessions",
+            "max_sessions",
+            self._sessions_per_tenant.get(tenant, 0),
+            len(self._sessions),
+            "close some (CloseSession) before opening more",
+        )
+
+    def _check_open(
+        self, tenant: str, what: str, limit: str, held: int, total: int, hint: str
+    ) -> None:
+        """Refuse (RESOURCE_EXHAUSTED, counted) one more of ``what`` when ``tenant``
+        holds ``held`` of them, as many as ``<limit>_per_tenant`` allows, or the server
+        ``total``, as many as ``limit`` allows; ``hint`` says what the tenant can do."""
+        bounds = (
+            (f"{limit}_per_tenant", held, describe_tenant(tenant), "may", hint),
+            (limit, total, "the server", "allows", "retry later"),
+        )
+        for name, count, owner, verb, advice in bounds:
+            bound = getattr(self.policy, name)
+            if count >= bound:
+                self._refuse(
+                    tenant,
+                    name,
+                    f"{owner} already has {count} {what} open, as many as it {verb} "
+                    f"({name} = {bound}, --{name.replace('_', '-')}); {advice}",
+                )
 
     def _refuse(self, tenant: str, limit: str, message: str) -> None:
         """Count the refusal under ``limit`` and raise it (RESOURCE_EXHAUSTED)."""

@@ -23,6 +23,7 @@ from kvservice.integrations.vllm.engine_driver import (
 )
 from kvservice.integrations.vllm.server_link import ServerConfigMismatchError
 from kvservice.integrations.vllm.tiny_model import build_tiny_llama
+from tests.engine.test_generation import server_args
 
 WINDOW = 64
 # vLLM needs the window plus the step's 256 tokens in flight: 11 blocks of 32 tokens.
@@ -54,9 +55,7 @@ def test_remote_refuses_a_pool_of_another_layout(
 ) -> None:
     # The closest pool the server lays out: full attention beside the same window.
     args = [
-        f"--block-size={CACHING.block_size}",
-        f"--num-blocks={CACHING.num_blocks}",
-        f"--max-model-len={CACHING.max_model_len}",
+        *server_args(CACHING),
         f"--sliding-window={WINDOW}",
         f"--max-in-flight-tokens={CACHING.max_num_batched_tokens}",
     ]

@@ -18,33 +18,15 @@ import random
 from collections import deque
 from typing import Any
 
-from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds
 
-from tests.vllm.scheduler_harness import Workload, _stats, sampled_token, snapshot
-
-
-def model_runner_output(scheduler: Any, output: Any) -> Any:
-    """The fake model's output for ``output``, fixed when the step is planned (as the
-    real model's inputs are). A request whose step is not a partial prefill chunk
-    samples at its next position: with draft tokens scheduled, a seeded number of them
-    is accepted and one more token is sampled after them."""
-    req_ids = list(output.num_scheduled_tokens)
-    drafts = output.scheduled_spec_decode_tokens
-    sampled: list[list[int]] = []
-    for req_id in req_ids:
-        request = scheduler.requests[req_id]
-        if request.is_prefill_chunk:
-            sampled.append([])
-            continue
-        num_drafts = len(drafts.get(req_id, ()))
-        position = request.num_computed_tokens - num_drafts
-        accepted = random.Random(f"{req_id}:{position}:accepted").randrange(num_drafts + 1)
-        sampled.append([sampled_token(req_id, position + i) for i in range(accepted + 1)])
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},
-        sampled_token_ids=sampled,
-    )
+from tests.vllm.scheduler_harness import (
+    Workload,
+    _stats,
+    model_runner_output,
+    sampled_token,
+    snapshot,
+)
 
 
 def draft_token_ids(scheduler: Any, output: Any, num_drafts: int) -> Any:

@@ -56,14 +56,22 @@ def sampled_token(request_id: str, position: int) -> int:
 
 
 def model_runner_output(scheduler: Any, output: Any) -> Any:
-    """One sampled token for each scheduled request whose known tokens are all computed
-    (a prefill chunk that does not finish the prompt samples nothing)."""
+    """The fake model's output for ``output``, fixed when the step is planned (as the
+    real model's inputs are, also with steps in flight). A request whose step is not a
+    partial prefill chunk samples at its next position: with draft tokens scheduled, a
+    seeded number of them is accepted and one more token is sampled after them."""
     req_ids = list(output.num_scheduled_tokens)
+    drafts = output.scheduled_spec_decode_tokens
     sampled: list[list[int]] = []
     for req_id in req_ids:
         request = scheduler.requests[req_id]
-        done = request.num_computed_tokens >= request.num_tokens
-        sampled.append([sampled_token(req_id, request.num_tokens)] if done else [])
+        if request.is_prefill_chunk:
+            sampled.append([])
+            continue
+        num_drafts = len(drafts.get(req_id, ()))
+        position = request.num_computed_tokens - num_drafts
+        accepted = random.Random(f"{req_id}:{position}:accepted").randrange(num_drafts + 1)
+        sampled.append([sampled_token(req_id, position + i) for i in range(accepted + 1)])
     return ModelRunnerOutput(
         req_ids=req_ids,
         req_id_to_index={req_id: i for i, req_id in enumerate(req_ids)},

@@ -3,7 +3,8 @@
 kvservice's core decides as vLLM 0.33.0's manager. vLLM 0.32's scheduler calls the
 manager the same way (it passes no ``num_hash_lookahead_tokens`` and no
 ``max_cache_hit_length``, which default to what 0.32 means), and its manager decides
-as 0.33's on every layout but two, where kvservice would decide otherwise than the
+as 0.33's on every layout but two (read in 0.32.0's ``vllm/v1/core`` against 0.33.0's;
+the scheduler differentials run on both), where kvservice would decide otherwise than the
 running vLLM; those are refused when the manager is built, one line naming the version
 and the feature, never served with a silent divergence:
 
@@ -12,11 +13,11 @@ and the feature, never served with a silent divergence:
   every request that would hit it; 0.33 leaves it keyed as it was.
 - EAGLE drafting with prefix caching: 0.33 keeps a second boundary one block below a
   shared prefix reachable (a sibling diverging right after the junction hits there);
-  0.32 caches no block for it.
+  0.32 caches no block for it (read in the source: no test builds an EAGLE drafter).
 
 Leading null blocks of sliding-window tables (0.32 keeps the null block's reference
-count, 0.33 strips them) change nothing the scheduler sees: the block ids, the free
-count and the events are the same. A release this module does not name is refused: a
+count, 0.33 strips them) change no block id nor free count the scheduler sees (the
+hybrid sliding-window differential runs on 0.32). A release this module does not name is refused: a
 manager decides exactly as one of these or not at all (see the README for adding one).
 """
 
