@@ -28,16 +28,16 @@ TICK_S = 0.001
 
 
 def build(num_blocks: int) -> RequestTable:
-    allocator = RequestTable(build_manager(ServerConfig(num_blocks=num_blocks, metrics_port=None)))
+    table = RequestTable(build_manager(ServerConfig(num_blocks=num_blocks, metrics_port=None)))
     blocks_per_request = -(-PROMPT_TOKENS // 16)
     for i in range((num_blocks // 2) // blocks_per_request):
-        allocator.add_request(
+        table.add_request(
             NewRequest(f"r{i}", list(range(i * 7, i * 7 + PROMPT_TOKENS))), tenant=DEFAULT_TENANT
         )
-        allocator.allocate_slots(
+        table.allocate_slots(
             f"r{i}", AllocateArgs(num_new_tokens=PROMPT_TOKENS), tenant=DEFAULT_TENANT
         )
-    return allocator
+    return table
 
 
 async def longest_stall(audit: Auditor) -> tuple[float, float]:
@@ -66,20 +66,20 @@ async def longest_stall(audit: Auditor) -> tuple[float, float]:
 
 
 async def main(num_blocks: int, rounds: int) -> None:
-    allocator = build(num_blocks)
+    table = build(num_blocks)
     # As ``kvservice serve`` does: the pool's objects out of the collector's reach.
     gc.collect()
     gc.freeze()
-    registry = SessionRegistry(allocator, SessionPolicy())
+    registry = SessionRegistry(table, SessionPolicy())
     modes = {
-        "in place": Auditor(allocator, registry, fork_min_blocks=num_blocks + 1),
-        "forked": Auditor(allocator, registry, fork_min_blocks=0),
+        "in place": Auditor(table, registry, fork_min_blocks=num_blocks + 1),
+        "forked": Auditor(table, registry, fork_min_blocks=0),
     }
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in modes}
     for _ in range(rounds):
         for name, auditor in modes.items():
             results[name].append(await longest_stall(auditor))
-    usage = allocator.usage()
+    usage = table.usage()
     print(
         f"pool: {num_blocks} blocks, {usage.num_used_blocks} held by "
         f"{usage.num_requests} requests; {rounds} rounds per mode, interleaved"

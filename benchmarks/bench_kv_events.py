@@ -1,8 +1,8 @@
-"""What publishing KV events costs the allocator, side by side in one run.
+"""What publishing KV events costs the request table, side by side in one run.
 
 The same seeded scheduler-like workload (shared system prompts, prefix hits, decode,
 finished requests freed, evictions once the pool is full) runs against a started
-``KVCacheServer``'s allocator on the server's own loop, one loop turn per step (so the
+``KVCacheServer``'s request table on the server's own loop, one loop turn per step (so the
 ZMQ publisher cuts one batch per step, as the server does per RPC), in three modes:
 
 * ``off``: no KV events recorded;
@@ -13,7 +13,7 @@ ZMQ publisher cuts one batch per step, as the server does per RPC), in three mod
   msgspec as a router does.
 
 Rounds interleave the modes, each round starting with the next one, after the same
-untimed warm-up in every mode. Prints the allocator's operations per second (each
+untimed warm-up in every mode. Prints the request table's operations per second (each
 add, lookup, allocate, append and free is one) and the server process's CPU time per
 operation (its loop and the ZMQ threads: the steadier figure on a shared machine),
 each with its ratio to ``off`` within the round (above 1: faster), and the KV events
@@ -94,7 +94,7 @@ class Workload:
         return asyncio.get_event_loop().run_until_complete(self._run(server))
 
     async def _run(self, server: KVCacheServer) -> Sample:
-        allocator = server.table
+        table = server.table
         rng = random.Random(self.seed)
         prefixes = [[rng.randrange(50_000) for _ in range(PREFIX_TOKENS)] for _ in range(8)]
         remaining: dict[str, int] = {}
@@ -109,36 +109,35 @@ class Workload:
                 next_id += 1
                 tail = [rng.randrange(50_000) for _ in range(rng.randrange(32, 256))]
                 prompt = rng.choice(prefixes) + tail
-                allocator.add_request(NewRequest(rid, prompt), tenant=DEFAULT_TENANT)
-                hit = allocator.get_computed_blocks(rid, tenant=DEFAULT_TENANT)
+                table.add_request(NewRequest(rid, prompt), tenant=DEFAULT_TENANT)
+                hit = table.get_computed_blocks(rid, tenant=DEFAULT_TENANT)
                 args = AllocateArgs(
                     num_new_tokens=len(prompt) - hit.num_computed_tokens,
                     num_new_computed_tokens=hit.num_computed_tokens,
                     new_computed_block_ids=hit.block_ids,
                 )
                 ops += 3
-                if allocator.allocate_slots(rid, args, tenant=DEFAULT_TENANT).new_block_ids is None:
-                    allocator.free(rid, FreeMode.FINISH, tenant=DEFAULT_TENANT)
+                if table.allocate_slots(rid, args, tenant=DEFAULT_TENANT).new_block_ids is None:
+                    table.free(rid, FreeMode.FINISH, tenant=DEFAULT_TENANT)
                     ops += 1
                     continue
                 remaining[rid] = rng.randrange(16, 128)
             for rid in list(remaining):
-                allocator.append_tokens(rid, [rng.randrange(50_000)], tenant=DEFAULT_TENANT)
+                table.append_tokens(rid, [rng.randrange(50_000)], tenant=DEFAULT_TENANT)
                 ops += 2
                 remaining[rid] -= 1
                 fits = (
-                    allocator.allocate_slots(rid, ONE, tenant=DEFAULT_TENANT).new_block_ids
-                    is not None
+                    table.allocate_slots(rid, ONE, tenant=DEFAULT_TENANT).new_block_ids is not None
                 )
                 if not remaining[rid] or not fits:
-                    allocator.free(rid, FreeMode.FINISH, tenant=DEFAULT_TENANT)
+                    table.free(rid, FreeMode.FINISH, tenant=DEFAULT_TENANT)
                     del remaining[rid]
                     ops += 1
             await asyncio.sleep(0)  # the loop turn that ends the step's batch
         wall_s, cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
         events = (event_log.last_sequence if event_log is not None else 0) - events_before
         for rid in remaining:
-            allocator.free(rid, FreeMode.FINISH, tenant=DEFAULT_TENANT)
+            table.free(rid, FreeMode.FINISH, tenant=DEFAULT_TENANT)
         await asyncio.sleep(0)
         return Sample(ops, events, wall_s, cpu_s)
 
@@ -220,14 +219,12 @@ def _join(server: KVCacheServer, conn: Connection) -> None:
     """Publish one small batch at a time until the subscriber has one (its SUB socket
     joins asynchronously), so the timed run reaches it whole."""
     loop = asyncio.get_event_loop()
-    allocator = server.table
+    table = server.table
     for i in range(10_000):
         rid = f"warm{i}"
-        allocator.add_request(NewRequest(rid, [i % 50_000] * BLOCK_SIZE), tenant=DEFAULT_TENANT)
-        allocator.allocate_slots(
-            rid, AllocateArgs(num_new_tokens=BLOCK_SIZE), tenant=DEFAULT_TENANT
-        )
-        allocator.free(rid, FreeMode.FINISH, tenant=DEFAULT_TENANT)
+        table.add_request(NewRequest(rid, [i % 50_000] * BLOCK_SIZE), tenant=DEFAULT_TENANT)
+        table.allocate_slots(rid, AllocateArgs(num_new_tokens=BLOCK_SIZE), tenant=DEFAULT_TENANT)
+        table.free(rid, FreeMode.FINISH, tenant=DEFAULT_TENANT)
         loop.run_until_complete(asyncio.sleep(0.005))
         if conn.poll():
             assert conn.recv() == "joined"
@@ -256,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             wall_ratios[mode].append(off.wall_s / sample.wall_s)
             cpu_ratios[mode].append(off.cpu_s / sample.cpu_s)
     print(
-        f"allocator with KV events: {args.steps} steps of {args.admits} admissions plus "
+        f"request table with KV events: {args.steps} steps of {args.admits} admissions plus "
         f"decodes, {args.num_blocks} blocks, {args.rounds} rounds (medians; ratios to off "
         f"within each round)"
     )

@@ -143,7 +143,7 @@ def test_client_and_scheduler_load_nothing_of_the_server() -> None:
     code = (
         "import json, sys\n"
         "import kvservice.client\n"
-        "import kvservice.scheduler.backend, kvservice.scheduler.batched\n"
+        "import kvservice.scheduler.backend, kvservice.scheduler.replicated\n"
         "import kvservice.scheduler.loop, kvservice.scheduler.trace\n"
         "print(json.dumps(sorted(sys.modules)))\n"
     )
@@ -151,5 +151,32 @@ def test_client_and_scheduler_load_nothing_of_the_server() -> None:
         [sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=120
     ).stdout
     loaded = json.loads(out)
-    assert "kvservice.client" in loaded and "kvservice.scheduler.batched" in loaded
+    assert "kvservice.client" in loaded and "kvservice.scheduler.replicated" in loaded
     assert [m for m in loaded if m.startswith(SERVER_SIDE_MODULES)] == []
+
+
+# The one remote-step mechanism, and the schedulers' adapters that reach a server by it.
+REMOTE_STEP = "kvservice.client.step_link"
+REMOTE_STEP_USERS = ("kvservice.scheduler.replicated", "kvservice.integrations.vllm.server_link")
+
+
+def _steps_sent_by(path: Path) -> bool:
+    """Whether a module sends steps of its own: builds a ``StepBuilder``."""
+    return any(
+        isinstance(node, ast.Call) and ast.unparse(node.func).endswith("StepBuilder")
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+    )
+
+
+def test_both_schedulers_reach_the_server_through_one_remote_step_mechanism() -> None:
+    """vLLM's scheduler and the reference scheduler record a step on a replica and send
+    it by ``StepLink``; nothing outside the client builds steps of its own."""
+    graph = import_graph()
+    for user in REMOTE_STEP_USERS:
+        assert REMOTE_STEP in graph[user], f"{user} does not build on {REMOTE_STEP}"
+    builders = {
+        name
+        for name, path in _modules().items()
+        if not name.startswith("kvservice.client.") and _steps_sent_by(path)
+    }
+    assert builders == set(), f"steps built outside the remote-step mechanism: {builders}"

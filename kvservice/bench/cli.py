@@ -45,13 +45,13 @@ DESCRIPTION = """\
 Run a workload through the reference scheduler (vLLM's loop: token budget, chunked
 prefill, admission, preemption) in several modes and print them side by side:
 
-  in-process  the scheduler calls the block manager in this process
-  unary       one gRPC call per allocator operation
-  step        one Step RPC per scheduling step (its admissions ride in it; more
-              only for an allocation the client cannot prove fits)
-  stream      the same messages on one long-lived StepStream, plus the queued
-              appends, frees and new requests sent ahead unawaited, so the server
-              runs them while the scheduler plans (two messages, one round trip)
+  in-process  the scheduler calls the request table in this process
+  unary       one gRPC call per request-table call
+  step        a replica request table in the scheduler's process answers every
+              call; each step goes to the server as one Step RPC, whose answers
+              are checked while the next step is planned (the server's work
+              overlaps the scheduler's)
+  stream      the same steps on one long-lived StepStream
 
 Rounds alternate the order of the modes so machine noise hits them all; every ratio
 comes from this one run. Unless --target is given, a `kvservice serve` child process
@@ -59,7 +59,7 @@ is started per pool size on a free loopback port and stopped at the end.
 """
 
 EPILOG = """\
-Columns: steps/s and ops/s (allocator operations per second), p50/p99 step
+Columns: steps/s and ops/s (request-table operations per second), p50/p99 step
 latency, "p99 full" over the steps that scheduled --max-running requests, messages
 per step, CPU ms per step (this process plus the server it started: steadier than
 the wall clock on a busy machine), and steps/s as a ratio to in-process and to the

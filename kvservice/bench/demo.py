@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvservice.bench.server import ChildServer, ServerStartError, child_server
 from kvservice.client import KVClient
-from kvservice.scheduler.batched import StreamBackend
 from kvservice.scheduler.loop import Scheduler, SchedulerConfig, StepRecord
+from kvservice.scheduler.replicated import StreamBackend
 from kvservice.workloads import LengthDistribution, SharedSystemPromptConfig, generate
 
 # A small model shape, so the runtime's KV tensors take a few MiB of CPU memory, and a
@@ -103,10 +103,10 @@ def _run(server: ChildServer) -> DemoRun:
         start = time.perf_counter()
         while not scheduler.done:
             records.append(scheduler.step())
-            peak = max(peak, 1 - backend.free_blocks_at_last_send / (NUM_BLOCKS - 1))
+            peak = max(peak, 1 - backend.num_free_blocks() / (NUM_BLOCKS - 1))
         backend.flush()  # the last step's frees
         seconds = time.perf_counter() - start
-        return DemoRun(runtime, records, seconds, peak, backend.num_sends)
+        return DemoRun(runtime, records, seconds, peak, backend.round_trips)
 
 
 def _scrape(url: str) -> dict[str, float]:

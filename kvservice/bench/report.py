@@ -158,9 +158,9 @@ def table(document: dict[str, Any]) -> str:
             )
     lines.append(
         "p99 full: p99 over the steps that scheduled max_running requests; msg/step: "
-        "messages sent per step (admissions and unproven allocations are sync points; the "
-        "stream sends a step's queued operations ahead, unawaited, so it sends about two "
-        "for one round trip); per round: the lowest and highest ratio to in-process "
+        "messages sent per step (one per step, after its decisions: a replica table "
+        "answers the scheduler; the stream checks each step while the next is planned); "
+        "per round: the lowest and highest ratio to in-process "
         "within one round; cpu ms: "
         "CPU time per step, this process plus a server it started; kv p50/p99: time per "
         "step inside the KV backend (service calls, RPCs included); sched p50/p99: the "

@@ -2,7 +2,7 @@
 mode (in-process, remote unary, remote batched ``Step``, remote ``StepStream``), in
 rounds that alternate the modes so that machine noise hits all of them alike.
 
-An untimed in-process reference run comes first: it counts the allocator operations
+An untimed in-process reference run comes first: it counts the request-table operations
 per step and records the prefix hit rate, preemptions and usage over time (the
 decisions, hence these, are the same in every mode; each timed run is checked
 against it). Timed runs measure only ``Scheduler.step`` calls.
@@ -22,19 +22,17 @@ from typing import ParamSpec, TypeVar
 from kvservice.bench.measure import process_cpu_seconds, rotated
 from kvservice.bench.progress import Progress
 from kvservice.bench.server import ChildServer
-from kvservice.client import AdmitOptions, KVClient
+from kvservice.client import AdmitOptions, BlockIds, ComputedBlocks, KVClient
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.scheduler.backend import (
     AdmittedIds,
-    AllocatedIds,
     Backend,
     ForwardingBackend,
     InProcessBackend,
-    PrefixHit,
     RemoteBackend,
 )
-from kvservice.scheduler.batched import StepBackend, StreamBackend
 from kvservice.scheduler.loop import Scheduler, SchedulerConfig, StepRecord
+from kvservice.scheduler.replicated import StepBackend, StreamBackend
 from kvservice.server.config import ServerConfig, build_manager
 from kvservice.workloads import (
     FewShotConfig,
@@ -133,10 +131,10 @@ def build_workload(config: BenchConfig) -> list[RequestSpec]:
 
 
 class CountingBackend(ForwardingBackend):
-    """A ``Backend`` that forwards every call and counts the allocator operations.
+    """A ``Backend`` that forwards every call and counts the request-table operations.
 
     ``admit`` counts as the operations it stands for, so that ops/s still counts
-    allocator work, not calls: a lookup and an allocation per admitted request, and
+    request-table work, not calls: a lookup and an allocation per admitted request, and
     for the request it stopped at (when the budget was not spent) a lookup, plus the
     allocation that answered no room when chunked prefill lets every request reach
     it (without chunked prefill a too-long request stops before allocating, and the
@@ -151,7 +149,7 @@ class CountingBackend(ForwardingBackend):
         self.num_ops += 1
         super().add_request(request_id, prompt_token_ids)
 
-    def get_computed_blocks(self, request_id: str) -> PrefixHit:
+    def get_computed_blocks(self, request_id: str) -> ComputedBlocks:
         self.num_ops += 1
         return super().get_computed_blocks(request_id)
 
@@ -159,10 +157,10 @@ class CountingBackend(ForwardingBackend):
         self,
         request_id: str,
         num_new_tokens: int,
-        hit: PrefixHit | None = None,
+        hit: ComputedBlocks | None = None,
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
-    ) -> AllocatedIds | None:
+    ) -> BlockIds | None:
         self.num_ops += 1
         return super().allocate_slots(
             request_id, num_new_tokens, hit, num_lookahead_tokens, full_sequence_must_fit
@@ -196,7 +194,7 @@ def admit_ops(
     *,
     enable_chunked_prefill: bool,
 ) -> int:
-    """The allocator operations one ``admit`` stands for (see ``CountingBackend``)."""
+    """The request-table operations one ``admit`` stands for (see ``CountingBackend``)."""
     num_ops = 2 * len(admitted)
     budget_left = token_budget - sum(item.num_new_tokens for item in admitted)
     if len(admitted) < num_candidates and budget_left > 0:
@@ -403,13 +401,16 @@ def _run_mode(
     if mode == "unary":
         timed(RemoteBackend(client))
     elif mode == "step":
-        step_backend = StepBackend(client)
+        # Each step checked before the next is sent, while the next is planned.
+        step_backend = StepBackend(client, overlap=True)
         timed(step_backend)
-        result.num_sends = (result.num_sends or 0) + step_backend.num_sends
+        result.num_sends = (result.num_sends or 0) + step_backend.round_trips
     else:
-        with StreamBackend(client) as stream_backend:
+        # Each step checked while the next is planned: the server's work overlaps the
+        # scheduler's.
+        with StreamBackend(client, overlap=True) as stream_backend:
             timed(stream_backend)
-            result.num_sends = (result.num_sends or 0) + stream_backend.num_sends
+            result.num_sends = (result.num_sends or 0) + stream_backend.round_trips
     _reset(client.reset_prefix_cache())
 
 

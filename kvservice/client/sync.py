@@ -76,6 +76,7 @@ class KVClient:
             raise ValueError(f"retries must be >= 0, got {retries}")
         credentials = channel_credentials(tls, root_certificates, certificate_chain, private_key)
         check_token_channel(target, token, credentials, allow_insecure_token)
+        self.target = target  # the server's address, as given
         self._channel = (
             grpc.insecure_channel(target)
             if credentials is None
@@ -242,6 +243,14 @@ class KVClient:
         request = builder.to_pb(next(self._step_ids), stop_on_error)
         return StepResults(self._invoke("Step", request))
 
+    def start_step(self, builder: StepBuilder, *, stop_on_error: bool = False) -> StartedStep:
+        """Start one ``Step`` call without waiting for its results: ``result()`` waits
+        (or raises the call's typed error). Steps started together are not ordered."""
+        request = builder.to_pb(next(self._step_ids), stop_on_error)
+        return StartedStep(
+            self._stub.Step.future(request, metadata=self._metadata, timeout=self._timeout)
+        )
+
     def audit(self) -> AuditReport:
         """Have the server check every invariant of its pool (O(pool size))."""
         return audit_report(self._invoke("Audit", pb.AuditRequest()))
@@ -325,6 +334,24 @@ class PendingStep(StepAnswer):
         if not self._done:
             self._wait(self)
         return self._answer()
+
+
+class StartedStep:
+    """A ``Step`` call on its way (``KVClient.start_step``)."""
+
+    __slots__ = ("_future", "_results")
+
+    def __init__(self, future: Any) -> None:
+        self._future = future
+        self._results: StepResults | None = None
+
+    def result(self) -> StepResults:
+        if self._results is None:
+            try:
+                self._results = StepResults(self._future.result())
+            except grpc.RpcError as err:
+                raise error_from_rpc(err) from None
+        return self._results
 
 
 class Session:

@@ -1,4 +1,12 @@
-"""The plain values the client returns: frozen dataclasses, no protobuf."""
+"""The plain values the client takes and returns: frozen dataclasses, no protobuf.
+
+The wire's vocabulary, owned by the client: a client loads nothing of the core or the
+request table (``tests/test_layout.py``), which have their own values for the same
+concepts in the shapes they compute with (``kvservice.request_table.types``, the
+core's ``AllocationOptions``, ``RequestStatus``, ``MultiModalFeature`` and
+``BlockIds``). The wire meets them in one place per side: ``kvservice.server.converters``
+(the server's protobuf to and from the table's values) and ``_wire`` here.
+"""
 
 from __future__ import annotations
 

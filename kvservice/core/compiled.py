@@ -1,28 +1,33 @@
 """Which build of the compiled packages is imported: the mypyc-compiled modules, or
 their sources.
 
-Two packages run compiled: the core and the request table, the server's hot path
-around it (``COMPILED_PACKAGES``). Installing the project (``make build``, any ``pip
-install``) compiles them with mypyc, as one group (one shared library, so the table's
-calls into the core are native calls), into ``kvservice/_compiled/``, a directory the
-import system never searches on its own. Each package's ``__init__.py`` puts its part
-of the build first on the package's path only after checking that every compiled
-module of both was built from the exact bytes of its ``.py`` here (the build records
-their SHA-256 in ``_compiled/manifest.json``). So an edited source is never shadowed
-by an older binary: the import fails instead, naming what changed. The build is one
-library, so it is used whole or not at all.
+A package of ``kvservice`` runs compiled when its ``__init__.py`` declares which of its
+modules stay sources (``NOT_COMPILED``, read from the file, never imported; see
+``compiled_packages``): the core declares its own, and each package above it that runs
+compiled declares its own, so this module names no package. Installing the project
+(``make build``, any ``pip install``) compiles them with mypyc, as one group (one
+shared library, so calls between the packages are native calls), into
+``kvservice/_compiled/``, a directory the import system never searches on its own.
+Each package's ``__init__.py`` puts its part of the build first on the package's path
+only after checking that every compiled module of every compiled package was built
+from the exact bytes of its ``.py`` here (the build records their SHA-256 in
+``_compiled/manifest.json``). So an edited source is never shadowed by an older
+binary: the import fails instead, naming what changed. The build is one library, so
+it is used whole or not at all.
 
-``KVSERVICE_PURE_PYTHON=1`` imports the sources of both, for debugging and profiling.
+``KVSERVICE_PURE_PYTHON=1`` imports the sources of all of them, for debugging and
+profiling.
 
 This module and the packages' ``__init__.py`` run before the build is on the path, so
 they are never compiled; it uses the standard library only, so that ``setup.py`` can
 load it by path and ``python -P kvservice/core/compiled.py`` can tell the Makefile
 whether to rebuild. It lives in the core, which imports nothing outside itself; the
-request table imports it from here.
+packages above import it from here.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.util
 import json
@@ -38,28 +43,17 @@ CORE_DIR = PACKAGE_DIR / "core"
 BUILD_DIR_NAME = "_compiled"
 MANIFEST_NAME = "manifest.json"
 # mypyc puts every module's code in one shared library (so calls between modules, and
-# between the two packages, are native); each module's own extension is a shim that
+# between the packages, are native); each module's own extension is a shim that
 # initializes it from there.
 GROUP_NAME = "kvservice"
 GROUP_LIBRARY = f"{GROUP_NAME}__mypyc"
 EXT_SUFFIX: str = sysconfig.get_config_var("EXT_SUFFIX")
-# Package -> its modules left as sources.
-#
-# core: errors.py, whose exception classes mypyc cannot make native (nothing to gain)
-# and whose class attributes it drops unless declared ClassVar (which the server's
-# per-instance ``status`` rules out); invariants.py subclasses AssertionError, which
-# mypyc refuses; admission.py's generic dataclasses compile (mypyc 2.4.1) into a module
-# that fails at import ("attribute '__dict__' of 'type' objects is not writable"). The
-# last two run once per step or audit, not per block.
-#
-# request_table: errors.py, for the core's errors.py's reason (its ``status`` class
-# attributes); tenancy.py, whose ``TenantRequestId`` subclasses ``str``, which mypyc
-# refuses for a native class ("Inheriting from most builtin types is unimplemented";
-# its ``native_class=False`` escape needs mypy_extensions at run time).
-COMPILED_PACKAGES: dict[str, frozenset[str]] = {
-    "core": frozenset({"__init__.py", "admission.py", "compiled.py", "errors.py", "invariants.py"}),
-    "request_table": frozenset({"__init__.py", "errors.py", "tenancy.py"}),
-}
+# The name a compiled package's ``__init__.py`` assigns, at its top level, a tuple of
+# the file names of its modules that stay sources (a literal: it is read with ``ast``,
+# since importing the package would run the selection this module makes). Its
+# ``__init__.py`` always stays a source; each package's declaration says why the others
+# do.
+DECLARATION = "NOT_COMPILED"
 
 
 class CompiledCoreError(ImportError):
@@ -74,21 +68,51 @@ def pure_python_requested() -> bool:
     if value == "1":
         return True
     raise CompiledCoreError(
-        f"{PURE_PYTHON_ENV}={value!r}: set it to 1 to import the sources of the core and "
-        "the request table, or to 0 (or unset it) for their compiled build"
+        f"{PURE_PYTHON_ENV}={value!r}: set it to 1 to import the sources of the compiled "
+        "packages, or to 0 (or unset it) for their compiled build"
     )
 
 
-def not_compiled(package: str) -> frozenset[str]:
+def _declared_sources(init: Path) -> frozenset[str] | None:
+    """The ``NOT_COMPILED`` file names an ``__init__.py`` declares (itself included), or
+    None when it declares none (a package that is not compiled)."""
+    text = init.read_text(encoding="utf-8")
+    if DECLARATION not in text:
+        return None
+    for node in ast.parse(text, str(init)).body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        if any(isinstance(t, ast.Name) and t.id == DECLARATION for t in targets):
+            names: tuple[str, ...] = ast.literal_eval(value)
+            return frozenset({init.name, *names})
+    return None
+
+
+def compiled_packages(package_dir: Path = PACKAGE_DIR) -> dict[str, frozenset[str]]:
+    """The packages of ``package_dir`` that run compiled -> the file names of their
+    modules that stay sources, as each ``__init__.py`` declares them."""
+    packages: dict[str, frozenset[str]] = {}
+    for init in sorted(package_dir.glob("*/__init__.py")):
+        left_out = _declared_sources(init)
+        if left_out is not None:
+            packages[init.parent.name] = left_out
+    return packages
+
+
+def not_compiled(package: str, package_dir: Path = PACKAGE_DIR) -> frozenset[str]:
     """The file names of ``package``'s modules that stay sources."""
-    return COMPILED_PACKAGES[package]
+    return compiled_packages(package_dir)[package]
 
 
 def compiled_sources(package_dir: Path = PACKAGE_DIR) -> list[Path]:
     """The modules the build compiles, package by package, by name."""
     return [
         path
-        for package, left_out in COMPILED_PACKAGES.items()
+        for package, left_out in compiled_packages(package_dir).items()
         for path in sorted((package_dir / package).glob("*.py"))
         if path.name not in left_out
     ]
@@ -146,7 +170,7 @@ def stale_reasons(package_dir: Path = PACKAGE_DIR) -> list[str]:
         elif not (build / "kvservice" / f"{key}{EXT_SUFFIX}").is_file():
             reasons.append(f"the extension of {key}.py is missing")
     expected = {f"{key}{EXT_SUFFIX}" for key in built}
-    for package in COMPILED_PACKAGES:
+    for package in compiled_packages(package_dir):
         found = {f"{package}/{p.name}" for p in module_dir(build, package).glob(f"*{EXT_SUFFIX}")}
         reasons.extend(f"{name} is not part of the build" for name in sorted(found - expected))
     if not (build / f"{GROUP_LIBRARY}{EXT_SUFFIX}").is_file():

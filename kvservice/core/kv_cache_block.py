@@ -11,6 +11,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Iterator
 
+# Block ids per KV cache group, in block-table order: a prefix hit, an allocation's new
+# blocks. (The client spells the same type ``kvservice.client.BlockIds``: it loads
+# nothing of the core.)
+BlockIds = tuple[tuple[int, ...], ...]
+
 # ``block hash ‖ group id (4 bytes, big endian)``: the key of the prefix cache map.
 BlockHash = bytes
 BlockHashWithGroupId = bytes

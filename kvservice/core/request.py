@@ -1,4 +1,4 @@
-"""``Request``: the allocator's view of one sequence."""
+"""``Request``: the manager's view of one sequence, and how an allocation advances it."""
 
 from __future__ import annotations
 
@@ -203,3 +203,14 @@ class Request:
             f"Request(request_id={self.request_id!r}, num_tokens={self.num_tokens}, "
             f"num_computed_tokens={self._num_computed_tokens}, status={self.status.name})"
         )
+
+
+def computed_after_allocation(
+    num_computed_tokens: int, num_hit_tokens: int, num_external_tokens: int, num_new_tokens: int
+) -> int:
+    """A request's computed tokens after an ``allocate_slots`` that fitted, as vLLM's
+    scheduler counts them right after scheduling: the prefix hit it attached, the
+    tokens a KV connector loads, then the tokens the step computes. The one statement
+    of the rule: the request table applies it, and the vLLM integration's remote link
+    tracks the server's count by it."""
+    return num_computed_tokens + num_hit_tokens + num_external_tokens + num_new_tokens

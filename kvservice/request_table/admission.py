@@ -1,25 +1,56 @@
 """``Admit``: a step's admissions over the request table, checked once.
 
 Every argument and id is checked before anything runs, so a refused ``Admit`` changes
-nothing; after that each admission is the same ``get_computed_blocks`` +
-``allocate_slots`` pair a scheduler would send, and stops exactly where vLLM's loop
-would (``kvservice.core.admission.admit_in_order``). The server's ``Admit`` and the
-scheduler's in-process backend both run it.
+nothing. Then each waiting request, in the order given, gets what vLLM's scheduler
+gives it in ``Scheduler.schedule``: the lookup of its cached prefix, the uncached
+tokens that fit in the step's token budget, and ``allocate_slots`` with the hit
+attached (the same ``get_computed_blocks`` + ``allocate_slots`` pair a scheduler would
+send); admission stops at the first request that does not fit, or when the budget is
+spent (vLLM never admits past a request that did not fit). The server's ``Admit`` and
+the scheduler's in-process backend both run it, so a remote scheduler admits a whole
+step in one message and still makes the same decisions as in-process.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvservice.core.admission import AdmissionResult, admit_in_order
 from kvservice.core.allocation_options import AllocationOptions
-from kvservice.core.errors import FailedPreconditionError, InvalidArgumentError
+from kvservice.core.errors import FailedPreconditionError, InvalidArgumentError, QuotaExceededError
 from kvservice.core.request import Request, RequestStatus
 from kvservice.request_table.table import RequestTable
 from kvservice.request_table.types import AllocateArgs, Allocation, ComputedBlocks
 
-TableAdmission = AdmissionResult[ComputedBlocks, Allocation]
+
+class AdmitStop(enum.Enum):
+    """Why admission stopped."""
+
+    ALL_ADMITTED = "all_admitted"
+    BUDGET_SPENT = "budget_spent"
+    NO_SPACE = "no_space"  # allocate_slots answered None for the next request
+    NEEDS_CHUNKING = "needs_chunking"  # chunked prefill off, prompt over the budget left
+    QUOTA = "quota"  # the next request would take its tenant past its block quota
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """One admitted request: its hit, its share of the budget and its allocation."""
+
+    request_id: str
+    hit: ComputedBlocks
+    num_hit_tokens: int
+    num_new_tokens: int
+    allocation: Allocation
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionResult:
+    admitted: list[Admission]
+    stop: AdmitStop
+    # For QUOTA: the refusal, as the allocation raised it.
+    stop_error: QuotaExceededError | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,44 +64,45 @@ class AdmitArgs:
     full_sequence_must_fit: bool = False
 
 
-def admit(table: RequestTable, args: AdmitArgs, tenant: str) -> TableAdmission:
-    """Admit ``args.request_ids`` of ``tenant`` in order."""
-    requests = _check(table, args, tenant)
+def admit(table: RequestTable, args: AdmitArgs, tenant: str) -> AdmissionResult:
+    """Admit ``args.request_ids`` of ``tenant`` in order, within ``args.token_budget``."""
+    requests = check(table, args, tenant)
     options = AllocationOptions(
         num_lookahead_tokens=args.num_lookahead_tokens,
         full_sequence_must_fit=args.full_sequence_must_fit,
     )
-
-    def lookup(request_id: str) -> tuple[ComputedBlocks, int]:
+    token_budget = args.token_budget
+    admitted: list[Admission] = []
+    for request_id in args.request_ids:
+        if token_budget <= 0:
+            return AdmissionResult(admitted, AdmitStop.BUDGET_SPENT)
         hit = table.get_computed_blocks(request_id, tenant)
-        return hit, hit.num_computed_tokens
-
-    def allocate(
-        request_id: str, hit: ComputedBlocks, num_hit_tokens: int, num_new_tokens: int
-    ) -> Allocation | None:
-        allocation = table.allocate_slots(
-            request_id,
-            AllocateArgs(
-                num_new_tokens=num_new_tokens,
-                num_new_computed_tokens=num_hit_tokens,
-                new_computed_block_ids=hit.block_ids if num_hit_tokens else (),
-                options=options,
-            ),
-            tenant,
-        )
-        return allocation if allocation.new_block_ids is not None else None
-
-    return admit_in_order(
-        args.request_ids,
-        args.token_budget,
-        args.enable_chunked_prefill,
-        num_tokens=lambda request_id: requests[request_id].num_tokens,
-        lookup=lookup,
-        allocate=allocate,
-    )
+        num_hit_tokens = hit.num_computed_tokens
+        remaining = requests[request_id].num_tokens - num_hit_tokens
+        if not args.enable_chunked_prefill and remaining > token_budget:
+            return AdmissionResult(admitted, AdmitStop.NEEDS_CHUNKING)
+        num_new_tokens = min(remaining, token_budget)
+        try:
+            allocation = table.allocate_slots(
+                request_id,
+                AllocateArgs(
+                    num_new_tokens=num_new_tokens,
+                    num_new_computed_tokens=num_hit_tokens,
+                    new_computed_block_ids=hit.block_ids if num_hit_tokens else (),
+                    options=options,
+                ),
+                tenant,
+            )
+        except QuotaExceededError as err:
+            return AdmissionResult(admitted, AdmitStop.QUOTA, err)
+        if allocation.new_block_ids is None:
+            return AdmissionResult(admitted, AdmitStop.NO_SPACE)
+        admitted.append(Admission(request_id, hit, num_hit_tokens, num_new_tokens, allocation))
+        token_budget -= num_new_tokens
+    return AdmissionResult(admitted, AdmitStop.ALL_ADMITTED)
 
 
-def _check(table: RequestTable, args: AdmitArgs, tenant: str) -> dict[str, Request]:
+def check(table: RequestTable, args: AdmitArgs, tenant: str) -> dict[str, Request]:
     """Every id's request, once each argument and id is known to be admissible."""
     if not args.request_ids:
         raise InvalidArgumentError("request_ids is empty; name at least one waiting request")

@@ -28,9 +28,9 @@ from kvservice.core.errors import (
     RequestNotFoundError,
 )
 from kvservice.core.invariants import InvariantViolationError, check_invariants
-from kvservice.core.kv_cache_block import BlockHashWithGroupId
+from kvservice.core.kv_cache_block import BlockHashWithGroupId, BlockIds
 from kvservice.core.kv_cache_manager import AllocationProbe, KVCacheBlocks, KVCacheManager
-from kvservice.core.request import Request, RequestStatus
+from kvservice.core.request import Request, RequestStatus, computed_after_allocation
 from kvservice.request_table.errors import AlreadyExistsError, LimitExceededError, StaleHitError
 from kvservice.request_table.limits import LimitError, RequestLimits, mm_identifier_bytes
 from kvservice.request_table.reporting import (
@@ -53,7 +53,6 @@ from kvservice.request_table.types import (
     BlockIdsPerGroup,
     ComputedBlocks,
     FreeMode,
-    HitBlockIds,
     NewRequest,
     PoolUsage,
 )
@@ -83,7 +82,7 @@ class _PrefixHit:
     lookup time tell whether each block still holds that content."""
 
     blocks: KVCacheBlocks
-    block_ids: HitBlockIds
+    block_ids: BlockIds
     keys: tuple[tuple[BlockHashWithGroupId | None, ...], ...]
 
     @classmethod
@@ -366,10 +365,11 @@ class RequestTable:
         self._hits.pop(key, None)
         # vLLM's scheduler advances the count right after scheduling; the next call
         # sends num_computed_tokens only to correct it (rejected draft tokens).
-        request.num_computed_tokens += (
-            args.num_new_computed_tokens
-            + args.options.num_external_computed_tokens
-            + args.num_new_tokens
+        request.num_computed_tokens = computed_after_allocation(
+            request.num_computed_tokens,
+            args.num_new_computed_tokens,
+            args.options.num_external_computed_tokens,
+            args.num_new_tokens,
         )
         if request.status is not RequestStatus.RUNNING:
             self.requests_per_tenant.waiting_changed(tenant, -request.num_tokens)
@@ -419,7 +419,7 @@ class RequestTable:
                 f"{self.manager.max_model_len}"
             )
 
-    def _hit_to_attach(self, rid: str, key: str, block_ids: HitBlockIds) -> KVCacheBlocks | None:
+    def _hit_to_attach(self, rid: str, key: str, block_ids: BlockIds) -> KVCacheBlocks | None:
         """The remembered hit the client named (``rid``, stored under ``key``),
         checked against what it was told and against eviction since; None when the
         client attaches nothing."""

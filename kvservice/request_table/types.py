@@ -1,4 +1,11 @@
-"""What the request table takes and answers: plain values, no protobuf."""
+"""What the request table takes and answers: plain values, no protobuf.
+
+The table's own shapes (an allocation carries the live ``Request`` and list block
+ids as the manager answers them; options are the core's ``AllocationOptions``); the
+client's values for the same concepts are the wire's (``kvservice.client.types``
+says why), converted from these by ``kvservice.server.converters`` for the wire and
+by the reference scheduler's ``InProcessBackend`` for its in-process runs.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +16,10 @@ from typing import NamedTuple
 
 from kvservice.core.allocation_options import PLAIN_ALLOCATION, AllocationOptions
 from kvservice.core.block_hashing import MultiModalFeature
+from kvservice.core.kv_cache_block import BlockIds
 from kvservice.core.request import Request
 
 BlockIdsPerGroup = tuple[list[int], ...]
-# A prefix hit's block ids per group, as a lookup answers and an allocation names them.
-HitBlockIds = tuple[tuple[int, ...], ...]
 
 
 class FreeMode(enum.Enum):
@@ -62,7 +68,7 @@ class AllocateArgs(NamedTuple):
 
     num_new_tokens: int
     num_new_computed_tokens: int = 0
-    new_computed_block_ids: HitBlockIds = ()
+    new_computed_block_ids: BlockIds = ()
     options: AllocationOptions = PLAIN_ALLOCATION
     num_computed_tokens: int | None = None
     # Of the computed tokens, those whose step has not run (vLLM's async scheduling):
@@ -74,7 +80,7 @@ class AllocateArgs(NamedTuple):
 class ComputedBlocks:
     """A prefix lookup: the hit's block ids per group and what vLLM reports with it."""
 
-    block_ids: HitBlockIds
+    block_ids: BlockIds
     num_computed_tokens: int
     shared_prefix_boundary: int
 

@@ -1,7 +1,8 @@
 """The scheduler's view of KV memory: a small ``Backend`` protocol with plain-data
-answers, and its two implementations, in-process (the server's request table over a
-``KVCacheManager`` in this process) and remote (the blocking ``KVClient``). The
-scheduler cannot tell them apart.
+answers, and its implementations, in-process (the server's request table over a
+``KVCacheManager`` in this process) and remote one RPC per call (the blocking
+``KVClient``); ``kvservice.scheduler.replicated`` has the remote ones that send a step
+per message. The scheduler cannot tell them apart.
 
 A step's admissions are one ``admit`` call: every backend runs the table's
 (``kvservice.request_table.admission``), in-process on its own table, remotely next
@@ -18,6 +19,7 @@ from kvservice.client.types import (
     AdmitOptions,
     AdmitResult,
     AllocateOptions,
+    BlockIds,
     ComputedBlocks,
     FreeMode,
 )
@@ -26,39 +28,14 @@ from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.request_table import admission
 from kvservice.request_table.table import RequestTable
 from kvservice.request_table.tenancy import DEFAULT_TENANT
-from kvservice.request_table.types import AllocateArgs, NewRequest
+from kvservice.request_table.types import AllocateArgs, Allocation, NewRequest
 from kvservice.request_table.types import FreeMode as TableFreeMode
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
-# Block ids per KV cache group, in block-table order (as the client's ``BlockIds``).
-BlockIds = tuple[tuple[int, ...], ...]
 
-
-@dataclass(frozen=True, slots=True)
-class PrefixHit:
-    """A prefix lookup: the cached blocks and the tokens they hold. Passed back
-    unchanged to ``allocate_slots`` to attach them."""
-
-    block_ids: BlockIds
-    num_computed_tokens: int
-    shared_prefix_boundary: int = 0
-
-
-def as_computed_blocks(hit: PrefixHit | None) -> ComputedBlocks | None:
-    """The client's form of a lookup the scheduler kept (None: nothing to attach)."""
-    if hit is None:
-        return None
-    return ComputedBlocks(hit.block_ids, hit.num_computed_tokens, hit.shared_prefix_boundary)
-
-
-def as_prefix_hit(hit: ComputedBlocks) -> PrefixHit:
-    """The scheduler's form of the client's lookup answer."""
-    return PrefixHit(hit.block_ids, hit.num_computed_tokens, hit.shared_prefix_boundary)
-
-
-def allocate_options(
+def client_options(
     num_lookahead_tokens: int, full_sequence_must_fit: bool
 ) -> AllocateOptions | None:
     """The client's options for the scheduler's allocation arguments; None for the
@@ -70,36 +47,6 @@ def allocate_options(
     )
 
 
-class PendingBlockIds:
-    """Block ids a batching backend will know once it sends the step (``flush``).
-
-    A batching backend answers an allocation it can prove will fit with this
-    placeholder instead of a round trip; the scheduler reads it after ``flush``.
-    """
-
-    __slots__ = ("_value",)
-
-    def __init__(self) -> None:
-        self._value: BlockIds | None = None
-
-    def set(self, value: BlockIds) -> None:
-        self._value = value
-
-    def get(self) -> BlockIds:
-        if self._value is None:
-            raise RuntimeError("block ids read before the step was flushed")
-        return self._value
-
-
-# An allocation's answer: the ids now, or once the step is flushed.
-AllocatedIds = BlockIds | PendingBlockIds
-
-
-def resolve_ids(ids: AllocatedIds) -> BlockIds:
-    """The block ids of an answer, pending or not (pending ones after ``flush``)."""
-    return ids.get() if isinstance(ids, PendingBlockIds) else ids
-
-
 @dataclass(frozen=True, slots=True)
 class AdmittedIds:
     """One request ``admit`` let in: the tokens its prefix hit covered, its share of
@@ -108,7 +55,7 @@ class AdmittedIds:
     request_id: str
     num_hit_tokens: int
     num_new_tokens: int
-    new_block_ids: AllocatedIds
+    new_block_ids: BlockIds
 
 
 def admitted_from_result(result: AdmitResult) -> list[AdmittedIds]:
@@ -129,35 +76,34 @@ def admitted_from_result(result: AdmitResult) -> list[AdmittedIds]:
 
 
 class Backend(Protocol):
-    """The allocator calls vLLM's scheduler makes, by request id.
+    """The request-table calls vLLM's scheduler makes, by request id.
 
-    ``allocate_slots`` answers the new block ids (possibly pending until ``flush``),
-    or None for no room (nothing changed); on success the backend advances the
-    request's computed tokens by the hit plus ``num_new_tokens``, as vLLM's
-    scheduler does right after scheduling. ``admit`` admits waiting requests in the
-    order given (``admit_in_order``: lookup, then ``allocate_slots`` with the hit,
-    until the budget is spent or one does not fit) and answers the admitted prefix of
-    ``request_ids``. ``flush`` ends a scheduling step: a batching backend sends what
-    it deferred; the others have nothing to do. ``new_step_starts`` begins one, as
-    vLLM's scheduler tells its manager at the top of ``schedule()``: after the previous
-    step's appends and frees, before the step's allocations and ``admit`` (a batching
-    backend sends it in that order with the step's message).
+    ``allocate_slots`` answers the new block ids, or None for no room (nothing
+    changed); on success the backend advances the request's computed tokens by the hit
+    plus ``num_new_tokens``, as vLLM's scheduler does right after scheduling.
+    ``admit`` admits waiting requests in the order given (lookup, then
+    ``allocate_slots`` with the hit, until the budget is spent or one does not fit)
+    and answers the admitted prefix of ``request_ids``. ``new_step_starts`` begins a
+    step, as vLLM's scheduler tells its manager at the top of ``schedule()``: after the
+    previous step's appends and frees, before the step's allocations and ``admit``;
+    ``end_step`` closes its decisions
+    (a replicated backend sends the step there); ``flush`` ends a run.
     """
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None: ...
 
     def new_step_starts(self) -> None: ...
 
-    def get_computed_blocks(self, request_id: str) -> PrefixHit: ...
+    def get_computed_blocks(self, request_id: str) -> ComputedBlocks: ...
 
     def allocate_slots(
         self,
         request_id: str,
         num_new_tokens: int,
-        hit: PrefixHit | None = None,
+        hit: ComputedBlocks | None = None,
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
-    ) -> AllocatedIds | None: ...
+    ) -> BlockIds | None: ...
 
     def admit(
         self,
@@ -173,12 +119,12 @@ class Backend(Protocol):
     def num_free_blocks(self) -> int: ...
 
     def end_step(self) -> None:
-        """The step's decisions are made: answer every pending block id. A batching
-        backend sends only if something is still pending; the step's appends and
-        frees, which nobody waits for, ride with the next step's message."""
+        """The step's decisions are made, before the forward pass's appends and frees
+        (which ride with the next step's message on a replicated backend)."""
 
     def flush(self) -> None:
-        """Send everything deferred (the end of a run, before reading the server)."""
+        """Send and check everything recorded (the end of a run, before reading the
+        server)."""
 
 
 class ForwardingBackend:
@@ -198,17 +144,17 @@ class ForwardingBackend:
     def new_step_starts(self) -> None:
         self._forward(self.inner.new_step_starts)
 
-    def get_computed_blocks(self, request_id: str) -> PrefixHit:
+    def get_computed_blocks(self, request_id: str) -> ComputedBlocks:
         return self._forward(self.inner.get_computed_blocks, request_id)
 
     def allocate_slots(
         self,
         request_id: str,
         num_new_tokens: int,
-        hit: PrefixHit | None = None,
+        hit: ComputedBlocks | None = None,
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
-    ) -> AllocatedIds | None:
+    ) -> BlockIds | None:
         return self._forward(
             self.inner.allocate_slots,
             request_id,
@@ -258,18 +204,33 @@ class InProcessBackend:
     def new_step_starts(self) -> None:
         self.table.new_step_starts()
 
-    def get_computed_blocks(self, request_id: str) -> PrefixHit:
+    def get_computed_blocks(self, request_id: str) -> ComputedBlocks:
         hit = self.table.get_computed_blocks(request_id, DEFAULT_TENANT)
-        return PrefixHit(hit.block_ids, hit.num_computed_tokens, hit.shared_prefix_boundary)
+        return ComputedBlocks(hit.block_ids, hit.num_computed_tokens, hit.shared_prefix_boundary)
 
     def allocate_slots(
         self,
         request_id: str,
         num_new_tokens: int,
-        hit: PrefixHit | None = None,
+        hit: ComputedBlocks | None = None,
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
     ) -> BlockIds | None:
+        return self._new_ids(
+            self._allocate(
+                request_id, num_new_tokens, hit, num_lookahead_tokens, full_sequence_must_fit
+            )
+        )
+
+    def _allocate(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        hit: ComputedBlocks | None,
+        num_lookahead_tokens: int,
+        full_sequence_must_fit: bool,
+    ) -> Allocation:
+        """The table's whole answer (its copies too, which a replica records)."""
         args = AllocateArgs(
             num_new_tokens,
             hit.num_computed_tokens if hit is not None else 0,
@@ -279,7 +240,11 @@ class InProcessBackend:
                 full_sequence_must_fit=full_sequence_must_fit,
             ),
         )
-        new_block_ids = self.table.allocate_slots(request_id, args, DEFAULT_TENANT).new_block_ids
+        return self.table.allocate_slots(request_id, args, DEFAULT_TENANT)
+
+    @staticmethod
+    def _new_ids(allocation: Allocation) -> BlockIds | None:
+        new_block_ids = allocation.new_block_ids
         return None if new_block_ids is None else _ids(new_block_ids)
 
     def admit(
@@ -341,20 +306,19 @@ class RemoteBackend:
     def new_step_starts(self) -> None:
         self.client.new_step_starts()
 
-    def get_computed_blocks(self, request_id: str) -> PrefixHit:
-        return as_prefix_hit(self.client.get_computed_blocks(request_id))
+    def get_computed_blocks(self, request_id: str) -> ComputedBlocks:
+        return self.client.get_computed_blocks(request_id)
 
     def allocate_slots(
         self,
         request_id: str,
         num_new_tokens: int,
-        hit: PrefixHit | None = None,
+        hit: ComputedBlocks | None = None,
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
     ) -> BlockIds | None:
-        computed = as_computed_blocks(hit)
-        options = allocate_options(num_lookahead_tokens, full_sequence_must_fit)
-        allocation = self.client.allocate_slots(request_id, num_new_tokens, computed, options)
+        options = client_options(num_lookahead_tokens, full_sequence_must_fit)
+        allocation = self.client.allocate_slots(request_id, num_new_tokens, hit, options)
         return None if allocation is None else allocation.new_block_ids
 
     def admit(

@@ -18,8 +18,9 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvservice.client import BlockIds
 from kvservice.client.types import AdmitOptions
-from kvservice.scheduler.backend import AllocatedIds, Backend, BlockIds, resolve_ids
+from kvservice.scheduler.backend import Backend
 from kvservice.workloads.specs import RequestSpec
 
 
@@ -88,33 +89,12 @@ class _Tracked:
         return (self.spec.priority, self.spec.arrival_step, self.order)
 
 
-# Not frozen: one is built per scheduled request per step, and a frozen dataclass's
-# __init__ costs several times a plain one's.
-@dataclass(slots=True)
-class _Planned:
-    """A request's share of the step being built; its block ids may still be pending
-    on a batching backend until the step is flushed."""
-
-    request_id: str
-    num_new_tokens: int
-    num_hit_tokens: int
-    new_block_ids: AllocatedIds
-
-    def resolve(self) -> ScheduledRequest:
-        return ScheduledRequest(
-            self.request_id,
-            self.num_new_tokens,
-            self.num_hit_tokens,
-            resolve_ids(self.new_block_ids),
-        )
-
-
 @dataclass(slots=True)
 class _StepPlan:
     """The scheduled part of a step being built; dicts keep scheduling order."""
 
     token_budget: int
-    scheduled: dict[str, _Planned] = field(default_factory=dict)
+    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
     preempted: list[str] = field(default_factory=list)
 
 
@@ -170,11 +150,11 @@ class Scheduler:
         # As vLLM: a step that had to preempt admits nobody (the memory is contended).
         if not plan.preempted:
             self._schedule_waiting(plan)
-        finished = self._update_from_output(plan)
-        # Pending block ids resolve (a batching backend sends here unless the step's
-        # admissions already did).
+        # The step's decisions are made (a replicated backend sends them here); the
+        # forward pass's appends and frees belong to the next step's message.
         self.backend.end_step()
-        scheduled = tuple(planned.resolve() for planned in plan.scheduled.values())
+        finished = self._update_from_output(plan)
+        scheduled = tuple(plan.scheduled.values())
         record = StepRecord(self.step_index, scheduled, tuple(plan.preempted), finished)
         self.step_index += 1
         return record
@@ -226,7 +206,7 @@ class Scheduler:
             new_block_ids = self._allocate_or_preempt(request, num_new_tokens, plan)
             if new_block_ids is None:
                 break  # the request preempted itself: nothing more fits this step
-            plan.scheduled[request.request_id] = _Planned(
+            plan.scheduled[request.request_id] = ScheduledRequest(
                 request.request_id, num_new_tokens, 0, new_block_ids
             )
             plan.token_budget -= num_new_tokens
@@ -238,7 +218,7 @@ class Scheduler:
 
     def _allocate_or_preempt(
         self, request: _Tracked, num_new_tokens: int, plan: _StepPlan
-    ) -> AllocatedIds | None:
+    ) -> BlockIds | None:
         """Allocate for a running request, preempting others until it fits; None when
         it had to preempt itself."""
         while True:
@@ -301,7 +281,7 @@ class Scheduler:
         for request, item in zip(candidates, admitted, strict=False):
             self.running.append(request)
             request.num_computed_tokens = item.num_hit_tokens
-            plan.scheduled[request.request_id] = _Planned(
+            plan.scheduled[request.request_id] = ScheduledRequest(
                 request.request_id, item.num_new_tokens, item.num_hit_tokens, item.new_block_ids
             )
             plan.token_budget -= item.num_new_tokens

@@ -3,7 +3,7 @@
 ``TracingBackend`` records while a scheduler runs; ``write_trace`` / ``read_trace``
 store it (a header line, then one line per call); ``replay`` issues the same calls
 against another backend and ``check_replay`` fails at the first answer that differs.
-A trace replays without the scheduler, so it pins the allocator's behaviour alone.
+A trace replays without the scheduler, so it pins the request table's behaviour alone.
 
 Version 2 added ``admit`` (a step's admissions in one call), version 3
 ``new_step_starts`` (a step boundary); an older trace holds only the other calls,
@@ -14,22 +14,13 @@ of its own), so it is still read.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvservice.client.types import AdmitOptions
-from kvservice.scheduler.backend import (
-    AdmittedIds,
-    AllocatedIds,
-    Backend,
-    BlockIds,
-    ForwardingBackend,
-    PendingBlockIds,
-    PrefixHit,
-    resolve_ids,
-)
+from kvservice.client.types import AdmitOptions, BlockIds, ComputedBlocks
+from kvservice.scheduler.backend import AdmittedIds, Backend, ForwardingBackend
 
 TRACE_FORMAT = "kvservice-trace"
 TRACE_VERSION = 3
@@ -69,7 +60,7 @@ def _ids_from_json(value: Any) -> BlockIds | None:
     return None if value is None else tuple(tuple(int(b) for b in group) for group in value)
 
 
-def _hit_to_json(hit: PrefixHit | None) -> dict[str, Any] | None:
+def _hit_to_json(hit: ComputedBlocks | None) -> dict[str, Any] | None:
     if hit is None:
         return None
     return {
@@ -79,10 +70,10 @@ def _hit_to_json(hit: PrefixHit | None) -> dict[str, Any] | None:
     }
 
 
-def _hit_from_json(value: Any) -> PrefixHit | None:
+def _hit_from_json(value: Any) -> ComputedBlocks | None:
     if value is None:
         return None
-    return PrefixHit(
+    return ComputedBlocks(
         _ids_from_json(value["block_ids"]) or (),
         int(value["num_computed_tokens"]),
         int(value["shared_prefix_boundary"]),
@@ -90,13 +81,13 @@ def _hit_from_json(value: Any) -> PrefixHit | None:
 
 
 def _admitted_to_json(admitted: Sequence[AdmittedIds]) -> list[dict[str, Any]]:
-    """``admit``'s answer; its block ids must be resolved (after ``flush``)."""
+    """``admit``'s answer."""
     return [
         {
             "request_id": item.request_id,
             "num_hit_tokens": item.num_hit_tokens,
             "num_new_tokens": item.num_new_tokens,
-            "new_block_ids": _ids_to_json(resolve_ids(item.new_block_ids)),
+            "new_block_ids": _ids_to_json(item.new_block_ids),
         }
         for item in admitted
     ]
@@ -127,19 +118,12 @@ def _admit(backend: Backend, args: dict[str, Any]) -> list[AdmittedIds]:
     )
 
 
-def _any_pending(admitted: Sequence[AdmittedIds]) -> bool:
-    return any(isinstance(item.new_block_ids, PendingBlockIds) for item in admitted)
-
-
 class TracingBackend(ForwardingBackend):
     """A ``Backend`` that forwards every call to ``inner`` and records it."""
 
     def __init__(self, inner: Backend) -> None:
         super().__init__(inner)
         self.entries: list[TraceEntry] = []
-        # Entries whose answer a batching backend gives only at the next flush: the
-        # entry's index and how to write its answer then.
-        self._unresolved: list[tuple[int, Callable[[], Any]]] = []
 
     def _record(self, op: str, args: dict[str, Any], result: Any = None) -> None:
         self.entries.append(TraceEntry(op, args, result))
@@ -154,7 +138,7 @@ class TracingBackend(ForwardingBackend):
         super().new_step_starts()
         self._record("new_step_starts", {})
 
-    def get_computed_blocks(self, request_id: str) -> PrefixHit:
+    def get_computed_blocks(self, request_id: str) -> ComputedBlocks:
         hit = super().get_computed_blocks(request_id)
         self._record("get_computed_blocks", {"request_id": request_id}, _hit_to_json(hit))
         return hit
@@ -163,10 +147,10 @@ class TracingBackend(ForwardingBackend):
         self,
         request_id: str,
         num_new_tokens: int,
-        hit: PrefixHit | None = None,
+        hit: ComputedBlocks | None = None,
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
-    ) -> AllocatedIds | None:
+    ) -> BlockIds | None:
         new_block_ids = super().allocate_slots(
             request_id, num_new_tokens, hit, num_lookahead_tokens, full_sequence_must_fit
         )
@@ -177,12 +161,7 @@ class TracingBackend(ForwardingBackend):
             "num_lookahead_tokens": num_lookahead_tokens,
             "full_sequence_must_fit": full_sequence_must_fit,
         }
-        if isinstance(new_block_ids, PendingBlockIds):
-            pending = new_block_ids
-            self._unresolved.append((len(self.entries), lambda: _ids_to_json(pending.get())))
-            self._record("allocate_slots", args)
-        else:
-            self._record("allocate_slots", args, _ids_to_json(new_block_ids))
+        self._record("allocate_slots", args, _ids_to_json(new_block_ids))
         return new_block_ids
 
     def admit(
@@ -193,11 +172,7 @@ class TracingBackend(ForwardingBackend):
     ) -> list[AdmittedIds]:
         args = _admit_args(request_ids, token_budget, options)
         admitted = super().admit(request_ids, token_budget, options)
-        if _any_pending(admitted):
-            self._unresolved.append((len(self.entries), lambda: _admitted_to_json(admitted)))
-            self._record("admit", args)
-        else:
-            self._record("admit", args, _admitted_to_json(admitted))
+        self._record("admit", args, _admitted_to_json(admitted))
         return admitted
 
     def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
@@ -212,20 +187,6 @@ class TracingBackend(ForwardingBackend):
         num_free = super().num_free_blocks()
         self._record("num_free_blocks", {}, num_free)
         return num_free
-
-    def end_step(self) -> None:
-        super().end_step()
-        self._resolve_answers()
-
-    def flush(self) -> None:
-        super().flush()
-        self._resolve_answers()
-
-    def _resolve_answers(self) -> None:
-        for index, answer in self._unresolved:
-            entry = self.entries[index]
-            self.entries[index] = TraceEntry(entry.op, entry.args, answer())
-        self._unresolved.clear()
 
     def trace(self, meta: dict[str, Any] | None = None) -> Trace:
         """What was recorded so far."""
@@ -278,14 +239,9 @@ def _apply(backend: Backend, entry: TraceEntry) -> Any:
                 int(args["num_lookahead_tokens"]),
                 bool(args["full_sequence_must_fit"]),
             )
-            if isinstance(new_block_ids, PendingBlockIds):
-                backend.flush()  # a batching backend: its answer comes with the send
-            return None if new_block_ids is None else _ids_to_json(resolve_ids(new_block_ids))
+            return None if new_block_ids is None else _ids_to_json(new_block_ids)
         case "admit":
-            admitted = _admit(backend, args)
-            if _any_pending(admitted):
-                backend.flush()  # a batching backend: its answer comes with the send
-            return _admitted_to_json(admitted)
+            return _admitted_to_json(_admit(backend, args))
         case "append_tokens":
             backend.append_tokens(str(args["request_id"]), [int(t) for t in args["token_ids"]])
             return None
@@ -300,7 +256,28 @@ def _apply(backend: Backend, entry: TraceEntry) -> Any:
 
 def replay(entries: Iterable[TraceEntry], backend: Backend) -> list[Any]:
     """Issue every recorded call against ``backend``; the answers, in order."""
-    return [_apply(backend, entry) for entry in entries]
+    return [result for _, _, result in _replayed(entries, backend)]
+
+
+# Calls that decide a step; the scheduler's loop ends the step's decisions
+# (``end_step``) before the appends and frees that follow its forward pass.
+_DECISIONS = frozenset({"get_computed_blocks", "allocate_slots", "admit"})
+
+
+def _replayed(
+    entries: Iterable[TraceEntry], backend: Backend
+) -> Iterator[tuple[int, TraceEntry, Any]]:
+    """Each recorded call issued again, with its answer. A trace holds no ``end_step``:
+    it comes back where the loop calls it, after a step's decisions and before the
+    first call that is not one (a replicated backend sends the step there)."""
+    deciding = False
+    for index, entry in enumerate(entries):
+        if entry.op in _DECISIONS:
+            deciding = True
+        elif deciding and not (entry.op == "free" and entry.args.get("preempt")):
+            backend.end_step()
+            deciding = False
+        yield index, entry, _apply(backend, entry)
 
 
 def _subject(entry: TraceEntry) -> Any:
@@ -311,11 +288,11 @@ def _subject(entry: TraceEntry) -> Any:
 def check_replay(trace: Trace, backend: Backend) -> int:
     """Replay ``trace`` against ``backend``, raising ``TraceMismatchError`` at the first
     answer that differs from the recording; the number of calls replayed."""
-    for index, entry in enumerate(trace.entries):
-        result = _apply(backend, entry)
+    for index, entry, result in _replayed(trace.entries, backend):
         if result != entry.result:
             raise TraceMismatchError(
                 f"call {index} ({entry.op} {_subject(entry)!r}): recorded "
                 f"{entry.result!r}, replayed {result!r}"
             )
+    backend.flush()
     return len(trace.entries)

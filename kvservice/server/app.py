@@ -13,19 +13,21 @@ import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import grpc
 import structlog
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvservice.core.errors import InvalidArgumentError
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.request_table.table import RequestTable
 from kvservice.server import binding
 from kvservice.server.audit import Auditor, SelfCheck
 from kvservice.server.auth import AuthInterceptor, TokenTable, load_tokens_file
+from kvservice.server.caller import CallerLayer
 from kvservice.server.config import (
     ServerConfig,
     build_kv_cache_config,
@@ -37,6 +39,7 @@ from kvservice.server.events import EventLog
 from kvservice.server.idempotency import IdempotencyLayer, OperationCache
 from kvservice.server.interceptors import BoundaryInterceptor, RpcLayer
 from kvservice.server.log import unfiltered_logger
+from kvservice.server.loop_watch import FullCollections, GcWatch, StallWatch
 from kvservice.server.metrics import ClientTracker, KVCacheMetrics, MetricsEndpoint
 from kvservice.server.probes import LoopProbe
 from kvservice.server.runtime import build_runtime, kv_cache_budget
@@ -173,6 +176,23 @@ class KVCacheServer:
         self.metrics.watch(manager, lambda: self.table.num_requests, self.clients)
         self.metrics.watch_tenants(self.table.tenant_blocks)
         self.metrics.watch_tenant_requests(self.table.requests_per_tenant.per_tenant)
+        self.metrics.watch_tenant_sessions(self.sessions.tenant_sessions)
+        # How long the loop is held up (``loop_watch``): reported in the metrics, and
+        # the longest figures kept for tests and benchmarks.
+        self.stalls = StallWatch(observe=self.metrics.record_loop_stall)
+        self.collections = GcWatch(
+            observe=self.metrics.record_gc_pause, inside=lambda: self.turn.taken
+        )
+        if config.gc_full_collection_interval_s < 0:
+            raise InvalidArgumentError(
+                f"gc_full_collection_interval must be >= 0 (0: Python's own full "
+                f"collections), got {config.gc_full_collection_interval_s}"
+            )
+        self._full_collections = (
+            FullCollections(config.gc_full_collection_interval_s, self.turn.run)
+            if config.gc_full_collection_interval_s
+            else None
+        )
         self._health = health.aio.HealthServicer()
         self._server: Any = None
         self._metrics_endpoint: MetricsEndpoint | None = None
@@ -214,7 +234,8 @@ class KVCacheServer:
                 config.metrics_host, config.metrics_port, "--metrics-host/--metrics-port"
             )
         # Outermost first: RpcLayer turns the inner ones' refusals into statuses;
-        # sessions resolve the caller before idempotency scopes operation ids by it.
+        # sessions resolve the caller before idempotency scopes operation ids by it;
+        # CallerLayer hands the caller to the servicer's methods.
         interceptors: list[Any] = [
             BoundaryInterceptor(
                 SERVICE_NAME,
@@ -222,6 +243,7 @@ class KVCacheServer:
                     RpcLayer(self.metrics, self.clients, self._drain),
                     SessionLayer(self.sessions),
                     IdempotencyLayer(self._operations, self.metrics),
+                    CallerLayer(),
                 ],
             )
         ]
@@ -237,19 +259,21 @@ class KVCacheServer:
                 ),
             )
         server = grpc.aio.server(interceptors=interceptors, options=_channel_options(config))
+        # Registered as grpc's generated servicer, though its methods take the caller as
+        # a third argument: the boundary's CallerLayer, always installed above, passes it.
+        servicer = KVCacheServicer(
+            self.table,
+            config.model_name,
+            config.max_step_ops,
+            runtime_device=config.device if self.runtime is not None else "",
+            events=self.events,
+            sessions=self.sessions,
+            auditor=self.auditor,
+            turn=self.turn,
+            seed_source=hash_seed_source(config),
+        )
         pb_grpc.add_KVCacheServiceServicer_to_server(
-            KVCacheServicer(
-                self.table,
-                config.model_name,
-                config.max_step_ops,
-                runtime_device=config.device if self.runtime is not None else "",
-                events=self.events,
-                sessions=self.sessions,
-                auditor=self.auditor,
-                turn=self.turn,
-                seed_source=hash_seed_source(config),
-            ),
-            server,
+            cast("pb_grpc.KVCacheServiceServicer", servicer), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection(
@@ -279,6 +303,10 @@ class KVCacheServer:
         self._reaper.start()
         if self._self_check is not None:
             self._self_check.start()
+        self.stalls.start()
+        self.collections.start()
+        if self._full_collections is not None:
+            self._full_collections.start()
         self._handle = ServerHandle(
             config.host, port, metrics_port, self.runtime, config.metrics_host
         )
@@ -335,6 +363,12 @@ class KVCacheServer:
             # cancelled; see kvservice/server/drain.py for why grpc's grace is not used.
             await self._server.stop(0)
             self._server = None
+        # Sessions still being ended (their last frees), then the watches.
+        await self.turn.drain()
+        await self.stalls.stop()
+        self.collections.stop()
+        if self._full_collections is not None:
+            await self._full_collections.stop()
         # After the calls: an Audit still running past the grace has its child killed.
         await self.auditor.close()
         if self.kv_event_publisher is not None:

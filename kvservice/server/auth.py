@@ -44,7 +44,7 @@ from kvservice.protocol import AUTHORIZATION_KEY, RETRY_AFTER_KEY
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.request_table.tenancy import check_tenant_name
 from kvservice.server.caller import CURRENT_CALLER
-from kvservice.server.log import clip
+from kvservice.server.log import LineBudget, clip
 from kvservice.server.tls import SecurityConfigError
 
 log = structlog.get_logger("kvservice.auth")
@@ -251,6 +251,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
         self._tokens = tokens
         self._on_refusal = on_refusal
         self._on_delay = on_delay
+        # Refusals are counted in the metrics; their lines are kept to a budget.
+        self._lines = LineBudget()
         self._buckets = {
             name: TokenBucket(p.rate_limit, p.burst or max(1, math.ceil(p.rate_limit)), clock)
             for name, p in tokens.tenants.items()
@@ -268,7 +270,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
             tenant = policy.name if policy is not None else ""
             if self._on_refusal is not None:
                 self._on_refusal(tenant, refusal.reason)
-            return _refusing_handler(method, refusal, tenant)
+            return _refusing_handler(method, refusal, tenant, self._lines)
         assert policy is not None
         # Same task as the handler: grpc.aio awaits the interceptors, then the handler.
         CURRENT_CALLER.set(
@@ -355,7 +357,7 @@ def _rate_refusal(policy: TenantPolicy, wait: float) -> _Refusal:
     )
 
 
-def _refusing_handler(method: str, refusal: _Refusal, tenant: str) -> Any:
+def _refusing_handler(method: str, refusal: _Refusal, tenant: str, lines: LineBudget) -> Any:
     """A handler of the method's own kind that logs the refusal, with the caller's
     address (only the call's context knows it), and aborts: built without calling the
     next interceptor, so nothing after this one sees a refused call."""
@@ -367,8 +369,10 @@ def _refusing_handler(method: str, refusal: _Refusal, tenant: str) -> Any:
             # Once the status is on its way: a stream's client may still be writing
             # its first message, and an abort that comes late turns its write into an
             # INTERNAL error instead of the refusal.
-            log.info(
+            lines.info(
+                log,
                 "rpc refused",
+                refusal.reason,
                 method=clip(method),
                 tenant=tenant,
                 reason=refusal.reason,

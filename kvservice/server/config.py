@@ -119,6 +119,10 @@ class ServerConfig:
     max_step_streams: int = 4096
     # Seconds between the pool's periodic self-checks (``audit``); 0 disables them.
     audit_interval_s: float = 60.0
+    # Seconds between the garbage collector's full collections, which the server runs
+    # itself in the table's turn (never inside a Step's slices) instead of Python
+    # (``loop_watch.FullCollections``); 0 leaves them to Python. Process-wide.
+    gc_full_collection_interval_s: float = 60.0
     # Operation ids remembered for idempotent retries (``idempotency``).
     idempotency_cache_size: int = 10_000
     # Security (``tls``, ``auth``): PEM files for TLS; a client CA turns on mutual TLS.
@@ -216,10 +220,32 @@ def build_kv_cache_config(
         num_gpu_blocks_override=config.num_blocks if available_memory is None else None,
         needs_kv_cache_zeroing=config.needs_kv_cache_zeroing or config.has_runtime,
     )
-    check_enough_kv_cache_memory(
-        kv_cache_config, config.max_model_len, config.max_in_flight_tokens or config.max_model_len
-    )
+    in_flight = config.max_in_flight_tokens or config.max_model_len
+    try:
+        check_enough_kv_cache_memory(kv_cache_config, config.max_model_len, in_flight)
+    except InvalidArgumentError as err:
+        raise InvalidArgumentError(_pool_too_small(config, str(err))) from None
     return kv_cache_config
+
+
+def _pool_too_small(config: ServerConfig, message: str) -> str:
+    """The core's message, with the flags that fix it: the core names no flag, and a
+    sliding-window pool's need depends on one a newcomer does not think of."""
+    advice = " Raise --num-blocks (or --kv-cache-memory-bytes) or lower --max-model-len."
+    if config.sliding_window:
+        in_flight = config.max_in_flight_tokens or config.max_model_len
+        setting = (
+            f"--max-in-flight-tokens {config.max_in_flight_tokens}"
+            if config.max_in_flight_tokens
+            else f"--max-in-flight-tokens unset: max_model_len, {config.max_model_len}"
+        )
+        advice += (
+            f" The sliding-window group counts at most a window ({config.sliding_window}) "
+            f"plus the tokens in flight ({in_flight}; {setting}) per request: lower "
+            f"--max-in-flight-tokens to what one engine step schedules (vLLM's "
+            f"max_num_batched_tokens times its concurrent batches) to need fewer blocks."
+        )
+    return message.replace(" Give the KV cache more memory or lower max_model_len.", "") + advice
 
 
 def _check_hash_block_size(config: ServerConfig) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvservice.core.admission import AdmitStop
 from kvservice.core.allocation_options import AllocationOptions, allocation_options
 from kvservice.core.block_hashing import MultiModalFeature
 from kvservice.core.errors import InvalidArgumentError
@@ -24,6 +23,7 @@ from kvservice.core.kv_cache_manager import AllocationProbe, KVCacheManager
 from kvservice.core.request import Request, RequestStatus
 from kvservice.protocol import PACKED_TOKEN_ID_SIZE, unpack_token_ids
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.request_table.admission import AdmitStop
 from kvservice.request_table.tenancy import client_request_id
 from kvservice.request_table.types import (
     AllocateArgs,

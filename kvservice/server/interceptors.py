@@ -9,6 +9,10 @@ Each call binds, for every line it logs: ``method`` (the short RPC name, also th
 metrics label), ``request_id`` (the KV request the message names, ``-`` for calls
 that name none, such as Step), ``client_id`` (the ``x-client-id`` metadata, ``-`` when
 absent) and ``call_id`` (the ``x-request-id`` metadata, else a generated one).
+
+The lines a client's calls cause at info level (a refusal, a stream opened or closed)
+go through a ``LineBudget``: a bounded number per kind and interval, then one line
+saying how many more there were; the metrics count every call.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from kvservice.core.errors import InvalidArgumentError, KVCacheError
 from kvservice.protocol import CALL_ID_KEY, CLIENT_ID_KEY
 from kvservice.server.drain import SHUTTING_DOWN, Drain
 from kvservice.server.errors import status_code_of, status_message_of
-from kvservice.server.log import clip
+from kvservice.server.log import LineBudget, clip
 from kvservice.server.metrics import ClientTracker, KVCacheMetrics, RpcInstruments
 
 log = structlog.get_logger("kvservice.rpc")
@@ -94,6 +98,10 @@ class RpcLayer:
         self._metrics = metrics
         self._clients = clients
         self._drain = drain
+        # Refusals and stream churn are counted in the metrics (RPC duration and
+        # in-flight series, ``kvservice_refusals_total``); their lines are kept to a
+        # budget, so a client cannot make the server write a line per call.
+        self._lines = LineBudget()
 
     def wrap(self, handler: Any, method: str) -> Any:
         instruments = self._metrics.rpc(method)
@@ -106,6 +114,7 @@ class RpcLayer:
                     self._clients,
                     self._drain,
                     _debug_enabled(),
+                    self._lines,
                 ),
                 request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
@@ -113,7 +122,12 @@ class RpcLayer:
         if handler.stream_stream is not None:
             return grpc.stream_stream_rpc_method_handler(
                 _stream_call(
-                    handler.stream_stream, method, instruments, self._clients, self._drain
+                    handler.stream_stream,
+                    method,
+                    instruments,
+                    self._clients,
+                    self._drain,
+                    self._lines,
                 ),
                 request_deserializer=_tolerant(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
@@ -209,6 +223,7 @@ def _unary_call(
     clients: ClientTracker,
     drain: Drain,
     log_ok: bool,
+    lines: LineBudget,
 ) -> UnaryBehavior:
     # OK calls are the hot path: their one line is at debug, so info stays readable
     # under load, and below debug they bind no logger and format nothing; refusals and
@@ -237,7 +252,15 @@ def _unary_call(
             response = await behavior(request, context)
         except KVCacheError as err:
             code = status_code_of(err)
-            log.info("rpc refused", **fields, status=code.name, error=clip(str(err)), ms=_ms(start))
+            lines.info(
+                log,
+                "rpc refused",
+                code.name,
+                **fields,
+                status=code.name,
+                error=clip(str(err)),
+                ms=_ms(start),
+            )
             await context.abort(code, status_message_of(err))
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise  # an abort's status stands; a cancelled call has nobody to answer
@@ -284,6 +307,7 @@ def _stream_call(
     instruments: RpcInstruments,
     clients: ClientTracker,
     drain: Drain,
+    lines: LineBudget,
 ) -> StreamBehavior:
     async def stream(requests: Any, context: Any) -> AsyncIterator[Any]:
         if drain.draining:
@@ -294,7 +318,7 @@ def _stream_call(
         instruments.in_flight.inc()
         drain.enter()
         clients.open_stream(client_id)
-        line.info("stream opened")
+        lines.info(line, "stream opened")
         status = "OK"
         try:
             async for response in behavior(timed, context):
@@ -303,7 +327,7 @@ def _stream_call(
         except KVCacheError as err:
             code = status_code_of(err)
             status = code.name
-            line.info("stream refused", status=status, error=clip(str(err)))
+            lines.info(line, "stream refused", status, status=status, error=clip(str(err)))
             await context.abort(code, status_message_of(err))
         except asyncio.CancelledError:
             status = "CANCELLED"
@@ -319,7 +343,7 @@ def _stream_call(
             instruments.in_flight.dec()
             drain.exit()
             clients.close_stream(client_id)
-            line.info("stream closed", status=status, num_messages=timed.count)
+            lines.info(line, "stream closed", status, status=status, num_messages=timed.count)
 
     return stream
 

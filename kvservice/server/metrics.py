@@ -139,6 +139,7 @@ class KVCacheMetrics:
         self._declare_pool_series()
         self._declare_rpc_series()
         self._declare_lifecycle_series()
+        self._declare_loop_series()
         self._declare_security_series()
         self._export_cache_config(manager)
 
@@ -219,6 +220,21 @@ class KVCacheMetrics:
         """Sessions, idempotent retries and the self-check (``sessions``,
         ``idempotency``, ``audit``); public, those modules write them."""
         self.sessions_active = self._gauge("kvservice_sessions_active", "Open client sessions.")
+        self.sessions_opened = self._counter(
+            "kvservice_sessions_opened", "Client sessions opened (OpenSession answered OK)."
+        )
+        closed = Counter(
+            "kvservice_sessions_closed",
+            "Client sessions ended, by why: client (CloseSession), ttl (the lease ran "
+            "out), stream_broken (a StepStream opened under it broke). Counted once its "
+            "requests are freed.",
+            (*_LABELS, "reason"),
+            registry=self.registry,
+        )
+        self.sessions_closed = {
+            reason: closed.labels(**self.labels, reason=reason)
+            for reason in ("client", "ttl", "stream_broken")
+        }
         expirations = Counter(
             "kvservice_session_expirations",
             "Sessions ended by the server: ttl (the lease ran out), stream_broken (a "
@@ -251,6 +267,33 @@ class KVCacheMetrics:
             "kvservice_audit_last_success_timestamp_seconds",
             "Unix time of the last audit that found the pool consistent.",
         )
+
+    def _declare_loop_series(self) -> None:
+        """How long the event loop is held up (``loop_watch``)."""
+        self._loop_stall = Histogram(
+            "kvservice_event_loop_stall_seconds",
+            "How late a timer the server sets every 10 ms runs: the time the event loop "
+            "was held by something else (a call's work between two pauses, a garbage "
+            "collection). Health checks wait this long.",
+            _LABELS,
+            buckets=RPC_DURATION_BUCKETS,
+            registry=self.registry,
+        ).labels(**self.labels)
+        gc_pause = Histogram(
+            "kvservice_gc_pause_seconds",
+            "Pauses of Python's cyclic garbage collector, by generation (2: a full "
+            "collection); each stalls the event loop.",
+            (*_LABELS, "generation"),
+            buckets=RPC_DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self._gc_pause = [gc_pause.labels(**self.labels, generation=str(g)) for g in range(3)]
+
+    def record_loop_stall(self, seconds: float) -> None:
+        self._loop_stall.observe(seconds)
+
+    def record_gc_pause(self, generation: int, seconds: float) -> None:
+        self._gc_pause[min(max(generation, 0), 2)].observe(seconds)
 
     def _declare_security_series(self) -> None:
         """Refused calls by tenant and reason (``auth``, quotas and limits in the
@@ -294,6 +337,11 @@ class KVCacheMetrics:
     def watch_tenant_requests(self, counts: Callable[[], Mapping[str, tuple[int, int]]]) -> None:
         """Export ``counts()`` (tenant -> requests held, waiting tokens) at scrape time."""
         self.registry.register(_TenantRequestsCollector(counts, self.labels))
+
+    def watch_tenant_sessions(self, counts: Callable[[], Mapping[str, tuple[int, int]]]) -> None:
+        """Export ``counts()`` (tenant -> open sessions, open StepStreams) at scrape
+        time."""
+        self.registry.register(_TenantSessionsCollector(counts, self.labels))
 
     def _export_cache_config(self, manager: KVCacheManager) -> None:
         config = manager.kv_cache_config
@@ -406,6 +454,44 @@ class _TenantRequestsCollector:
                 "kvservice_tenant_waiting_tokens",
                 "Tokens of each tenant's requests that are not running (limit: "
                 "max_waiting_tokens_per_tenant).",
+                labels=labels,
+            ),
+        )
+
+
+class _TenantSessionsCollector:
+    """``kvservice_tenant_sessions`` and ``kvservice_tenant_step_streams``, what the
+    per-tenant session and stream limits count, read at scrape time (from a copy)."""
+
+    def __init__(
+        self, counts: Callable[[], Mapping[str, tuple[int, int]]], labels: dict[str, str]
+    ) -> None:
+        self._counts = counts
+        self._label_values = [labels[name] for name in _LABELS]
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        sessions, streams = self._families()
+        for tenant, (num_sessions, num_streams) in sorted(self._counts().items()):
+            sessions.add_metric([*self._label_values, tenant], num_sessions)
+            streams.add_metric([*self._label_values, tenant], num_streams)
+        yield from (sessions, streams)
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        labels = (*_LABELS, "tenant")
+        return (
+            GaugeMetricFamily(
+                "kvservice_tenant_sessions",
+                "Sessions each tenant has open (limit: max_sessions_per_tenant; the "
+                "default tenant: empty).",
+                labels=labels,
+            ),
+            GaugeMetricFamily(
+                "kvservice_tenant_step_streams",
+                "StepStreams each tenant has open (limit: max_step_streams_per_tenant).",
                 labels=labels,
             ),
         )

@@ -2,12 +2,17 @@
 filled in place.
 
 The unary RPCs and the operations of a ``Step`` call the same functions, which is what
-makes a batched step answer exactly what the same calls made one by one would. None of
-them awaits: each runs to completion on the loop that owns the request table.
+makes a batched step answer exactly what the same calls made one by one would. The
+per-request ones do not await: each runs to completion on the loop that owns the
+request table. The ones that may carry thousands of entries (``Admit``, the columnar
+batches) pause between entries every ``turns.SLICE_S`` of work, with the table's turn
+held by their caller (``SLICED_OPERATIONS``), as a Step pauses between operations, so
+no single call holds up the loop (health checks) for longer than a slice.
 """
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
 from typing import Any, Protocol
 
 import structlog
@@ -21,6 +26,7 @@ from kvservice.request_table.types import AllocateArgs
 from kvservice.server import converters
 from kvservice.server.caller import Caller
 from kvservice.server.errors import PermissionDeniedError, status_code_of, status_message_of
+from kvservice.server.turns import Slices
 
 log = structlog.get_logger("kvservice.step")
 
@@ -200,32 +206,6 @@ def get_usage(
     out.pool_wide = pool_wide
 
 
-def admit(
-    table: RequestTable,
-    msg: pb.AdmitRequest,
-    out: pb.AdmitResponse,
-    caller: Caller,
-    with_state: bool,
-    /,
-) -> None:
-    args = admission.AdmitArgs(
-        request_ids=list(msg.request_ids),
-        token_budget=msg.token_budget,
-        enable_chunked_prefill=msg.enable_chunked_prefill,
-        num_lookahead_tokens=msg.num_lookahead_tokens,
-        full_sequence_must_fit=msg.full_sequence_must_fit,
-    )
-    result = admission.admit(table, args, caller.tenant)
-    for one in result.admitted:
-        admitted = out.admitted.add()
-        converters.fill_computed_blocks(admitted.hit, one.hit)
-        admitted.num_new_tokens = one.num_new_tokens
-        converters.fill_allocation(admitted.allocation, one.allocation, with_state)
-    out.stop_reason = converters.admit_stop_to_pb(result.stop)
-    if result.stop_error is not None:
-        out.stop_message = str(result.stop_error)
-
-
 # The StepOperation oneof field name -> the operation. StepResult's oneof uses the same
 # names, so a result is filed under the name of the operation that produced it.
 STEP_OPERATIONS: dict[str, Operation] = {
@@ -238,7 +218,6 @@ STEP_OPERATIONS: dict[str, Operation] = {
     "get_request": get_request,
     "get_block_ids": get_block_ids,
     "get_usage": get_usage,
-    "admit": admit,
     "new_step_starts": new_step_starts,
     "free_retained_blocks": free_retained_blocks,
     "cache_blocks": cache_blocks,
@@ -250,10 +229,13 @@ STEP_OPERATIONS: dict[str, Operation] = {
 
 class BatchOperation(Protocol):
     """(table, batch message, batch response to fill, caller, stop_on_error,
-    with_state) -> the status code number of the first refused entry, 0 when none.
+    with_state, slices) -> the status code number of the first refused entry, 0 when
+    none.
 
     Each entry runs through the same table method as its single operation, in order,
-    so it answers and changes exactly what that operation would. Raises
+    so it answers and changes exactly what that operation would; between two entries
+    the operation pauses whenever ``slices`` says a slice of work is done (its caller
+    holds the table's turn, so nothing else touches the table meanwhile). Raises
     ``InvalidArgumentError`` before anything runs for a batch malformed as a whole.
     """
 
@@ -265,8 +247,9 @@ class BatchOperation(Protocol):
         caller: Caller,
         stop_on_error: bool,
         with_state: bool,
+        slices: Slices,
         /,
-    ) -> int: ...
+    ) -> Coroutine[Any, Any, int]: ...
 
 
 def _check_columns(kind: str, num_ids: int, column: str, num_values: int) -> None:
@@ -293,13 +276,14 @@ def _entry_error(errors: Any, index: int, err: Exception) -> int:
 _INTERNAL = 13  # grpc.StatusCode.INTERNAL
 
 
-def append_tokens_batch(
+async def append_tokens_batch(
     table: RequestTable,
     msg: pb.AppendTokensBatch,
     out: pb.AppendTokensBatchResponse,
     caller: Caller,
     stop_on_error: bool,
     with_state: bool,
+    slices: Slices,
     /,
 ) -> int:
     """One token appended per entry: ``append_tokens`` in a loop, with no message per
@@ -313,6 +297,8 @@ def append_tokens_batch(
     first_code = 0
     index = -1
     for index, (rid, token) in enumerate(zip(ids, tokens, strict=True)):
+        if slices.due():
+            await slices.pause()
         try:
             request = table.append_tokens(rid, [token], tenant)
         except Exception as err:
@@ -329,13 +315,14 @@ def append_tokens_batch(
     return first_code
 
 
-def allocate_slots_batch(
+async def allocate_slots_batch(
     table: RequestTable,
     msg: pb.AllocateSlotsBatch,
     out: pb.AllocateSlotsBatchResponse,
     caller: Caller,
     stop_on_error: bool,
     with_state: bool,
+    slices: Slices,
     /,
 ) -> int:
     """A plain ``allocate_slots`` per entry, answered column by column (see
@@ -350,6 +337,8 @@ def allocate_slots_batch(
     first_code = 0
     index = -1
     for index, (rid, num) in enumerate(zip(ids, nums, strict=True)):
+        if slices.due():
+            await slices.pause()
         try:
             allocation = table.allocate_slots(rid, AllocateArgs(num), tenant)
         except Exception as err:
@@ -373,8 +362,83 @@ def allocate_slots_batch(
     return first_code
 
 
+# -- Admit ---------------------------------------------------------------------------
+
+# Admissions run between two looks at the clock (each a lookup, an allocation and its
+# answer: tens of microseconds).
+ADMIT_CHUNK = 32
+
+
+async def admit(
+    table: RequestTable,
+    msg: pb.AdmitRequest,
+    out: pb.AdmitResponse,
+    caller: Caller,
+    stop_on_error: bool,
+    with_state: bool,
+    slices: Slices,
+    /,
+) -> int:
+    """``Admit``, pausing between admissions (a unary Admit may name every request of
+    its tenant: 16,384 at the default limit, half a second of work run whole).
+
+    Still all or nothing: every argument and id is checked before anything runs, so a
+    refused Admit changes nothing. The admissions then run in chunks of
+    ``ADMIT_CHUNK``, each chunk ``admission.admit`` over its ids with the budget the
+    chunks before it left: the same loop run in pieces, so it admits, and stops,
+    exactly where one call over every id would (admission stops within a chunk, or
+    before the next one once the budget is spent). Between chunks it pauses whenever a
+    slice of work is done; the caller holds the table's turn throughout, so no other
+    call touches the table between two chunks (a request checked above is still as it
+    was when its chunk runs). Returns 0: a refusal is raised, not answered."""
+    tenant = caller.tenant
+    ids = list(msg.request_ids)
+    whole = admission.AdmitArgs(
+        request_ids=ids,
+        token_budget=msg.token_budget,
+        enable_chunked_prefill=msg.enable_chunked_prefill,
+        num_lookahead_tokens=msg.num_lookahead_tokens,
+        full_sequence_must_fit=msg.full_sequence_must_fit,
+    )
+    # Everything checked first (the chunks below check their own ids again: cheap).
+    admission.check(table, whole, tenant)
+    budget = whole.token_budget
+    stop = None
+    for start in range(0, len(ids), ADMIT_CHUNK):
+        if start and slices.due():
+            await slices.pause()
+        result = admission.admit(
+            table,
+            admission.AdmitArgs(
+                request_ids=ids[start : start + ADMIT_CHUNK],
+                token_budget=budget,
+                enable_chunked_prefill=whole.enable_chunked_prefill,
+                num_lookahead_tokens=whole.num_lookahead_tokens,
+                full_sequence_must_fit=whole.full_sequence_must_fit,
+            ),
+            tenant,
+        )
+        for one in result.admitted:
+            admitted = out.admitted.add()
+            converters.fill_computed_blocks(admitted.hit, one.hit)
+            admitted.num_new_tokens = one.num_new_tokens
+            converters.fill_allocation(admitted.allocation, one.allocation, with_state)
+            budget -= one.num_new_tokens
+        stop = result
+        if result.stop is not admission.AdmitStop.ALL_ADMITTED:
+            break
+    assert stop is not None  # ids is not empty: checked above
+    out.stop_reason = converters.admit_stop_to_pb(stop.stop)
+    if stop.stop_error is not None:
+        out.stop_message = str(stop.stop_error)
+    return 0
+
+
 # The StepOperation oneof field name of each columnar operation -> the operation.
 BATCH_OPERATIONS: dict[str, BatchOperation] = {
     "append_tokens_batch": append_tokens_batch,
     "allocate_slots_batch": allocate_slots_batch,
 }
+# The operations a Step awaits, since they pause between their entries; the others
+# (``STEP_OPERATIONS``) run whole.
+SLICED_OPERATIONS: dict[str, BatchOperation] = {**BATCH_OPERATIONS, "admit": admit}

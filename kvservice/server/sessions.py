@@ -9,13 +9,42 @@ client vanished mid-stream), the session ends and every request it owns is freed
 FINISH, so no block outlives its owner's lease.
 
 Ending a session is an operation of the table's turn (``turns``), wherever the end
-comes from: ``CloseSession`` and the reaper wait for the turn; a broken stream, or a
-lease found run out by a call, ends the session at once (no call is served under it
+comes from: ``CloseSession`` waits for the turn; the reaper, a broken stream, or a
+lease found run out by a call ends the session at once (no call is served under it
 from then on) and frees what it owns in the turn (``TableTurn.defer``): at once when
 the table is free, else as soon as the Step holding the turn gives it back. That Step,
 if it runs under the ended session, re-checks its session after each pause and stops
 (``StepRunner``), so everything the session owned, what the Step added included, is
 freed, and nothing is left ownerless.
+
+A session may own thousands of requests (16,384 at the default per-tenant limit:
+about 0.1 s of frees), so its end (``SessionEnd``) frees them a slice at a time
+(``turns.SLICE_S``), pausing between slices with the table's turn held, as a Step
+does. Why no call can observe or touch a half-ended session's requests in a way that
+breaks an invariant:
+
+* From the moment its end is decided, the session is ``ended``: every call under it
+  is refused (``_get``), so nothing adds a request to it or allocates for it any more,
+  and a Step under it stops at its next pause. The end is recorded in ``_ending`` at
+  that same moment, and its requests stay owned by it until each is freed.
+* The frees run only in the table's turn, and the turn is held from the first slice
+  to the last (a ``Resumable``: the pauses do not give it back), so no call that
+  touches the table (none but the end's own frees) runs between two slices: a call
+  waiting for the turn, an audit, the reaper's next tick, another session's end all
+  come after the last free. Calls that run during the pauses do not touch the table
+  (health checks, KeepAlive, OpenSession, GetCacheConfig, metrics scrapes: the
+  gauges may show the pool part-way, as during a Step).
+* Before its first slice (deferred behind a Step that holds the turn) the session's
+  requests are in the table like any of its tenant's: another caller of the tenant
+  could free one (the end then skips it: it frees only the requests still recorded as
+  the session's) or allocate for one (the end frees that too). Nothing can make the
+  session own a request again once it is ended, so the snapshot taken at the first
+  slice is all it will ever own.
+* A session whose end is decided but not finished counts as live for the audit (its
+  requests have an owner whose end will free them), as long as it is in ``_ending``;
+  one ended and gone, or ended with no end in progress (a bug), is reported.
+* It counts against ``max_sessions_per_tenant`` until its last free: an OpenSession
+  during its pauses may be refused, never let past the limit.
 
 Fencing: each session carries its scheduler's epoch; the highest epoch a tenant has
 opened is current, and a call under an older one is refused FAILED_PRECONDITION, so a
@@ -73,8 +102,9 @@ from kvservice.request_table.tenancy import describe_tenant
 from kvservice.request_table.types import FreeMode
 from kvservice.server.caller import CURRENT_CALLER, current_caller
 from kvservice.server.config import ServerConfig
+from kvservice.server.log import LineBudget
 from kvservice.server.metrics import KVCacheMetrics
-from kvservice.server.turns import TableTurn
+from kvservice.server.turns import WHOLE, Resumable, Slices, TableTurn
 
 log = structlog.get_logger("kvservice.sessions")
 
@@ -201,6 +231,31 @@ class Lease:
     expires_at_unix: float
 
 
+class SessionEnd(Resumable):
+    """One session's end, in the table's turn, a slice at a time: its copy holds
+    released, every request it still owns freed (FINISH), then the session forgotten
+    (see the module docstring). Called as deferred work it runs its first slice and
+    answers itself when there is more (``TableTurn`` then holds the turn on)."""
+
+    __slots__ = ("_pending", "_registry", "num_freed", "reason", "session", "why")
+
+    def __init__(self, registry: SessionRegistry, session: Session, why: str, reason: str) -> None:
+        self._registry = registry
+        self.session = session
+        self.why = why
+        # The metrics' reason: client, ttl or stream_broken.
+        self.reason = reason
+        # The requests left to free, last first; None before the first slice.
+        self._pending: list[str] | None = None
+        self.num_freed = 0
+
+    def __call__(self) -> SessionEnd | None:
+        return None if self.resume(Slices()) else self
+
+    def resume(self, slices: Slices) -> bool:
+        return self._registry._end_slice(self, slices)
+
+
 class SessionRegistry:
     """The open sessions of one pool, who owns which request, and the epochs.
 
@@ -239,6 +294,10 @@ class SessionRegistry:
         # StepStreams open, per tenant and in all (``max_step_streams*``).
         self._streams_per_tenant: dict[str, int] = {}
         self._num_streams = 0
+        # Sessions whose end is decided and not finished (see the module docstring).
+        self._ending: dict[str, SessionEnd] = {}
+        # Session churn is logged within a budget; the metrics count every one.
+        self._lines = LineBudget()
         table.ownership = self
 
     # -- the RPCs ------------------------------------------------------------------------
@@ -272,8 +331,12 @@ class SessionRegistry:
         self._sessions_per_tenant[tenant] = self._sessions_per_tenant.get(tenant, 0) + 1
         self._queue(session)
         self._record_active()
-        log.info(
+        if self._metrics is not None:
+            self._metrics.sessions_opened.inc()
+        self._lines.info(
+            log,
             "session opened",
+            tenant,
             session_id=session.session_id,
             client_name=client_name,
             epoch=epoch,
@@ -286,19 +349,27 @@ class SessionRegistry:
         """Renew the lease (``resolve``'s checks and errors)."""
         return self._lease(self.resolve(session_id, tenant))
 
-    def close(self, session_id: str, tenant: str, free_requests: bool) -> int:
-        """End the session; with ``free_requests`` free what it owns (else the
-        requests stay, unowned). Allowed under a superseded epoch, so a stale
-        scheduler can still clean up. Returns the number of requests freed. Runs in
-        the table's turn (the caller's business)."""
+    def begin_close(self, session_id: str, tenant: str, free_requests: bool) -> SessionEnd:
+        """End the session (``CloseSession``); with ``free_requests`` its end frees
+        what it owns (else the requests stay, unowned). Allowed under a superseded
+        epoch, so a stale scheduler can still clean up. The caller holds the table's
+        turn and runs the end (``resume``) until it is done; ``num_freed`` then says
+        how many requests it freed. NOT_FOUND, FAILED_PRECONDITION (already ended) as
+        ``resolve``."""
         session = self._get(session_id, tenant)
         if not free_requests:
             for rid in session.requests:
                 del self._owners[(tenant, rid)]
             session.requests.clear()
-        freed = self._end(session, "closed by the client")
-        log.info("session closed", session_id=session_id, num_requests_freed=freed)
-        return freed
+        return self._begin_end(session, "closed by the client", "client")
+
+    def close(self, session_id: str, tenant: str, free_requests: bool) -> int:
+        """``begin_close`` run whole (its caller holds the table's turn and does not
+        mind the loop held meanwhile: tests and tools); the requests freed."""
+        end = self.begin_close(session_id, tenant, free_requests)
+        while not end.resume(WHOLE):
+            pass
+        return end.num_freed
 
     def resolve(self, session_id: str, tenant: str) -> Session:
         """The caller's live session, its lease renewed. NOT_FOUND for an id never
@@ -460,7 +531,7 @@ class SessionRegistry:
         ownerless_blocks: set[int] = set()
         for (tenant, rid), owner in self._owners.items():
             session = self._sessions.get(owner)
-            if session is None or session.ended is not None:
+            if session is None or not self._owns_still(session):
                 ownerless.append(rid)
                 ownerless_blocks.update(self._blocks_of(tenant, rid))
             elif rid not in session.requests or session.tenant != tenant:
@@ -473,7 +544,7 @@ class SessionRegistry:
             )
         for (tenant, session_id), num_holds in self._table.copy_hold_owners().items():
             session = self._sessions.get(session_id)
-            if session is None or session.ended is not None or session.tenant != tenant:
+            if session is None or not self._owns_still(session) or session.tenant != tenant:
                 found.append(
                     f"{num_holds} copy holds are kept for session {session_id!r}, which has "
                     f"ended: nothing will release them"
@@ -488,6 +559,11 @@ class SessionRegistry:
                         f"request table does not know"
                     )
         return found
+
+    def _owns_still(self, session: Session) -> bool:
+        """Whether what the session owns has an owner that will free it: live, or
+        ended with its end in progress (not one ended with nothing to free it)."""
+        return session.ended is None or session.session_id in self._ending
 
     def _blocks_of(self, tenant: str, request_id: str) -> set[int]:
         try:
@@ -532,62 +608,105 @@ class SessionRegistry:
     def _expire(self, session: Session, reason: str) -> None:
         """End the session now (no call is served under it from here on) and free
         what it owns in the table's turn: at once when the table is free, else as the
-        Step holding the turn gives it back."""
+        Step holding the turn gives it back; a slice at a time if it owns many."""
         if session.ended is not None:
             return  # its end is already on its way
         why = "its lease ran out" if reason == "ttl" else "its stream broke"
-        session.ended = why
-        self._remember_ended(session, why)
-
-        def free() -> None:
-            freed = self._end(session, why)
-            if self._metrics is not None:
-                self._metrics.session_expirations[reason].inc()
-                self._metrics.requests_reclaimed.inc(freed)
-            log.info(
-                "session expired",
-                session_id=session.session_id,
-                client_name=session.client_name,
-                reason=reason,
-                num_requests_freed=freed,
-            )
-
-        self._turn.defer(free)
+        self._turn.defer(self._begin_end(session, why, reason))
 
     def _remember_ended(self, session: Session, why: str) -> None:
         self._ended[session.session_id] = (session.tenant, why)
         while len(self._ended) > ENDED_SESSIONS_KEPT:
             self._ended.popitem(last=False)
 
-    def _end(self, session: Session, why: str) -> int:
-        """Forget the session and free (FINISH) every request it still owns (in the
-        table's turn)."""
+    def _begin_end(self, session: Session, why: str, reason: str) -> SessionEnd:
+        """Decide the session's end: refused to every call from now, recorded as
+        ending until its ``SessionEnd`` has freed what it owns."""
         session.ended = why
-        freed = self._free_owned(session)
+        self._remember_ended(session, why)
+        end = SessionEnd(self, session, why, reason)
+        self._ending[session.session_id] = end
+        return end
+
+    def _end_slice(self, end: SessionEnd, slices: Slices) -> bool:
+        """Up to a slice of ``end`` (in the table's turn); True once it is done. An
+        end that fails (a bug) is no longer in progress: the audit then reports what
+        its session still owns."""
+        try:
+            return self._free_slice(end, slices)
+        except BaseException:
+            self._ending.pop(end.session.session_id, None)
+            raise
+
+    def _free_slice(self, end: SessionEnd, slices: Slices) -> bool:
+        session = end.session
+        tenant, session_id = session.tenant, session.session_id
+        pending = end._pending
+        if pending is None:
+            # Copy holds its steps kept go with it (whether or not it frees its
+            # requests); then its requests, in order of id.
+            self._table.release_copy_holds(tenant, session_id)
+            pending = end._pending = sorted(session.requests, reverse=True)
+        owners = self._owners
+        table = self._table
+        with table.batched():
+            while pending:
+                rid = pending.pop()
+                if owners.get((tenant, rid)) != session_id:
+                    session.requests.discard(rid)  # freed by another caller meanwhile
+                    continue
+                try:
+                    table.free(rid, FreeMode.FINISH, tenant)
+                except RequestNotFoundError:
+                    owners.pop((tenant, rid), None)
+                    session.requests.discard(rid)
+                    continue
+                end.num_freed += 1
+                if slices.due():
+                    break
+        if pending:
+            return False
+        self._forget(end)
+        return True
+
+    def _forget(self, end: SessionEnd) -> None:
+        """The end's last step: the session is gone, its place given back."""
+        session = end.session
+        session.requests.clear()
         del self._sessions[session.session_id]
+        self._ending.pop(session.session_id, None)
         left = self._sessions_per_tenant.get(session.tenant, 0) - 1
         if left > 0:
             self._sessions_per_tenant[session.tenant] = left
         else:
             self._sessions_per_tenant.pop(session.tenant, None)
-        self._remember_ended(session, why)
+        self._remember_ended(session, end.why)
         self._record_active()
-        return freed
+        metrics = self._metrics
+        if metrics is not None:
+            metrics.sessions_closed[end.reason].inc()
+            if end.reason != "client":
+                metrics.session_expirations[end.reason].inc()
+                metrics.requests_reclaimed.inc(end.num_freed)
+        self._lines.info(
+            log,
+            "session closed" if end.reason == "client" else "session expired",
+            end.reason,
+            session_id=session.session_id,
+            client_name=session.client_name,
+            reason=end.reason,
+            num_requests_freed=end.num_freed,
+        )
 
-    def _free_owned(self, session: Session) -> int:
-        freed = 0
-        # Copy holds its steps kept go with it (whether or not it frees its requests).
-        self._table.release_copy_holds(session.tenant, session.session_id)
-        with self._table.batched():
-            for rid in sorted(session.requests):
-                try:
-                    self._table.free(rid, FreeMode.FINISH, session.tenant)
-                except RequestNotFoundError:
-                    self._owners.pop((session.tenant, rid), None)
-                    continue
-                freed += 1
-        session.requests.clear()
-        return freed
+    def tenant_sessions(self) -> dict[str, tuple[int, int]]:
+        """Tenant -> (sessions open, StepStreams open), a copy (for the metrics'
+        scrape thread)."""
+        sessions = dict(self._sessions_per_tenant)
+        streams = dict(self._streams_per_tenant)
+        return {
+            tenant: (sessions.get(tenant, 0), streams.get(tenant, 0))
+            for tenant in sessions.keys() | streams.keys()
+        }
 
     def _queue(self, session: Session) -> None:
         """Put the session's lease in the expiry heap unless it is there already."""

@@ -14,13 +14,18 @@ Failure semantics (the ``Step`` and ``StepStream`` contract):
   interleaving, and a cancelled call has either run entirely or not at all. A large
   step pauses every few milliseconds so that health checks and calls that do not touch
   the table go on, but keeps the table's turn meanwhile (``turns``); a cancellation
-  during a pause takes effect once the step is done.
+  during a pause takes effect once the step is done. Between its operations, and
+  inside the ones that may carry thousands of entries (``admit``, the columnar
+  batches: ``operations.SLICED_OPERATIONS``), between their entries.
 * A step runs only under a live session: one whose session ended before it got the
   table's turn is refused as a whole (FAILED_PRECONDITION, nothing run), and one whose
   session ends during a pause (another of its streams broke, its lease was found run
   out) stops there: the operations already run stay applied, every later one answers
   FAILED_PRECONDITION without running, and the session's end then frees everything it
-  owned, what the step added included.
+  owned, what the step added included. An ``admit`` or a batch whose session ends
+  during one of its own pauses runs to its end first (it is one operation, and adds no
+  request: what it allocated to the session's requests goes with them); the step
+  stops before its next operation.
 * With a co-located runtime, the blocks every ``allocate_slots`` of the step handed out
   are zeroed once, when the last operation has run and before the answer is sent
   (``RequestTable.batched``): one device op per step, not one per allocation, and no
@@ -64,7 +69,13 @@ from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.request_table.table import RequestTable
 from kvservice.server.caller import Caller
 from kvservice.server.errors import status_code_of, status_message_of
-from kvservice.server.operations import BATCH_OPERATIONS, STEP_OPERATIONS, BatchOperation
+from kvservice.server.log import LineBudget
+from kvservice.server.operations import (
+    BATCH_OPERATIONS,
+    SLICED_OPERATIONS,
+    STEP_OPERATIONS,
+    BatchOperation,
+)
 from kvservice.server.turns import WHOLE, Slices, TableTurn
 
 log = structlog.get_logger("kvservice.step")
@@ -96,6 +107,8 @@ class StepRunner:
     # Re-checks the caller's session in the turn: before the first operation and
     # after each pause (None: sessions are not checked, as in benchmarks).
     check_session: SessionCheck | None = None
+    # Steps with refusals are logged within a budget (a line each, up to a rate).
+    lines: LineBudget = field(default_factory=LineBudget)
 
     async def run(self, step: pb.StepRequest, response: pb.StepResponse, caller: Caller) -> None:
         """Run every operation of ``step`` for ``caller`` in order, answering into
@@ -144,23 +157,40 @@ class StepRunner:
         response.step_id = step.step_id
         add_result = response.results.add
         run_one = self._run_one
+        sliced_operations = SLICED_OPERATIONS
         with_state = not step.omit_request_state
         stop_on_error = step.stop_on_error
         failed: Counter[int] = Counter()
+        # Pauses after which the session was last checked.
+        checked = slices.pauses
         # The pool is reported to the metrics once per step, not once per operation.
         with self.table.batched(keep_holds):
             for index, op in enumerate(step.ops):
                 if slices.due():
                     await slices.pause()
-                    if check_session is not None:
-                        ended = _session_error(check_session, session_id, caller.tenant)
-                        if ended is not None:
-                            # Its end frees what it owned once the turn is given back.
-                            _answer_refused(step.ops[index:], add_result, *ended)
-                            failed[ended[0]] += len(step.ops) - index
-                            break
+                if slices.pauses != checked and check_session is not None:
+                    # Other tasks ran (a pause here, or inside the last operation).
+                    checked = slices.pauses
+                    ended = _session_error(check_session, session_id, caller.tenant)
+                    if ended is not None:
+                        # Its end frees what it owned once the turn is given back.
+                        _answer_refused(step.ops[index:], add_result, *ended)
+                        failed[ended[0]] += len(step.ops) - index
+                        break
                 result = add_result()
-                code = run_one(op, result, caller, stop_on_error, with_state)
+                kind = op.WhichOneof("op")
+                if kind is None or (sliced := sliced_operations.get(kind)) is None:
+                    code = run_one(op, kind, result, caller, with_state)
+                else:
+                    # Admit and the columnar batches pause between their entries. Each
+                    # is one operation: once begun it runs to its end even if the
+                    # session ends during one of its pauses (it adds no request, and
+                    # the session's end, deferred until the turn is given back, frees
+                    # whatever it allocated to the session's requests); the step stops
+                    # before its next operation.
+                    code = await self._run_sliced(
+                        sliced, kind, op, result, caller, stop_on_error, with_state, slices
+                    )
                 if code:
                     _count_failures(failed, code, result)
                     if code == _INTERNAL:
@@ -174,27 +204,24 @@ class StepRunner:
         if failed:
             # One line per step, never one per operation (a step may hold thousands).
             codes = {_CODE_NAMES[c]: n for c, n in failed.items() if n}
-            log.info("step refusals", step_id=step.step_id, num_ops=len(step.ops), codes=codes)
+            self.lines.info(
+                log, "step refusals", step_id=step.step_id, num_ops=len(step.ops), codes=codes
+            )
 
     def _run_one(
         self,
         op: pb.StepOperation,
+        kind: str | None,
         result: pb.StepResult,
         caller: Caller,
-        stop_on_error: bool,
         with_state: bool,
     ) -> int:
-        """Run ``op`` into ``result``; the status code number, 0 when it succeeded (for
-        a columnar operation: the first refused entry's, 0 when none was)."""
-        kind = op.WhichOneof("op")
+        """Run ``op`` (a per-request operation of oneof field ``kind``) into
+        ``result``; the status code number, 0 when it succeeded."""
         if kind is None:
             _fail(result, _INVALID_ARGUMENT, "empty operation: set one field of StepOperation")
             return _INVALID_ARGUMENT
-        operation = STEP_OPERATIONS.get(kind)
-        if operation is None:
-            # Not a per-request operation: a columnar one (the oneof has no other kind).
-            batch = BATCH_OPERATIONS[kind]
-            return self._run_batch(batch, kind, op, result, caller, stop_on_error, with_state)
+        operation = STEP_OPERATIONS[kind]
         # The operation answers straight into the result's field: no response message
         # built and then copied.
         out = getattr(result, kind)
@@ -213,31 +240,37 @@ class StepRunner:
         out.SetInParent()
         return 0
 
-    def _run_batch(
+    async def _run_sliced(
         self,
-        batch: BatchOperation,
+        operation: BatchOperation,
         kind: str,
         op: pb.StepOperation,
         result: pb.StepResult,
         caller: Caller,
         stop_on_error: bool,
         with_state: bool,
+        slices: Slices,
     ) -> int:
-        """Run a columnar operation into ``result``; its first refused entry's code."""
+        """Run an operation that pauses between its entries (Admit, a columnar batch)
+        into ``result``; for a batch its first refused entry's code."""
         out = getattr(result, kind)
         try:
-            code = batch(self.table, getattr(op, kind), out, caller, stop_on_error, with_state)
+            code = await operation(
+                self.table, getattr(op, kind), out, caller, stop_on_error, with_state, slices
+            )
         except KVCacheError as err:
-            # Malformed as a whole: refused before any entry ran.
+            # Refused as a whole (a malformed batch, an Admit's arguments): nothing ran.
             code = code_number(status_code_of(err))
             _fail(result, code, status_message_of(err))
             return code
         except Exception:
-            # Entries catch their own crashes; this is the batch's own code failing, so
-            # entries before it may have run. Said as INTERNAL, as for any operation.
-            log.exception("step batch crashed", op=kind)
+            # Entries catch their own crashes; this is the operation's own code failing,
+            # so entries before it may have run. Said as INTERNAL, as for any operation.
+            log.exception("step operation crashed", op=kind)
             _fail(result, _INTERNAL, "internal error; see the server log")
             return _INTERNAL
+        # An answer of all default values sets no field: select it in the oneof.
+        out.SetInParent()
         return code
 
 

@@ -8,6 +8,7 @@ refusals are checked in a copy of the packages, imported by a child process.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import json
@@ -29,7 +30,7 @@ PURE = os.environ.get(compiled.PURE_PYTHON_ENV) == "1"
 BUILD_PRESENT = not compiled.stale_reasons()
 
 
-@pytest.mark.parametrize("package", sorted(compiled.COMPILED_PACKAGES))
+@pytest.mark.parametrize("package", sorted(compiled.compiled_packages()))
 def test_the_build_loaded_is_the_one_asked_for(package: str) -> None:
     assert importlib.import_module(f"kvservice.{package}").COMPILED is not PURE
     build = compiled.module_dir(compiled.build_dir(), package)
@@ -55,6 +56,46 @@ def test_the_hot_paths_are_native_code() -> None:
     assert inspect.isfunction(RequestTable.allocate_slots) is PURE
 
 
+def test_each_compiled_package_declares_its_own_sources() -> None:
+    """The packages compiled are those whose ``__init__.py`` says which of their
+    modules stay sources; the core's build module names none of them."""
+    assert compiled.compiled_packages() == {
+        "core": {"__init__.py", "compiled.py", "errors.py", "invariants.py"},
+        "request_table": {"__init__.py", "errors.py", "tenancy.py"},
+    }
+
+
+def test_a_declaration_is_read_not_imported(tmp_path: Path) -> None:
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "__init__.py").write_text('"""NOT_COMPILED only in prose."""\n')
+    (tmp_path / "fast").mkdir()
+    (tmp_path / "fast" / "__init__.py").write_text(
+        "raise ImportError('never run')\nNOT_COMPILED: tuple[str, ...] = ('slow.py',)\n"
+    )
+    for name in ("fast.py", "slow.py"):
+        (tmp_path / "fast" / name).write_text("X = 1\n")
+    assert compiled.compiled_packages(tmp_path) == {"fast": {"__init__.py", "slow.py"}}
+    assert compiled.compiled_sources(tmp_path) == [tmp_path / "fast" / "fast.py"]
+
+
+def test_the_core_names_no_package_above_it() -> None:
+    """The core is the bottom layer: no module of it names another kvservice package,
+    not even as a string (tests/test_layout.py checks the imports)."""
+    others = {p.parent.name for p in compiled.PACKAGE_DIR.glob("*/__init__.py")} - {"core"}
+    others |= {p.stem for p in compiled.PACKAGE_DIR.glob("*.py")} - {"__init__"}
+    for path in sorted(compiled.CORE_DIR.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                named = {
+                    other
+                    for other in others
+                    if node.value == other
+                    or f"kvservice.{other}" in node.value
+                    or f"kvservice/{other}" in node.value
+                }
+                assert not named, f"{path.name}:{node.lineno} names {sorted(named)}"
+
+
 # -- a copy of the packages, imported by a child process -------------------------------
 
 PROBE = (
@@ -73,7 +114,7 @@ def tree(tmp_path: Path) -> Path:
     """kvservice/__init__.py, the compiled packages and their build, copied."""
     (tmp_path / "kvservice").mkdir()
     shutil.copy(ROOT / "kvservice" / "__init__.py", tmp_path / "kvservice")
-    copied = [*compiled.COMPILED_PACKAGES]
+    copied = [*compiled.compiled_packages()]
     if BUILD_PRESENT:
         copied.append(compiled.BUILD_DIR_NAME)
     for name in copied:

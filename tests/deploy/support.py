@@ -3,24 +3,17 @@ kvservice started in a background thread, and PromQL/exposition helpers."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import re
-import socket
 import subprocess
-import threading
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvservice.server.app import ServerHandle, serve_in_background
-from kvservice.server.config import ServerConfig
 from tests.server import support as server_support
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,13 +54,6 @@ def run_tool(*args: str | Path, stdin: str | None = None) -> subprocess.Complete
     )
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def http_get(url: str) -> str:
     with urllib.request.urlopen(url, timeout=30) as response:
         body: bytes = response.read()
@@ -76,58 +62,6 @@ def http_get(url: str) -> str:
 
 def http_json(url: str) -> Any:
     return json.loads(http_get(url))
-
-
-# --- a kvservice in a thread of its own ------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class BackgroundServer:
-    handle: ServerHandle
-
-    @property
-    def metrics_url(self) -> str:
-        assert self.handle.metrics_url is not None
-        return self.handle.metrics_url
-
-    @property
-    def metrics_address(self) -> str:
-        return f"{self.handle.host}:{self.handle.metrics_port}"
-
-
-@contextmanager
-def background_server(config: ServerConfig = SMALL_POOL) -> Iterator[BackgroundServer]:
-    """``serve_in_background`` on an event loop in a thread, so synchronous tests (and a
-    synchronous gRPC channel) can use the server while Prometheus scrapes it."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="kvservice-loop", daemon=True)
-    thread.start()
-    stop = asyncio.Event()
-    started: asyncio.Future[ServerHandle] = loop.create_future()
-
-    async def main() -> None:
-        try:
-            async with serve_in_background(config) as handle:
-                started.set_result(handle)
-                await stop.wait()
-        except BaseException as err:
-            if not started.done():
-                started.set_exception(err)
-            raise
-
-    async def wait_started() -> ServerHandle:
-        return await started
-
-    task = asyncio.run_coroutine_threadsafe(main(), loop)
-    try:
-        handle = asyncio.run_coroutine_threadsafe(wait_started(), loop).result(timeout=60)
-        yield BackgroundServer(handle)
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        task.result(timeout=60)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=60)
-        loop.close()
 
 
 # --- exposition and PromQL ---------------------------------------------------------------

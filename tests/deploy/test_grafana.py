@@ -13,8 +13,8 @@ from tests.deploy.support import (
     ALERTS,
     ALERTS_TEST,
     PROMTOOL,
+    SMALL_POOL,
     all_panels,
-    background_server,
     dashboard_queries,
     exported_series_names,
     http_get,
@@ -25,6 +25,7 @@ from tests.deploy.support import (
     substitute_variables,
     tool,
 )
+from tests.servers import server_in_thread
 
 FILTERS = ("model_name", "instance", "engine")
 
@@ -121,7 +122,7 @@ def test_every_panel_metric_is_exported() -> None:
             metric = label_values_metric(var["query"]["query"])
             assert metric is not None
             wanted.setdefault(metric, set()).add(f"${var['name']}")
-    with background_server() as server:
+    with server_in_thread(SMALL_POOL) as server:
         exported = exported_series_names(http_get(server.metrics_url))
     missing = {name: sorted(panels) for name, panels in wanted.items() if name not in exported}
     assert not missing, f"metrics the dashboard queries but the service does not export: {missing}"

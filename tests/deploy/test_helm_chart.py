@@ -223,6 +223,7 @@ def test_container_args_are_kvservice_serve_flags() -> None:
         "--hash-algo": "xxhash",
         "--log-level": "info",
         "--shutdown-grace": "5",
+        "--gc-full-collection-interval": "60",
         "--none-hash-seed": "shared",
         # The chart's limits are the server's own defaults.
         **{

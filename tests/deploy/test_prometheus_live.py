@@ -37,18 +37,17 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvservice.bench.server import free_port
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from tests.deploy.support import (
     ALERTS,
     PROMETHEUS,
     PROMTOOL,
-    BackgroundServer,
+    SMALL_POOL,
     PanelQuery,
-    background_server,
     dashboard_queries,
     exported_series_names,
-    free_port,
     http_get,
     http_json,
     promql_metric_names,
@@ -56,6 +55,7 @@ from tests.deploy.support import (
     substitute_variables,
     tool,
 )
+from tests.servers import ThreadedServer, server_in_thread
 
 SAFETY_TIMEOUT_S = 90.0
 T = TypeVar("T")
@@ -79,7 +79,7 @@ class Truth:
 
 @dataclass(frozen=True, slots=True)
 class Stack:
-    server: BackgroundServer
+    server: ThreadedServer
     prometheus_url: str
     truth: Truth
 
@@ -157,7 +157,7 @@ PROMETHEUS_2_42_ACCEPT = (
 )
 
 
-def prometheus_config(server: BackgroundServer, path: Path) -> None:
+def prometheus_config(server: ThreadedServer, path: Path) -> None:
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(ALERTS)],
@@ -172,7 +172,7 @@ def prometheus_config(server: BackgroundServer, path: Path) -> None:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     prometheus_bin = tool(PROMETHEUS)
     workdir = tmp_path_factory.mktemp("prometheus")
-    with background_server() as server:
+    with server_in_thread(SMALL_POOL) as server:
         prometheus_config(server, workdir / "prometheus.yml")
         port = free_port()
         url = f"http://127.0.0.1:{port}"
@@ -201,9 +201,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             log.close()
 
 
-def _drive(
-    server: BackgroundServer, url: str, stub: Any, process: subprocess.Popen[bytes]
-) -> Stack:
+def _drive(server: ThreadedServer, url: str, stub: Any, process: subprocess.Popen[bytes]) -> Stack:
     def has(expr: str) -> bool:
         assert process.poll() is None, "prometheus exited; see prometheus.log in the tmp dir"
         try:

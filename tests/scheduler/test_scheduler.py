@@ -5,21 +5,20 @@ answers, and every run leaves the pool whole."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import json
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from kvservice.client import AdmitOptions, KVClient, RequestNotFoundError
+from kvservice.client import AdmitOptions, KVClient
+from kvservice.client.step_link import RemoteStepError
 from kvservice.core import errors as core_errors
 from kvservice.scheduler.backend import Backend, InProcessBackend, RemoteBackend
-from kvservice.scheduler.batched import BatchingBackend, StepBackend, StreamBackend
 from kvservice.scheduler.loop import Policy, Scheduler, SchedulerConfig, StepRecord
+from kvservice.scheduler.replicated import ReplicatedBackend, StepBackend, StreamBackend
 from kvservice.scheduler.trace import (
     TraceMismatchError,
     TracingBackend,
@@ -27,8 +26,7 @@ from kvservice.scheduler.trace import (
     read_trace,
     write_trace,
 )
-from kvservice.server.app import serve_in_background
-from kvservice.server.config import ServerConfig, build_manager
+from kvservice.server.config import build_manager
 from kvservice.workloads import (
     FewShotConfig,
     LengthDistribution,
@@ -41,9 +39,9 @@ from kvservice.workloads import (
     generate,
 )
 from tests.server import support as server_support
+from tests.servers import server_in_thread
 
 MAX_MODEL_LEN = 256
-THREAD_TIMEOUT_S = 30
 # 23 usable blocks of 16 tokens: a handful of requests fill it, so they preempt.
 TIGHT_POOL = dataclasses.replace(
     server_support.SMALL_POOL,
@@ -90,25 +88,6 @@ def workload(kind: str, seed: int = 1, num_priorities: int = 1) -> list[RequestS
     return generate(config, seed)
 
 
-@contextlib.contextmanager
-def remote_server(config: ServerConfig) -> Iterator[str]:
-    """``serve_in_background`` on its own loop in a thread: the blocking client would
-    stall a server sharing its thread. Yields the target."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    server = serve_in_background(config)
-    handle = asyncio.run_coroutine_threadsafe(server.__aenter__(), loop).result(THREAD_TIMEOUT_S)
-    try:
-        yield handle.target
-    finally:
-        stop = server.__aexit__(None, None, None)
-        asyncio.run_coroutine_threadsafe(stop, loop).result(THREAD_TIMEOUT_S)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(THREAD_TIMEOUT_S)
-        loop.close()
-
-
 def run(
     backend: Backend, specs: Sequence[RequestSpec], config: SchedulerConfig
 ) -> list[StepRecord]:
@@ -130,31 +109,28 @@ def run_remote(
 ) -> list[StepRecord]:
     """Run against a fresh server over one transport: one RPC per call (unary), one
     ``Step`` RPC per step (step) or one ``StepStream`` message per step (stream)."""
-    with remote_server(TIGHT_POOL) as target, KVClient(target) as client:
+    with server_in_thread(TIGHT_POOL) as server, KVClient(server.target) as client:
         if mode == "unary":
             return run(RemoteBackend(client), specs, config)
         if mode == "step":
-            return run_batched(StepBackend(client), specs, config)
-        # Sending ahead whatever is queued, however little: every step that can
-        # overlaps, so the decisions are checked with the most messages in flight.
-        with StreamBackend(client, send_ahead_min_ops=1) as backend:
-            records = run_batched(backend, specs, config)
-            assert backend.num_sent_ahead > 0
-            return records
+            return run_replicated(StepBackend(client), client, specs, config)
+        # Each step checked while the next is planned: the most messages in flight.
+        with StreamBackend(client, overlap=True) as backend:
+            return run_replicated(backend, client, specs, config)
 
 
-def run_batched(
-    backend: BatchingBackend, specs: Sequence[RequestSpec], config: SchedulerConfig
+def run_replicated(
+    backend: ReplicatedBackend,
+    client: KVClient,
+    specs: Sequence[RequestSpec],
+    config: SchedulerConfig,
 ) -> list[StepRecord]:
     records = run(backend, specs, config)
-    # The point of batching: far fewer round trips than allocator calls. A step waits
-    # for one answer when its allocations are provable, admissions or not (the
-    # appends and frees after the forward pass ride with the next step's message, or
-    # go ahead of it on a stream, unawaited); more only to preempt. These workloads
-    # measure 1.02-1.14 awaited messages per step; sending the step's end separately
-    # measured 1.5-1.9, one lookup round trip per admission 2.0-2.8.
-    awaited = backend.num_sends - backend.num_sent_ahead
-    assert len(records) <= awaited < 1.25 * len(records)
+    backend.flush()
+    # The server's pool is whole too (the replica's was checked by run), and every step
+    # cost one message (the last one's frees one more).
+    assert client.get_usage().num_free_blocks == TIGHT_POOL.num_blocks - 1
+    assert backend.round_trips <= len(records) + 1
     return records
 
 
@@ -238,7 +214,7 @@ def test_trace_replays_to_the_same_answers(tmp_path: Path) -> None:
     assert trace.meta == {"workload": "multi_turn_chat", "seed": 1}
 
     assert check_replay(trace, InProcessBackend(build_manager(TIGHT_POOL))) == len(trace.entries)
-    with remote_server(TIGHT_POOL) as target, KVClient(target) as client:
+    with server_in_thread(TIGHT_POOL) as server, KVClient(server.target) as client:
         check_replay(trace, RemoteBackend(client))
 
 
@@ -292,14 +268,14 @@ def test_trace_crosses_batching_backends(mode: str) -> None:
     in-process, and an in-process recording replays over the batching backend."""
     specs = workload("shared_system_prompt")
     with (
-        remote_server(TIGHT_POOL) as target,
-        KVClient(target) as client,
+        server_in_thread(TIGHT_POOL) as server,
+        KVClient(server.target) as client,
         contextlib.ExitStack() as stack,
     ):
-        batching: BatchingBackend = (
+        replicated: ReplicatedBackend = (
             StepBackend(client) if mode == "step" else stack.enter_context(StreamBackend(client))
         )
-        tracer = TracingBackend(batching)
+        tracer = TracingBackend(replicated)
         run(tracer, specs, FCFS)
     recorded = tracer.trace()
     allocations = [e for e in recorded.entries if e.op == "allocate_slots"]
@@ -308,7 +284,7 @@ def test_trace_crosses_batching_backends(mode: str) -> None:
 
     local = TracingBackend(InProcessBackend(build_manager(TIGHT_POOL)))
     run(local, specs, FCFS)
-    with remote_server(TIGHT_POOL) as target, KVClient(target) as client:
+    with server_in_thread(TIGHT_POOL) as server, KVClient(server.target) as client:
         assert check_replay(local.trace(), StepBackend(client)) == len(local.entries)
 
 
@@ -341,14 +317,37 @@ def test_every_backend_announces_steps(kind: str, mode: str) -> None:
     specs = workload(kind)
     local = _run_on(InProcessBackend(build_manager(MAMBA_POOL)), specs)
     assert first_admission_hit_tokens(local) > 0
-    with remote_server(MAMBA_POOL) as target, KVClient(target) as client:
+    with server_in_thread(MAMBA_POOL) as server, KVClient(server.target) as client:
         if mode == "unary":
             remote = _run_on(RemoteBackend(client), specs)
         elif mode == "step":
             remote = _run_on(StepBackend(client), specs)
         else:
-            with StreamBackend(client, send_ahead_min_ops=1) as stream:
+            with StreamBackend(client, overlap=True) as stream:
                 remote = _run_on(stream, specs)
+    assert remote == local
+
+
+# Full attention beside a sliding window of 32 tokens, a watermark, and hashes of half a
+# block (partial-block hits copy on write): every knob a replica must lay out as the
+# server's (GetCacheConfig) to decide as it does.
+WINDOW_POOL = dataclasses.replace(
+    TIGHT_POOL, num_blocks=48, sliding_window=32, watermark=0.1, hash_block_size=8
+)
+
+
+@pytest.mark.parametrize("kind", ["long_document_qa", "shared_system_prompt"])
+def test_a_replica_decides_as_the_server_on_a_window_pool(kind: str) -> None:
+    specs = workload(kind)
+    local = Scheduler(InProcessBackend(build_manager(WINDOW_POOL)), FCFS, specs).run(5_000)
+    assert first_admission_hit_tokens(local) > 0
+    with server_in_thread(WINDOW_POOL) as server, KVClient(server.target) as client:
+        backend = StepBackend(client)
+        assert backend.manager.watermark_blocks == client.get_cache_config().watermark_blocks
+        remote = Scheduler(backend, FCFS, specs).run(5_000)
+        backend.flush()
+        assert client.get_usage().num_free_blocks == WINDOW_POOL.num_blocks - 1
+        assert client.audit().ok
     assert remote == local
 
 
@@ -378,63 +377,68 @@ def test_a_trace_records_each_step_boundary_before_the_step_s_allocations(
     assert check_replay(read_trace(path), InProcessBackend(build_manager(MAMBA_POOL))) == len(ops)
 
 
-def test_a_deferred_operation_fails_at_the_send_and_stops_the_rest() -> None:
-    with remote_server(TIGHT_POOL) as target, KVClient(target) as client:
+def test_a_call_the_replica_refuses_changes_nothing_here_or_on_the_server() -> None:
+    with server_in_thread(TIGHT_POOL) as server, KVClient(server.target) as client:
         backend = StepBackend(client)
         backend.add_request("a", list(range(20)))
-        backend.append_tokens("ghost", [1])  # deferred; the server knows no "ghost"
-        backend.add_request("b", list(range(100, 120)))
-        with pytest.raises(RequestNotFoundError, match="ghost"):
-            backend.flush()
-        # Operations before the failure ran; the failed one and the rest did not.
-        assert client.get_request("a").num_tokens == 20
-        with pytest.raises(RequestNotFoundError):
-            client.get_request("b")
+        with pytest.raises(core_errors.RequestNotFoundError, match="ghost"):
+            backend.append_tokens("ghost", [1])  # refused at once, never sent
         backend.add_request("b", list(range(100, 120)))
         backend.flush()
+        assert client.get_request("a").num_tokens == 20
         assert client.get_request("b").num_tokens == 20
+        assert backend.round_trips == 1
 
 
-def test_an_operation_sent_ahead_fails_at_the_next_send() -> None:
-    """On a stream, queued operations go ahead of the first provable allocation; an
-    error in them raises at the next send, whose own operations ran all the same."""
+def test_a_server_that_answers_otherwise_stops_the_backend() -> None:
+    """Another client allocating from the pool makes the server's answer differ from
+    the replica's: the check names the call and both answers, and every later call is
+    refused (the two no longer agree)."""
     with (
-        remote_server(TIGHT_POOL) as target,
-        KVClient(target) as client,
-        StreamBackend(client, send_ahead_min_ops=2) as backend,
+        server_in_thread(TIGHT_POOL) as server,
+        KVClient(server.target) as client,
+        KVClient(server.target) as intruder,
+        StreamBackend(client) as backend,
     ):
         backend.add_request("a", list(range(20)))
-        admitted = backend.admit(["a"], 512, AdmitOptions())
-        assert [item.request_id for item in admitted] == ["a"]
-        backend.append_tokens("a", [7])
-        backend.append_tokens("ghost", [1])  # the server knows no "ghost"
-        sends = backend.num_sends
-        backend.allocate_slots("a", 1)  # provable: the queue goes ahead
-        assert backend.num_sends == sends + 1 and backend.num_sent_ahead == 1
-        with pytest.raises(RequestNotFoundError, match="ghost"):
+        backend.allocate_slots("a", 20)
+        backend.end_step()
+        intruder.add_request("x", list(range(500, 540)))
+        intruder.allocate_slots("x", 40)
+        backend.add_request("b", list(range(100, 120)))
+        backend.allocate_slots("b", 20)
+        with pytest.raises(RemoteStepError, match=r"allocate_slots\('b', 20\).*another client"):
             backend.end_step()
-        assert client.get_request("a").num_tokens == 21
-        # The allocation after the failed message ran: a's 21 tokens have slots.
-        assert client.probe("a", 11).num_blocks_to_allocate == 0
-        assert client.probe("a", 12).num_blocks_to_allocate == 1
+        with pytest.raises(RemoteStepError, match="earlier failure"):
+            backend.append_tokens("a", [1])
+
+
+def test_a_replicated_backend_refuses_a_pool_in_use() -> None:
+    with server_in_thread(TIGHT_POOL) as server, KVClient(server.target) as client:
+        client.add_request("x", list(range(40)))
+        client.allocate_slots("x", 40)
+        with pytest.raises(RemoteStepError, match="holds 3 blocks for 1 requests"):
+            StepBackend(client)
+        client.free("x")
+        StepBackend(client).flush()  # idle again: accepted
 
 
 def test_steady_decode_steps_are_one_message() -> None:
-    """Running requests whose allocations provably fit cost no round trip: a step
-    with no admission sends exactly one message."""
+    """The replica answers every call: a step sends exactly one message, after its
+    decisions."""
     specs = [RequestSpec(f"r{i}", tuple(range(i * 100, i * 100 + 20)), 40) for i in range(4)]
     config = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=512)
-    with remote_server(TIGHT_POOL) as target, KVClient(target) as client:
+    with server_in_thread(TIGHT_POOL) as server, KVClient(server.target) as client:
         backend = StepBackend(client)
         scheduler = Scheduler(backend, config, specs)
-        first = scheduler.step()  # the admissions; the step's end sends nothing more
+        first = scheduler.step()  # the admissions
         assert len(first.scheduled) == 4
-        assert backend.num_sends == 1
+        assert backend.round_trips == 1
         for _ in range(10):
-            before = backend.num_sends
+            before = backend.round_trips
             record = scheduler.step()
             assert len(record.scheduled) == 4 and not record.preempted
-            assert backend.num_sends == before + 1
+            assert backend.round_trips == before + 1
         scheduler.abort_all()
         assert backend.num_free_blocks() == TIGHT_POOL.num_blocks - 1
 
@@ -496,10 +500,10 @@ def test_in_process_admit_refuses_bad_ids_and_changes_nothing() -> None:
 
 @pytest.mark.parametrize("mode", ["step", "stream"])
 def test_a_step_admitting_several_requests_is_one_message_for_them(mode: str) -> None:
-    """Four requests sharing a cached prefix arrive while two run: the running
-    allocations are provable (deferred), so the admissions ride in one message with
-    them, and the step's appends and frees wait for the next step's message: every
-    step sends exactly one message, and the decisions are in-process's."""
+    """Four requests sharing a cached prefix arrive while two run: the admissions ride
+    in the step's one message with the running allocations, and the step's appends and
+    frees wait for the next step's message: every step sends exactly one message, and
+    the decisions are in-process's."""
     prefix = tuple(range(5000, 5032))  # two full blocks every request shares
     specs = [
         RequestSpec(
@@ -510,20 +514,20 @@ def test_a_step_admitting_several_requests_is_one_message_for_them(mode: str) ->
     config = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=512)
     local = run_in_process(specs, config)
     with (
-        remote_server(TIGHT_POOL) as target,
-        KVClient(target) as client,
+        server_in_thread(TIGHT_POOL) as server,
+        KVClient(server.target) as client,
         contextlib.ExitStack() as stack,
     ):
-        backend: BatchingBackend = (
+        backend: ReplicatedBackend = (
             StepBackend(client) if mode == "step" else stack.enter_context(StreamBackend(client))
         )
         scheduler = Scheduler(backend, config, specs)
         records: list[StepRecord] = []
         sends: list[int] = []
         while not scheduler.done:
-            before = backend.num_sends
+            before = backend.round_trips
             records.append(scheduler.step())
-            sends.append(backend.num_sends - before)
+            sends.append(backend.round_trips - before)
         assert backend.num_free_blocks() == TIGHT_POOL.num_blocks - 1
     assert records == local
     seen: set[str] = set()

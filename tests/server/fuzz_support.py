@@ -1,5 +1,5 @@
 """Shared by the fuzz, load and fault tests: which status each RPC may answer, a
-fingerprint of the allocator's whole state (to prove a refused call changed nothing),
+fingerprint of the request table's whole state (to prove a refused call changed nothing),
 hypothesis strategies for well-formed and malformed messages, and cleanup that proves
 no block was lost.
 
@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.request_table.table import RequestTable
-from tests.server.support import ThreadedServer
+from tests.servers import ThreadedServer
 
 Code = grpc.StatusCode
 SERVICE = pb.DESCRIPTOR.services_by_name["KVCacheService"]
@@ -143,11 +143,11 @@ class Tally:
 # -- state -----------------------------------------------------------------------------
 
 
-def allocator_state(allocator: RequestTable) -> tuple[Any, ...]:
+def table_state(table: RequestTable) -> tuple[Any, ...]:
     """Everything a call could change: each request, each remembered prefix hit, every
     block's reference count and hash, the free queue's order, the hash map, the block
     tables and the allocation checker's history. Run it on the server's loop."""
-    manager = allocator.manager
+    manager = table.manager
     pool = manager.block_pool
     requests = {
         rid: (
@@ -157,9 +157,9 @@ def allocator_state(allocator: RequestTable) -> tuple[Any, ...]:
             r.num_preemptions,
             len(r.block_hashes),
         )
-        for rid, r in allocator._requests.items()  # test-only peek
+        for rid, r in table._requests.items()  # test-only peek
     }
-    hits = {rid: hit.block_ids for rid, hit in allocator._hits.items()}
+    hits = {rid: hit.block_ids for rid, hit in table._hits.items()}
     blocks = tuple((b.ref_cnt, b.block_hash) for b in pool.blocks)
     free_queue = tuple(b.block_id for b in pool.free_block_queue.get_all_free_blocks())
     cached = tuple(
@@ -174,7 +174,7 @@ def allocator_state(allocator: RequestTable) -> tuple[Any, ...]:
         for single in manager.coordinator.single_type_managers
     )
     checker = dict(manager.checker.num_computed_at_last_allocation)
-    counters = (allocator._prefix_cache_queries, allocator._prefix_cache_hits)
+    counters = (table._prefix_cache_queries, table._prefix_cache_hits)
     return (requests, hits, blocks, free_queue, cached, tables, checker, counters)
 
 

@@ -1,28 +1,19 @@
-"""Builders for the end-to-end tests: a small pool and the scheduler's moves as RPCs."""
+"""Builders for the end-to-end tests: a small pool and the scheduler's moves as RPCs.
+(The servers themselves: ``tests.servers`` and the fixtures of ``tests/conftest.py``.)"""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import dataclasses
-import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Sequence
+from typing import Any
 
 import grpc
 import pytest
 
 from kvservice.client import KVClient
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
-from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
-from kvservice.server.app import KVCacheServer
 from kvservice.server.config import ServerConfig
-
-Stub = pb_grpc.KVCacheServiceStub
-T = TypeVar("T")
-# A safety net only: each wait ends as soon as its event happens.
-THREAD_TIMEOUT_S = 60
+from tests.servers import Stub
 
 # 10 usable blocks of 16 tokens (block 0 is the null block); one request of
 # max_model_len tokens takes 8 of them.
@@ -57,24 +48,6 @@ HYBRID_POOL = ServerConfig(
     shutdown_grace_s=0,
     needs_kv_cache_zeroing=True,
 )
-
-
-@contextlib.asynccontextmanager
-async def running_server(config: ServerConfig = SMALL_POOL) -> AsyncIterator[KVCacheServer]:
-    """A started server on this test's loop, stopped (no grace) on exit."""
-    server = KVCacheServer(config)
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop(grace=0)
-
-
-@contextlib.asynccontextmanager
-async def raw_stub(server: KVCacheServer) -> AsyncIterator[Stub]:
-    """The generated stub on a plaintext channel to ``server``."""
-    async with grpc.aio.insecure_channel(server.handle.target) as channel:
-        yield pb_grpc.KVCacheServiceStub(channel)
 
 
 def wait_for_blocks_back(client: KVClient, safety_s: float = 60.0) -> None:
@@ -185,41 +158,3 @@ async def expect_error(call: Awaitable[Any], code: grpc.StatusCode) -> str:
     assert info.value.code() == code, info.value.details()
     details: str = info.value.details() or ""
     return details
-
-
-@dataclasses.dataclass(frozen=True)
-class ThreadedServer:
-    """A server running on its own loop in another thread."""
-
-    server: KVCacheServer
-    loop: asyncio.AbstractEventLoop
-
-    @property
-    def target(self) -> str:
-        return self.server.handle.target
-
-    def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the server's loop (the allocator is not thread safe)."""
-
-        async def call() -> T:
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(THREAD_TIMEOUT_S)
-
-
-@contextlib.contextmanager
-def server_in_thread(config: ServerConfig) -> Iterator[ThreadedServer]:
-    """A server on its own event loop in a thread, for blocking clients (a sync call
-    made on the test's loop would block the server it waits for)."""
-    loop = asyncio.new_event_loop()
-    server = KVCacheServer(config)
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    asyncio.run_coroutine_threadsafe(server.start(), loop).result(THREAD_TIMEOUT_S)
-    try:
-        yield ThreadedServer(server, loop)
-    finally:
-        asyncio.run_coroutine_threadsafe(server.stop(grace=0), loop).result(THREAD_TIMEOUT_S)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(THREAD_TIMEOUT_S)
-        loop.close()

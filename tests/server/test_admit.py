@@ -11,37 +11,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvservice.client import AdmitOptions, AdmitStopReason, AsyncKVClient, StepBuilder
-from kvservice.core.admission import AdmitStop
 from kvservice.core.allocation_options import AllocationOptions
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
-from kvservice.request_table.admission import AdmitArgs, admit
+from kvservice.request_table.admission import AdmitArgs, AdmitStop, admit
 from kvservice.request_table.table import RequestTable
 from kvservice.request_table.types import AllocateArgs, FreeMode, NewRequest
 from kvservice.server.config import ServerConfig, build_manager
-from tests.server.fuzz_support import allocator_state
-from tests.server.support import (
-    HYBRID_POOL,
-    SMALL_POOL,
-    add,
-    allocate,
-    expect_error,
-    raw_stub,
-    running_server,
-    tokens,
-)
+from tests.server.fuzz_support import table_state
+from tests.server.support import HYBRID_POOL, SMALL_POOL, add, allocate, expect_error, tokens
+from tests.servers import raw_stub, running_server
 
 BLOCK = SMALL_POOL.block_size
 MUST_FIT = AdmitOptions(full_sequence_must_fit=True)
 TENANT = ""
 
 
-def fresh_allocator(
+def fresh_table(
     quotas: dict[str, int] | None = None, config: ServerConfig = SMALL_POOL
 ) -> RequestTable:
     return RequestTable(build_manager(config), quotas=quotas)
 
 
-def one_by_one(allocator: RequestTable, args: AdmitArgs, tenant: str = TENANT) -> tuple[Any, ...]:
+def one_by_one(table: RequestTable, args: AdmitArgs, tenant: str = TENANT) -> tuple[Any, ...]:
     """The oracle: the scheduler's loop (vLLM's ``schedule`` for waiting requests),
     one lookup and one allocate_slots per request."""
     budget = args.token_budget
@@ -49,12 +40,12 @@ def one_by_one(allocator: RequestTable, args: AdmitArgs, tenant: str = TENANT) -
     for request_id in args.request_ids:
         if budget <= 0:
             return tuple(admitted), AdmitStop.BUDGET_SPENT
-        hit = allocator.get_computed_blocks(request_id, tenant)
-        remaining = allocator.get_request(request_id, tenant).num_tokens - hit.num_computed_tokens
+        hit = table.get_computed_blocks(request_id, tenant)
+        remaining = table.get_request(request_id, tenant).num_tokens - hit.num_computed_tokens
         if not args.enable_chunked_prefill and remaining > budget:
             return tuple(admitted), AdmitStop.NEEDS_CHUNKING
         num_new_tokens = min(remaining, budget)
-        allocation = allocator.allocate_slots(
+        allocation = table.allocate_slots(
             request_id,
             AllocateArgs(
                 num_new_tokens=num_new_tokens,
@@ -84,8 +75,8 @@ def one_by_one(allocator: RequestTable, args: AdmitArgs, tenant: str = TENANT) -
     return tuple(admitted), AdmitStop.ALL_ADMITTED
 
 
-def in_one_call(allocator: RequestTable, args: AdmitArgs, tenant: str = TENANT) -> tuple[Any, ...]:
-    result = admit(allocator, args, tenant)
+def in_one_call(table: RequestTable, args: AdmitArgs, tenant: str = TENANT) -> tuple[Any, ...]:
+    result = admit(table, args, tenant)
     admitted = tuple(
         (
             a.request_id,
@@ -134,15 +125,15 @@ def test_admit_decides_as_the_scheduler_loop_does(
     config, chunk = POOLS[pool]
     cached = data.draw(st.lists(prompts(chunk), max_size=3))
     waiting = data.draw(st.lists(prompts(chunk), min_size=1, max_size=5))
-    twins = fresh_allocator(config=config), fresh_allocator(config=config)
-    for allocator in twins:
+    twins = fresh_table(config=config), fresh_table(config=config)
+    for table in twins:
         # Earlier requests, finished: their blocks stay cached for the lookups.
         for i, prompt in enumerate(cached):
-            allocator.add_request(NewRequest(f"old-{i}", prompt), TENANT)
-            allocator.allocate_slots(f"old-{i}", AllocateArgs(num_new_tokens=len(prompt)), TENANT)
-            allocator.free(f"old-{i}", FreeMode.FINISH, TENANT)
+            table.add_request(NewRequest(f"old-{i}", prompt), TENANT)
+            table.allocate_slots(f"old-{i}", AllocateArgs(num_new_tokens=len(prompt)), TENANT)
+            table.free(f"old-{i}", FreeMode.FINISH, TENANT)
         for i, prompt in enumerate(waiting):
-            allocator.add_request(NewRequest(f"w-{i}", prompt), TENANT)
+            table.add_request(NewRequest(f"w-{i}", prompt), TENANT)
     args = AdmitArgs(
         [f"w-{i}" for i in range(len(waiting))],
         token_budget,
@@ -151,41 +142,41 @@ def test_admit_decides_as_the_scheduler_loop_does(
         full_sequence_must_fit,
     )
     assert in_one_call(twins[0], args) == one_by_one(twins[1], args)
-    assert allocator_state(twins[0]) == allocator_state(twins[1])
-    for allocator in twins:
-        allocator.audit()
+    assert table_state(twins[0]) == table_state(twins[1])
+    for table in twins:
+        table.audit()
 
 
 def test_each_stop_reason() -> None:
-    allocator = fresh_allocator()
+    table = fresh_table()
     for name, n in (("a", 40), ("b", 40), ("c", 100), ("d", 30)):
-        allocator.add_request(NewRequest(name, tokens(n, start=1000 * ord(name))), TENANT)
+        table.add_request(NewRequest(name, tokens(n, start=1000 * ord(name))), TENANT)
     # Budget for a and most of b: b gets a chunk, then nothing is left for c.
-    result = admit(allocator, AdmitArgs(["a", "b", "c"], 70), TENANT)
+    result = admit(table, AdmitArgs(["a", "b", "c"], 70), TENANT)
     assert [(a.request_id, a.num_new_tokens) for a in result.admitted] == [("a", 40), ("b", 30)]
     assert result.stop is AdmitStop.BUDGET_SPENT
     # Without chunked prefill, c (100 tokens) does not fit a budget of 64.
-    result = admit(allocator, AdmitArgs(["c"], 64, enable_chunked_prefill=False), TENANT)
+    result = admit(table, AdmitArgs(["c"], 64, enable_chunked_prefill=False), TENANT)
     assert (result.admitted, result.stop) == ([], AdmitStop.NEEDS_CHUNKING)
     # c needs 7 blocks; a and b hold 3 + 2 of the 10.
-    result = admit(allocator, AdmitArgs(["c", "d"], 500), TENANT)
+    result = admit(table, AdmitArgs(["c", "d"], 500), TENANT)
     assert (result.admitted, result.stop) == ([], AdmitStop.NO_SPACE)
-    result = admit(allocator, AdmitArgs(["d"], 500), TENANT)
+    result = admit(table, AdmitArgs(["d"], 500), TENANT)
     assert [a.request_id for a in result.admitted] == ["d"]
     assert result.stop is AdmitStop.ALL_ADMITTED
-    allocator.audit()
+    table.audit()
 
 
 def test_a_tenants_quota_stops_admission_with_its_refusal() -> None:
-    allocator = fresh_allocator(quotas={"t": 4})
-    allocator.add_request(NewRequest("a", tokens(48)), "t")
-    allocator.add_request(NewRequest("b", tokens(48, start=500)), "t")
-    result = admit(allocator, AdmitArgs(["a", "b"], 500), "t")
+    table = fresh_table(quotas={"t": 4})
+    table.add_request(NewRequest("a", tokens(48)), "t")
+    table.add_request(NewRequest("b", tokens(48, start=500)), "t")
+    result = admit(table, AdmitArgs(["a", "b"], 500), "t")
     assert [a.request_id for a in result.admitted] == ["a"]
     assert result.stop is AdmitStop.QUOTA
     assert result.stop_error is not None and "quota of 4" in str(result.stop_error)
-    assert allocator.get_request("b", "t").num_computed_tokens == 0
-    allocator.audit()
+    assert table.get_request("b", "t").num_computed_tokens == 0
+    table.audit()
 
 
 @pytest.mark.parametrize(
@@ -204,11 +195,11 @@ async def test_a_refused_admit_changes_nothing(
 ) -> None:
     """Every id is checked before the first lookup: the refusal names the field and
     the value, and no request, block or prefix cache counter moved."""
-    async with running_server() as server, raw_stub(server) as stub:
+    async with running_server(SMALL_POOL) as server, raw_stub(server) as stub:
         await add(stub, "w", tokens(20))
         await add(stub, "r", tokens(20, start=50))
         await allocate(stub, "r", 20)
-        before = allocator_state(server.table)
+        before = table_state(server.table)
         message = await expect_error(
             stub.Admit(
                 pb.AdmitRequest(
@@ -218,7 +209,7 @@ async def test_a_refused_admit_changes_nothing(
             code,
         )
         assert words in message
-        assert allocator_state(server.table) == before
+        assert table_state(server.table) == before
 
 
 async def test_unary_and_step_admit_answer_alike_and_the_client_decodes_them() -> None:
@@ -227,7 +218,7 @@ async def test_unary_and_step_admit_answer_alike_and_the_client_decodes_them() -
     answers = []
     for via_step in (False, True):
         async with (
-            running_server() as server,
+            running_server(SMALL_POOL) as server,
             AsyncKVClient(server.handle.target) as client,
         ):
             await client.add_request("sys", tokens(32))

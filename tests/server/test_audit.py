@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -26,31 +25,21 @@ from kvservice.request_table.types import AllocateArgs, FreeMode, NewRequest
 from kvservice.server import forking
 from kvservice.server.app import KVCacheServer
 from kvservice.server.audit import AuditNotRunError, Auditor, AuditReport
-from kvservice.server.config import build_manager
+from kvservice.server.config import ServerConfig, build_manager
 from kvservice.server.forking import GRPC_FORK_SUPPORT_ENV
 from kvservice.server.sessions import SessionPolicy, SessionRegistry
-from tests.server.support import SMALL_POOL, Stub, raw_stub, running_server, tokens, usage
-from tests.server.test_cli import TIMEOUT_S, kvservice_command, read_event
+from tests.server.support import SMALL_POOL, tokens, usage
 from tests.server.test_sessions import LEASE_POOL, metric, open_session, session_md, wait_until
 from tests.server.test_tenants import TOKENS, auth, write_tokens_file
+from tests.servers import TIMEOUT_S, Stub, kvservice_serve, raw_stub, running_server
 
-
-async def start(audit_interval_s: float = 0) -> KVCacheServer:
-    server = KVCacheServer(dataclasses.replace(LEASE_POOL, audit_interval_s=audit_interval_s))
-    await server.start()
-    return server
-
-
-@pytest.fixture
-async def aserver() -> AsyncIterator[KVCacheServer]:
-    async with running_server(LEASE_POOL) as server:
-        yield server
+# Without the periodic self-check: every audit counted is an Audit call.
+NO_SELF_CHECK = dataclasses.replace(LEASE_POOL, audit_interval_s=0)
 
 
 @pytest.fixture
-async def astub(aserver: KVCacheServer) -> AsyncIterator[Stub]:
-    async with raw_stub(aserver) as stub:
-        yield stub
+def server_config() -> ServerConfig:
+    return LEASE_POOL
 
 
 async def audit(stub: Stub) -> pb.AuditResponse:
@@ -119,72 +108,70 @@ async def admit_or_decode(
 class TestAuditRpc:
     @pytest.mark.parametrize("seed", [1, 2, 3])
     async def test_ok_after_a_random_workload(
-        self, aserver: KVCacheServer, astub: Stub, seed: int
+        self, server: KVCacheServer, stub: Stub, seed: int
     ) -> None:
-        live = await random_workload(astub, seed, num_ops=150)
-        assert metric(aserver, "kvservice_allocations_total", result="ok") > 10
-        report = await audit(astub)
+        live = await random_workload(stub, seed, num_ops=150)
+        assert metric(server, "kvservice_allocations_total", result="ok") > 10
+        report = await audit(stub)
         assert report.ok, list(report.violations)
-        pool = await usage(astub)
+        pool = await usage(stub)
         assert report.num_free_blocks + report.num_held_blocks == pool.num_blocks - 1
         assert report.num_held_blocks == pool.num_used_blocks
         assert report.num_cached_blocks <= report.num_free_blocks
         assert (report.num_requests, report.num_sessions) == (len(live), 1)
         assert report.num_owned_requests <= len(live)
         for rid in live:
-            await astub.FreeRequest(pb.FreeRequestRequest(request_id=rid, mode=pb.FREE_MODE_FINISH))
-        report = await audit(astub)
+            await stub.FreeRequest(pb.FreeRequestRequest(request_id=rid, mode=pb.FREE_MODE_FINISH))
+        report = await audit(stub)
         assert report.ok
         assert (report.num_held_blocks, report.num_requests, report.num_owned_requests) == (0, 0, 0)
 
     async def test_a_corrupted_pool_is_reported_logged_and_counted(
-        self, aserver: KVCacheServer, astub: Stub, capsys: pytest.CaptureFixture[str]
+        self, server: KVCacheServer, stub: Stub, capsys: pytest.CaptureFixture[str]
     ) -> None:
-        assert (await audit(astub)).ok
+        assert (await audit(stub)).ok
         # The test shares the server's loop, so this runs between two RPCs.
-        block = aserver.table.manager.block_pool.blocks[5]
+        block = server.table.manager.block_pool.blocks[5]
         block.ref_cnt += 1
         try:
-            report = await audit(astub)
+            report = await audit(stub)
         finally:
             block.ref_cnt -= 1
         assert not report.ok
         assert any("block 5" in v for v in report.violations), list(report.violations)
-        assert metric(aserver, "kvservice_audit_failures_total") == 1
-        assert metric(aserver, "kvservice_audit_runs_total") == 2
+        assert metric(server, "kvservice_audit_failures_total") == 1
+        assert metric(server, "kvservice_audit_runs_total") == 2
         assert "pool audit failed" in capsys.readouterr().out
-        assert (await audit(astub)).ok
+        assert (await audit(stub)).ok
 
-    async def test_ownership_records_are_checked(self, aserver: KVCacheServer, astub: Stub) -> None:
-        """A request the session owns but the allocator lost is a violation."""
-        session = await open_session(astub, ttl_s=600)
-        await astub.AddRequest(
+    async def test_ownership_records_are_checked(self, server: KVCacheServer, stub: Stub) -> None:
+        """A request the session owns but the request table lost is a violation."""
+        session = await open_session(stub, ttl_s=600)
+        await stub.AddRequest(
             pb.AddRequestRequest(request_id="owned", prompt_token_ids=tokens(4)),
             metadata=session_md(session.session_id),
         )
-        lost = aserver.table._requests.pop("owned")  # test-only corruption
+        lost = server.table._requests.pop("owned")  # test-only corruption
         try:
-            report = await audit(astub)
+            report = await audit(stub)
         finally:
-            aserver.table._requests["owned"] = lost
+            server.table._requests["owned"] = lost
         assert not report.ok
         assert any("'owned'" in v and "does not know" in v for v in report.violations)
-        assert (await audit(astub)).ok
+        assert (await audit(stub)).ok
 
 
 class TestForkedAudit:
     """The snapshot audit large pools get, forced on for a small one."""
 
     def make(self) -> tuple[RequestTable, Auditor]:
-        allocator = RequestTable(build_manager(SMALL_POOL))
-        registry = SessionRegistry(allocator, SessionPolicy())
+        table = RequestTable(build_manager(SMALL_POOL))
+        registry = SessionRegistry(table, SessionPolicy())
         for n in range(3):
-            allocator.add_request(NewRequest(f"r{n}", tokens(20, start=n)), tenant=DEFAULT_TENANT)
-            allocator.allocate_slots(
-                f"r{n}", AllocateArgs(num_new_tokens=20), tenant=DEFAULT_TENANT
-            )
-        allocator.free("r1", FreeMode.FINISH, tenant=DEFAULT_TENANT)
-        return allocator, Auditor(allocator, registry, fork_min_blocks=0)
+            table.add_request(NewRequest(f"r{n}", tokens(20, start=n)), tenant=DEFAULT_TENANT)
+            table.allocate_slots(f"r{n}", AllocateArgs(num_new_tokens=20), tenant=DEFAULT_TENANT)
+        table.free("r1", FreeMode.FINISH, tenant=DEFAULT_TENANT)
+        return table, Auditor(table, registry, fork_min_blocks=0)
 
     async def test_the_snapshot_reports_what_the_in_place_check_does(self) -> None:
         _, auditor = self.make()
@@ -197,14 +184,14 @@ class TestForkedAudit:
         assert (forked.num_held_blocks, forked.num_requests) == (4, 2)
 
     async def test_the_snapshot_sees_a_corruption(self) -> None:
-        allocator, auditor = self.make()
-        allocator.manager.block_pool.blocks[7].ref_cnt += 1
+        table, auditor = self.make()
+        table.manager.block_pool.blocks[7].ref_cnt += 1
         report = await auditor.run()
         assert not report.ok
         assert any("block 7" in v for v in report.violations), report.violations
 
     async def test_a_stuck_child_is_killed_and_reported_as_not_run(self) -> None:
-        allocator, _ = self.make()
+        table, _ = self.make()
         parent = os.getpid()
 
         class StuckInChild(Auditor):
@@ -213,10 +200,10 @@ class TestForkedAudit:
                     time.sleep(600)  # a child stuck on a lock held at the fork
                 return super().check()
 
-        auditor = StuckInChild(allocator, None, fork_min_blocks=0, fork_timeout_s=0.5)
+        auditor = StuckInChild(table, None, fork_min_blocks=0, fork_timeout_s=0.5)
         with pytest.raises(AuditNotRunError, match="did not finish"):
             await auditor.run()
-        assert (await Auditor(allocator, None, fork_min_blocks=0).run()).ok
+        assert (await Auditor(table, None, fork_min_blocks=0).run()).ok
 
     async def test_a_crashed_child_is_reported_as_not_run_never_checked_in_place(
         self,
@@ -224,7 +211,7 @@ class TestForkedAudit:
         """The issue: children died with SIGSEGV and the server fell back to checking
         a 1M-block pool in place (6 s without serving). A child that dies is an audit
         that did not run: an error, counted, and nothing checked on the loop."""
-        allocator, _ = self.make()
+        table, _ = self.make()
         parent = os.getpid()
         in_place: list[int] = []
 
@@ -236,7 +223,7 @@ class TestForkedAudit:
                 return super().check()
 
         async with running_server(LEASE_POOL) as server:
-            auditor = CrashingChild(allocator, None, server.metrics, fork_min_blocks=0)
+            auditor = CrashingChild(table, None, server.metrics, fork_min_blocks=0)
             with pytest.raises(AuditNotRunError, match="killed by SIGSEGV"):
                 await auditor.run()
             assert in_place == []
@@ -246,7 +233,7 @@ class TestForkedAudit:
     async def test_the_child_runs_without_the_collector_or_the_parents_sockets(self) -> None:
         """What makes the child safe: no garbage collection (which could finalize a
         gRPC object in it), default signals, only its report pipe open."""
-        allocator, _ = self.make()
+        table, _ = self.make()
         parent = os.getpid()
 
         class Inspecting(Auditor):
@@ -258,7 +245,7 @@ class TestForkedAudit:
                 return super().check()
 
         async with running_server(LEASE_POOL):  # its sockets are open in this process
-            assert (await Inspecting(allocator, None, fork_min_blocks=0).run()).ok
+            assert (await Inspecting(table, None, fork_min_blocks=0).run()).ok
         assert gc.isenabled()
 
 
@@ -276,18 +263,17 @@ class TestConcurrentAudits:
             return pid
 
         monkeypatch.setattr(forking, "fork", counting_fork)
-        server = await start()
-        auditor = server.auditor
-        auditor._fork = True  # test-only: a large pool's path on a small one
-        parent, check = os.getpid(), auditor.check
+        async with running_server(NO_SELF_CHECK) as server:
+            auditor = server.auditor
+            auditor._fork = True  # test-only: a large pool's path on a small one
+            parent, check = os.getpid(), auditor.check
 
-        def slow_check() -> AuditReport:
-            if os.getpid() != parent:
-                time.sleep(1.0)  # a large pool's check, while the other calls arrive
-            return check()
+            def slow_check() -> AuditReport:
+                if os.getpid() != parent:
+                    time.sleep(1.0)  # a large pool's check, while the other calls arrive
+                return check()
 
-        monkeypatch.setattr(auditor, "check", slow_check)
-        try:
+            monkeypatch.setattr(auditor, "check", slow_check)
             async with raw_stub(server) as stub:
                 reports = await asyncio.gather(*(audit(stub) for _ in range(6)))
                 assert all(r.ok for r in reports)
@@ -296,8 +282,6 @@ class TestConcurrentAudits:
                 # Once it is over, the next call runs anew.
                 assert (await audit(stub)).ok
                 assert len(forks) == 2
-        finally:
-            await server.stop(grace=0)
 
     async def test_a_cancelled_caller_leaves_the_run_to_the_others(self) -> None:
         _, auditor = TestForkedAudit().make()
@@ -366,27 +350,14 @@ class TestForkSafety:
         """A real `kvservice serve` on a pool large enough to fork: concurrent audits
         pass and gRPC never ran (nor skipped) its fork handlers."""
         env = {k: v for k, v in os.environ.items() if k != GRPC_FORK_SUPPORT_ENV}
-        process = await asyncio.create_subprocess_exec(
-            *kvservice_command(),
-            "serve",
-            "--port=0",
-            "--no-metrics",
-            "--num-blocks=20000",
-            "--max-model-len=1024",
-            "--audit-interval=0",
-            env=env,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        assert process.stdout is not None
-        try:
-            serving = await asyncio.wait_for(read_event(process.stdout, "serving"), TIMEOUT_S)
+        async with kvservice_serve(
+            "--num-blocks=20000", "--max-model-len=1024", "--audit-interval=0", env=env
+        ) as (process, serving):
             async with AsyncKVClient(f"127.0.0.1:{serving['port']}") as client:
                 await client.add_request("r", tokens(1000))
                 assert await client.allocate_slots("r", 1000) is not None
                 reports = await asyncio.gather(*(client.audit() for _ in range(4)))
             assert all(r.ok and r.num_held_blocks == 63 for r in reports)
-        finally:
             process.send_signal(signal.SIGTERM)
             _, stderr = await asyncio.wait_for(process.communicate(), TIMEOUT_S)
         assert process.returncode == 0
@@ -396,6 +367,7 @@ class TestForkSafety:
 class TestSelfCheck:
     @pytest.mark.parametrize("forked", [False, True])
     async def test_the_self_check_runs_and_counts(self, forked: bool) -> None:
+        # Built, then started: the self-check decides at start whether it may run.
         server = KVCacheServer(dataclasses.replace(LEASE_POOL, audit_interval_s=0.05))
         server.auditor._fork = forked  # test-only: a large pool's path on a small one
         await server.start()
@@ -421,11 +393,8 @@ class TestSelfCheck:
             await server.stop(grace=0)
 
     async def test_zero_disables_it(self) -> None:
-        server = await start(audit_interval_s=0)
-        try:
+        async with running_server(NO_SELF_CHECK) as server:
             async with AsyncKVClient(server.handle.target) as client:
                 report = await client.audit()  # the RPC still works
                 assert report.ok and report.num_free_blocks == 10
             assert metric(server, "kvservice_audit_runs_total") == 1
-        finally:
-            await server.stop(grace=0)

@@ -14,11 +14,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import statistics
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvservice.protocol import pack_token_ids
@@ -26,8 +28,10 @@ from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.request_table.limits import RequestLimits
 from kvservice.server.config import ServerConfig
-from tests.server.support import SMALL_POOL, ThreadedServer, server_in_thread
-from tests.server.test_cli import TIMEOUT_S, kvservice_command, read_event
+from kvservice.server.servicer import KVCacheServicer
+from kvservice.server.turns import Slices
+from tests.server.support import SMALL_POOL
+from tests.servers import TIMEOUT_S, ThreadedServer, kvservice_serve, server_in_thread
 
 NUM_BLOCKS = 1_000_000
 MAX_MODEL_LEN = 16_000  # 1,000 blocks of 16 tokens
@@ -100,26 +104,11 @@ def summary(name: str, latencies: list[float]) -> str:
 
 
 async def test_health_and_usage_answer_through_large_messages_and_audits() -> None:
-    process = await asyncio.create_subprocess_exec(
-        *kvservice_command(),
-        "serve",
-        "--port=0",
-        "--no-metrics",
-        f"--num-blocks={NUM_BLOCKS}",
-        f"--max-model-len={MAX_MODEL_LEN}",
-        "--audit-interval=0",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    assert process.stdout is not None
-    try:
-        serving = await asyncio.wait_for(read_event(process.stdout, "serving"), TIMEOUT_S)
-    except BaseException:
-        process.kill()
-        raise
-    target = f"127.0.0.1:{serving['port']}"
-    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
-    try:
+    async with kvservice_serve(
+        f"--num-blocks={NUM_BLOCKS}", f"--max-model-len={MAX_MODEL_LEN}", "--audit-interval=0"
+    ) as (process, serving):
+        target = f"127.0.0.1:{serving['port']}"
+        options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
         async with (
             grpc.aio.insecure_channel(target, options=options) as big_channel,
             grpc.aio.insecure_channel(target) as audit_channel,
@@ -212,7 +201,6 @@ async def test_health_and_usage_answer_through_large_messages_and_audits() -> No
             )
             print(summary("health check", health_ms))
             print(summary("GetUsage", usage_ms))
-    finally:
         process.terminate()
         _, stderr = await asyncio.wait_for(process.communicate(), TIMEOUT_S)
     assert process.returncode == 0, stderr.decode()
@@ -230,10 +218,37 @@ async def wait_for_turn_taken(server: ThreadedServer) -> None:
     raise AssertionError("the step never took the table's turn")
 
 
-async def test_a_large_step_pauses_for_health_checks_and_stays_isolated() -> None:
+async def test_a_large_step_pauses_for_health_checks_and_stays_isolated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """While a Step of the most operations runs (paused between slices, holding the
     table's turn), a health check is answered before the Step is; a GetUsage sent
-    meanwhile waits and sees the whole Step, never a part of it."""
+    meanwhile waits and sees the whole Step, never a part of it.
+
+    The order is made, not waited for: the Step's first pause holds it (the loop runs
+    on, the turn stays taken) until the server has the GetUsage waiting for the turn,
+    and the GetUsage is sent only once the health check was answered. So the health
+    check is answered while the Step provably runs, and the GetUsage provably arrives
+    in the middle of the Step, with part of it done."""
+    paused = threading.Event()  # the Step holds the turn, paused (set on the server's loop)
+    usage_waits = asyncio.Event()  # a GetUsage waits for the turn (the server's loop only)
+    pause = Slices.pause
+    run = KVCacheServicer._run
+
+    async def held_pause(slices: Slices) -> None:
+        paused.set()
+        await usage_waits.wait()
+        await pause(slices)
+
+    async def noting_run(
+        service: KVCacheServicer, operation: Any, request: Any, out: Any, caller: Any
+    ) -> Any:
+        if isinstance(request, pb.GetUsageRequest) and service._turn.taken:
+            usage_waits.set()  # _run then queues for the turn before the Step resumes
+        return await run(service, operation, request, out, caller)
+
+    monkeypatch.setattr(Slices, "pause", held_pause)
+    monkeypatch.setattr(KVCacheServicer, "_run", noting_run)
     config = dataclasses.replace(SMALL_POOL, num_blocks=100_000, max_model_len=1024)
     step, ids = largest_step(0)
     with server_in_thread(config) as server:
@@ -242,11 +257,11 @@ async def test_a_large_step_pauses_for_health_checks_and_stays_isolated() -> Non
             stub = pb_grpc.KVCacheServiceStub(channel)
             health = health_pb2_grpc.HealthStub(channel)
             running = asyncio.ensure_future(stub.Step(step))
-            await wait_for_turn_taken(server)
+            assert await asyncio.to_thread(paused.wait, TIMEOUT_S), "the Step never paused"
             await health.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT_S)
-            assert not running.done()
+            assert not running.done()  # held until the GetUsage below waits
             usage = await stub.GetUsage(pb.GetUsageRequest())
-            assert running.done() and usage.num_requests == len(ids)
+            assert usage.num_requests == len(ids)
             assert all(r.WhichOneof("result") == "add_request" for r in (await running).results)
         server.call(server.server.audit)
 

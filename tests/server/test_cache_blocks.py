@@ -14,8 +14,8 @@ import pytest
 
 from kvservice.client import AllocateOptions, AsyncKVClient, StepBuilder
 from kvservice.client.errors import InvalidArgumentError, OutOfRangeError, RequestNotFoundError
-from kvservice.server.app import serve_in_background
 from tests.server.support import SMALL_POOL, tokens
+from tests.servers import running_server
 
 DELAYED = AllocateOptions(delay_cache_blocks=True)
 # Full attention beside a 32-token sliding window: 80 usable blocks of 16 tokens.
@@ -32,7 +32,7 @@ async def _hit_tokens(client: AsyncKVClient, request_id: str, prompt: list[int])
 async def test_cached_blocks_are_hit_and_caching_again_changes_nothing() -> None:
     """An allocation that delayed caching leaves its blocks out of the prefix cache;
     CacheBlocks puts the full blocks its count covers in, and is idempotent."""
-    async with serve_in_background(SMALL_POOL) as handle, AsyncKVClient(handle.target) as client:
+    async with running_server(SMALL_POOL) as server, AsyncKVClient(server.handle.target) as client:
         await client.add_request("0", tokens(40))
         assert await client.allocate_slots("0", 40, options=DELAYED)
         assert await _hit_tokens(client, "probe-0", tokens(40)) == 0
@@ -48,7 +48,7 @@ async def test_cached_blocks_are_hit_and_caching_again_changes_nothing() -> None
 
 
 async def test_a_refused_cache_blocks_names_the_reason_and_changes_nothing() -> None:
-    async with serve_in_background(SMALL_POOL) as handle, AsyncKVClient(handle.target) as client:
+    async with running_server(SMALL_POOL) as server, AsyncKVClient(server.handle.target) as client:
         with pytest.raises(RequestNotFoundError, match="'ghost'"):
             await client.cache_blocks("ghost", 16)
         await client.add_request("0", tokens(40))
@@ -63,7 +63,7 @@ async def test_a_refused_cache_blocks_names_the_reason_and_changes_nothing() -> 
 
 
 async def test_cache_blocks_is_an_operation_of_a_step_in_order() -> None:
-    async with serve_in_background(SMALL_POOL) as handle, AsyncKVClient(handle.target) as client:
+    async with running_server(SMALL_POOL) as server, AsyncKVClient(server.handle.target) as client:
         step = StepBuilder()
         step.add_request("0", tokens(40))
         step.allocate_slots("0", 40, options=DELAYED)
@@ -79,7 +79,7 @@ async def test_in_flight_tokens_keep_a_windows_blocks_for_this_call() -> None:
     """With 64 of 96 computed tokens still in flight, a 32-token window still reads
     blocks the processed 32 tokens put in view; the same call without them releases
     those blocks first."""
-    async with serve_in_background(WINDOW_POOL) as handle, AsyncKVClient(handle.target) as client:
+    async with running_server(WINDOW_POOL) as server, AsyncKVClient(server.handle.target) as client:
         free: list[int] = []
         for request_id, in_flight in (("kept", 64), ("released", 0)):
             await client.add_request(request_id, tokens(200, start=1000 * len(free)))

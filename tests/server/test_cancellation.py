@@ -67,24 +67,24 @@ async def assert_consistent(server: KVCacheServer, stub: pb_grpc.KVCacheServiceS
     assert usage.num_free_blocks + usage.num_used_blocks == usage.num_blocks - 1
 
 
-async def test_cancelled_stream_mid_session(kv_server: KVCacheServer) -> None:
+async def test_cancelled_stream_mid_session(server: KVCacheServer) -> None:
     """A session cancelled with a step written but unanswered: that step was applied
     entirely or not at all, and the state is consistent."""
-    async with grpc.aio.insecure_channel(kv_server.handle.target) as channel:
+    async with grpc.aio.insecure_channel(server.handle.target) as channel:
         stub = pb_grpc.KVCacheServiceStub(channel)
         call = stub.StepStream()
         await call.write(pb.StepStreamRequest(step=admit_step("a", 40)))
         await call.read()
         await call.write(pb.StepStreamRequest(step=admit_step("b", 20)))
         call.cancel()
-        await assert_consistent(kv_server, stub)
-        known = set(kv_server.table._requests)
+        await assert_consistent(server, stub)
+        known = set(server.table._requests)
         assert known in ({"a"}, {"a", "b"})
 
 
-async def test_cancelled_unary_calls(kv_server: KVCacheServer) -> None:
+async def test_cancelled_unary_calls(server: KVCacheServer) -> None:
     """Many Step calls, a part cancelled at varying points: whatever ran, ran whole."""
-    async with grpc.aio.insecure_channel(kv_server.handle.target) as channel:
+    async with grpc.aio.insecure_channel(server.handle.target) as channel:
         stub = pb_grpc.KVCacheServiceStub(channel)
         calls = [stub.Step(admit_step(f"r{i}", 16)) for i in range(12)]
         for i, call in enumerate(calls):
@@ -94,4 +94,4 @@ async def test_cancelled_unary_calls(kv_server: KVCacheServer) -> None:
                 call.cancel()
         outcomes = await asyncio.gather(*calls, return_exceptions=True)
         assert any(isinstance(o, pb.StepResponse) for o in outcomes)
-        await assert_consistent(kv_server, stub)
+        await assert_consistent(server, stub)

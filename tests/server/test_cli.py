@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import signal
-import sys
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -17,27 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvservice.server.app import SERVICE_NAME
-
-# Safety nets only: each wait ends as soon as its event happens.
-TIMEOUT_S = 120
-
-
-def kvservice_command() -> list[str]:
-    """The installed console script, or the module when it is not on this venv."""
-    script = Path(sys.executable).with_name("kvservice")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "kvservice.cli"]
-
-
-async def read_event(stream: asyncio.StreamReader, event: str) -> dict[str, Any]:
-    """The first JSON log line whose event is ``event`` (stdout is a pipe, so the
-    server logs JSON)."""
-    while True:
-        line = await stream.readline()
-        if not line:
-            raise AssertionError(f"the server exited before logging {event!r}")
-        record: dict[str, Any] = json.loads(line)
-        if record.get("event") == event:
-            return record
+from tests.servers import TIMEOUT_S, kvservice_serve, read_event, run_kvservice
 
 
 async def health_status(port: int) -> int:
@@ -53,26 +30,10 @@ async def health_status(port: int) -> int:
 async def serving(*flags: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, Any]]:
     """``kvservice serve`` on a free port with ``flags``, once it answers health checks
     as SERVING: the process and its startup line. Killed on exit if still running."""
-    process = await asyncio.create_subprocess_exec(
-        *kvservice_command(),
-        "serve",
-        "--port=0",
-        "--no-metrics",
-        "--num-blocks=64",
-        "--max-model-len=256",
-        *flags,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    assert process.stdout is not None
-    try:
-        startup = await asyncio.wait_for(read_event(process.stdout, "serving"), TIMEOUT_S)
+    async with kvservice_serve("--num-blocks=64", "--max-model-len=256", *flags) as started:
+        _, startup = started
         assert await health_status(startup["port"]) == health_pb2.HealthCheckResponse.SERVING
-        yield process, startup
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
+        yield started
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -90,18 +51,9 @@ async def test_serve_until_signalled(sig: signal.Signals) -> None:
 
 async def test_bad_pool_exits_with_a_message() -> None:
     """A pool too small for max_model_len is refused with a readable message."""
-    process = await asyncio.create_subprocess_exec(
-        *kvservice_command(),
-        "serve",
-        "--port=0",
-        "--no-metrics",
-        "--num-blocks=4",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _, stderr = await asyncio.wait_for(process.communicate(), TIMEOUT_S)
-    assert process.returncode == 2
-    assert "max_model_len" in stderr.decode() or "max seq len" in stderr.decode()
+    status, _, stderr = await run_kvservice("serve", "--port=0", "--no-metrics", "--num-blocks=4")
+    assert status == 2
+    assert "max_model_len" in stderr or "max seq len" in stderr
 
 
 async def test_the_startup_line_is_written_at_any_log_level() -> None:

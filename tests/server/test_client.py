@@ -27,8 +27,8 @@ from kvservice.client import (
     StaleHitError,
     StepBuilder,
 )
-from kvservice.server.app import KVCacheServer
-from tests.server.support import SMALL_POOL, server_in_thread, tokens
+from tests.server.support import SMALL_POOL, tokens
+from tests.servers import running_server, server_in_thread
 
 
 class TestAsyncClient:
@@ -191,17 +191,17 @@ class TestAsyncClient:
 
     async def test_session_over_the_limit(self) -> None:
         """A stream-level refusal raises the typed error from ``step``."""
-        server = KVCacheServer(dataclasses.replace(SMALL_POOL, max_step_ops=1))
-        handle = await server.start()
-        try:
-            async with AsyncKVClient(handle.target) as client, client.session() as session:
-                step = StepBuilder()
-                step.get_usage()
-                step.get_usage()
-                with pytest.raises(InvalidArgumentError):
-                    await session.step(step)
-        finally:
-            await server.stop(grace=0)
+        config = dataclasses.replace(SMALL_POOL, max_step_ops=1)
+        async with (
+            running_server(config) as server,
+            AsyncKVClient(server.handle.target) as client,
+            client.session() as session,
+        ):
+            step = StepBuilder()
+            step.get_usage()
+            step.get_usage()
+            with pytest.raises(InvalidArgumentError):
+                await session.step(step)
 
     async def test_unreachable_server(self) -> None:
         async with AsyncKVClient("127.0.0.1:1", timeout=5) as client:

@@ -20,8 +20,9 @@ from kvservice.client import (
 )
 from kvservice.client.types import Allocation
 from kvservice.server.app import KVCacheServer
-from tests.server.support import HYBRID_POOL, running_server
+from tests.server.support import HYBRID_POOL
 from tests.server.test_partial_hits_remote import CHUNK, PROMPT, SHARING
+from tests.servers import running_server
 
 
 async def _share(client: AsyncKVClient, keep: bool) -> Allocation:

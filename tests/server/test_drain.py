@@ -11,8 +11,9 @@ import pytest
 
 from kvservice.client import AsyncKVClient, KVServiceError, StepBuilder
 from kvservice.server.app import KVCacheServer
-from tests.server.fuzz_support import allocator_state
+from tests.server.fuzz_support import table_state
 from tests.server.support import SMALL_POOL, tokens
+from tests.servers import running_server
 
 # Far longer than the test takes: stop() returning is the stream closing, not this.
 GRACE_S = 120.0
@@ -27,31 +28,29 @@ async def draining(server: KVCacheServer) -> asyncio.Task[None]:
 
 
 async def test_stop_refuses_new_calls_serves_open_streams_and_ends_when_they_do() -> None:
-    server = KVCacheServer(SMALL_POOL)
-    await server.start()
-    try:
-        async with AsyncKVClient(server.handle.target) as client:
-            session = client.session()
-            step = StepBuilder()
-            step.add_request("a", tokens(20))
-            step.allocate_slots("a", 20)
-            assert (await session.step(step)).ok
+    async with (
+        running_server(SMALL_POOL) as server,
+        AsyncKVClient(server.handle.target) as client,
+    ):
+        session = client.session()
+        step = StepBuilder()
+        step.add_request("a", tokens(20))
+        step.allocate_slots("a", 20)
+        assert (await session.step(step)).ok
 
-            stopping = await draining(server)
-            before = allocator_state(server.table)
-            with pytest.raises(KVServiceError) as refused:
-                await client.add_request("b", tokens(20))
-            assert refused.value.code is grpc.StatusCode.UNAVAILABLE
-            assert "shutting down" in str(refused.value)
-            assert allocator_state(server.table) == before
+        stopping = await draining(server)
+        before = table_state(server.table)
+        with pytest.raises(KVServiceError) as refused:
+            await client.add_request("b", tokens(20))
+        assert refused.value.code is grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in str(refused.value)
+        assert table_state(server.table) == before
 
-            # The stream opened before stop() is still served, then closes.
-            step = StepBuilder()
-            step.append_tokens("a", [7])
-            decode = step.allocate_slots("a", 1)
-            assert (await session.step(step))[decode] is not None
-            assert not stopping.done()
-            await session.close()
-            await asyncio.wait_for(stopping, GRACE_S / 4)
-    finally:
-        await server.stop(grace=0)
+        # The stream opened before stop() is still served, then closes.
+        step = StepBuilder()
+        step.append_tokens("a", [7])
+        decode = step.allocate_slots("a", 1)
+        assert (await session.step(step))[decode] is not None
+        assert not stopping.done()
+        await session.close()
+        await asyncio.wait_for(stopping, GRACE_S / 4)

@@ -13,10 +13,8 @@ import structlog
 from kvservice.client import _wire
 from kvservice.protocol import pack_token_ids
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
-from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from tests.server.support import (
     SMALL_POOL,
-    Stub,
     add,
     admit,
     allocate,
@@ -24,10 +22,10 @@ from tests.server.support import (
     expect_error,
     free,
     lookup,
-    running_server,
     snapshot,
     tokens,
 )
+from tests.servers import Stub, raw_stub, running_server
 
 Code = grpc.StatusCode
 
@@ -218,11 +216,7 @@ class TestVocabulary:
         INVALID_ARGUMENT naming the field, index and value, on AddRequest,
         AppendTokens and a columnar append entry alike; nothing changes."""
         config = dataclasses.replace(SMALL_POOL, vocab_size=1000)
-        async with (
-            running_server(config) as server,
-            grpc.aio.insecure_channel(server.handle.target) as channel,
-        ):
-            stub = pb_grpc.KVCacheServiceStub(channel)
+        async with running_server(config) as server, raw_stub(server) as stub:
             await add(stub, "a", tokens(40))
             await admit(stub, "a")
             await add(stub, "w", tokens(20, start=100))
@@ -283,11 +277,7 @@ class TestPackedPrompt:
 
     async def test_out_of_vocabulary_names_the_packed_field(self) -> None:
         config = dataclasses.replace(SMALL_POOL, vocab_size=1000)
-        async with (
-            running_server(config) as server,
-            grpc.aio.insecure_channel(server.handle.target) as channel,
-        ):
-            stub = pb_grpc.KVCacheServiceStub(channel)
+        async with running_server(config) as server, raw_stub(server) as stub:
             packed = pack_token_ids([1, 999, 1000])
             call = add(stub, "x", [], packed_prompt_token_ids=packed)
             message = await expect_error(call, Code.INVALID_ARGUMENT)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 
 import pytest
 
@@ -30,15 +30,11 @@ from kvservice.client import (
 )
 from kvservice.core.kv_cache_block import get_block_hash, get_group_id
 from kvservice.server.app import KVCacheServer
+from kvservice.server.config import ServerConfig
 from kvservice.server.events import EventLog
 from kvservice.server.settings import load_settings
-from tests.server.support import (
-    SMALL_POOL,
-    THREAD_TIMEOUT_S,
-    running_server,
-    server_in_thread,
-    tokens,
-)
+from tests.server.support import SMALL_POOL, tokens
+from tests.servers import THREAD_TIMEOUT_S, running_server, server_in_thread
 
 EVENTS_POOL = dataclasses.replace(SMALL_POOL, kv_events=True)
 LABELS = {"model_name": "test-model", "engine": "0"}
@@ -90,90 +86,76 @@ async def churn(client: AsyncKVClient, tag: str) -> None:
 
 
 @pytest.fixture
-async def events_server() -> AsyncIterator[KVCacheServer]:
-    async with running_server(EVENTS_POOL) as server:
-        yield server
-
-
-@pytest.fixture
-async def events_client(events_server: KVCacheServer) -> AsyncIterator[AsyncKVClient]:
-    async with AsyncKVClient(events_server.handle.target) as client:
-        yield client
+def server_config() -> ServerConfig:
+    return EVENTS_POOL
 
 
 async def test_late_subscriber_starts_from_a_snapshot(
-    events_server: KVCacheServer, events_client: AsyncKVClient
+    server: KVCacheServer, client: AsyncKVClient
 ) -> None:
-    await churn(events_client, "before")
-    items = events_client.subscribe_events()
+    await churn(client, "before")
+    items = client.subscribe_events()
     snapshot = await next_item(items)
     assert isinstance(snapshot, CacheSnapshot)
-    assert snapshot.sequence == event_log(events_server).last_sequence > 0
+    assert snapshot.sequence == event_log(server).last_sequence > 0
     view = CachedBlocksView()
     view.apply(snapshot)
-    assert view.counts == pool_view(events_server)
+    assert view.counts == pool_view(server)
     assert 2 in view.counts.values()  # the duplicated keys are counted
 
-    await churn(events_client, "after")
+    await churn(client, "after")
     seen: list[int] = []
-    while view.sequence < event_log(events_server).last_sequence:
+    while view.sequence < event_log(server).last_sequence:
         item = await next_item(items)
         seen.append(item.sequence)
         view.apply(item)
     assert seen == list(range(snapshot.sequence + 1, view.sequence + 1))  # no gap
-    assert view.counts == pool_view(events_server)
+    assert view.counts == pool_view(server)
     await items.aclose()
-    events_server.audit()
+    server.audit()
 
 
 async def test_resubscribe_gets_only_the_missed_events(
-    events_server: KVCacheServer, events_client: AsyncKVClient
+    server: KVCacheServer, client: AsyncKVClient
 ) -> None:
     view = CachedBlocksView()
-    items = events_client.subscribe_events()
+    items = client.subscribe_events()
     view.apply(await next_item(items))
-    await churn(events_client, "one")
-    await catch_up(events_server, items, view)
+    await churn(client, "one")
+    await catch_up(server, items, view)
     await items.aclose()
 
-    await churn(events_client, "two")  # missed while disconnected
-    resumed = events_client.subscribe_events(view.sequence, view.log_id)
+    await churn(client, "two")  # missed while disconnected
+    resumed = client.subscribe_events(view.sequence, view.log_id)
     first = await next_item(resumed)
     assert not isinstance(first, CacheSnapshot)
     assert first.sequence == view.sequence + 1
     view.apply(first)
-    await catch_up(events_server, resumed, view)
-    assert view.counts == pool_view(events_server)
+    await catch_up(server, resumed, view)
+    assert view.counts == pool_view(server)
     await resumed.aclose()
 
 
 async def test_resubscribe_past_the_buffer_or_from_another_log_gets_a_snapshot() -> None:
     config = dataclasses.replace(EVENTS_POOL, kv_events_buffer_size=2)
-    server = KVCacheServer(config)
-    await server.start()
-    try:
-        async with AsyncKVClient(server.handle.target) as client:
-            await churn(client, "x")
-            assert event_log(server).last_sequence > 3
-            for from_sequence, log_id in ((1, ""), (event_log(server).last_sequence, "other")):
-                items = client.subscribe_events(from_sequence, log_id)
-                snapshot = await next_item(items)
-                assert isinstance(snapshot, CacheSnapshot)
-                view = CachedBlocksView()
-                view.apply(snapshot)
-                assert view.counts == pool_view(server)
-                await items.aclose()
-    finally:
-        await server.stop(grace=0)
+    async with running_server(config) as server, AsyncKVClient(server.handle.target) as client:
+        await churn(client, "x")
+        assert event_log(server).last_sequence > 3
+        for from_sequence, log_id in ((1, ""), (event_log(server).last_sequence, "other")):
+            items = client.subscribe_events(from_sequence, log_id)
+            snapshot = await next_item(items)
+            assert isinstance(snapshot, CacheSnapshot)
+            view = CachedBlocksView()
+            view.apply(snapshot)
+            assert view.counts == pool_view(server)
+            await items.aclose()
 
 
-async def test_event_fields_and_reset(
-    events_server: KVCacheServer, events_client: AsyncKVClient
-) -> None:
-    items = events_client.subscribe_events()
+async def test_event_fields_and_reset(server: KVCacheServer, client: AsyncKVClient) -> None:
+    items = client.subscribe_events()
     empty = await next_item(items)
     assert isinstance(empty, CacheSnapshot) and empty.blocks == () and empty.sequence == 0
-    await cache(events_client, "a", tokens(40))
+    await cache(client, "a", tokens(40))
     stored = await next_item(items)
     assert isinstance(stored, BlockStored)
     assert stored.sequence == 1 and stored.log_id == empty.log_id
@@ -182,24 +164,24 @@ async def test_event_fields_and_reset(
     assert (stored.block_size, stored.group_idx, stored.medium) == (16, 0, "GPU")
     assert stored.kv_cache_spec_kind == "full_attention"
 
-    assert await events_client.reset_prefix_cache()
+    assert await client.reset_prefix_cache()
     cleared = await next_item(items)
     assert isinstance(cleared, AllBlocksCleared) and cleared.sequence == 2
-    assert pool_view(events_server) == Counter()
+    assert pool_view(server) == Counter()
 
     view = CachedBlocksView()
     for earlier in (empty, stored, cleared):
         view.apply(earlier)
     assert view.counts == Counter()
-    await cache(events_client, "big", tokens(128, start=1000))
-    await cache(events_client, "other", tokens(48, start=9000))  # evicts "big" blocks
+    await cache(client, "big", tokens(128, start=1000))
+    await cache(client, "other", tokens(48, start=9000))  # evicts "big" blocks
     kinds = set()
-    while view.sequence < event_log(events_server).last_sequence:
+    while view.sequence < event_log(server).last_sequence:
         item = await next_item(items)
         kinds.add(type(item))
         view.apply(item)
     assert kinds == {BlockStored, BlockRemoved}
-    assert view.counts == pool_view(events_server)
+    assert view.counts == pool_view(server)
     await items.aclose()
 
 
@@ -207,38 +189,37 @@ async def test_a_slow_subscriber_is_dropped() -> None:
     """One Step caches three prompts: three events at once, without the server loop
     ever yielding, overflow a queue of one, whatever the timing."""
     config = dataclasses.replace(EVENTS_POOL, kv_events_queue_size=1)
-    server = KVCacheServer(config)
-    await server.start()
-    try:
-        async with AsyncKVClient(server.handle.target) as client:
-            items = client.subscribe_events()
-            assert isinstance(await next_item(items), CacheSnapshot)
-            step = StepBuilder()
-            for i in range(3):
-                step.add_request(f"r{i}", tokens(16, start=100 * i))
-                step.allocate_slots(f"r{i}", 16)
-            assert (await client.step(step)).ok
-            with pytest.raises(SubscriberDroppedError, match="resubscribe"):
-                while True:
-                    await next_item(items)
-            assert event_log(server).num_subscribers == 0
-            registry = server.metrics.registry
-            assert registry.get_sample_value("kvservice_events_published_total", LABELS) == 3
-            # The one queued and the one that did not fit.
-            assert registry.get_sample_value("kvservice_events_dropped_total", LABELS) == 2
-            # The server kept serving, and a resubscribe from 0 catches up.
-            items = client.subscribe_events()
-            view = CachedBlocksView()
-            view.apply(await next_item(items))
-            assert view.counts == pool_view(server) and len(view.counts) == 3
-            await items.aclose()
-    finally:
-        await server.stop(grace=0)
+    async with running_server(config) as server, AsyncKVClient(server.handle.target) as client:
+        items = client.subscribe_events()
+        assert isinstance(await next_item(items), CacheSnapshot)
+        step = StepBuilder()
+        for i in range(3):
+            step.add_request(f"r{i}", tokens(16, start=100 * i))
+            step.allocate_slots(f"r{i}", 16)
+        assert (await client.step(step)).ok
+        with pytest.raises(SubscriberDroppedError, match="resubscribe"):
+            while True:
+                await next_item(items)
+        assert event_log(server).num_subscribers == 0
+        registry = server.metrics.registry
+        assert registry.get_sample_value("kvservice_events_published_total", LABELS) == 3
+        # The one queued and the one that did not fit.
+        assert registry.get_sample_value("kvservice_events_dropped_total", LABELS) == 2
+        # The server kept serving, and a resubscribe from 0 catches up.
+        items = client.subscribe_events()
+        view = CachedBlocksView()
+        view.apply(await next_item(items))
+        assert view.counts == pool_view(server) and len(view.counts) == 3
+        await items.aclose()
 
 
-async def test_off_answers_failed_precondition(client: AsyncKVClient) -> None:
-    with pytest.raises(FailedPreconditionError, match="--kv-events"):
-        await anext(client.subscribe_events())
+async def test_off_answers_failed_precondition() -> None:
+    async with (
+        running_server(SMALL_POOL) as server,
+        AsyncKVClient(server.handle.target, client_id="test-scheduler") as client,
+    ):
+        with pytest.raises(FailedPreconditionError, match="--kv-events"):
+            await anext(client.subscribe_events())
 
 
 def test_sync_client_subscribes() -> None:

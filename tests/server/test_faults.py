@@ -25,18 +25,16 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvservice.bench.server import free_port
 from kvservice.client import AsyncKVClient, KVServiceError, StepBuilder
 from kvservice.protocol import OPERATION_ID_KEY
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server.app import SERVICE_NAME
-from tests.deploy.support import free_port
-from tests.server.fuzz_support import allocator_state
-from tests.server.support import SMALL_POOL, ThreadedServer, server_in_thread, tokens
-from tests.server.test_cli import kvservice_command
+from tests.server.fuzz_support import table_state
+from tests.server.support import SMALL_POOL, tokens
+from tests.servers import TIMEOUT_S, ThreadedServer, kvservice_serve, server_in_thread
 
-# Safety nets only: each wait ends as soon as its event happens.
-TIMEOUT_S = 120
 Code = grpc.StatusCode
 # How a call is refused once shutdown began: UNAVAILABLE from the draining server (or
 # a connection going away), CANCELLED when grpc stopped before a handler took it.
@@ -47,9 +45,9 @@ class ServerLog:
     """The JSON log lines of a ``kvservice serve`` child, read as they come (the pipe
     is drained all along, so a chatty server never blocks on a full pipe)."""
 
-    def __init__(self, stream: asyncio.StreamReader) -> None:
+    def __init__(self, stream: asyncio.StreamReader, seen: list[dict[str, Any]]) -> None:
         self._stream = stream
-        self._seen: list[dict[str, Any]] = []
+        self._seen = seen  # the lines read before
         self._changed = asyncio.Condition()
         self._task = asyncio.create_task(self._read())
 
@@ -87,28 +85,13 @@ class ServeProcess:
 
 
 @contextlib.asynccontextmanager
-async def kvservice_serve(*flags: str) -> AsyncIterator[ServeProcess]:
-    """``kvservice serve`` on a free port, killed at the end if still running."""
-    process = await asyncio.create_subprocess_exec(
-        *kvservice_command(),
-        "serve",
-        "--port=0",
-        "--no-metrics",
-        "--num-blocks=64",
-        "--max-model-len=256",
-        *flags,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    assert process.stdout is not None
-    log = ServerLog(process.stdout)
-    try:
-        serving = await asyncio.wait_for(log.wait_for("serving"), TIMEOUT_S)
-        yield ServeProcess(process, log, serving["port"])
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
+async def serve_logged(*flags: str) -> AsyncIterator[ServeProcess]:
+    """``kvservice serve`` on a free port (``tests.servers.kvservice_serve``), its log
+    read from the startup line on; killed at the end if still running."""
+    async with kvservice_serve("--num-blocks=64", "--max-model-len=256", *flags) as started:
+        process, serving = started
+        assert process.stdout is not None
+        yield ServeProcess(process, ServerLog(process.stdout, [serving]), serving["port"])
 
 
 def admit_ops(step: StepBuilder, request_id: str, num_tokens: int) -> None:
@@ -145,9 +128,7 @@ async def test_sigterm_finishes_in_flight_calls_and_refuses_new_ones() -> None:
     changed nothing, the open stream keeps being served until it closes, new calls are
     refused (UNAVAILABLE), and the process exits 0."""
     async with (
-        kvservice_serve(
-            "--shutdown-grace=60", "--metrics", f"--metrics-port={free_port()}"
-        ) as server,
+        serve_logged("--shutdown-grace=60", "--metrics", f"--metrics-port={free_port()}") as server,
         AsyncKVClient(server.target, client_id="sigterm") as client,
     ):
         serving = await server.log.wait_for("serving")
@@ -451,10 +432,10 @@ def test_retried_call_is_applied_once() -> None:
 
         allocate = pb.AllocateSlotsRequest(request_id="r", num_new_tokens=40)
         first_allocation = stub.AllocateSlots(allocate, metadata=with_id("op-alloc"))
-        before = server.call(lambda: allocator_state(server.server.table))
+        before = server.call(lambda: table_state(server.server.table))
         retried = stub.AllocateSlots(allocate, metadata=with_id("op-alloc"))
         assert retried == first_allocation
-        assert server.call(lambda: allocator_state(server.server.table)) == before
+        assert server.call(lambda: table_state(server.server.table)) == before
         state = stub.GetRequest(pb.GetRequestRequest(request_id="r")).request
         assert state.num_computed_tokens == 40
         assert stub.GetUsage(pb.GetUsageRequest()).num_used_blocks == 3
@@ -466,7 +447,7 @@ def test_retried_call_is_applied_once() -> None:
             )
         assert reused.value.code() == Code.INVALID_ARGUMENT
         assert "op-alloc" in (reused.value.details() or "")
-        assert server.call(lambda: allocator_state(server.server.table)) == before
+        assert server.call(lambda: table_state(server.server.table)) == before
         server.call(server.server.audit)
 
 

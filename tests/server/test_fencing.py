@@ -4,23 +4,14 @@ requests are freed when its lease runs out."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import grpc
 import pytest
 
 from kvservice.client import AsyncKVClient, FailedPreconditionError
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.server.app import KVCacheServer
-from tests.server.support import (
-    Stub,
-    expect_error,
-    raw_stub,
-    running_server,
-    snapshot,
-    tokens,
-    usage,
-)
+from kvservice.server.config import ServerConfig
+from tests.server.support import expect_error, snapshot, tokens, usage
 from tests.server.test_sessions import (
     LEASE_POOL,
     SHORT_TTL_S,
@@ -30,18 +21,12 @@ from tests.server.test_sessions import (
     session_md,
     wait_until,
 )
+from tests.servers import Stub
 
 
 @pytest.fixture
-async def fserver() -> AsyncIterator[KVCacheServer]:
-    async with running_server(LEASE_POOL) as server:
-        yield server
-
-
-@pytest.fixture
-async def fstub(fserver: KVCacheServer) -> AsyncIterator[Stub]:
-    async with raw_stub(fserver) as stub:
-        yield stub
+def server_config() -> ServerConfig:
+    return LEASE_POOL
 
 
 async def epoch_of(stub: Stub) -> int:
@@ -50,75 +35,75 @@ async def epoch_of(stub: Stub) -> int:
 
 
 class TestFencing:
-    async def test_a_stale_scheduler_is_refused_after_a_newer_one_opens(self, fstub: Stub) -> None:
-        assert await epoch_of(fstub) == 0
-        old = await open_session(fstub, ttl_s=600, epoch=1, name="scheduler-old")
-        await add_and_admit(fstub, "old-req", 20, old.session_id)
-        new = await open_session(fstub, ttl_s=600, epoch=2, name="scheduler-new")
+    async def test_a_stale_scheduler_is_refused_after_a_newer_one_opens(self, stub: Stub) -> None:
+        assert await epoch_of(stub) == 0
+        old = await open_session(stub, ttl_s=600, epoch=1, name="scheduler-old")
+        await add_and_admit(stub, "old-req", 20, old.session_id)
+        new = await open_session(stub, ttl_s=600, epoch=2, name="scheduler-new")
         assert new.current_epoch == 2
-        assert await epoch_of(fstub) == 2
-        before = await snapshot(fstub, ["old-req"])
+        assert await epoch_of(stub) == 2
+        before = await snapshot(stub, ["old-req"])
 
         stale = session_md(old.session_id)
         append = pb.AppendTokensRequest(request_id="old-req", token_ids=[5])
         message = await expect_error(
-            fstub.AppendTokens(append, metadata=stale), grpc.StatusCode.FAILED_PRECONDITION
+            stub.AppendTokens(append, metadata=stale), grpc.StatusCode.FAILED_PRECONDITION
         )
         assert "epoch 1" in message and "current epoch 2" in message
         await expect_error(
-            fstub.KeepAlive(pb.KeepAliveRequest(session_id=old.session_id)),
+            stub.KeepAlive(pb.KeepAliveRequest(session_id=old.session_id)),
             grpc.StatusCode.FAILED_PRECONDITION,
         )
         add = pb.AddRequestRequest(request_id="sneaky", prompt_token_ids=tokens(4))
         await expect_error(
-            fstub.AddRequest(add, metadata=stale), grpc.StatusCode.FAILED_PRECONDITION
+            stub.AddRequest(add, metadata=stale), grpc.StatusCode.FAILED_PRECONDITION
         )
-        assert await snapshot(fstub, ["old-req"]) == before
+        assert await snapshot(stub, ["old-req"]) == before
         # The newer scheduler carries on, on the same pool.
-        await fstub.AppendTokens(append, metadata=session_md(new.session_id))
+        await stub.AppendTokens(append, metadata=session_md(new.session_id))
 
-    async def test_opening_with_an_older_epoch_is_refused(self, fstub: Stub) -> None:
-        await open_session(fstub, ttl_s=600, epoch=5)
+    async def test_opening_with_an_older_epoch_is_refused(self, stub: Stub) -> None:
+        await open_session(stub, ttl_s=600, epoch=5)
         message = await expect_error(
-            fstub.OpenSession(pb.OpenSessionRequest(ttl_seconds=600, epoch=4)),
+            stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=600, epoch=4)),
             grpc.StatusCode.FAILED_PRECONDITION,
         )
         assert "epoch 4" in message and "current epoch 5" in message
         # The same epoch is the same scheduler (another of its connections).
-        same = await open_session(fstub, ttl_s=600, epoch=5)
+        same = await open_session(stub, ttl_s=600, epoch=5)
         assert same.current_epoch == 5
-        assert (await audit_ok(fstub)).num_sessions == 2
+        assert (await audit_ok(stub)).num_sessions == 2
         message = await expect_error(
-            fstub.OpenSession(pb.OpenSessionRequest(ttl_seconds=600, epoch=-1)),
+            stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=600, epoch=-1)),
             grpc.StatusCode.INVALID_ARGUMENT,
         )
         assert "epoch" in message and "-1" in message
 
-    async def test_a_fenced_session_still_loses_its_requests_at_expiry(self, fstub: Stub) -> None:
+    async def test_a_fenced_session_still_loses_its_requests_at_expiry(self, stub: Stub) -> None:
         """Refused renewals mean the stale lease runs out: no block is stranded."""
-        old = await open_session(fstub, ttl_s=SHORT_TTL_S, epoch=1)
-        await add_and_admit(fstub, "old-req", 30, old.session_id)
-        await open_session(fstub, ttl_s=600, epoch=2)
+        old = await open_session(stub, ttl_s=SHORT_TTL_S, epoch=1)
+        await add_and_admit(stub, "old-req", 30, old.session_id)
+        await open_session(stub, ttl_s=600, epoch=2)
 
         async def freed() -> bool:
-            return (await usage(fstub)).num_requests == 0
+            return (await usage(stub)).num_requests == 0
 
         await wait_until(freed, "the stale session's lease to run out")
-        assert (await usage(fstub)).num_used_blocks == 0
-        await audit_ok(fstub)
+        assert (await usage(stub)).num_used_blocks == 0
+        await audit_ok(stub)
 
-    async def test_a_stream_of_the_stale_scheduler_ends(self, fstub: Stub) -> None:
-        old = await open_session(fstub, ttl_s=600, epoch=1)
-        call = fstub.StepStream(metadata=session_md(old.session_id))
+    async def test_a_stream_of_the_stale_scheduler_ends(self, stub: Stub) -> None:
+        old = await open_session(stub, ttl_s=600, epoch=1)
+        call = stub.StepStream(metadata=session_md(old.session_id))
         await call.write(pb.StepStreamRequest(step=pb.StepRequest(step_id=1)))
         assert (await call.read()).step.step_id == 1
-        await open_session(fstub, ttl_s=600, epoch=2)
+        await open_session(stub, ttl_s=600, epoch=2)
         await call.write(pb.StepStreamRequest(step=pb.StepRequest(step_id=2)))
         message = await expect_error(call.read(), grpc.StatusCode.FAILED_PRECONDITION)
         assert "epoch 1" in message and "current epoch 2" in message
 
-    async def test_clients(self, fserver: KVCacheServer) -> None:
-        target = fserver.handle.target
+    async def test_clients(self, server: KVCacheServer) -> None:
+        target = server.handle.target
         async with AsyncKVClient(target) as old, AsyncKVClient(target) as new:
             await old.open_session(600, epoch=7)
             await old.add_request("mine", tokens(4))

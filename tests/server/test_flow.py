@@ -7,11 +7,8 @@ import dataclasses
 import grpc
 
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
-from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
-from kvservice.server.app import serve_in_background
 from tests.server.support import (
     SMALL_POOL,
-    Stub,
     add,
     admit,
     allocate,
@@ -26,6 +23,7 @@ from tests.server.support import (
     tokens,
     usage,
 )
+from tests.servers import Stub, raw_stub, running_server
 
 
 class TestHappyPath:
@@ -247,11 +245,7 @@ class TestPrefixHitTransfer:
 async def test_block_ids_to_zero() -> None:
     """With zeroing on, every freshly allocated block is reported once."""
     config = dataclasses.replace(SMALL_POOL, metrics_port=None, needs_kv_cache_zeroing=True)
-    async with (
-        serve_in_background(config) as handle,
-        grpc.aio.insecure_channel(handle.target) as channel,
-    ):
-        stub = pb_grpc.KVCacheServiceStub(channel)
+    async with running_server(config) as server, raw_stub(server) as stub:
         await add(stub, "a", tokens(40))
         first = await admit(stub, "a")
         assert list(first.block_ids_to_zero) == ids(first.new_block_ids)[0] == [1, 2, 3]

@@ -3,7 +3,7 @@ stub (values the typed client would refuse to send), mixed Step batches, and gar
 or truncated protobuf bytes on the raw channel.
 
 Every answer must be OK or a status the RPC documents (never UNKNOWN or INTERNAL),
-a refused call must leave the allocator's whole state as it was, and after every
+a refused call must leave the request table's whole state as it was, and after every
 sequence the pool passes its audit and, once every request is finished, is whole.
 One server per module: each example ends by finishing its requests, so the next
 starts from an empty pool (with whatever the prefix cache kept, as in production).
@@ -37,16 +37,17 @@ from tests.server.fuzz_support import (
     UNARY_METHODS,
     Code,
     Tally,
-    allocator_state,
     code_of_number,
     finish_everything,
     fuzz_settings,
     method_path,
     response_type,
     step_ops,
+    table_state,
     wire_bytes,
 )
-from tests.server.support import SMALL_POOL, ThreadedServer, server_in_thread
+from tests.server.support import SMALL_POOL
+from tests.servers import ThreadedServer, server_in_thread
 
 # Both twins of the differential test hash with the same seed, so their prefix caches
 # hold the same keys.
@@ -67,7 +68,7 @@ class Live:
     sessions: list[str] = dataclasses.field(default_factory=list)
 
     def state(self) -> tuple[Any, ...]:
-        return self.server.call(lambda: allocator_state(self.server.server.table))
+        return self.server.call(lambda: table_state(self.server.server.table))
 
     def audit(self) -> None:
         """The in-process audit and the Audit RPC."""
@@ -117,7 +118,7 @@ def checked_call(
     live: Live, name: str, message: Any, operation_id: str | None = None
 ) -> tuple[Code, Any]:
     """One call, answered with a documented status; a refusal, a NO_SPACE and any
-    read-only call leave the allocator exactly as it was (a retry answered from the
+    read-only call leave the request table exactly as it was (a retry answered from the
     operation id's memory included)."""
     before = live.state()
     code, answer = call(live, name, message, operation_id)

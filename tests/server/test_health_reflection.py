@@ -9,8 +9,9 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvservice.server.app import SERVICE_NAME, KVCacheServer, ServerHandle
+from kvservice.server.app import SERVICE_NAME
 from tests.server.support import SMALL_POOL
+from tests.servers import running_server
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -28,28 +29,25 @@ async def test_health_reports_serving(channel: grpc.aio.Channel) -> None:
 
 async def test_health_turns_not_serving_on_shutdown() -> None:
     """stop() reports NOT_SERVING to watchers before the server goes away."""
-    server = KVCacheServer(SMALL_POOL)
-    handle = await server.start()
-    try:
-        async with grpc.aio.insecure_channel(handle.target) as channel:
-            watch = health_pb2_grpc.HealthStub(channel).Watch(
-                health_pb2.HealthCheckRequest(service=SERVICE_NAME)
-            )
-            first = await asyncio.wait_for(watch.read(), TIMEOUT_S)
-            assert first.status == SERVING
-            stopping = asyncio.create_task(server.stop(grace=TIMEOUT_S))
-            second = await asyncio.wait_for(watch.read(), TIMEOUT_S)
-            assert second.status == NOT_SERVING
-            # The open watch is an in-flight RPC; ending it lets stop() finish at once.
-            watch.cancel()
-            await asyncio.wait_for(stopping, TIMEOUT_S)
-    finally:
-        await server.stop(grace=0)  # idempotent; a no-op when the test got this far
+    async with (
+        running_server(SMALL_POOL) as server,
+        grpc.aio.insecure_channel(server.handle.target) as channel,
+    ):
+        watch = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(service=SERVICE_NAME)
+        )
+        first = await asyncio.wait_for(watch.read(), TIMEOUT_S)
+        assert first.status == SERVING
+        stopping = asyncio.create_task(server.stop(grace=TIMEOUT_S))
+        second = await asyncio.wait_for(watch.read(), TIMEOUT_S)
+        assert second.status == NOT_SERVING
+        # The open watch is an in-flight RPC; ending it lets stop() finish at once.
+        watch.cancel()
+        await asyncio.wait_for(stopping, TIMEOUT_S)
+    # stop() is idempotent: running_server's own stop(grace=0) then does nothing.
 
 
-async def test_reflection_lists_the_services(
-    server: ServerHandle, channel: grpc.aio.Channel
-) -> None:
+async def test_reflection_lists_the_services(channel: grpc.aio.Channel) -> None:
     """Server reflection lists KVCacheService, health and reflection itself."""
     stub = reflection_pb2_grpc.ServerReflectionStub(channel)
     call = stub.ServerReflectionInfo(

@@ -5,7 +5,6 @@ remembered too; and the client's opt-in retries survive a lost answer."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -14,20 +13,12 @@ import pytest
 from kvservice.client import AsyncKVClient, KVServiceError
 from kvservice.protocol import OPERATION_ID_KEY
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
-from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server.app import KVCacheServer
+from kvservice.server.config import ServerConfig
 from kvservice.server.idempotency import OperationCache, Outcome
-from tests.server.support import (
-    Stub,
-    expect_error,
-    lookup,
-    raw_stub,
-    running_server,
-    snapshot,
-    tokens,
-    usage,
-)
+from tests.server.support import expect_error, lookup, snapshot, tokens, usage
 from tests.server.test_sessions import LEASE_POOL, metric, open_session, session_md
+from tests.servers import Stub, raw_stub, running_server
 
 Metadata = tuple[tuple[str, str], ...]
 
@@ -37,22 +28,9 @@ def op(operation_id: str, session_id: str = "") -> Metadata:
     return (*md, *session_md(session_id)) if session_id else md
 
 
-async def start(config: Any = LEASE_POOL) -> KVCacheServer:
-    server = KVCacheServer(config)
-    await server.start()
-    return server
-
-
 @pytest.fixture
-async def iserver() -> AsyncIterator[KVCacheServer]:
-    async with running_server(LEASE_POOL) as server:
-        yield server
-
-
-@pytest.fixture
-async def istub(iserver: KVCacheServer) -> AsyncIterator[Stub]:
-    async with raw_stub(iserver) as stub:
-        yield stub
+def server_config() -> ServerConfig:
+    return LEASE_POOL
 
 
 def admit_step(request_id: str, num_tokens: int) -> pb.StepRequest:
@@ -75,114 +53,110 @@ def admit_step(request_id: str, num_tokens: int) -> pb.StepRequest:
 
 class TestRetries:
     async def test_a_retried_allocation_is_applied_once(
-        self, iserver: KVCacheServer, istub: Stub
+        self, server: KVCacheServer, stub: Stub
     ) -> None:
-        await istub.AddRequest(pb.AddRequestRequest(request_id="r", prompt_token_ids=tokens(40)))
-        hit = await lookup(istub, "r")
+        await stub.AddRequest(pb.AddRequestRequest(request_id="r", prompt_token_ids=tokens(40)))
+        hit = await lookup(stub, "r")
         call = pb.AllocateSlotsRequest(
             request_id="r",
             num_new_tokens=40 - hit.num_computed_tokens,
             num_new_computed_tokens=hit.num_computed_tokens,
             new_computed_block_ids=hit.block_ids,
         )
-        first = await istub.AllocateSlots(call, metadata=op("alloc-1"))
-        after_first = await snapshot(istub, ["r"])
-        again = await istub.AllocateSlots(call, metadata=op("alloc-1"))
+        first = await stub.AllocateSlots(call, metadata=op("alloc-1"))
+        after_first = await snapshot(stub, ["r"])
+        again = await stub.AllocateSlots(call, metadata=op("alloc-1"))
         assert again == first
         assert first.outcome == pb.ALLOCATION_OUTCOME_OK
-        assert await snapshot(istub, ["r"]) == after_first
+        assert await snapshot(stub, ["r"]) == after_first
         assert after_first[0].num_used_blocks == 3
-        assert metric(iserver, "kvservice_idempotent_replays_total") == 1
-        assert metric(iserver, "kvservice_allocations_total", result="ok") == 1
+        assert metric(server, "kvservice_idempotent_replays_total") == 1
+        assert metric(server, "kvservice_allocations_total", result="ok") == 1
         # Without the id the same call is a new allocation (decode past the prompt).
-        await istub.AppendTokens(pb.AppendTokensRequest(request_id="r", token_ids=[1] * 9))
-        decode = await istub.AllocateSlots(
+        await stub.AppendTokens(pb.AppendTokensRequest(request_id="r", token_ids=[1] * 9))
+        decode = await stub.AllocateSlots(
             pb.AllocateSlotsRequest(request_id="r", num_new_tokens=9), metadata=op("alloc-2")
         )
         assert decode.new_block_ids[0].block_ids != first.new_block_ids[0].block_ids
 
-    async def test_a_retried_step_is_applied_once(self, istub: Stub) -> None:
-        first = await istub.Step(admit_step("s", 33), metadata=op("step-1"))
+    async def test_a_retried_step_is_applied_once(self, stub: Stub) -> None:
+        first = await stub.Step(admit_step("s", 33), metadata=op("step-1"))
         assert [r.WhichOneof("result") for r in first.results] == [
             "add_request",
             "allocate_slots",
         ]
-        state = await snapshot(istub, ["s"])
-        again = await istub.Step(admit_step("s", 33), metadata=op("step-1"))
+        state = await snapshot(stub, ["s"])
+        again = await stub.Step(admit_step("s", 33), metadata=op("step-1"))
         assert again == first
-        assert await snapshot(istub, ["s"]) == state
+        assert await snapshot(stub, ["s"]) == state
         # Sent again as a new operation, the same step is refused: it did happen.
-        fresh = await istub.Step(admit_step("s", 33), metadata=op("step-2"))
+        fresh = await stub.Step(admit_step("s", 33), metadata=op("step-2"))
         assert fresh.results[0].error.code == grpc.StatusCode.ALREADY_EXISTS.value[0]
 
-    async def test_a_refusal_is_replayed_even_after_the_state_changed(self, istub: Stub) -> None:
+    async def test_a_refusal_is_replayed_even_after_the_state_changed(self, stub: Stub) -> None:
         """The retry gets the first answer, not a new run against today's state."""
         free = pb.FreeRequestRequest(request_id="late", mode=pb.FREE_MODE_FINISH)
         message = await expect_error(
-            istub.FreeRequest(free, metadata=op("free-1")), grpc.StatusCode.NOT_FOUND
+            stub.FreeRequest(free, metadata=op("free-1")), grpc.StatusCode.NOT_FOUND
         )
-        await istub.AddRequest(pb.AddRequestRequest(request_id="late", prompt_token_ids=tokens(4)))
+        await stub.AddRequest(pb.AddRequestRequest(request_id="late", prompt_token_ids=tokens(4)))
         again = await expect_error(
-            istub.FreeRequest(free, metadata=op("free-1")), grpc.StatusCode.NOT_FOUND
+            stub.FreeRequest(free, metadata=op("free-1")), grpc.StatusCode.NOT_FOUND
         )
         assert again == message
-        assert (await usage(istub)).num_requests == 1
+        assert (await usage(stub)).num_requests == 1
 
-    async def test_the_same_id_for_another_call_is_refused(self, istub: Stub) -> None:
+    async def test_the_same_id_for_another_call_is_refused(self, stub: Stub) -> None:
         add = pb.AddRequestRequest(request_id="a", prompt_token_ids=tokens(4))
-        await istub.AddRequest(add, metadata=op("id-1"))
-        before = await snapshot(istub, ["a"])
+        await stub.AddRequest(add, metadata=op("id-1"))
+        before = await snapshot(stub, ["a"])
         other = pb.AddRequestRequest(request_id="b", prompt_token_ids=tokens(4))
         message = await expect_error(
-            istub.AddRequest(other, metadata=op("id-1")), grpc.StatusCode.INVALID_ARGUMENT
+            stub.AddRequest(other, metadata=op("id-1")), grpc.StatusCode.INVALID_ARGUMENT
         )
         assert "'id-1'" in message and "different request" in message
         message = await expect_error(
-            istub.AppendTokens(
+            stub.AppendTokens(
                 pb.AppendTokensRequest(request_id="a", token_ids=[1]), metadata=op("id-1")
             ),
             grpc.StatusCode.INVALID_ARGUMENT,
         )
         assert "'id-1'" in message and "AddRequest" in message
-        assert await snapshot(istub, ["a"]) == before
+        assert await snapshot(stub, ["a"]) == before
 
-    async def test_ids_are_scoped_by_session(self, istub: Stub) -> None:
+    async def test_ids_are_scoped_by_session(self, stub: Stub) -> None:
         """Two sessions may use the same id for different calls."""
-        one = await open_session(istub, ttl_s=600)
-        two = await open_session(istub, ttl_s=600)
+        one = await open_session(stub, ttl_s=600)
+        two = await open_session(stub, ttl_s=600)
         for name, session in (("x", one), ("y", two)):
             add = pb.AddRequestRequest(request_id=name, prompt_token_ids=tokens(4))
-            await istub.AddRequest(add, metadata=op("shared", session.session_id))
-        assert (await usage(istub)).num_requests == 2
+            await stub.AddRequest(add, metadata=op("shared", session.session_id))
+        assert (await usage(stub)).num_requests == 2
 
     @pytest.mark.parametrize("bad", ["", "x" * 129])
-    async def test_malformed_ids_are_refused(self, istub: Stub, bad: str) -> None:
+    async def test_malformed_ids_are_refused(self, stub: Stub, bad: str) -> None:
         add = pb.AddRequestRequest(request_id="a", prompt_token_ids=tokens(4))
         message = await expect_error(
-            istub.AddRequest(add, metadata=op(bad)), grpc.StatusCode.INVALID_ARGUMENT
+            stub.AddRequest(add, metadata=op(bad)), grpc.StatusCode.INVALID_ARGUMENT
         )
         assert OPERATION_ID_KEY in message
-        assert (await usage(istub)).num_requests == 0
+        assert (await usage(stub)).num_requests == 0
 
     async def test_the_memory_is_bounded(self) -> None:
         """Past the cache size the oldest id is forgotten: its retry runs again."""
-        server = await start(dataclasses.replace(LEASE_POOL, idempotency_cache_size=2))
-        try:
-            async with grpc.aio.insecure_channel(server.handle.target) as channel:
-                stub = pb_grpc.KVCacheServiceStub(channel)
-                calls = {
-                    f"op-{n}": pb.AddRequestRequest(request_id=f"r{n}", prompt_token_ids=[n])
-                    for n in range(3)
-                }
-                for operation_id, call in calls.items():
-                    await stub.AddRequest(call, metadata=op(operation_id))
-                await stub.AddRequest(calls["op-2"], metadata=op("op-2"))  # remembered
-                await expect_error(
-                    stub.AddRequest(calls["op-0"], metadata=op("op-0")),
-                    grpc.StatusCode.ALREADY_EXISTS,
-                )
-        finally:
-            await server.stop(grace=0)
+        config = dataclasses.replace(LEASE_POOL, idempotency_cache_size=2)
+        async with running_server(config) as server, raw_stub(server) as stub:
+            calls = {
+                f"op-{n}": pb.AddRequestRequest(request_id=f"r{n}", prompt_token_ids=[n])
+                for n in range(3)
+            }
+            for operation_id, call in calls.items():
+                await stub.AddRequest(call, metadata=op(operation_id))
+            await stub.AddRequest(calls["op-2"], metadata=op("op-2"))  # remembered
+            await expect_error(
+                stub.AddRequest(calls["op-0"], metadata=op("op-0")),
+                grpc.StatusCode.ALREADY_EXISTS,
+            )
 
 
 class LossyProxy:
@@ -225,9 +199,9 @@ class LossyProxy:
 
 
 class TestClientRetries:
-    async def test_a_lost_answer_is_retried_and_applied_once(self, iserver: KVCacheServer) -> None:
+    async def test_a_lost_answer_is_retried_and_applied_once(self, server: KVCacheServer) -> None:
         async with (
-            LossyProxy(iserver.handle.target, drops=2) as proxy,
+            LossyProxy(server.handle.target, drops=2) as proxy,
             AsyncKVClient(f"127.0.0.1:{proxy.port}", retries=3) as client,
         ):
             await client.add_request("r", tokens(40))  # answer lost once, retried
@@ -237,12 +211,12 @@ class TestClientRetries:
             assert proxy.forwarded == 4
             usage_now = await client.get_usage()
             assert (usage_now.num_requests, usage_now.num_used_blocks) == (1, 3)
-            assert metric(iserver, "kvservice_idempotent_replays_total") == 2
+            assert metric(server, "kvservice_idempotent_replays_total") == 2
             assert (await client.audit()).ok
 
-    async def test_without_retries_the_loss_surfaces(self, iserver: KVCacheServer) -> None:
+    async def test_without_retries_the_loss_surfaces(self, server: KVCacheServer) -> None:
         async with (
-            LossyProxy(iserver.handle.target, drops=1) as proxy,
+            LossyProxy(server.handle.target, drops=1) as proxy,
             AsyncKVClient(f"127.0.0.1:{proxy.port}") as client,
         ):
             with pytest.raises(KVServiceError) as info:

@@ -7,7 +7,7 @@ behind."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +26,9 @@ from kvservice.server.app import KVCacheServer
 from kvservice.server.config import ServerConfig, build_manager
 from kvservice.server.metrics import MAX_TRACKED_CLIENTS, ClientTracker
 from kvservice.server.settings import load_settings
-from tests.server.support import SMALL_POOL, Stub, raw_stub, running_server, tokens
+from tests.server.support import SMALL_POOL, tokens
 from tests.server.test_tenants import TOKENS, auth, write_tokens_file
+from tests.servers import Stub, raw_stub, running_server
 
 # Small limits, so each is reached in a few calls.
 LIMITED = dataclasses.replace(
@@ -45,15 +46,8 @@ LIMITED = dataclasses.replace(
 
 
 @pytest.fixture
-async def server() -> AsyncIterator[KVCacheServer]:
-    async with running_server(LIMITED) as server:
-        yield server
-
-
-@pytest.fixture
-async def stub(server: KVCacheServer) -> AsyncIterator[Stub]:
-    async with raw_stub(server) as stub:
-        yield stub
+def server_config() -> ServerConfig:
+    return LIMITED
 
 
 async def refused(call: Any, code: grpc.StatusCode) -> str:

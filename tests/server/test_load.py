@@ -42,7 +42,8 @@ from kvservice.client import (
 )
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
-from tests.server.support import SMALL_POOL, ThreadedServer, server_in_thread
+from tests.server.support import SMALL_POOL
+from tests.servers import ThreadedServer, server_in_thread
 
 NUM_CLIENTS = 16
 TOTAL_OPS = int(os.environ.get("KVSERVICE_LOAD_OPS", "20000"))

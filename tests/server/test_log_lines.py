@@ -16,8 +16,9 @@ import structlog
 from kvservice.protocol import CALL_ID_KEY, CLIENT_ID_KEY
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.server.log import LOG_VALUE_CHARS, clip
-from tests.server.support import SMALL_POOL, raw_stub, running_server
+from tests.server.support import SMALL_POOL
 from tests.server.test_tenants import TOKENS, write_tokens_file
+from tests.servers import raw_stub, running_server
 
 HUGE = "x" * 1_000_000
 # A line may name a few clipped values and its own fields; nothing near a huge value.
@@ -33,7 +34,7 @@ async def test_a_refused_call_naming_a_huge_id_logs_a_short_line() -> None:
     line). Every line is now short, and says how long the value was."""
     # Under gRPC's 8 KiB metadata limit together (past it gRPC may refuse the call itself).
     metadata = ((CLIENT_ID_KEY, "c" * 3000), (CALL_ID_KEY, "k" * 3000))
-    async with running_server() as server, raw_stub(server) as stub:
+    async with running_server(SMALL_POOL) as server, raw_stub(server) as stub:
         with structlog.testing.capture_logs() as logs:
             calls: list[Callable[[], Awaitable[Any]]] = [
                 lambda: stub.AppendTokens(pb.AppendTokensRequest(request_id=HUGE, token_ids=[1])),

@@ -6,30 +6,34 @@ import asyncio
 import contextlib
 import dataclasses
 import urllib.request
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
-from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
-from kvservice.server.app import ServerHandle, serve_in_background
+from kvservice.server.app import KVCacheServer, ServerHandle
+from kvservice.server.config import ServerConfig
 from kvservice.server.metrics import ClientTracker
-from tests.server.support import SMALL_POOL, Stub, add, admit, allocate, free, lookup, tokens
+from tests.server.support import SMALL_POOL, add, admit, allocate, free, lookup, tokens
+from tests.servers import Stub, raw_stub, running_server
 
 LABELS = {"model_name": "test-model", "engine": "0"}
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
+METERED = dataclasses.replace(SMALL_POOL, metrics_port=0)
+
+
 @pytest.fixture
-async def metered() -> AsyncIterator[tuple[ServerHandle, Stub]]:
-    config = dataclasses.replace(SMALL_POOL, metrics_port=0)
-    async with (
-        serve_in_background(config) as handle,
-        grpc.aio.insecure_channel(handle.target) as channel,
-    ):
-        yield handle, pb_grpc.KVCacheServiceStub(channel)
+def server_config() -> ServerConfig:
+    return METERED
+
+
+@pytest.fixture
+def metered(server: KVCacheServer, stub: Stub) -> tuple[ServerHandle, Stub]:
+    """The server's handle (its metrics URL) and a stub to it."""
+    return server.handle, stub
 
 
 def _fetch(url: str) -> str:
@@ -106,14 +110,9 @@ async def test_a_step_reports_the_pool_as_its_calls_one_by_one() -> None:
         ),
         pb.StepOperation(allocate_slots=pb.AllocateSlotsRequest(request_id="zz", num_new_tokens=1)),
     ]
-    config = dataclasses.replace(SMALL_POOL, metrics_port=0)
     scraped: list[Samples] = []
     for batched in (False, True):
-        async with (
-            serve_in_background(config) as handle,
-            grpc.aio.insecure_channel(handle.target) as channel,
-        ):
-            stub = pb_grpc.KVCacheServiceStub(channel)
+        async with running_server(METERED) as server, raw_stub(server) as stub:
             if batched:
                 await stub.Step(pb.StepRequest(step_id=1, ops=ops))
             else:
@@ -124,7 +123,7 @@ async def test_a_step_reports_the_pool_as_its_calls_one_by_one() -> None:
                     # The last one is refused either way.
                     with contextlib.suppress(grpc.aio.AioRpcError):
                         await getattr(stub, rpc)(getattr(op, kind))
-            scraped.append(await scrape(handle))
+            scraped.append(await scrape(server.handle))
     names = (
         "vllm:kv_cache_usage_perc",
         "vllm:prefix_cache_queries_total",
@@ -160,9 +159,9 @@ async def test_servers_do_not_share_metrics(metered: tuple[ServerHandle, Stub]) 
     handle, stub = metered
     await add(stub, "a", tokens(48))
     await admit(stub, "a")
-    async with serve_in_background(dataclasses.replace(SMALL_POOL, metrics_port=0)) as other:
-        assert other.metrics_port != handle.metrics_port
-        assert value(await scrape(other), "vllm:kv_cache_usage_perc") == 0.0
+    async with running_server(METERED) as other:
+        assert other.handle.metrics_port != handle.metrics_port
+        assert value(await scrape(other.handle), "vllm:kv_cache_usage_perc") == 0.0
     assert value(await scrape(handle), "vllm:kv_cache_usage_perc") > 0
 
 

@@ -15,10 +15,10 @@ import torch
 from kvservice.client import AsyncKVClient, FreeMode, StepBuilder
 from kvservice.client.types import Allocation
 from kvservice.core.errors import InvalidArgumentError
-from kvservice.server.app import serve_in_background
 from kvservice.server.config import build_kv_cache_config
 from kvservice.server.settings import load_settings
 from tests.server.support import HYBRID_POOL
+from tests.servers import running_server
 
 # req0's prompt; its first chunk (one hash block) ends on the prompt's last reusable
 # boundary (num_prompt_tokens - 1 rounded down, as vLLM 0.33 registers it), so its
@@ -54,8 +54,8 @@ async def test_remote_worker_gets_the_copies_to_apply() -> None:
     """No runtime: the answer lists the copies (and the fresh blocks to zero), and the
     private blocks replace the shared ones in req1's tables."""
     async with (
-        serve_in_background(HYBRID_POOL) as handle,
-        AsyncKVClient(handle.target, client_id="partial") as client,
+        running_server(HYBRID_POOL) as server,
+        AsyncKVClient(server.handle.target, client_id="partial") as client,
     ):
         allocation, sources = await partial_hit(client)
         copies = expected_copies(sources, allocation)
@@ -78,10 +78,10 @@ async def test_colocated_runtime_applies_the_copies_before_answering() -> None:
     destination page of the attention layers equals its source page."""
     config = dataclasses.replace(HYBRID_POOL, runtime="torch", device="cpu")
     async with (
-        serve_in_background(config) as handle,
-        AsyncKVClient(handle.target, client_id="partial") as client,
+        running_server(config) as server,
+        AsyncKVClient(server.handle.target, client_id="partial") as client,
     ):
-        runtime = handle.runtime
+        runtime = server.handle.runtime
         assert runtime is not None
         await client.add_request("req0", PROMPT)
         first = await client.allocate_slots("req0", CHUNK, await client.get_computed_blocks("req0"))
@@ -137,10 +137,10 @@ async def test_a_step_applies_its_copies_after_zeroing_once() -> None:
     finished owner no longer holds (the copy's hold kept it until then)."""
     config = dataclasses.replace(HYBRID_POOL, runtime="torch", device="cpu")
     async with (
-        serve_in_background(config) as handle,
-        AsyncKVClient(handle.target, client_id="partial") as client,
+        running_server(config) as server,
+        AsyncKVClient(server.handle.target, client_id="partial") as client,
     ):
-        runtime = handle.runtime
+        runtime = server.handle.runtime
         assert runtime is not None
         await client.add_request("req0", PROMPT)
         first = await client.allocate_slots("req0", CHUNK, await client.get_computed_blocks("req0"))

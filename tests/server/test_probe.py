@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -15,12 +14,6 @@ from tests.core.helpers import free_queue_ids
 from tests.server.support import add, admit, allocate, append, expect_error, free, tokens
 
 
-@pytest.fixture
-async def probe_stub(kv_server: KVCacheServer) -> AsyncIterator[pb_grpc.KVCacheServiceStub]:
-    async with grpc.aio.insecure_channel(kv_server.handle.target) as channel:
-        yield pb_grpc.KVCacheServiceStub(channel)
-
-
 async def probe(
     stub: pb_grpc.KVCacheServiceStub, request_id: str, **fields: Any
 ) -> pb.ProbeResponse:
@@ -29,16 +22,15 @@ async def probe(
 
 
 async def test_admission_probe_leaves_lru_order_and_stats(
-    kv_server: KVCacheServer, probe_stub: pb_grpc.KVCacheServiceStub
+    server: KVCacheServer, stub: pb_grpc.KVCacheServiceStub
 ) -> None:
     """Probing a hit on free cached blocks answers the hit and the blocks needed, but
     the free queue order, the prefix cache counters and the pool are untouched."""
-    stub = probe_stub
     await add(stub, "a", tokens(48))
     await admit(stub, "a")
     await free(stub, "a", pb.FREE_MODE_FINISH)
     await add(stub, "b", tokens(64))
-    manager = kv_server.table.manager
+    manager = server.table.manager
     order = free_queue_ids(manager)
     usage_before = await stub.GetUsage(pb.GetUsageRequest())
 
@@ -51,13 +43,12 @@ async def test_admission_probe_leaves_lru_order_and_stats(
     )
     assert free_queue_ids(manager) == order
     assert await stub.GetUsage(pb.GetUsageRequest()) == usage_before
-    kv_server.audit()
+    server.audit()
 
 
-async def test_running_probe_and_fit(probe_stub: pb_grpc.KVCacheServiceStub) -> None:
+async def test_running_probe_and_fit(stub: pb_grpc.KVCacheServiceStub) -> None:
     """A running request is probed for its next tokens; would_fit turns false when
     the pool is short, exactly when AllocateSlots answers NO_SPACE."""
-    stub = probe_stub
     await add(stub, "a", tokens(32))
     await admit(stub, "a")
     await append(stub, "a", [1])
@@ -84,11 +75,11 @@ async def test_running_probe_and_fit(probe_stub: pb_grpc.KVCacheServiceStub) -> 
     ],
 )
 async def test_probe_errors(
-    probe_stub: pb_grpc.KVCacheServiceStub,
+    stub: pb_grpc.KVCacheServiceStub,
     request_id: str,
     fields: dict[str, int],
     code: grpc.StatusCode,
 ) -> None:
     """Probe refuses what AllocateSlots would refuse, with the same codes."""
-    await add(probe_stub, "w", tokens(10))
-    await expect_error(probe(probe_stub, request_id, **fields), code)
+    await add(stub, "w", tokens(10))
+    await expect_error(probe(stub, request_id, **fields), code)

@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from kvservice.server.config import ServerConfig
-from tests.server.support import server_in_thread
+from tests.servers import server_in_thread
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 DEFAULT_TARGET = '"127.0.0.1:50051"'

@@ -28,10 +28,11 @@ from kvservice.server.app import KVCacheServer
 from kvservice.server.config import ServerConfig, build_manager
 from kvservice.server.sessions import SessionPolicy, SessionRegistry
 from kvservice.server.settings import load_settings
-from tests.server.support import SMALL_POOL, Stub, raw_stub, running_server, tokens
+from tests.server.support import SMALL_POOL, tokens
 from tests.server.test_limits import add_message, mm, refusals, refused
 from tests.server.test_sessions import FakeClock, session_md
 from tests.server.test_tenants import TOKENS, auth, write_tokens_file
+from tests.servers import Stub, raw_stub, running_server
 
 # Generous: only a safety net for a stream's end to reach the server.
 WAIT_TIMEOUT_S = 10.0

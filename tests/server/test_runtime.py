@@ -10,7 +10,6 @@ cache starts full of NaN, so a block the server failed to zero would poison them
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import random
 import subprocess
@@ -29,12 +28,12 @@ from kvservice.cli import build_parser
 from kvservice.client import AsyncKVClient, FreeMode, StepBuilder
 from kvservice.client.types import Allocation
 from kvservice.core.errors import InvalidArgumentError
-from kvservice.server.app import KVCacheServer, serve_in_background
+from kvservice.server.app import KVCacheServer
 from kvservice.server.config import ServerConfig
 from kvservice.server.errors import RuntimeUnavailableError
 from kvservice.server.runtime import kv_cache_budget
 from kvservice.server.settings import SettingsError, load_settings
-from tests.server.test_cli import TIMEOUT_S, kvservice_command
+from tests.servers import TIMEOUT_S, run_kvservice, running_server
 
 MODEL = TinyModelConfig()
 BLOCK_SIZE = 4
@@ -174,10 +173,10 @@ class Scheduler:
 async def run_workload(device: str, seed: int) -> Scheduler:
     config = dataclasses.replace(RUNTIME_POOL, device=device)
     async with (
-        serve_in_background(config) as handle,
-        AsyncKVClient(handle.target, client_id="runtime-test") as client,
+        running_server(config) as server,
+        AsyncKVClient(server.handle.target, client_id="runtime-test") as client,
     ):
-        runtime = handle.runtime
+        runtime = server.handle.runtime
         assert runtime is not None
         fill_with_nan(runtime)
         model = TinyTransformer(MODEL, device=device, backend=TorchAttentionBackend())
@@ -251,10 +250,10 @@ async def test_a_step_zeroes_its_blocks_once_before_answering() -> None:
     """Step and StepStream: every allocation of a step is zeroed by one runtime call
     made before the step's answer, and each answer names its blocks as zeroed."""
     async with (
-        serve_in_background(RUNTIME_POOL) as handle,
-        AsyncKVClient(handle.target) as client,
+        running_server(RUNTIME_POOL) as server,
+        AsyncKVClient(server.handle.target) as client,
     ):
-        runtime = handle.runtime
+        runtime = server.handle.runtime
         assert runtime is not None
         fill_with_nan(runtime)
         calls: list[list[int]] = []
@@ -299,8 +298,8 @@ async def test_without_a_runtime_the_answer_lists_blocks_for_the_worker() -> Non
     config = dataclasses.replace(
         RUNTIME_POOL, runtime="none", needs_kv_cache_zeroing=True, num_blocks=20
     )
-    async with serve_in_background(config) as handle, AsyncKVClient(handle.target) as client:
-        assert handle.runtime is None
+    async with running_server(config) as server, AsyncKVClient(server.handle.target) as client:
+        assert server.handle.runtime is None
         await client.add_request("w", list(range(9)))
         allocation = await client.allocate_slots("w", 9)
         assert allocation is not None
@@ -350,22 +349,13 @@ def test_cuda_absent_is_refused_in_process() -> None:
 async def test_bad_device_fails_startup_with_exit_code_2() -> None:
     """`kvservice serve --runtime torch --device cuda` without CUDA: a clear message
     on stderr, exit code 2, nothing served."""
-    process = await asyncio.create_subprocess_exec(
-        *kvservice_command(),
-        "serve",
-        "--port=0",
-        "--no-metrics",
-        "--runtime=torch",
-        "--device=cuda",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+    status, stdout, message = await run_kvservice(
+        "serve", "--port=0", "--no-metrics", "--runtime=torch", "--device=cuda"
     )
-    stdout, stderr = await asyncio.wait_for(process.communicate(), TIMEOUT_S)
-    assert process.returncode == 2
-    message = stderr.decode()
+    assert status == 2
     assert message.startswith("kvservice: device 'cuda' is not available"), message
     assert "Traceback" not in message
-    assert b"serving" not in stdout
+    assert "serving" not in stdout
 
 
 def test_the_default_server_does_not_import_torch() -> None:

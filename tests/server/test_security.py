@@ -5,7 +5,6 @@ safety and size limits. Every refusal is checked to change nothing.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import secrets
 import shutil
@@ -33,9 +32,9 @@ from kvservice.server.auth import (
 )
 from kvservice.server.config import ServerConfig
 from kvservice.server.tls import SecurityConfigError, is_loopback
-from tests.server.support import SMALL_POOL, server_in_thread, tokens
-from tests.server.test_cli import TIMEOUT_S, kvservice_command
+from tests.server.support import SMALL_POOL, tokens
 from tests.server.test_tenants import write_tokens_file
+from tests.servers import run_kvservice, running_server, server_in_thread
 
 OPENSSL = shutil.which("openssl")
 pytestmark = pytest.mark.skipif(OPENSSL is None, reason="needs the openssl CLI")
@@ -112,25 +111,10 @@ def tokens_file(tmp_path: Path) -> str:
     )
 
 
-async def started(config: ServerConfig) -> KVCacheServer:
-    server = KVCacheServer(config)
-    await server.start()
-    return server
-
-
 @pytest.fixture
-async def token_server(tokens_file: str) -> AsyncIterator[KVCacheServer]:
-    server = await started(dataclasses.replace(SMALL_POOL, auth_tokens_file=tokens_file))
-    try:
-        yield server
-    finally:
-        await server.stop(grace=0)
-
-
-@pytest.fixture
-async def stub(token_server: KVCacheServer) -> AsyncIterator[pb_grpc.KVCacheServiceStub]:
-    async with grpc.aio.insecure_channel(token_server.handle.target) as channel:
-        yield pb_grpc.KVCacheServiceStub(channel)
+def server_config(tokens_file: str) -> ServerConfig:
+    """The ``server`` (and ``stub``) of this module: bearer tokens, no TLS."""
+    return dataclasses.replace(SMALL_POOL, auth_tokens_file=tokens_file)
 
 
 def bearer(token: str) -> tuple[tuple[str, str]]:
@@ -153,7 +137,7 @@ def refusals(server: KVCacheServer, tenant: str, reason: str) -> float:
 
 
 async def test_a_call_without_a_token_is_unauthenticated_and_changes_nothing(
-    token_server: KVCacheServer, stub: Any
+    server: KVCacheServer, stub: Any
 ) -> None:
     add = pb.AddRequestRequest(request_id="r", prompt_token_ids=tokens(20))
     error = await refused(stub.AddRequest(add), grpc.StatusCode.UNAUTHENTICATED)
@@ -161,8 +145,8 @@ async def test_a_call_without_a_token_is_unauthenticated_and_changes_nothing(
     # The request was never added: the tenant can add it now, and only once.
     await stub.AddRequest(add, metadata=bearer(TOKEN))
     await refused(stub.AddRequest(add, metadata=bearer(TOKEN)), grpc.StatusCode.ALREADY_EXISTS)
-    assert refusals(token_server, "", "unauthenticated") == 1
-    token_server.audit()
+    assert refusals(server, "", "unauthenticated") == 1
+    server.audit()
 
 
 WRONG = secrets.token_urlsafe(24)
@@ -190,8 +174,8 @@ async def test_the_right_token_is_accepted_whatever_the_scheme_case(stub: Any) -
         assert usage.num_blocks == SMALL_POOL.num_blocks
 
 
-async def test_streams_need_a_token_too(token_server: KVCacheServer) -> None:
-    target = token_server.handle.target
+async def test_streams_need_a_token_too(server: KVCacheServer) -> None:
+    target = server.handle.target
     async with AsyncKVClient(target) as anonymous:
         step = StepBuilder()
         step.get_usage()
@@ -209,15 +193,13 @@ async def test_streams_need_a_token_too(token_server: KVCacheServer) -> None:
         assert results[usage].num_blocks == SMALL_POOL.num_blocks
 
 
-async def test_health_checks_need_no_token(token_server: KVCacheServer) -> None:
-    async with grpc.aio.insecure_channel(token_server.handle.target) as channel:
+async def test_health_checks_need_no_token(server: KVCacheServer) -> None:
+    async with grpc.aio.insecure_channel(server.handle.target) as channel:
         answer = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
     assert answer.status == health_pb2.HealthCheckResponse.SERVING
 
 
-async def test_pool_wide_calls_are_for_admin_tenants(
-    token_server: KVCacheServer, stub: Any
-) -> None:
+async def test_pool_wide_calls_are_for_admin_tenants(server: KVCacheServer, stub: Any) -> None:
     reset = pb.ResetPrefixCacheRequest()
     error = await refused(
         stub.ResetPrefixCache(reset, metadata=bearer(TOKEN)), grpc.StatusCode.PERMISSION_DENIED
@@ -225,7 +207,7 @@ async def test_pool_wide_calls_are_for_admin_tenants(
     assert "'team'" in (error.details() or "") and "admin" in (error.details() or "")
     answer = await stub.ResetPrefixCache(reset, metadata=bearer(ADMIN_TOKEN))
     assert answer.reset
-    assert refusals(token_server, "team", "permission_denied") == 1
+    assert refusals(server, "team", "permission_denied") == 1
 
 
 def test_the_blocking_client_sends_its_token(token_server_thread: Any) -> None:
@@ -262,8 +244,8 @@ async def test_the_client_will_not_send_a_token_in_plaintext_unless_told(
 
 
 @pytest.fixture
-def token_server_thread(tokens_file: str) -> Iterator[Any]:
-    with server_in_thread(dataclasses.replace(SMALL_POOL, auth_tokens_file=tokens_file)) as s:
+def token_server_thread(server_config: ServerConfig) -> Iterator[Any]:
+    with server_in_thread(server_config) as s:
         yield s
 
 
@@ -271,7 +253,7 @@ def token_server_thread(tokens_file: str) -> Iterator[Any]:
 
 
 async def test_a_tenant_over_its_rate_is_refused_with_a_retry_hint(
-    token_server: KVCacheServer, stub: Any
+    server: KVCacheServer, stub: Any
 ) -> None:
     usage = pb.GetUsageRequest()
     for _ in range(3):  # the burst
@@ -285,19 +267,17 @@ async def test_a_tenant_over_its_rate_is_refused_with_a_retry_hint(
     assert int(trailers[RETRY_AFTER_KEY]) > 0
     # Other tenants have their own budget.
     await stub.GetUsage(usage, metadata=bearer(TOKEN))
-    assert refusals(token_server, "limited", "rate_limited") == 1
+    assert refusals(server, "limited", "rate_limited") == 1
     # The refused AddRequest added nothing.
     assert (await stub.GetUsage(usage, metadata=bearer(TOKEN))).num_requests == 0
 
 
-async def test_a_stream_over_the_rate_is_slowed_not_ended(token_server: KVCacheServer) -> None:
+async def test_a_stream_over_the_rate_is_slowed_not_ended(server: KVCacheServer) -> None:
     """Stream messages count against the rate like calls, but a stream over it waits
     for its tokens instead of ending: every step is answered, in order, the wait is
     counted, nothing is refused."""
     async with (
-        AsyncKVClient(
-            token_server.handle.target, token=SLOW_TOKEN, allow_insecure_token=True
-        ) as client,
+        AsyncKVClient(server.handle.target, token=SLOW_TOKEN, allow_insecure_token=True) as client,
         client.session() as session,
     ):
         for n in range(6):
@@ -305,12 +285,12 @@ async def test_a_stream_over_the_rate_is_slowed_not_ended(token_server: KVCacheS
             step.add_request(f"s{n}", tokens(4))
             usage = step.get_usage()
             assert (await session.step(step))[usage].num_requests == n + 1
-    labels = {**token_server.metrics.labels, "tenant": "slow"}
-    delay = token_server.metrics.registry.get_sample_value(
+    labels = {**server.metrics.labels, "tenant": "slow"}
+    delay = server.metrics.registry.get_sample_value(
         "kvservice_rate_limit_delay_seconds_total", labels
     )
     assert delay is not None and delay > 0
-    assert refusals(token_server, "slow", "rate_limited") == 0
+    assert refusals(server, "slow", "rate_limited") == 0
 
 
 def test_the_token_bucket_refills_at_its_rate() -> None:
@@ -337,11 +317,8 @@ async def tls_server(pki: Pki, tokens_file: str) -> AsyncIterator[KVCacheServer]
         tls_key_file=pki.path("server.key"),
         auth_tokens_file=tokens_file,
     )
-    server = await started(config)
-    try:
+    async with running_server(config) as server:
         yield server
-    finally:
-        await server.stop(grace=0)
 
 
 @pytest.fixture
@@ -352,11 +329,8 @@ async def mtls_server(pki: Pki) -> AsyncIterator[KVCacheServer]:
         tls_key_file=pki.path("server.key"),
         tls_client_ca_file=pki.path("ca.pem"),
     )
-    server = await started(config)
-    try:
+    async with running_server(config) as server:
         yield server
-    finally:
-        await server.stop(grace=0)
 
 
 async def test_the_right_token_over_tls_is_accepted(tls_server: KVCacheServer, pki: Pki) -> None:
@@ -506,18 +480,9 @@ def test_a_non_loopback_bind_with_tls_and_tokens_needs_no_flag(pki: Pki, tokens_
 
 
 async def test_the_cli_refuses_an_unprotected_public_bind() -> None:
-    process = await asyncio.create_subprocess_exec(
-        *kvservice_command(),
-        "serve",
-        "--host=0.0.0.0",
-        "--port=0",
-        "--no-metrics",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    _, stderr = await asyncio.wait_for(process.communicate(), TIMEOUT_S)
-    assert process.returncode == 2
-    assert "--allow-insecure-bind" in stderr.decode()
+    status, _, stderr = await run_kvservice("serve", "--host=0.0.0.0", "--port=0", "--no-metrics")
+    assert status == 2
+    assert "--allow-insecure-bind" in stderr
 
 
 def test_serve_help_shows_the_security_options(capsys: pytest.CaptureFixture[str]) -> None:
@@ -538,8 +503,7 @@ async def test_oversized_requests_are_refused(tokens_file: str) -> None:
     config = dataclasses.replace(
         SMALL_POOL, auth_tokens_file=tokens_file, max_message_bytes=64 * 1024
     )
-    server = await started(config)
-    try:
+    async with running_server(config) as server:
         async with grpc.aio.insecure_channel(server.handle.target) as channel:
             stub = pb_grpc.KVCacheServiceStub(channel)
             # Over the message limit: gRPC refuses the bytes before any handler.
@@ -556,5 +520,3 @@ async def test_oversized_requests_are_refused(tokens_file: str) -> None:
             )
             assert "max_model_len" in (error.details() or "")
         assert server.table.num_requests == 0
-    finally:
-        await server.stop(grace=0)

@@ -25,18 +25,10 @@ from kvservice.request_table.tenancy import DEFAULT_TENANT
 from kvservice.request_table.types import AllocateArgs, FreeMode, NewRequest
 from kvservice.server import turns
 from kvservice.server.app import KVCacheServer
-from tests.server.support import (
-    HYBRID_POOL,
-    SMALL_POOL,
-    Stub,
-    ids,
-    raw_stub,
-    running_server,
-    tokens,
-    usage,
-)
+from tests.server.support import HYBRID_POOL, SMALL_POOL, ids, tokens, usage
 from tests.server.test_partial_hits_remote import CHUNK, PROMPT
 from tests.server.test_sessions import metric, open_session, session_md
+from tests.servers import Stub, raw_stub, running_server
 
 PLAIN = dataclasses.replace(SMALL_POOL, num_blocks=201, audit_interval_s=0)
 HYBRID = dataclasses.replace(HYBRID_POOL, num_blocks=201, audit_interval_s=0)

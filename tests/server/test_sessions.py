@@ -9,7 +9,7 @@ import dataclasses
 import math
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -19,29 +19,19 @@ from kvservice.client import AsyncKVClient, FailedPreconditionError, KVClient
 from kvservice.core.errors import InvalidArgumentError, RequestNotFoundError
 from kvservice.protocol import SESSION_KEY
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
-from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.request_table.table import RequestTable
 from kvservice.request_table.tenancy import DEFAULT_TENANT
 from kvservice.request_table.types import FreeMode, NewRequest
 from kvservice.server.app import KVCacheServer
-from kvservice.server.config import build_manager
+from kvservice.server.config import ServerConfig, build_manager
 from kvservice.server.sessions import (
     SessionEndedError,
     SessionNotFoundError,
     SessionPolicy,
     SessionRegistry,
 )
-from tests.server.support import (
-    SMALL_POOL,
-    Stub,
-    admit,
-    expect_error,
-    raw_stub,
-    running_server,
-    server_in_thread,
-    tokens,
-    usage,
-)
+from tests.server.support import SMALL_POOL, admit, expect_error, tokens, usage
+from tests.servers import Stub, raw_stub, running_server, server_in_thread
 
 # Short leases allowed, so expiry tests take a fraction of a second; no self-check
 # (the audit tests run their own).
@@ -110,78 +100,71 @@ async def audit_ok(stub: Stub) -> pb.AuditResponse:
 
 
 @pytest.fixture
-async def lease_server() -> AsyncIterator[KVCacheServer]:
-    async with running_server(LEASE_POOL) as server:
-        yield server
-
-
-@pytest.fixture
-async def lstub(lease_server: KVCacheServer) -> AsyncIterator[Stub]:
-    async with raw_stub(lease_server) as stub:
-        yield stub
+def server_config() -> ServerConfig:
+    return LEASE_POOL
 
 
 class TestExpiry:
     async def test_a_lease_that_is_not_renewed_frees_its_requests(
-        self, lease_server: KVCacheServer, lstub: Stub
+        self, server: KVCacheServer, stub: Stub
     ) -> None:
         """A session that stops renewing loses its requests once the lease runs out;
         an unowned request is untouched, and the pool is whole again after it."""
-        session = await open_session(lstub)
-        await add_and_admit(lstub, "owned-1", 20, session.session_id)
-        await add_and_admit(lstub, "owned-2", 40, session.session_id)
-        await add_and_admit(lstub, "unowned", 16, "")
-        assert (await usage(lstub)).num_used_blocks == 2 + 3 + 1
+        session = await open_session(stub)
+        await add_and_admit(stub, "owned-1", 20, session.session_id)
+        await add_and_admit(stub, "owned-2", 40, session.session_id)
+        await add_and_admit(stub, "unowned", 16, "")
+        assert (await usage(stub)).num_used_blocks == 2 + 3 + 1
 
         async def only_unowned_left() -> bool:
-            return (await usage(lstub)).num_requests == 1
+            return (await usage(stub)).num_requests == 1
 
         await wait_until(only_unowned_left, "the lease to run out")
-        pool = await usage(lstub)
+        pool = await usage(stub)
         assert pool.num_used_blocks == 1
-        assert metric(lease_server, "kvservice_session_expirations_total", reason="ttl") == 1
-        assert metric(lease_server, "kvservice_requests_reclaimed_total") == 2
-        assert metric(lease_server, "kvservice_sessions_active") == 0
+        assert metric(server, "kvservice_session_expirations_total", reason="ttl") == 1
+        assert metric(server, "kvservice_requests_reclaimed_total") == 2
+        assert metric(server, "kvservice_sessions_active") == 0
         message = await expect_error(
-            lstub.GetUsage(pb.GetUsageRequest(), metadata=session_md(session.session_id)),
+            stub.GetUsage(pb.GetUsageRequest(), metadata=session_md(session.session_id)),
             grpc.StatusCode.FAILED_PRECONDITION,
         )
         assert "lease ran out" in message and "open a new session" in message
-        await lstub.FreeRequest(
+        await stub.FreeRequest(
             pb.FreeRequestRequest(request_id="unowned", mode=pb.FREE_MODE_FINISH)
         )
-        assert (await usage(lstub)).num_used_blocks == 0
-        assert (await audit_ok(lstub)).num_sessions == 0
+        assert (await usage(stub)).num_used_blocks == 0
+        assert (await audit_ok(stub)).num_sessions == 0
 
     async def test_a_finished_request_is_no_longer_owned(
-        self, lease_server: KVCacheServer, lstub: Stub
+        self, server: KVCacheServer, stub: Stub
     ) -> None:
         """A request the client finishes itself is not counted as reclaimed."""
-        session = await open_session(lstub)
-        await add_and_admit(lstub, "a", 16, session.session_id)
-        await add_and_admit(lstub, "b", 16, session.session_id)
-        await lstub.FreeRequest(
+        session = await open_session(stub)
+        await add_and_admit(stub, "a", 16, session.session_id)
+        await add_and_admit(stub, "b", 16, session.session_id)
+        await stub.FreeRequest(
             pb.FreeRequestRequest(request_id="a", mode=pb.FREE_MODE_FINISH),
             metadata=session_md(session.session_id),
         )
-        assert (await audit_ok(lstub)).num_owned_requests == 1
+        assert (await audit_ok(stub)).num_owned_requests == 1
 
         async def expired() -> bool:
-            return metric(lease_server, "kvservice_session_expirations_total", reason="ttl") == 1
+            return metric(server, "kvservice_session_expirations_total", reason="ttl") == 1
 
         await wait_until(expired, "the lease to run out")
-        assert metric(lease_server, "kvservice_requests_reclaimed_total") == 1
-        assert (await usage(lstub)).num_requests == 0
+        assert metric(server, "kvservice_requests_reclaimed_total") == 1
+        assert (await usage(stub)).num_requests == 0
 
 
 class TestStreams:
     async def test_a_broken_stream_ends_the_lease_at_once(
-        self, lease_server: KVCacheServer, lstub: Stub
+        self, server: KVCacheServer, stub: Stub
     ) -> None:
         """A StepStream opened under a session that the client drops frees the
         session's requests without waiting for the (long) lease."""
-        session = await open_session(lstub, ttl_s=600)
-        call = lstub.StepStream(metadata=session_md(session.session_id))
+        session = await open_session(stub, ttl_s=600)
+        call = stub.StepStream(metadata=session_md(session.session_id))
         step = pb.StepRequest(
             ops=[
                 pb.StepOperation(
@@ -195,30 +178,28 @@ class TestStreams:
         await call.write(pb.StepStreamRequest(step=step))
         answer = await call.read()
         assert answer.step.results[1].allocate_slots.outcome == pb.ALLOCATION_OUTCOME_OK
-        assert (await usage(lstub)).num_used_blocks == 2
+        assert (await usage(stub)).num_used_blocks == 2
         call.cancel()
 
         async def freed() -> bool:
-            return (await usage(lstub)).num_requests == 0
+            return (await usage(stub)).num_requests == 0
 
         await wait_until(freed, "the broken stream to free the session's requests")
-        assert (
-            metric(lease_server, "kvservice_session_expirations_total", reason="stream_broken") == 1
-        )
-        assert metric(lease_server, "kvservice_requests_reclaimed_total") == 1
-        assert (await usage(lstub)).num_used_blocks == 0
+        assert metric(server, "kvservice_session_expirations_total", reason="stream_broken") == 1
+        assert metric(server, "kvservice_requests_reclaimed_total") == 1
+        assert (await usage(stub)).num_used_blocks == 0
         message = await expect_error(
-            lstub.KeepAlive(pb.KeepAliveRequest(session_id=session.session_id)),
+            stub.KeepAlive(pb.KeepAliveRequest(session_id=session.session_id)),
             grpc.StatusCode.FAILED_PRECONDITION,
         )
         assert "stream broke" in message
-        await audit_ok(lstub)
+        await audit_ok(stub)
 
-    async def test_a_stream_closed_cleanly_keeps_the_session(self, lstub: Stub) -> None:
+    async def test_a_stream_closed_cleanly_keeps_the_session(self, stub: Stub) -> None:
         """Half-closing the stream is not a crash: the session and its requests stay."""
-        session = await open_session(lstub, ttl_s=600)
+        session = await open_session(stub, ttl_s=600)
         md = session_md(session.session_id)
-        call = lstub.StepStream(metadata=md)
+        call = stub.StepStream(metadata=md)
         add = pb.AddRequestRequest(request_id="kept", prompt_token_ids=tokens(8))
         await call.write(
             pb.StepStreamRequest(step=pb.StepRequest(ops=[pb.StepOperation(add_request=add)]))
@@ -226,83 +207,75 @@ class TestStreams:
         await call.read()
         await call.done_writing()
         assert await call.code() == grpc.StatusCode.OK
-        await lstub.KeepAlive(pb.KeepAliveRequest(session_id=session.session_id))
-        assert (await audit_ok(lstub)).num_owned_requests == 1
+        await stub.KeepAlive(pb.KeepAliveRequest(session_id=session.session_id))
+        assert (await audit_ok(stub)).num_owned_requests == 1
 
 
 class TestClose:
-    async def test_close_with_free_requests(self, lstub: Stub) -> None:
-        session = await open_session(lstub, ttl_s=600)
-        await add_and_admit(lstub, "a", 30, session.session_id)
-        closed = await lstub.CloseSession(
+    async def test_close_with_free_requests(self, stub: Stub) -> None:
+        session = await open_session(stub, ttl_s=600)
+        await add_and_admit(stub, "a", 30, session.session_id)
+        closed = await stub.CloseSession(
             pb.CloseSessionRequest(session_id=session.session_id, free_requests=True)
         )
         assert closed.num_requests_freed == 1
-        assert (await usage(lstub)).num_used_blocks == 0
+        assert (await usage(stub)).num_used_blocks == 0
         await expect_error(
-            lstub.CloseSession(pb.CloseSessionRequest(session_id=session.session_id)),
+            stub.CloseSession(pb.CloseSessionRequest(session_id=session.session_id)),
             grpc.StatusCode.FAILED_PRECONDITION,
         )
 
     async def test_close_without_freeing_leaves_the_requests_unowned(
-        self, lease_server: KVCacheServer, lstub: Stub
+        self, server: KVCacheServer, stub: Stub
     ) -> None:
         """The requests survive the close and are no session's to reclaim."""
-        session = await open_session(lstub, ttl_s=600)
-        await add_and_admit(lstub, "a", 30, session.session_id)
-        closed = await lstub.CloseSession(pb.CloseSessionRequest(session_id=session.session_id))
+        session = await open_session(stub, ttl_s=600)
+        await add_and_admit(stub, "a", 30, session.session_id)
+        closed = await stub.CloseSession(pb.CloseSessionRequest(session_id=session.session_id))
         assert closed.num_requests_freed == 0
-        report = await audit_ok(lstub)
+        report = await audit_ok(stub)
         assert (report.num_requests, report.num_owned_requests, report.num_sessions) == (1, 0, 0)
-        assert metric(lease_server, "kvservice_requests_reclaimed_total") == 0
+        assert metric(server, "kvservice_requests_reclaimed_total") == 0
 
 
 class TestRefusals:
     @pytest.mark.parametrize("ttl", [0.05, 7200.0, -1.0, math.nan, math.inf])
-    async def test_ttl_out_of_bounds(self, lstub: Stub, ttl: float) -> None:
+    async def test_ttl_out_of_bounds(self, stub: Stub, ttl: float) -> None:
         message = await expect_error(
-            lstub.OpenSession(pb.OpenSessionRequest(ttl_seconds=ttl)),
+            stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=ttl)),
             grpc.StatusCode.INVALID_ARGUMENT,
         )
         assert "ttl_seconds" in message and "[0.1, 3600.0]" in message
-        assert (await audit_ok(lstub)).num_sessions == 0
+        assert (await audit_ok(stub)).num_sessions == 0
 
-    async def test_zero_ttl_takes_the_default(self, lstub: Stub) -> None:
-        session = await open_session(lstub, ttl_s=0)
+    async def test_zero_ttl_takes_the_default(self, stub: Stub) -> None:
+        session = await open_session(stub, ttl_s=0)
         assert session.ttl_seconds == LEASE_POOL.session_ttl_default_s
 
-    async def test_unknown_session_is_not_found_and_changes_nothing(self, lstub: Stub) -> None:
+    async def test_unknown_session_is_not_found_and_changes_nothing(self, stub: Stub) -> None:
         add = pb.AddRequestRequest(request_id="x", prompt_token_ids=tokens(4))
         message = await expect_error(
-            lstub.AddRequest(add, metadata=session_md("no-such-session")),
+            stub.AddRequest(add, metadata=session_md("no-such-session")),
             grpc.StatusCode.NOT_FOUND,
         )
         assert "'no-such-session'" in message and "OpenSession" in message
-        assert (await usage(lstub)).num_requests == 0
+        assert (await usage(stub)).num_requests == 0
         await expect_error(
-            lstub.KeepAlive(pb.KeepAliveRequest(session_id="no-such-session")),
+            stub.KeepAlive(pb.KeepAliveRequest(session_id="no-such-session")),
             grpc.StatusCode.NOT_FOUND,
         )
 
     async def test_require_sessions(self) -> None:
         """With require_sessions, mutating calls need a session; reads do not."""
         config = dataclasses.replace(LEASE_POOL, require_sessions=True)
-        server = KVCacheServer(config)
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(server.handle.target) as channel:
-                stub = pb_grpc.KVCacheServiceStub(channel)
-                add = pb.AddRequestRequest(request_id="r", prompt_token_ids=tokens(4))
-                message = await expect_error(
-                    stub.AddRequest(add), grpc.StatusCode.FAILED_PRECONDITION
-                )
-                assert "require_sessions" in message and SESSION_KEY in message
-                assert (await usage(stub)).num_requests == 0
-                session = await open_session(stub, ttl_s=600)
-                await stub.AddRequest(add, metadata=session_md(session.session_id))
-                assert (await usage(stub)).num_requests == 1
-        finally:
-            await server.stop(grace=0)
+        async with running_server(config) as server, raw_stub(server) as stub:
+            add = pb.AddRequestRequest(request_id="r", prompt_token_ids=tokens(4))
+            message = await expect_error(stub.AddRequest(add), grpc.StatusCode.FAILED_PRECONDITION)
+            assert "require_sessions" in message and SESSION_KEY in message
+            assert (await usage(stub)).num_requests == 0
+            session = await open_session(stub, ttl_s=600)
+            await stub.AddRequest(add, metadata=session_md(session.session_id))
+            assert (await usage(stub)).num_requests == 1
 
 
 class FakeClock:
@@ -314,18 +287,18 @@ class FakeClock:
 
 
 class TestRegistry:
-    """The lease arithmetic on a real allocator, with a clock the test moves."""
+    """The lease arithmetic on a real request table, with a clock the test moves."""
 
     def make(self) -> tuple[SessionRegistry, RequestTable, FakeClock]:
         clock = FakeClock()
-        allocator = RequestTable(build_manager(SMALL_POOL))
+        table = RequestTable(build_manager(SMALL_POOL))
         policy = SessionPolicy(ttl_min_s=1.0, ttl_default_s=10.0, ttl_max_s=100.0)
-        return SessionRegistry(allocator, policy, clock=clock), allocator, clock
+        return SessionRegistry(table, policy, clock=clock), table, clock
 
     def test_every_resolve_renews_the_lease(self) -> None:
-        registry, allocator, clock = self.make()
+        registry, table, clock = self.make()
         session = registry.open("", 10.0, "s", 0).session
-        allocator.add_request(
+        table.add_request(
             NewRequest("r", tokens(8)), session_id=session.session_id, tenant=DEFAULT_TENANT
         )
         for _ in range(5):
@@ -335,7 +308,7 @@ class TestRegistry:
         clock.now += 10.0
         assert registry.reap() == 1
         with pytest.raises(RequestNotFoundError):
-            allocator.get_request("r", tenant=DEFAULT_TENANT)
+            table.get_request("r", tenant=DEFAULT_TENANT)
         with pytest.raises(SessionEndedError, match="lease ran out"):
             registry.resolve(session.session_id, "")
 
@@ -375,28 +348,28 @@ class TestRegistry:
             KVCacheServer(dataclasses.replace(SMALL_POOL, session_ttl_min_s=0.0))
 
     def test_freeing_under_a_session_releases_ownership(self) -> None:
-        registry, allocator, _ = self.make()
+        registry, table, _ = self.make()
         session = registry.open("", 10.0, "s", 0).session
-        allocator.add_request(
+        table.add_request(
             NewRequest("r", tokens(8)), session_id=session.session_id, tenant=DEFAULT_TENANT
         )
         assert registry.num_owned_requests == 1
-        allocator.free("r", FreeMode.FINISH, tenant=DEFAULT_TENANT)
+        table.free("r", FreeMode.FINISH, tenant=DEFAULT_TENANT)
         assert registry.num_owned_requests == 0
         assert registry.violations() == []
 
 
 class TestClients:
-    async def test_async_client_keeps_its_lease_alive(self, lease_server: KVCacheServer) -> None:
+    async def test_async_client_keeps_its_lease_alive(self, server: KVCacheServer) -> None:
         """The client renews in the background past several TTLs; closing the lease
         frees what the session owns."""
-        async with AsyncKVClient(lease_server.handle.target) as client:
+        async with AsyncKVClient(server.handle.target) as client:
             lease = await client.open_session(CLIENT_TTL_S, client_name="aio")
             await client.add_request("r", tokens(20))
             assert await client.allocate_slots("r", 20) is not None
 
             async def renewed_many_times() -> bool:
-                return keep_alives(lease_server) >= 6  # two TTLs' worth of renewals
+                return keep_alives(server) >= 6  # two TTLs' worth of renewals
 
             await wait_until(renewed_many_times, "the background renewals")
             assert lease.lost is None
@@ -407,14 +380,14 @@ class TestClients:
             await client.add_request("after", tokens(4))
             assert (await client.audit()).num_owned_requests == 0
 
-    async def test_a_lease_that_stops_renewing_is_lost(self, lease_server: KVCacheServer) -> None:
-        async with AsyncKVClient(lease_server.handle.target) as client:
+    async def test_a_lease_that_stops_renewing_is_lost(self, server: KVCacheServer) -> None:
+        async with AsyncKVClient(server.handle.target) as client:
             lease = await client.open_session(SHORT_TTL_S)
             await client.add_request("r", tokens(4))
             await lease.stop_renewing()
 
             async def reclaimed() -> bool:
-                return metric(lease_server, "kvservice_requests_reclaimed_total") == 1
+                return metric(server, "kvservice_requests_reclaimed_total") == 1
 
             await wait_until(reclaimed, "the lease to run out")
             with pytest.raises(FailedPreconditionError, match="open a new session"):
@@ -437,11 +410,11 @@ class TestClients:
             assert client.audit().ok
 
 
-async def test_admit_helper_still_works_without_sessions(lstub: Stub) -> None:
+async def test_admit_helper_still_works_without_sessions(stub: Stub) -> None:
     """Calls without session metadata keep working: the request is simply unowned."""
-    await lstub.AddRequest(pb.AddRequestRequest(request_id="plain", prompt_token_ids=tokens(20)))
-    assert (await admit(lstub, "plain")).outcome == pb.ALLOCATION_OUTCOME_OK
-    report = await audit_ok(lstub)
+    await stub.AddRequest(pb.AddRequestRequest(request_id="plain", prompt_token_ids=tokens(20)))
+    assert (await admit(stub, "plain")).outcome == pb.ALLOCATION_OUTCOME_OK
+    report = await audit_ok(stub)
     assert (report.num_requests, report.num_owned_requests) == (1, 0)
 
 
@@ -463,58 +436,46 @@ class TestTenants:
             )
         )
         config = dataclasses.replace(LEASE_POOL, auth_tokens_file=str(tokens_file))
-        server = KVCacheServer(config)
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(server.handle.target) as channel:
-                stub = pb_grpc.KVCacheServiceStub(channel)
-                alpha, beta = self.auth("alpha"), self.auth("beta")
-                opened = await stub.OpenSession(
-                    pb.OpenSessionRequest(ttl_seconds=SHORT_TTL_S, epoch=3), metadata=alpha
+        async with running_server(config) as server, raw_stub(server) as stub:
+            alpha, beta = self.auth("alpha"), self.auth("beta")
+            opened = await stub.OpenSession(
+                pb.OpenSessionRequest(ttl_seconds=SHORT_TTL_S, epoch=3), metadata=alpha
+            )
+            alpha_md = (*alpha, *session_md(opened.session_id))
+            for rid in ("a1", "a2"):
+                add = pb.AddRequestRequest(request_id=rid, prompt_token_ids=tokens(20))
+                await stub.AddRequest(add, metadata=alpha_md)
+                await stub.AllocateSlots(
+                    pb.AllocateSlotsRequest(request_id=rid, num_new_tokens=20),
+                    metadata=alpha_md,
                 )
-                alpha_md = (*alpha, *session_md(opened.session_id))
-                for rid in ("a1", "a2"):
-                    add = pb.AddRequestRequest(request_id=rid, prompt_token_ids=tokens(20))
-                    await stub.AddRequest(add, metadata=alpha_md)
-                    await stub.AllocateSlots(
-                        pb.AllocateSlotsRequest(request_id=rid, num_new_tokens=20),
-                        metadata=alpha_md,
-                    )
-                # Another tenant can neither use nor see alpha's session...
+            # Another tenant can neither use nor see alpha's session...
+            await expect_error(
+                stub.GetUsage(
+                    pb.GetUsageRequest(), metadata=(*beta, *session_md(opened.session_id))
+                ),
+                grpc.StatusCode.NOT_FOUND,
+            )
+            # ...nor fence alpha's scheduler with a higher epoch of its own.
+            await stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=600, epoch=9), metadata=beta)
+            await stub.KeepAlive(pb.KeepAliveRequest(session_id=opened.session_id), metadata=alpha)
+
+            async def reclaimed() -> bool:
+                return metric(server, "kvservice_requests_reclaimed_total") == 2
+
+            # alpha's lease runs out: its requests are freed under alpha's name.
+            await wait_until(reclaimed, "alpha's lease to run out")
+            # Only its own tenant learns that the session ended.
+            for who, code in (
+                (alpha, grpc.StatusCode.FAILED_PRECONDITION),
+                (beta, grpc.StatusCode.NOT_FOUND),
+            ):
                 await expect_error(
-                    stub.GetUsage(
-                        pb.GetUsageRequest(), metadata=(*beta, *session_md(opened.session_id))
-                    ),
-                    grpc.StatusCode.NOT_FOUND,
+                    stub.KeepAlive(pb.KeepAliveRequest(session_id=opened.session_id), metadata=who),
+                    code,
                 )
-                # ...nor fence alpha's scheduler with a higher epoch of its own.
-                await stub.OpenSession(
-                    pb.OpenSessionRequest(ttl_seconds=600, epoch=9), metadata=beta
-                )
-                await stub.KeepAlive(
-                    pb.KeepAliveRequest(session_id=opened.session_id), metadata=alpha
-                )
-
-                async def reclaimed() -> bool:
-                    return metric(server, "kvservice_requests_reclaimed_total") == 2
-
-                # alpha's lease runs out: its requests are freed under alpha's name.
-                await wait_until(reclaimed, "alpha's lease to run out")
-                # Only its own tenant learns that the session ended.
-                for who, code in (
-                    (alpha, grpc.StatusCode.FAILED_PRECONDITION),
-                    (beta, grpc.StatusCode.NOT_FOUND),
-                ):
-                    await expect_error(
-                        stub.KeepAlive(
-                            pb.KeepAliveRequest(session_id=opened.session_id), metadata=who
-                        ),
-                        code,
-                    )
-                pool = await stub.GetUsage(pb.GetUsageRequest(), metadata=beta)
-                assert (pool.num_requests, pool.num_used_blocks) == (0, 0)
-                report = await stub.Audit(pb.AuditRequest(), metadata=alpha)
-                assert report.ok, list(report.violations)
-                assert report.current_epoch == 3
-        finally:
-            await server.stop(grace=0)
+            pool = await stub.GetUsage(pb.GetUsageRequest(), metadata=beta)
+            assert (pool.num_requests, pool.num_used_blocks) == (0, 0)
+            report = await stub.Audit(pb.AuditRequest(), metadata=alpha)
+            assert report.ok, list(report.violations)
+            assert report.current_epoch == 3

@@ -22,25 +22,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvservice.client import AsyncKVClient, ServiceUnavailableError
 from kvservice.server.probes import LOOP_TIMEOUT_S
-from tests.server.support import SMALL_POOL, running_server
-from tests.server.test_cli import TIMEOUT_S, kvservice_command, read_event
+from tests.server.support import SMALL_POOL
 from tests.server.test_security import ADMIN_TOKEN, Pki, pki, tokens_file  # noqa: F401 (fixtures)
+from tests.servers import TIMEOUT_S, kvservice_serve, run_kvservice, running_server
 
 SMALL = ("--num-blocks=64", "--max-model-len=256")
 WITH_METRICS = dataclasses.replace(SMALL_POOL, metrics_port=0)
-
-
-async def run(*args: str) -> tuple[int, str, str]:
-    """Run ``kvservice <args>`` to its end: (status, stdout, stderr)."""
-    process = await asyncio.create_subprocess_exec(
-        *kvservice_command(),
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(process.communicate(), TIMEOUT_S)
-    assert process.returncode is not None
-    return process.returncode, out.decode(), err.decode()
 
 
 def one_line(stderr: str) -> str:
@@ -61,7 +48,7 @@ def taken_port(host: str = "127.0.0.1") -> Iterator[int]:
 
 async def test_the_grpc_port_in_use() -> None:
     with taken_port() as port:
-        status, _, stderr = await run("serve", f"--port={port}", "--no-metrics", *SMALL)
+        status, _, stderr = await run_kvservice("serve", f"--port={port}", "--no-metrics", *SMALL)
     assert status == 2
     line = one_line(stderr)
     assert f"127.0.0.1:{port}" in line and "in use" in line and "--port" in line
@@ -69,7 +56,9 @@ async def test_the_grpc_port_in_use() -> None:
 
 async def test_the_metrics_port_in_use() -> None:
     with taken_port() as port:
-        status, _, stderr = await run("serve", "--port=0", f"--metrics-port={port}", *SMALL)
+        status, _, stderr = await run_kvservice(
+            "serve", "--port=0", f"--metrics-port={port}", *SMALL
+        )
     assert status == 2
     line = one_line(stderr)
     assert f"127.0.0.1:{port}" in line and "in use" in line and "--metrics-port" in line
@@ -77,14 +66,16 @@ async def test_the_metrics_port_in_use() -> None:
 
 @pytest.mark.parametrize("num_blocks", ["-5", "0", "1"])
 async def test_a_pool_without_a_usable_block(num_blocks: str) -> None:
-    status, _, stderr = await run("serve", "--port=0", "--no-metrics", f"--num-blocks={num_blocks}")
+    status, _, stderr = await run_kvservice(
+        "serve", "--port=0", "--no-metrics", f"--num-blocks={num_blocks}"
+    )
     assert status == 2
     line = one_line(stderr)
     assert f"num_blocks must be at least 2 (block 0 is the null block), got {num_blocks}" in line
 
 
 async def test_a_tls_key_that_does_not_match_its_certificate(pki: Pki) -> None:  # noqa: F811
-    status, _, stderr = await run(
+    status, _, stderr = await run_kvservice(
         "serve",
         "--port=0",
         "--no-metrics",
@@ -111,7 +102,7 @@ async def test_a_tls_file_that_is_not_pem(
         "client-ca": pki.path("ca.pem"),
     }
     files[setting] = str(garbage)
-    status, _, stderr = await run(
+    status, _, stderr = await run_kvservice(
         "serve",
         "--port=0",
         "--no-metrics",
@@ -127,20 +118,9 @@ async def test_a_tls_file_that_is_not_pem(
 
 async def test_an_ipv6_host_and_the_startup_line() -> None:
     """--host ::1 serves on [::1]; the startup line says TLS and auth are off."""
-    process = await asyncio.create_subprocess_exec(
-        *kvservice_command(),
-        "serve",
-        "--host=::1",
-        "--port=0",
-        "--metrics-host=::1",
-        "--metrics-port=0",
-        *SMALL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    assert process.stdout is not None
-    try:
-        serving = await asyncio.wait_for(read_event(process.stdout, "serving"), TIMEOUT_S)
+    async with kvservice_serve(
+        "--host=::1", "--metrics-host=::1", "--metrics-port=0", *SMALL, metrics=True
+    ) as (process, serving):
         assert serving["address"] == f"[::1]:{serving['port']}"
         assert (serving["tls"], serving["auth"]) == ("off", "off")
         async with grpc.aio.insecure_channel(serving["address"]) as channel:
@@ -153,7 +133,6 @@ async def test_an_ipv6_host_and_the_startup_line() -> None:
             url = serving["metrics_url"].removesuffix("/metrics") + path
             with urllib.request.urlopen(url, timeout=TIMEOUT_S) as answer:
                 assert answer.status == 200
-    finally:
         process.terminate()
         await asyncio.wait_for(process.communicate(), TIMEOUT_S)
     assert process.returncode == 0
@@ -163,25 +142,15 @@ async def test_the_startup_line_says_tls_and_auth_are_on(
     pki: Pki,  # noqa: F811
     tokens_file: str,  # noqa: F811
 ) -> None:
-    process = await asyncio.create_subprocess_exec(
-        *kvservice_command(),
-        "serve",
-        "--port=0",
-        "--no-metrics",
+    async with kvservice_serve(
         f"--tls-cert-file={pki.path('server.pem')}",
         f"--tls-key-file={pki.path('server.key')}",
         f"--tls-client-ca-file={pki.path('ca.pem')}",
         f"--auth-tokens-file={tokens_file}",
         *SMALL,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    assert process.stdout is not None
-    try:
-        serving = await asyncio.wait_for(read_event(process.stdout, "serving"), TIMEOUT_S)
+    ) as (process, serving):
         assert (serving["tls"], serving["auth"]) == ("mtls", "tokens")
         assert serving["tenants"] == 4
-    finally:
         process.terminate()
         await asyncio.wait_for(process.communicate(), TIMEOUT_S)
 
@@ -241,7 +210,9 @@ async def test_a_client_on_a_tls_port_without_a_ca_gets_a_hint(pki: Pki) -> None
 async def test_bench_at_a_dead_address() -> None:
     with taken_port() as port:
         pass  # closed again: nothing listens there now
-    status, _, stderr = await run("bench", "--smoke", "--no-progress", f"--target=127.0.0.1:{port}")
+    status, _, stderr = await run_kvservice(
+        "bench", "--smoke", "--no-progress", f"--target=127.0.0.1:{port}"
+    )
     assert status == 2
     line = one_line(stderr)
     assert f"127.0.0.1:{port}" in line and "--target" in line
@@ -262,10 +233,12 @@ async def test_bench_at_a_tls_server(
     )
     async with running_server(config) as server:
         target = server.handle.target
-        status, _, stderr = await run("bench", "--smoke", "--no-progress", f"--target={target}")
+        status, _, stderr = await run_kvservice(
+            "bench", "--smoke", "--no-progress", f"--target={target}"
+        )
         assert status == 2
         assert "--tls-ca" in one_line(stderr)
-        status, out, stderr = await run(
+        status, out, stderr = await run_kvservice(
             "bench",
             "--smoke",
             "--no-progress",

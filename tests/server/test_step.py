@@ -3,22 +3,22 @@ unary calls."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
 import pytest
 
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
-from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.request_table.table import RequestTable
 from kvservice.request_table.tenancy import DEFAULT_TENANT
 from kvservice.request_table.types import AllocateArgs, NewRequest
 from kvservice.server import converters
-from kvservice.server.app import KVCacheServer, serve_in_background
 from kvservice.server.config import build_manager
-from tests.server.support import SMALL_POOL, Stub, expect_error, tokens
+from tests.server.support import SMALL_POOL, expect_error, tokens
+from tests.servers import Stub, raw_stub, running_server
 
 # The unary RPC of each StepOperation field.
 RPC_OF = {
@@ -98,33 +98,15 @@ async def unary_outcome(stub: Stub, operation: pb.StepOperation) -> Outcome:
 
 
 @pytest.fixture
-async def fresh_stub() -> AsyncIterator[Any]:
+async def fresh_stub() -> AsyncIterator[Callable[[], Awaitable[Stub]]]:
     """A factory of stubs, each on a server of its own (same config, fresh pool)."""
-    async with contextlib_stack() as stack:
-        yield stack
+    async with contextlib.AsyncExitStack() as stack:
 
+        async def start() -> Stub:
+            server = await stack.enter_async_context(running_server(SMALL_POOL))
+            return await stack.enter_async_context(raw_stub(server))
 
-class contextlib_stack:  # noqa: N801  # a tiny async factory fixture helper
-    """Starts servers on demand and stops them all at the end."""
-
-    def __init__(self) -> None:
-        self._exits: list[Any] = []
-
-    async def __aenter__(self) -> contextlib_stack:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        for cm in reversed(self._exits):
-            await cm.__aexit__(None, None, None)
-
-    async def __call__(self) -> Stub:
-        server_cm = serve_in_background(SMALL_POOL)
-        handle = await server_cm.__aenter__()
-        self._exits.append(server_cm)
-        channel_cm = grpc.aio.insecure_channel(handle.target)
-        channel = await channel_cm.__aenter__()
-        self._exits.append(channel_cm)
-        return pb_grpc.KVCacheServiceStub(channel)
+        yield start
 
 
 async def test_unary_step_and_stream_agree(fresh_stub: Any) -> None:
@@ -243,25 +225,19 @@ async def test_step_over_the_limit_runs_nothing() -> None:
         op(add_request=pb.AddRequestRequest(request_id=f"r{i}", prompt_token_ids=[1]))
         for i in range(3)
     ]
-    server = KVCacheServer(config)
-    handle = await server.start()
-    try:
-        async with grpc.aio.insecure_channel(handle.target) as channel:
-            stub = pb_grpc.KVCacheServiceStub(channel)
-            message = await expect_error(
-                stub.Step(pb.StepRequest(ops=adds)), grpc.StatusCode.INVALID_ARGUMENT
-            )
-            assert "at most 2" in message
-            assert server.table.num_requests == 0
+    async with running_server(config) as server, raw_stub(server) as stub:
+        message = await expect_error(
+            stub.Step(pb.StepRequest(ops=adds)), grpc.StatusCode.INVALID_ARGUMENT
+        )
+        assert "at most 2" in message
+        assert server.table.num_requests == 0
 
-            call = stub.StepStream()
-            await call.write(pb.StepStreamRequest(step=pb.StepRequest(ops=adds[:2])))
-            assert len((await call.read()).step.results) == 2
-            await call.write(pb.StepStreamRequest(step=pb.StepRequest(ops=adds)))
-            await expect_error(call.read(), grpc.StatusCode.INVALID_ARGUMENT)
-            assert server.table.num_requests == 2
-    finally:
-        await server.stop(grace=0)
+        call = stub.StepStream()
+        await call.write(pb.StepStreamRequest(step=pb.StepRequest(ops=adds[:2])))
+        assert len((await call.read()).step.results) == 2
+        await call.write(pb.StepStreamRequest(step=pb.StepRequest(ops=adds)))
+        await expect_error(call.read(), grpc.StatusCode.INVALID_ARGUMENT)
+        assert server.table.num_requests == 2
 
 
 class TestHotPathEncoding:
@@ -310,9 +286,9 @@ class TestHotPathEncoding:
         """Written field by field, the state serializes to the bytes of the message
         built in one go (zero fields included, which proto3 leaves out)."""
         manager = build_manager(SMALL_POOL)
-        allocator = RequestTable(manager)
-        request = allocator.add_request(NewRequest("r", tokens(20)), tenant=DEFAULT_TENANT)
-        allocator.allocate_slots("r", AllocateArgs(num_new_tokens=20), tenant=DEFAULT_TENANT)
+        table = RequestTable(manager)
+        request = table.add_request(NewRequest("r", tokens(20)), tenant=DEFAULT_TENANT)
+        table.allocate_slots("r", AllocateArgs(num_new_tokens=20), tenant=DEFAULT_TENANT)
         expected = pb.RequestState(
             request_id="r",
             status=pb.REQUEST_STATUS_RUNNING,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 
 from kvservice.client import AdmitStopReason, AsyncKVClient, StepBuilder
-from kvservice.server.app import serve_in_background
 from tests.server.support import HYBRID_POOL, tokens
+from tests.servers import running_server
 
 # Full attention beside a Mamba "align" group, 16-token blocks hashed whole.
 MAMBA_POOL = dataclasses.replace(
@@ -26,8 +26,8 @@ async def test_a_state_cached_in_a_step_is_hit_from_the_next_one() -> None:
     """Unary calls: the second request's hit on the first's state, cached this step,
     is refused (NO_SPACE: vLLM's None, nothing attached) until NewStepStarts."""
     async with (
-        serve_in_background(MAMBA_POOL) as handle,
-        AsyncKVClient(handle.target) as client,
+        running_server(MAMBA_POOL) as server,
+        AsyncKVClient(server.handle.target) as client,
     ):
         await client.new_step_starts()
         await client.add_request("0", FIRST)
@@ -50,8 +50,8 @@ async def test_the_boundary_is_an_operation_of_a_step_in_order() -> None:
     """One Step carries two scheduler steps: the boundary between the refused and the
     accepted allocation is where the operation stands among the others."""
     async with (
-        serve_in_background(MAMBA_POOL) as handle,
-        AsyncKVClient(handle.target) as client,
+        running_server(MAMBA_POOL) as server,
+        AsyncKVClient(server.handle.target) as client,
     ):
         await client.add_request("0", FIRST)
         await client.add_request("1", SECOND)
@@ -74,8 +74,8 @@ async def test_admit_starts_no_step() -> None:
     state the first just cached, stops it (NO_SPACE) as vLLM's scheduler would;
     announced, the next step admits it with the hit."""
     async with (
-        serve_in_background(MAMBA_POOL) as handle,
-        AsyncKVClient(handle.target) as client,
+        running_server(MAMBA_POOL) as server,
+        AsyncKVClient(server.handle.target) as client,
     ):
         await client.new_step_starts()
         await client.add_request("0", FIRST)

@@ -34,17 +34,18 @@ from kvservice.server.config import ServerConfig
 from tests.server import support
 from tests.server.fuzz_support import (
     CALL_TIMEOUT_S,
-    allocator_state,
     finish_everything,
     fuzz_settings,
+    table_state,
 )
-from tests.server.support import SMALL_POOL, ThreadedServer, server_in_thread, tokens
+from tests.server.support import SMALL_POOL, tokens
+from tests.servers import ThreadedServer, server_in_thread
 
 BLOCK = SMALL_POOL.block_size
 # The small pool with zeroing on: every allocation lists its fresh blocks to zero.
 ZEROING_POOL = dataclasses.replace(SMALL_POOL, needs_kv_cache_zeroing=True, none_hash_seed="c")
 HYBRID_POOL = dataclasses.replace(support.HYBRID_POOL, none_hash_seed="c")
-# No zeroing, runtime or event sink: the allocator's inline decode paths
+# No zeroing, runtime or event sink: the request table's inline decode paths
 # (``allocate_new_tokens``, ``append_token``) answer the columnar entries.
 PLAIN_POOL = dataclasses.replace(SMALL_POOL, none_hash_seed="c")
 OPS_FIELD = "ops"
@@ -59,7 +60,7 @@ class Twin:
     stub: pb_grpc.KVCacheServiceStub
 
     def state(self) -> tuple[Any, ...]:
-        return self.server.call(lambda: allocator_state(self.server.server.table))
+        return self.server.call(lambda: table_state(self.server.server.table))
 
     def finish(self) -> None:
         finish_everything(self.server, self.stub)

@@ -1,5 +1,5 @@
 """The cheaper Step path: ``omit_request_state``, the client's lazy request state, and
-the allocator's fast paths (no ledger work for an uncharged default tenant), each
+the request table's fast paths (no ledger work for an uncharged default tenant), each
 checked against the full path it stands in for."""
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.request_table.table import RequestTable
 from kvservice.request_table.types import AllocateArgs, FreeMode, NewRequest
 from kvservice.server.config import build_manager
-from tests.server.support import SMALL_POOL, raw_stub, running_server, tokens
+from tests.server.support import SMALL_POOL, tokens
 from tests.server.test_step import result_outcome, scenario
+from tests.servers import raw_stub, running_server
 
 BLOCK = SMALL_POOL.block_size
 
 
 async def step_results(ops: list[pb.StepOperation], omit: bool) -> list[pb.StepResult]:
-    async with running_server() as server, raw_stub(server) as stub:
+    async with running_server(SMALL_POOL) as server, raw_stub(server) as stub:
         response: pb.StepResponse = await stub.Step(
             pb.StepRequest(ops=ops, omit_request_state=omit)
         )
@@ -60,7 +61,7 @@ async def test_omit_request_state_leaves_out_only_the_allocations_and_appends_st
 async def test_client_decodes_the_request_state_on_first_read() -> None:
     """Without the flag, ``Allocation.request`` is the server's state of the request
     (as GetRequest answers it), equal across two reads and two decodings."""
-    async with running_server() as server, AsyncKVClient(server.handle.target) as client:
+    async with running_server(SMALL_POOL) as server, AsyncKVClient(server.handle.target) as client:
         step = StepBuilder()
         step.add_request("a", tokens(2 * BLOCK))
         first = step.allocate_slots("a", 2 * BLOCK)
@@ -82,7 +83,7 @@ async def test_client_decodes_the_request_state_on_first_read() -> None:
 async def test_client_raises_on_an_omitted_request_state() -> None:
     """With ``omit_request_state`` the blocks still arrive; reading ``request`` raises
     a clear error, and the allocation still compares and prints."""
-    async with running_server() as server, AsyncKVClient(server.handle.target) as client:
+    async with running_server(SMALL_POOL) as server, AsyncKVClient(server.handle.target) as client:
         step = StepBuilder(omit_request_state=True)
         step.add_request("a", tokens(BLOCK + 1))
         handle = step.allocate_slots("a", BLOCK + 1)
@@ -103,7 +104,7 @@ async def test_client_raises_on_an_omitted_append_state(coalesce: bool) -> None:
     """An append of a step sent with ``omit_request_state`` reads as the omitted
     state: any field raises ``RequestStateOmittedError``, whether it travelled alone
     or in a columnar batch."""
-    async with running_server() as server, AsyncKVClient(server.handle.target) as client:
+    async with running_server(SMALL_POOL) as server, AsyncKVClient(server.handle.target) as client:
         step = StepBuilder(omit_request_state=True, coalesce=coalesce)
         step.add_request("a", tokens(BLOCK))
         handle = step.append_tokens("a", [7])
@@ -116,37 +117,37 @@ async def test_client_raises_on_an_omitted_append_state(coalesce: bool) -> None:
 
 def two_tenants(quotas: dict[str, int] | None = None) -> tuple[KVCacheManager, RequestTable]:
     manager = build_manager(SMALL_POOL)
-    allocator = RequestTable(manager, quotas=quotas)
-    allocator.add_request(NewRequest("d", tokens(3 * BLOCK)), tenant="")
-    allocator.add_request(NewRequest("n", tokens(2 * BLOCK, start=500)), tenant="t")
-    return manager, allocator
+    table = RequestTable(manager, quotas=quotas)
+    table.add_request(NewRequest("d", tokens(3 * BLOCK)), tenant="")
+    table.add_request(NewRequest("n", tokens(2 * BLOCK, start=500)), tenant="t")
+    return manager, table
 
 
 def test_uncharged_default_tenant_counts_what_named_tenants_do_not_hold() -> None:
     """No quota for the default tenant: its blocks are derived from the pool, and the
     per-tenant counts still match the blocks each tenant's requests hold."""
-    manager, allocator = two_tenants(quotas={"t": 5})
-    allocator.allocate_slots("d", AllocateArgs(num_new_tokens=3 * BLOCK), tenant="")
-    allocator.allocate_slots("n", AllocateArgs(num_new_tokens=2 * BLOCK), tenant="t")
-    assert allocator.tenant_blocks() == {"": 3, "t": 2}
-    allocator.audit()
-    allocator.free("d", FreeMode.FINISH, tenant="")
-    assert allocator.tenant_blocks() == {"t": 2}
-    allocator.free("n", FreeMode.PREEMPT, tenant="t")
-    assert allocator.tenant_blocks() == {"t": 0}
+    manager, table = two_tenants(quotas={"t": 5})
+    table.allocate_slots("d", AllocateArgs(num_new_tokens=3 * BLOCK), tenant="")
+    table.allocate_slots("n", AllocateArgs(num_new_tokens=2 * BLOCK), tenant="t")
+    assert table.tenant_blocks() == {"": 3, "t": 2}
+    table.audit()
+    table.free("d", FreeMode.FINISH, tenant="")
+    assert table.tenant_blocks() == {"t": 2}
+    table.free("n", FreeMode.PREEMPT, tenant="t")
+    assert table.tenant_blocks() == {"t": 0}
     assert manager.block_pool.get_num_free_blocks() == SMALL_POOL.num_blocks - 1
-    allocator.audit()
+    table.audit()
 
 
 def test_default_tenant_with_a_quota_is_charged_and_refused() -> None:
     """A quota for the default tenant puts it back on the ledger: an allocation past
     it is refused and changes nothing."""
-    manager, allocator = two_tenants(quotas={"": 2})
+    manager, table = two_tenants(quotas={"": 2})
     free_before = manager.block_pool.get_num_free_blocks()
     with pytest.raises(QuotaExceededError, match="quota of 2"):
-        allocator.allocate_slots("d", AllocateArgs(num_new_tokens=3 * BLOCK), tenant="")
+        table.allocate_slots("d", AllocateArgs(num_new_tokens=3 * BLOCK), tenant="")
     assert manager.block_pool.get_num_free_blocks() == free_before
-    allocator.allocate_slots("d", AllocateArgs(num_new_tokens=2 * BLOCK), tenant="")
-    allocator.allocate_slots("n", AllocateArgs(num_new_tokens=BLOCK), tenant="t")
-    assert allocator.tenant_blocks() == {"": 2, "t": 1}
-    allocator.audit()
+    table.allocate_slots("d", AllocateArgs(num_new_tokens=2 * BLOCK), tenant="")
+    table.allocate_slots("n", AllocateArgs(num_new_tokens=BLOCK), tenant="t")
+    assert table.tenant_blocks() == {"": 2, "t": 1}
+    table.audit()

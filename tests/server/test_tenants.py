@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,6 @@ from kvservice.core.errors import QuotaExceededError
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.request import Request
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
-from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.request_table.table import RequestTable
 from kvservice.request_table.tenancy import (
     DEFAULT_TENANT,
@@ -32,8 +31,9 @@ from kvservice.request_table.tenancy import (
 )
 from kvservice.request_table.types import AllocateArgs, NewRequest
 from kvservice.server.app import KVCacheServer
-from kvservice.server.config import build_manager
-from tests.server.support import SMALL_POOL, raw_stub, running_server, snapshot, tokens
+from kvservice.server.config import ServerConfig, build_manager
+from tests.server.support import SMALL_POOL, snapshot, tokens
+from tests.servers import raw_stub, running_server
 
 BLOCK = SMALL_POOL.block_size
 TOKENS = {name: secrets.token_urlsafe(24) for name in ("alpha", "beta", "gamma")}
@@ -62,7 +62,8 @@ def auth(tenant: str) -> tuple[tuple[str, str]]:
 
 
 @pytest.fixture
-async def tenant_server(tmp_path: Path) -> AsyncIterator[KVCacheServer]:
+def server_config(tmp_path: Path) -> ServerConfig:
+    """The ``server`` (and ``stub``) of this module: three tenants, gamma with a quota."""
     tokens_file = write_tokens_file(
         tmp_path / "tokens.toml",
         {
@@ -71,16 +72,7 @@ async def tenant_server(tmp_path: Path) -> AsyncIterator[KVCacheServer]:
             "gamma": {"tokens": [TOKENS["gamma"]], "max_blocks": GAMMA_QUOTA},
         },
     )
-    async with running_server(
-        dataclasses.replace(SMALL_POOL, auth_tokens_file=tokens_file)
-    ) as server:
-        yield server
-
-
-@pytest.fixture
-async def stub(tenant_server: KVCacheServer) -> AsyncIterator[pb_grpc.KVCacheServiceStub]:
-    async with raw_stub(tenant_server) as stub:
-        yield stub
+    return dataclasses.replace(SMALL_POOL, auth_tokens_file=tokens_file)
 
 
 async def refused(call: Any, code: grpc.StatusCode) -> str:
@@ -122,7 +114,7 @@ async def finish(stub: Any, tenant: str, rid: str) -> None:
 
 
 async def test_another_tenants_request_answers_exactly_as_an_unknown_id(
-    tenant_server: KVCacheServer, stub: Any
+    server: KVCacheServer, stub: Any
 ) -> None:
     await add(stub, "alpha", "secret-req", tokens(20))
     await admit(stub, "alpha", "secret-req")
@@ -151,7 +143,7 @@ async def test_another_tenants_request_answers_exactly_as_an_unknown_id(
         # Same words, only the id differs: nothing tells beta the id is taken.
         assert theirs.replace("secret-req", "X") == unknown.replace("never-added", "X"), name
     assert await snapshot_as(stub, "alpha", ["secret-req"]) == before
-    tenant_server.audit()
+    server.audit()
 
 
 async def snapshot_as(stub: Any, tenant: str, rids: list[str]) -> list[Any]:
@@ -165,9 +157,7 @@ async def snapshot_as(stub: Any, tenant: str, rids: list[str]) -> list[Any]:
     return await snapshot(AsTenant(), rids)  # type: ignore[arg-type]
 
 
-async def test_two_tenants_may_use_the_same_request_id(
-    tenant_server: KVCacheServer, stub: Any
-) -> None:
+async def test_two_tenants_may_use_the_same_request_id(server: KVCacheServer, stub: Any) -> None:
     a = await add(stub, "alpha", "req-0", tokens(20))
     b = await add(stub, "beta", "req-0", tokens(40, start=1000))
     assert (a.request_id, a.num_tokens) == ("req-0", 20)
@@ -187,14 +177,14 @@ async def test_two_tenants_may_use_the_same_request_id(
         stub.GetRequest(pb.GetRequestRequest(request_id="req-0"), metadata=auth("alpha")),
         grpc.StatusCode.NOT_FOUND,
     )
-    tenant_server.audit()
+    server.audit()
 
 
 # -- prefix caching is per tenant -------------------------------------------------------
 
 
 async def test_a_tenants_prompt_never_hits_another_tenants_cached_blocks(
-    tenant_server: KVCacheServer, stub: Any
+    server: KVCacheServer, stub: Any
 ) -> None:
     prompt = tokens(3 * BLOCK + 5)
     await add(stub, "alpha", "first", prompt, cache_salt="shared-salt")
@@ -208,11 +198,11 @@ async def test_a_tenants_prompt_never_hits_another_tenants_cached_blocks(
     await add(stub, "alpha", "again", prompt, cache_salt="shared-salt")
     alpha_hit, _ = await admit(stub, "alpha", "again")
     assert alpha_hit == 3 * BLOCK
-    tenant_server.audit()
+    server.audit()
 
 
 async def test_a_live_tenants_blocks_are_never_shared_with_another(
-    tenant_server: KVCacheServer, stub: Any
+    server: KVCacheServer, stub: Any
 ) -> None:
     prompt = tokens(2 * BLOCK + 1)
     await add(stub, "alpha", "a", prompt)
@@ -221,21 +211,21 @@ async def test_a_live_tenants_blocks_are_never_shared_with_another(
     hit, beta = await admit(stub, "beta", "b")
     assert hit == 0
     assert not set(alpha.new_block_ids[0].block_ids) & set(beta.new_block_ids[0].block_ids)
-    tenant_server.audit()
+    server.audit()
 
 
 def test_the_default_tenant_hashes_exactly_as_before() -> None:
     """Without tokens nothing changes: same core key, same salt, same block hashes as
     the core alone computes; a named tenant's chain differs from the first block on."""
     manager = build_manager(SMALL_POOL)
-    allocator = RequestTable(manager)
+    table = RequestTable(manager)
     prompt = tokens(3 * BLOCK)
     for salt in (None, "client-salt"):
         reference = Request("r", prompt, manager.block_hasher, cache_salt=salt)
-        plain = allocator.add_request(
+        plain = table.add_request(
             NewRequest(f"plain-{salt}", prompt, cache_salt=salt), tenant=DEFAULT_TENANT
         )
-        named = allocator.add_request(
+        named = table.add_request(
             NewRequest(f"named-{salt}", prompt, cache_salt=salt), tenant="alpha"
         )
         assert plain.request_id == f"plain-{salt}"
@@ -278,11 +268,11 @@ def refusals(server: KVCacheServer, tenant: str, reason: str) -> float:
 
 
 async def test_an_allocation_past_the_quota_is_refused_and_changes_nothing(
-    tenant_server: KVCacheServer, stub: Any
+    server: KVCacheServer, stub: Any
 ) -> None:
     await add(stub, "gamma", "two-blocks", tokens(2 * BLOCK))
     await admit(stub, "gamma", "two-blocks")
-    assert held(tenant_server, "gamma") == 2
+    assert held(server, "gamma") == 2
     await add(stub, "gamma", "also-two", tokens(2 * BLOCK, start=500))
     md = auth("gamma")
     await stub.GetComputedBlocks(pb.GetComputedBlocksRequest(request_id="also-two"), metadata=md)
@@ -297,25 +287,25 @@ async def test_an_allocation_past_the_quota_is_refused_and_changes_nothing(
     )
     assert "quota of 3" in message and "'gamma'" in message and "'also-two'" in message
     assert await snapshot_as(stub, "gamma", ["two-blocks", "also-two"]) == before
-    assert held(tenant_server, "gamma") == 2
-    assert refusals(tenant_server, "gamma", "quota") == 1
+    assert held(server, "gamma") == 2
+    assert refusals(server, "gamma", "quota") == 1
     # Other tenants are not bound by gamma's quota.
     await add(stub, "alpha", "big", tokens(5 * BLOCK))
     await admit(stub, "alpha", "big")
-    assert held(tenant_server, "alpha") == 5
+    assert held(server, "alpha") == 5
     # Freeing makes room within the quota again.
     await finish(stub, "gamma", "two-blocks")
-    assert held(tenant_server, "gamma") == 0
+    assert held(server, "gamma") == 0
     assert (await stub.Probe(pb.ProbeRequest(request_id="also-two"), metadata=md)).would_fit
     await admit(stub, "gamma", "also-two")
-    assert held(tenant_server, "gamma") == 2
-    tenant_server.audit()
+    assert held(server, "gamma") == 2
+    server.audit()
 
 
 async def test_a_decode_step_past_the_quota_is_refused_in_a_step(
-    tenant_server: KVCacheServer,
+    server: KVCacheServer,
 ) -> None:
-    target = tenant_server.handle.target
+    target = server.handle.target
     async with AsyncKVClient(target, token=TOKENS["gamma"], allow_insecure_token=True) as client:
         await client.add_request("r", tokens(3 * BLOCK))
         hit = await client.get_computed_blocks("r")
@@ -333,57 +323,55 @@ async def test_a_decode_step_past_the_quota_is_refused_in_a_step(
             await client.allocate_slots("r", 1)
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         await client.free("r", FreeMode.FINISH)
-    assert held(tenant_server, "gamma") == 0
-    tenant_server.audit()
+    assert held(server, "gamma") == 0
+    server.audit()
 
 
-async def test_blocks_shared_within_a_tenant_count_once(
-    tenant_server: KVCacheServer, stub: Any
-) -> None:
+async def test_blocks_shared_within_a_tenant_count_once(server: KVCacheServer, stub: Any) -> None:
     """The quota counts the distinct blocks a tenant holds: a prefix hit on one of its
     own live blocks costs nothing more."""
     prompt = tokens(2 * BLOCK)
     await add(stub, "gamma", "first", prompt)
     await admit(stub, "gamma", "first")
-    assert held(tenant_server, "gamma") == 2
+    assert held(server, "gamma") == 2
     await add(stub, "gamma", "second", prompt)
     hit, allocation = await admit(stub, "gamma", "second")
     # One shared block (the hit stops a token short of the end) plus one new block:
     # 3 distinct blocks, within the quota; counted per request it would be 4.
     assert hit == BLOCK
     assert allocation.outcome == pb.ALLOCATION_OUTCOME_OK
-    assert held(tenant_server, "gamma") == 3
+    assert held(server, "gamma") == 3
     await add(stub, "gamma", "third", tokens(1, start=900))
     await refused(admit(stub, "gamma", "third"), grpc.StatusCode.RESOURCE_EXHAUSTED)
-    tenant_server.audit()
+    server.audit()
 
 
 def test_quota_counts_with_the_cores_predictor() -> None:
-    """At the allocator: a quota refusal answers before the core allocates, and the
+    """At the request table: a quota refusal answers before the core allocates, and the
     ledger matches the pool after each change."""
     manager: KVCacheManager = build_manager(SMALL_POOL)
-    allocator = RequestTable(manager, quotas={"t": 4})
-    allocator.add_request(NewRequest("a", tokens(3 * BLOCK)), tenant="t")
-    allocator.allocate_slots("a", AllocateArgs(num_new_tokens=3 * BLOCK), tenant="t")
-    assert allocator.tenant_blocks() == {"t": 3}
-    allocator.add_request(NewRequest("b", tokens(2 * BLOCK, start=99)), tenant="t")
+    table = RequestTable(manager, quotas={"t": 4})
+    table.add_request(NewRequest("a", tokens(3 * BLOCK)), tenant="t")
+    table.allocate_slots("a", AllocateArgs(num_new_tokens=3 * BLOCK), tenant="t")
+    assert table.tenant_blocks() == {"t": 3}
+    table.add_request(NewRequest("b", tokens(2 * BLOCK, start=99)), tenant="t")
     free_before = manager.block_pool.get_num_free_blocks()
     with pytest.raises(QuotaExceededError, match="quota of 4") as info:
-        allocator.allocate_slots("b", AllocateArgs(num_new_tokens=2 * BLOCK), tenant="t")
+        table.allocate_slots("b", AllocateArgs(num_new_tokens=2 * BLOCK), tenant="t")
     assert info.value.status == "RESOURCE_EXHAUSTED"
     assert manager.block_pool.get_num_free_blocks() == free_before
-    assert allocator.get_request("b", tenant="t").num_computed_tokens == 0
-    allocator.allocate_slots("b", AllocateArgs(num_new_tokens=BLOCK), tenant="t")
-    assert allocator.tenant_blocks() == {"t": 4}
-    allocator.audit()
+    assert table.get_request("b", tenant="t").num_computed_tokens == 0
+    table.allocate_slots("b", AllocateArgs(num_new_tokens=BLOCK), tenant="t")
+    assert table.tenant_blocks() == {"t": 4}
+    table.audit()
 
 
 async def test_a_sessions_requests_are_freed_for_their_own_tenant(
-    tenant_server: KVCacheServer,
+    server: KVCacheServer,
 ) -> None:
     """Ending a session frees what it owns under its own tenant: the quota ledger
     gives the blocks back, and another tenant's same request id is untouched."""
-    target = tenant_server.handle.target
+    target = server.handle.target
     async with (
         AsyncKVClient(target, token=TOKENS["gamma"], allow_insecure_token=True) as gamma,
         AsyncKVClient(target, token=TOKENS["beta"], allow_insecure_token=True) as beta,
@@ -393,15 +381,15 @@ async def test_a_sessions_requests_are_freed_for_their_own_tenant(
         lease = await gamma.open_session(ttl_s=60)
         await gamma.add_request("shared-id", tokens(2 * BLOCK, start=300))
         assert await gamma.allocate_slots("shared-id", 2 * BLOCK) is not None
-        assert held(tenant_server, "gamma") == 2
+        assert held(server, "gamma") == 2
         assert await lease.close(free_requests=True) == 1
-        assert held(tenant_server, "gamma") == 0
-        assert held(tenant_server, "beta") == 1
+        assert held(server, "gamma") == 0
+        assert held(server, "beta") == 1
         assert (await beta.get_request("shared-id")).num_tokens == BLOCK
         with pytest.raises(KVServiceError) as info:
             await gamma.get_request("shared-id")
         assert info.value.code == grpc.StatusCode.NOT_FOUND
-    tenant_server.audit()
+    server.audit()
 
 
 # -- usage is per tenant ----------------------------------------------------------------
@@ -461,7 +449,7 @@ async def test_a_tenant_sees_its_own_counters_and_an_admin_the_pools(tmp_path: P
 
 async def test_without_tenants_every_caller_sees_the_pool() -> None:
     """A server without a tokens file has one tenant: its counters are the pool's."""
-    async with running_server() as server, raw_stub(server) as stub:
+    async with running_server(SMALL_POOL) as server, raw_stub(server) as stub:
         await stub.AddRequest(pb.AddRequestRequest(request_id="r", prompt_token_ids=tokens(9)))
         own = await stub.GetUsage(pb.GetUsageRequest())
         pool = await stub.GetUsage(pb.GetUsageRequest(pool_wide=True))

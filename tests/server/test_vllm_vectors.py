@@ -8,7 +8,8 @@ import dataclasses
 
 from kvservice.client import Allocation, BlockIds, KVClient, RequestStatus
 from kvservice.core.invariants import check_invariants
-from tests.server.support import SMALL_POOL, server_in_thread
+from tests.server.support import SMALL_POOL
+from tests.servers import server_in_thread
 
 PREFIX = [0] * 16 + [1] * 16 + [2] * 16
 # vLLM's setup: one full-attention group, 16-token blocks, 11 blocks, sha256. D (160

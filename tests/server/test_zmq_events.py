@@ -23,7 +23,8 @@ from kvservice.server.settings import SettingsError, load_settings
 from kvservice.server.tls import SecurityConfigError
 from kvservice.server.zmq_events import wire
 from kvservice.server.zmq_events.config import KVEventsConfig, parse_kv_events_config
-from tests.server.support import SMALL_POOL, THREAD_TIMEOUT_S, running_server, tokens
+from tests.server.support import SMALL_POOL, tokens
+from tests.servers import THREAD_TIMEOUT_S, running_server
 
 ON = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}'
 

@@ -32,7 +32,8 @@ from kvservice.server.config import ServerConfig
 from kvservice.server.zmq_events.config import KVEventsConfig
 from kvservice.server.zmq_events.publisher import ZmqEventPublisher as OurPublisher
 from kvservice.server.zmq_events.wire import int_block_hash
-from tests.server.support import SMALL_POOL, THREAD_TIMEOUT_S
+from tests.server.support import SMALL_POOL
+from tests.servers import THREAD_TIMEOUT_S
 
 Key = tuple[int, Any]  # (group, block hash in the stream's form)
 LABELS = {"model_name": "test-model", "engine": "0"}

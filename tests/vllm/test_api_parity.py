@@ -41,9 +41,9 @@ from kvservice.integrations.vllm.testing import SchedulerSetup, block_hasher, bu
 from kvservice.server.app import KVCacheServer
 from kvservice.server.config import ServerConfig
 from kvservice.server.zmq_events.wire import int_block_hash
-from tests.deploy.support import background_server
-from tests.server.support import HYBRID_POOL, THREAD_TIMEOUT_S, running_server, tokens
+from tests.server.support import HYBRID_POOL, tokens
 from tests.server.test_step_boundaries import FIRST, MAMBA_POOL, SECOND
+from tests.servers import THREAD_TIMEOUT_S, running_server, server_in_thread
 from tests.vllm.support import ZMQ_POOL, VllmSubscriber, settle
 
 # KV events on both streams; room for every request below at once.
@@ -370,7 +370,7 @@ def test_the_remote_manager_sends_what_vllm_hashes(monkeypatch: pytest.MonkeyPat
         ("l", None, None, None, (), 0),
         ("m", None, None, None, (("image-b", 20, 8),), 16),  # the item is in block 2
     ]
-    with background_server(config) as server:
+    with server_in_thread(config) as server:
         monkeypatch.setenv("KVSERVICE_TARGET", server.handle.target)
         scheduler = build_scheduler(setup, KVServiceScheduler)
         manager = scheduler.kv_cache_manager

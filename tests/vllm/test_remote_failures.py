@@ -24,8 +24,8 @@ from kvservice.integrations.vllm.server_link import (
 )
 from kvservice.integrations.vllm.testing import SchedulerSetup, build_scheduler, kv_cache_config
 from kvservice.server.config import ServerConfig
-from tests.deploy.support import BackgroundServer, background_server
 from tests.server.support import wait_for_blocks_back
+from tests.servers import ThreadedServer, server_in_thread
 from tests.vllm.scheduler_harness import RequestSpec, Workload, model_runner_output
 
 SETUP = SchedulerSetup(num_blocks=64, max_model_len=512)
@@ -47,8 +47,8 @@ POOL = ServerConfig(
 @contextmanager
 def remote(
     monkeypatch: pytest.MonkeyPatch, config: ServerConfig = POOL
-) -> Iterator[BackgroundServer]:
-    with background_server(config) as server:
+) -> Iterator[ThreadedServer]:
+    with server_in_thread(config) as server:
         monkeypatch.setenv("KVSERVICE_TARGET", server.handle.target)
         yield server
 

@@ -21,7 +21,7 @@ from kvservice.integrations.vllm import KVServiceScheduler
 from kvservice.integrations.vllm.testing import vllm_config
 from kvservice.integrations.vllm.versions import release
 from kvservice.server.config import ServerConfig
-from tests.deploy.support import background_server
+from tests.servers import server_in_thread
 from tests.vllm.scheduler_harness import (
     SchedulerSetup,
     Workload,
@@ -169,7 +169,7 @@ def run_remote(setup: SchedulerSetup, workload: Any, monkeypatch: pytest.MonkeyP
     """``workload`` on ``KVServiceScheduler`` against a server with ``setup``'s pool:
     its trace, once the scheduler shut down, the server's audit passed, every block came
     back, and every step took at most one round trip."""
-    with background_server(_server_config(setup)) as server:
+    with server_in_thread(_server_config(setup)) as server:
         monkeypatch.setenv("KVSERVICE_TARGET", server.handle.target)
         scheduler = build_scheduler(setup, KVServiceScheduler)
         trace = workload.run(scheduler)
@@ -194,7 +194,7 @@ def test_remote_on_a_smaller_server_pool_decides_as_vllm_on_that_pool(
     larger = SchedulerSetup(**{**setup.__dict__, "num_blocks": setup.num_blocks * 3})
     expected = Workload(3).run(build_scheduler(setup))
     assert sum(len(step["preempted"]) for step in expected) > 0
-    with background_server(_server_config(setup)) as server:
+    with server_in_thread(_server_config(setup)) as server:
         monkeypatch.setenv("KVSERVICE_TARGET", server.handle.target)
         scheduler = build_scheduler(larger, KVServiceScheduler)
         manager = scheduler.kv_cache_manager

@@ -26,8 +26,9 @@ from kvservice.client import BlockStored as GrpcStored
 from kvservice.request_table.tenancy import tenant_cache_salt
 from kvservice.server import turns
 from kvservice.server.zmq_events.wire import int_block_hash
-from tests.server.support import HYBRID_POOL, running_server, tokens
+from tests.server.support import HYBRID_POOL, tokens
 from tests.server.test_tenants import write_tokens_file
+from tests.servers import running_server
 from tests.vllm.support import (
     ZMQ_ON,
     ZMQ_POOL,

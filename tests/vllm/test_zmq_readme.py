@@ -9,8 +9,9 @@ from collections import Counter
 from typing import Any
 
 from kvservice.client import KVClient
-from tests.server.support import THREAD_TIMEOUT_S, server_in_thread, tokens
+from tests.server.support import tokens
 from tests.server.test_readme import python_blocks
+from tests.servers import THREAD_TIMEOUT_S, server_in_thread
 from tests.vllm.support import ZMQ_POOL, Key, publisher, server_keys
 
 README_ENDPOINT = '"tcp://127.0.0.1:5557"'

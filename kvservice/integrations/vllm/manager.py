@@ -37,7 +37,7 @@ from vllm.v1.request import RequestStatus as VllmRequestStatus
 
 from kvservice.core.allocation_options import allocation_options
 from kvservice.core.block_hashing import MultiModalFeature
-from kvservice.core.kv_cache_block import KVCacheBlock
+from kvservice.core.kv_cache_block import BlockIds, KVCacheBlock
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.request import Request, RequestStatus
 from kvservice.integrations.vllm.cache_config import core_cache_config
@@ -54,7 +54,6 @@ from kvservice.integrations.vllm.views import (
 if TYPE_CHECKING:
     from kvservice.integrations.vllm.server_link import PoolLayout, ServerLink
 
-BlockIds = tuple[tuple[int, ...], ...]
 _NO_HIT: tuple[int, BlockIds] = (0, ())
 
 

@@ -1,22 +1,21 @@
 """The remote half of ``KVServiceKVCacheManager``: a kvservice server that confirms
 every decision of the scheduler's replica, one round trip per scheduler step.
 
-vLLM's scheduler asks its manager synchronously, once per request and step, and acts
-on each answer before the next question (a ``None`` preempts, a hit sizes the chunk).
-A round trip per question would cost hundreds per step. So the scheduler's process
-keeps a replica (the manager's core, started from the same fresh pool) that answers at
-once, and ``ServerLink`` records every call that changed the pool, in order, with the
-replica's answer (``StepLog``). When the scheduler closes the step (its
-``take_kv_cache_block_copies`` call, the last one before the ``SchedulerOutput``
-leaves ``schedule()``), the step goes to the server on one ``StepStream`` and every
-answer the server gives is compared with the replica's.
+The scheduler's process keeps a replica (the manager's core, started from the same
+fresh pool) that answers vLLM's scheduler at once; ``ServerLink`` translates each
+call that changed the pool into the server's operations and records them with the
+replica's answers on the one remote-step mechanism (``kvservice.client.step_link``).
+When the scheduler closes the step (its ``take_kv_cache_block_copies`` call, the last
+one before the ``SchedulerOutput`` leaves ``schedule()``), the step goes to the
+server on one ``StepStream`` and every answer is compared with the replica's; a
+refusal or a difference raises ``KVServiceManagerError`` before the scheduler's output
+is used. The frees and appends that follow the forward pass travel with the next step.
+Every step keeps its copy holds (``keep_copy_holds``) until the replica's scheduler
+releases them, as vLLM's does.
 
-The server decides: a step it refuses, an answer that differs, or a server that
-cannot be reached raises ``KVServiceManagerError`` (naming the server, the operation
-and both answers) before the scheduler's output is used, and the link refuses every
-call after that. Nothing is allocated that the server did not confirm, and no state
-diverges silently. The frees and appends that follow the forward pass travel with the
-next step.
+What is vLLM's here: what each vLLM request has on the server (its tokens, its
+computed tokens as the server counts them, its last lookup, the hash blocks cached),
+so a call sends only what the server lacks.
 
 The replica starts from a fresh pool, so the server's pool must be this engine's
 alone: at startup the link waits for the pool to hold no blocks (a previous engine's
@@ -32,11 +31,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 from kvservice.client import (
     AllocateOptions,
-    Allocation,
+    BlockIds,
     CacheConfig,
     ComputedBlocks,
     FreeMode,
@@ -44,34 +43,20 @@ from kvservice.client import (
     KVServiceError,
     Lease,
     MultiModalFeature,
-    PendingStep,
     Session,
-    StepResults,
 )
+from kvservice.client.step_link import RemoteStepError, StepLink
+from kvservice.client.step_log import ANY_ANSWER
 from kvservice.core.allocation_options import PLAIN_ALLOCATION, AllocationOptions
 from kvservice.core.kv_cache_interface import KVCacheSpecKind
+from kvservice.core.request import computed_after_allocation
 from kvservice.integrations.vllm.embeds import prompt_embeds_bytes
 from kvservice.integrations.vllm.settings import ConnectionSettings
-from kvservice.integrations.vllm.step_log import (
-    ANY_ANSWER,
-    AllocationRun,
-    Expected,
-    NewRequest,
-    StepLog,
-)
 
 logger = logging.getLogger(__name__)
 
 # How often startup polls a pool that a previous engine's lease still holds.
 _IDLE_POLL_S = 0.5
-
-BlockIds = tuple[tuple[int, ...], ...]
-
-
-def _copies(allocation: Allocation) -> tuple[tuple[int, int], ...]:
-    """The copy-on-write copies the server answered an allocation with."""
-    return allocation.block_copies_to_apply or allocation.block_copies_applied
-
 
 # Group kinds that never release a block while its request runs.
 _KEEP_EVERY_BLOCK = frozenset(
@@ -79,7 +64,7 @@ _KEEP_EVERY_BLOCK = frozenset(
 )
 
 
-class KVServiceManagerError(RuntimeError):
+class KVServiceManagerError(RemoteStepError):
     """The kvservice server could not be reached, refused a step, or answered otherwise
     than the scheduler's replica: the manager stops, since the two no longer agree."""
 
@@ -135,7 +120,6 @@ class ServerLink:
         assert settings.target is not None, "a ServerLink needs KVSERVICE_TARGET"
         self.target = settings.target
         self.settings = settings
-        self._failure: KVServiceManagerError | None = None
         self._client: KVClient = self._call(
             "connect",
             lambda: KVClient(
@@ -153,9 +137,14 @@ class ServerLink:
         self.server_config: CacheConfig = self._call(
             "GetCacheConfig", self._client.get_cache_config
         )
-        self._log = StepLog()
-        # With confirm="overlap": the step sent last, not yet checked, and its answers.
-        self._unconfirmed: tuple[PendingStep, list[Expected | AllocationRun], int] | None = None
+        # Each step on the engine's stream (opened by start).
+        self._link = StepLink(
+            lambda step: self._session.send(step, stop_on_error=True),
+            self.target,
+            overlap=settings.confirm == "overlap",
+            keep_copy_holds=True,
+            error=KVServiceManagerError,
+        )
         # Tokens the server has of each request, and its num_computed_tokens.
         self._server_tokens: dict[str, int] = {}
         self._server_computed: dict[str, int] = {}
@@ -169,7 +158,10 @@ class ServerLink:
         # only: an allocation then sends its in-flight tokens.
         self._windowed = False
         self._hash_block_size = 1
-        self.round_trips = 0
+
+    @property
+    def round_trips(self) -> int:
+        return self._link.round_trips
 
     def pool_size(self, vllm_num_blocks: int) -> int:
         """The blocks the scheduler may use: the server's pool when it is no larger than
@@ -345,10 +337,7 @@ class ServerLink:
     # -- recording the replica's operations ---------------------------------------------
 
     def check_alive(self) -> None:
-        if self._failure is not None:
-            raise KVServiceManagerError(
-                f"the KV cache manager stopped after an earlier failure: {self._failure}"
-            )
+        self._link.check_alive()
 
     def _send_tokens(self, request: Any) -> None:
         """Record ``add_request`` for a request the server has not seen, and an append of
@@ -361,29 +350,27 @@ class ServerLink:
         if known is None:
             lora = request.lora_request
             embeds, row_bytes = prompt_embeds_bytes(request)
-            self._log.add_request(
-                NewRequest(
-                    request_id,
-                    # Not prompt_token_ids: None for a prompt of embeddings only.
-                    request._all_token_ids[: request.num_prompt_tokens],
-                    request.cache_salt,
-                    lora.lora_name if lora else None,
-                    request.skip_reading_prefix_cache,
-                    lora_path=lora.lora_path if lora else None,
-                    lora_int_id=lora.lora_int_id if lora else None,
-                    prompt_embeds=embeds,
-                    prompt_embeds_row_bytes=row_bytes,
-                    # What vLLM's block hasher keys: the item's identifier and placement.
-                    mm_features=[
-                        MultiModalFeature(f.identifier, f.mm_position.offset, f.mm_position.length)
-                        for f in request.mm_features or ()
-                    ],
-                )
+            self._link.log.add_request(
+                request_id,
+                # Not prompt_token_ids: None for a prompt of embeddings only.
+                request._all_token_ids[: request.num_prompt_tokens],
+                cache_salt=request.cache_salt,
+                lora_name=lora.lora_name if lora else None,
+                skip_reading_prefix_cache=request.skip_reading_prefix_cache,
+                lora_path=lora.lora_path if lora else None,
+                lora_int_id=lora.lora_int_id if lora else None,
+                prompt_embeds=embeds,
+                prompt_embeds_row_bytes=row_bytes,
+                # What vLLM's block hasher keys: the item's identifier and placement.
+                mm_features=[
+                    MultiModalFeature(f.identifier, f.mm_position.offset, f.mm_position.length)
+                    for f in request.mm_features or ()
+                ],
             )
             known = request.num_prompt_tokens
             self._server_computed[request_id] = 0
         if num_tokens > known:
-            self._log.append_tokens(request_id, request._all_token_ids[known:])
+            self._link.log.append_tokens(request_id, request._all_token_ids[known:])
         self._server_tokens[request_id] = num_tokens
 
     def looked_up(
@@ -393,7 +380,7 @@ class ServerLink:
         hit = ComputedBlocks(block_ids, num_tokens, shared_prefix_boundary)
         self._send_tokens(request)
         self._lookups[request.request_id] = hit
-        self._log.record("get_computed_blocks", (request.request_id,), hit)
+        self._link.log.record("get_computed_blocks", (request.request_id,), hit)
 
     def allocated(
         self,
@@ -423,9 +410,11 @@ class ServerLink:
             and num_computed_tokens == server_computed[request_id]
         ):
             # Most allocations: a running request's, one columnar entry of the step.
-            self._log.allocate(request_id, num_new_tokens, answer, copies)
+            self._link.log.allocate(request_id, num_new_tokens, answer, copies)
             if answer is not None:
-                server_computed[request_id] = num_computed_tokens + num_new_tokens
+                server_computed[request_id] = computed_after_allocation(
+                    num_computed_tokens, 0, 0, num_new_tokens
+                )
             return
         options = None if plain else AllocateOptions(*allocation_options.as_tuple())
         # The server counts computed tokens as the scheduler does; send the count only
@@ -438,12 +427,16 @@ class ServerLink:
             options = dataclasses.replace(
                 options or AllocateOptions(), num_in_flight_tokens=in_flight
             )
-        self._log.record(
+        self._link.log.record(
             "allocate_slots", (request_id, num_new_tokens, attached, options), answer, copies
         )
         if answer is not None:
-            external = options.num_external_computed_tokens if options else 0
-            server_computed[request_id] = num_computed_tokens + hit[0] + external + num_new_tokens
+            server_computed[request_id] = computed_after_allocation(
+                num_computed_tokens,
+                hit[0],
+                allocation_options.num_external_computed_tokens,
+                num_new_tokens,
+            )
             if attached is not None:
                 del self._lookups[request_id]
 
@@ -466,18 +459,18 @@ class ServerLink:
         if covered <= self._server_cached.get(request_id, 0):
             return  # no hash block more than the last call's: nothing to cache
         self._send_tokens(request)
-        self._log.record("cache_blocks", (request_id, num_computed_tokens), ANY_ANSWER)
+        self._link.log.record("cache_blocks", (request_id, num_computed_tokens), ANY_ANSWER)
         self._server_cached[request_id] = covered
 
     def step_started(self) -> None:
         """The replica's scheduler began a step (``new_step_starts``)."""
-        self._log.record("new_step_starts", (), ANY_ANSWER)
+        self._link.log.record("new_step_starts", (), ANY_ANSWER)
 
     def released(self, block_ids: list[int]) -> None:
         """The replica's scheduler released copy holds (``block_pool.free_blocks`` of
         ``take_kv_cache_block_copies``' retained blocks), in this order: the server
         kept the same holds for this."""
-        self._log.record("free_retained_blocks", (block_ids,), ANY_ANSWER)
+        self._link.log.record("free_retained_blocks", (block_ids,), ANY_ANSWER)
 
     def freed(self, request: Any) -> None:
         """The replica freed ``request`` (finished, or preempted when it is not)."""
@@ -486,7 +479,7 @@ class ServerLink:
             return  # never reached the server: nothing to free there
         finished = request.is_finished()
         mode = FreeMode.FINISH if finished else FreeMode.PREEMPT
-        self._log.record("free", (request_id, mode), ANY_ANSWER)
+        self._link.log.record("free", (request_id, mode), ANY_ANSWER)
         self._lookups.pop(request_id, None)
         self._server_cached.pop(request_id, None)
         if finished:
@@ -500,126 +493,26 @@ class ServerLink:
         """Send the recorded operations as one step and check every answer (with
         ``confirm="overlap"``, check them at ``confirm`` instead, before the next step
         is planned)."""
-        self.check_alive()
-        if not self._log:
-            return
-        step, expected = self._log.build()
-        self._log = StepLog()
-        self.round_trips += 1
-        pending = self._session.send(step, stop_on_error=True)
-        self.confirm()
-        self._unconfirmed = (pending, expected, len(step))
-        if self.settings.confirm == "sync":
-            self.confirm()
+        self._link.flush()
 
     def confirm(self) -> None:
         """Wait for the last step sent and check its answers."""
-        if self._unconfirmed is None:
-            return
-        pending, expected, num_ops = self._unconfirmed
-        self._unconfirmed = None
-        try:
-            results = pending.result()
-        except KVServiceError as error:
-            self._fail(
-                KVServiceManagerError(
-                    f"kvservice at {self.target}: Step of {num_ops} operations failed: {error}"
-                )
-            )
-        self._compare(results, expected)
-
-    def _compare(self, results: StepResults, expected: list[Expected | AllocationRun]) -> None:
-        if not results.ok:
-            self._fail_refused(results, expected)
-        for item in expected:
-            if isinstance(item, AllocationRun):
-                self._compare_run(results, item)
-            elif item.answer is not ANY_ANSWER:
-                self._check(item.label, results[item.handle], item.answer, item.copies)
-
-    def _compare_run(self, results: StepResults, run: AllocationRun) -> None:
-        """A run's answers in bulk; entry by entry only to name the first that differs."""
-        assert run.handle is not None
-        allocations = results.rows(run.handle)
-        new_block_ids = [None if a is None else a.new_block_ids for a in allocations]
-        copies = [() if a is None else _copies(a) for a in allocations]
-        if new_block_ids == run.answers and copies == run.copies:
-            return
-        for row, allocation in enumerate(allocations):
-            self._check(run.label(row), allocation, run.answers[row], run.copies[row])
-
-    def _check(
-        self, label: str, answer: Any, expected: Any, expected_copies: tuple[tuple[int, int], ...]
-    ) -> None:
-        """The server's ``answer`` to the operation ``label`` against the replica's."""
-        if isinstance(answer, Allocation):
-            copies = _copies(answer)
-            if copies != expected_copies:
-                self._fail(
-                    KVServiceManagerError(
-                        f"kvservice at {self.target} answered {label} with the "
-                        f"copies {copies!r}; the scheduler's replica queued "
-                        f"{expected_copies!r}"
-                    )
-                )
-            answer = answer.new_block_ids
-        if answer != expected:
-            self._fail(
-                KVServiceManagerError(
-                    f"kvservice at {self.target} answered {label} with {answer!r}; "
-                    f"the scheduler's replica answered {expected!r}. Is another client "
-                    "using this pool?"
-                )
-            )
-
-    def _fail_refused(
-        self, results: StepResults, expected: list[Expected | AllocationRun]
-    ) -> NoReturn:
-        """Name the operation the server refused first (under ``stop_on_error``, the
-        later ones were not run)."""
-        errors = results.errors
-        if errors:
-            index = min(errors)
-            error = errors[index]
-            for item in expected:
-                if isinstance(item, AllocationRun):
-                    assert item.handle is not None
-                    row = index - item.handle.index
-                    if 0 <= row < item.handle.num_entries:
-                        self._fail_op(item.label(row), error)
-                elif item.handle.index == index:
-                    self._fail_op(item.label, error)
-            self._fail(
-                KVServiceManagerError(
-                    f"kvservice at {self.target} refused operation {index} of a step: {error}"
-                )
-            )
-        self._fail(KVServiceManagerError(f"kvservice at {self.target} refused a step"))
-
-    def _fail_op(self, label: str, error: KVServiceError) -> NoReturn:
-        self._fail(KVServiceManagerError(f"kvservice at {self.target} refused {label}: {error}"))
-
-    def _fail(self, error: KVServiceManagerError) -> NoReturn:
-        self._failure = error
-        raise error
+        self._link.confirm()
 
     def reset_prefix_cache(self) -> None:
         """The replica reset its prefix cache: the server must too, once the steps sent
         before it ran (a unary call is not ordered with the stream's messages)."""
         self.confirm()
         if not self._call("ResetPrefixCache", self._client.reset_prefix_cache):
-            self._fail(
-                KVServiceManagerError(
-                    f"kvservice at {self.target} refused ResetPrefixCache, which the replica "
-                    "accepted"
-                )
+            self._link.fail(
+                f"kvservice at {self.target} refused ResetPrefixCache, which the replica accepted"
             )
 
     def close(self) -> None:
         """Send what is left (the last frees), then end the stream and the session,
         freeing on the server whatever this engine still holds."""
         try:
-            if self._failure is None:
+            if not self._link.failed:
                 self.flush()
                 self.confirm()
         finally:
@@ -631,7 +524,7 @@ class ServerLink:
             except KVServiceError as error:
                 # After a failure the engine has already raised, naming the server; its
                 # session's lease frees what it held on a server that is still there.
-                if self._failure is None:
+                if not self._link.failed:
                     raise KVServiceManagerError(
                         f"kvservice at {self.target}: CloseSession failed: {error}"
                     ) from error

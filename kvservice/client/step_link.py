@@ -1,0 +1,192 @@
+"""The one remote-step mechanism: a scheduler's replica answers every call at once,
+and each step's operations go to the server as one message whose answers must equal
+the replica's.
+
+A scheduler asks its KV cache manager synchronously, once per request and step, and
+acts on each answer before the next question (no room preempts, a hit sizes the
+chunk): a round trip per question would cost hundreds per step. So the scheduler's
+process keeps a replica of the server's pool, started from the same fresh pool, that
+answers at once; the scheduler's adapter records every call that changed the pool,
+in order, with the replica's answer (``StepLog``); at the step's end ``flush`` sends
+them as one message, and every answer the server gives is compared with the
+replica's. Both schedulers reach the server this way: vLLM's
+(``kvservice.integrations.vllm.server_link``) and the reference scheduler
+(``kvservice.scheduler.replicated``).
+
+The server decides: a step it refuses, an answer that differs, or a server that
+cannot be reached raises the link's error (naming the server, the operation and both
+answers), and the link refuses every call after that: no state diverges silently.
+A link checks a step before ``flush`` returns, or with ``overlap`` at the next
+``flush`` (or ``confirm``), so the server runs a step while the scheduler plans the
+next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NoReturn, Protocol
+
+from kvservice.client.errors import KVServiceError
+from kvservice.client.step import StepBuilder, StepResults
+from kvservice.client.step_log import ANY_ANSWER, AllocationRun, Copies, Expected, StepLog
+from kvservice.client.types import Allocation
+
+
+class RemoteStepError(RuntimeError):
+    """The server could not be reached, refused a step, or answered otherwise than the
+    scheduler's replica: the two no longer agree, so the scheduler must stop."""
+
+
+class SentStep(Protocol):
+    """A step on its way: ``result()`` waits for its answers (``PendingStep``)."""
+
+    def result(self) -> StepResults: ...
+
+
+# Sends one step (stop_on_error on) without waiting for its answer, on a transport
+# that runs steps in the order sent.
+Send = Callable[[StepBuilder], SentStep]
+
+
+def _copies(allocation: Allocation) -> Copies:
+    """The copy-on-write copies the server answered an allocation with."""
+    return allocation.block_copies_to_apply or allocation.block_copies_applied
+
+
+class StepLink:
+    """Records a step (``log``), sends it, and checks the server's answers against the
+    replica's (see the module docstring).
+
+    ``target`` names the server in messages; ``error`` is the exception type raised
+    (a subclass of ``RemoteStepError`` an integration names its errors with);
+    ``ordered``: the transport runs steps in the order sent (a stream), so a step may
+    leave before the last one's answer is read (unary ``Step`` calls wait for it).
+    """
+
+    def __init__(
+        self,
+        send: Send,
+        target: str,
+        *,
+        overlap: bool = False,
+        ordered: bool = True,
+        keep_copy_holds: bool = False,
+        error: type[RemoteStepError] = RemoteStepError,
+    ) -> None:
+        self._send = send
+        self.target = target
+        self._overlap = overlap
+        self._ordered = ordered
+        self._keep_copy_holds = keep_copy_holds
+        self._error = error
+        self.log = StepLog(keep_copy_holds)
+        # The step sent last and not yet checked, its expected answers and its size.
+        self._unconfirmed: tuple[SentStep, list[Expected | AllocationRun], int] | None = None
+        self._failure: RemoteStepError | None = None
+        self.round_trips = 0
+
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
+    def check_alive(self) -> None:
+        """Refuse to go on after a failure: the replica and the server disagree."""
+        if self._failure is not None:
+            raise self._error(
+                f"the KV cache manager stopped after an earlier failure: {self._failure}"
+            )
+
+    def flush(self) -> None:
+        """Send the recorded operations as one step; check its answers now, or with
+        ``overlap`` at the next ``flush``/``confirm``. Nothing recorded: nothing sent."""
+        self.check_alive()
+        if not self.log:
+            return
+        step, expected = self.log.build()
+        self.log = StepLog(self._keep_copy_holds)
+        self.round_trips += 1
+        if not self._ordered:
+            self.confirm()
+        sent = self._send(step)
+        self.confirm()  # ordered: the last step's answer comes before this one's
+        self._unconfirmed = (sent, expected, len(step))
+        if not self._overlap:
+            self.confirm()
+
+    def confirm(self) -> None:
+        """Wait for the last step sent and check its answers."""
+        if self._unconfirmed is None:
+            return
+        sent, expected, num_ops = self._unconfirmed
+        self._unconfirmed = None
+        try:
+            results = sent.result()
+        except KVServiceError as error:
+            self.fail(
+                f"kvservice at {self.target}: Step of {num_ops} operations failed: {error}", error
+            )
+        self._compare(results, expected)
+
+    def fail(self, message: str, cause: BaseException | None = None) -> NoReturn:
+        """Stop the link: raise ``message`` (from ``cause``), and refuse every call after
+        this."""
+        self._failure = self._error(message)
+        raise self._failure from cause
+
+    # -- checking -------------------------------------------------------------------------
+
+    def _compare(self, results: StepResults, expected: list[Expected | AllocationRun]) -> None:
+        if not results.ok:
+            self._fail_refused(results, expected)
+        for item in expected:
+            if isinstance(item, AllocationRun):
+                self._compare_run(results, item)
+            elif item.answer is not ANY_ANSWER:
+                self._check(item.label, item.view(results[item.handle]), item.answer, item.copies)
+
+    def _compare_run(self, results: StepResults, run: AllocationRun) -> None:
+        """A run's answers in bulk; entry by entry only to name the first that differs."""
+        assert run.handle is not None
+        allocations = results.rows(run.handle)
+        new_block_ids = [None if a is None else a.new_block_ids for a in allocations]
+        copies = [() if a is None else _copies(a) for a in allocations]
+        if new_block_ids == run.answers and copies == run.copies:
+            return
+        for row, allocation in enumerate(allocations):
+            self._check(run.label(row), allocation, run.answers[row], run.copies[row])
+
+    def _check(self, label: str, answer: Any, expected: Any, expected_copies: Copies) -> None:
+        """The server's ``answer`` to the operation ``label`` against the replica's."""
+        if isinstance(answer, Allocation):
+            copies = _copies(answer)
+            if copies != expected_copies:
+                self.fail(
+                    f"kvservice at {self.target} answered {label} with the copies "
+                    f"{copies!r}; the scheduler's replica queued {expected_copies!r}"
+                )
+            answer = answer.new_block_ids
+        if answer != expected:
+            self.fail(
+                f"kvservice at {self.target} answered {label} with {answer!r}; the "
+                f"scheduler's replica answered {expected!r}. Is another client using this pool?"
+            )
+
+    def _fail_refused(
+        self, results: StepResults, expected: list[Expected | AllocationRun]
+    ) -> NoReturn:
+        """Name the operation the server refused first (under ``stop_on_error``, the
+        later ones were not run)."""
+        errors = results.errors
+        if not errors:
+            self.fail(f"kvservice at {self.target} refused a step")
+        index = min(errors)
+        error = errors[index]
+        for item in expected:
+            if isinstance(item, AllocationRun):
+                assert item.handle is not None
+                row = index - item.handle.index
+                if 0 <= row < item.handle.num_entries:
+                    self.fail(f"kvservice at {self.target} refused {item.label(row)}: {error}")
+            elif item.handle.index == index:
+                self.fail(f"kvservice at {self.target} refused {item.label}: {error}")
+        self.fail(f"kvservice at {self.target} refused operation {index} of a step: {error}")
