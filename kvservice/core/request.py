@@ -194,8 +194,6 @@ class Request:
         hasher = self._block_hasher
         if hasher is None:
             return
-        if len(self.all_token_ids) < (len(self.block_hashes) + 1) * hasher.hash_block_size:
-            return  # no block completed: the common decode step
         self.block_hashes.extend(hasher(self))
 
     def __repr__(self) -> str:

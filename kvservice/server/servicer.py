@@ -72,12 +72,10 @@ class KVCacheServicer:
         """``operation`` for this call's caller, answering into ``response``, in the
         table's turn. A call that waited for the turn re-checks its session first: it
         may have ended meanwhile (FAILED_PRECONDITION, nothing done)."""
-        if self._turn.taken:
-            async with self._turn:
-                if caller.session_id is not None:
-                    self._sessions.check_live(caller.session_id, caller.tenant)
-                operation(self._table, request, response, caller, True)
-        else:
+        waited = self._turn.taken
+        async with self._turn:
+            if waited and caller.session_id is not None:
+                self._sessions.check_live(caller.session_id, caller.tenant)
             operation(self._table, request, response, caller, True)
         return response
 

@@ -75,8 +75,6 @@ class TableTurn:
     async def run(self, work: Callable[[], T]) -> T:
         """``work()`` in its turn: at once when the table is free, else after the
         Step in progress (``work`` must not await)."""
-        if not self._lock.locked():
-            return work()
         async with self:
             return work()
 
