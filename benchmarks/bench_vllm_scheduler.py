@@ -39,7 +39,9 @@ import argparse
 import hashlib
 import os
 import random
+import shutil
 import statistics
+import tempfile
 import time
 from collections import deque
 from collections.abc import Callable
@@ -418,13 +420,24 @@ def main(argv: list[str] | None = None) -> int:
         "KVServiceAsyncScheduler, in the engine's batch-queue order (2 steps in flight)",
     )
     args = parser.parse_args(argv)
+    # The same server also on a Unix domain socket: the co-located engine's transport.
+    socket_dir = tempfile.mkdtemp(prefix="kvservice-")
+    socket_path = os.path.join(socket_dir, "kvservice.sock")
     server_args = [
+        f"--unix-socket={socket_path}",
         f"--num-blocks={SETUP.num_blocks}",
         f"--block-size={SETUP.block_size}",
         f"--max-model-len={SETUP.max_model_len}",
         "--max-step-ops=16384",
         "--session-ttl-min=1",
     ]
+    try:
+        return _compare(args, server_args, socket_path)
+    finally:
+        shutil.rmtree(socket_dir, ignore_errors=True)
+
+
+def _compare(args: argparse.Namespace, server_args: list[str], socket_path: str) -> int:
     with child_server(server_args) as server:
         modes = [
             Mode("vllm built-in", Scheduler, None),
@@ -432,6 +445,13 @@ def main(argv: list[str] | None = None) -> int:
             Mode("kvservice remote", KVServiceScheduler, server.target, "sync", server.pid),
             Mode(
                 "kvservice remote overlap", KVServiceScheduler, server.target, "overlap", server.pid
+            ),
+            Mode(
+                "kvservice remote unix",
+                KVServiceScheduler,
+                f"unix:{socket_path}",
+                "sync",
+                server.pid,
             ),
         ]
         if args.async_scheduling:

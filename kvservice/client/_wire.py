@@ -63,7 +63,8 @@ def block_ids(groups: Iterable[pb.BlockIds]) -> BlockIds:
 
 
 # The common answer, a decode allocation of a one-group pool that takes no block, is
-# one shared (immutable) value instead of a fresh one per entry.
+# one shared (immutable) value instead of a fresh one per entry (bench_decode_layers
+# client layer: 24% slower without, 3 runs, spread up to 13%).
 _NO_BLOCKS: BlockIds = ((),)
 _NO_BLOCKS_OMITTED = Allocation(_NO_BLOCKS, (), None)
 
@@ -214,6 +215,11 @@ def cache_config(msg: pb.GetCacheConfigResponse) -> CacheConfig:
         vocab_size=msg.vocab_size,
         watermark_blocks=msg.watermark_blocks,
         max_in_flight_tokens=msg.max_in_flight_tokens,
+        prefix_cache_retention_interval=(
+            msg.prefix_cache_retention_interval
+            if msg.HasField("prefix_cache_retention_interval")
+            else None
+        ),
         none_hash_seed=msg.none_hash_seed,
         none_hash_seed_source=_SEED_SOURCES.get(msg.none_hash_seed_source, ""),
     )

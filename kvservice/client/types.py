@@ -301,6 +301,10 @@ class CacheConfig:
     # Tokens one engine step may schedule before it has run (vLLM's
     # max_in_flight_tokens); it bounds max_admission_blocks_per_request. 0: not reported.
     max_in_flight_tokens: int = 0
+    # vLLM's prefix_cache_retention_interval: 0 keeps, of the window and Mamba groups'
+    # blocks, only those a replay or a shared-prefix junction needs (vLLM's default);
+    # None: every reusable block is cached (dense).
+    prefix_cache_retention_interval: int | None = None
     # The hash chain's seed when it is not secret (SHA variants' fixed seed, an explicit
     # --none-hash-seed, PYTHONHASHSEED); "" for a random xxhash seed.
     none_hash_seed: str = ""

@@ -87,7 +87,12 @@ def replica_manager(config: CacheConfig) -> KVCacheManager:
         for group in config.groups
     ]
     manager = KVCacheManager(
-        KVCacheConfig(config.num_blocks, [], groups),
+        KVCacheConfig(
+            config.num_blocks,
+            [],
+            groups,
+            prefix_cache_retention_interval=config.prefix_cache_retention_interval,
+        ),
         config.max_model_len,
         scheduler_block_size=config.scheduler_block_size,
         hash_block_size=config.hash_block_size,

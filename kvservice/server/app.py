@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import signal
+import stat
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -288,6 +290,8 @@ class KVCacheServer:
             )
         except RuntimeError as err:  # taken since the check: a race
             raise binding.BindError(f"gRPC cannot listen on {address}: {err}") from None
+        if config.unix_socket:
+            self._listen_on_unix_socket(server, config.unix_socket)
         if self.kv_event_publisher is not None:
             # Before the first call, whose events it must not miss.
             self.kv_event_publisher.start()
@@ -312,6 +316,25 @@ class KVCacheServer:
         )
         self._taking_calls = True
         return self._handle
+
+    def _listen_on_unix_socket(self, server: Any, path: str) -> None:
+        """Serve on ``path`` too (``unix:PATH``), replacing a socket file a previous
+        server left (gRPC would refuse to bind it); anything else there is an error."""
+        if os.path.exists(path):
+            if not stat.S_ISSOCK(os.stat(path).st_mode):
+                raise binding.BindError(
+                    f"--unix-socket {path}: the path exists and is not a socket; choose "
+                    "another path"
+                )
+            os.unlink(path)
+        target = f"unix:{path}"
+        try:
+            if self._credentials is not None:
+                server.add_secure_port(target, self._credentials)
+            else:
+                server.add_insecure_port(target)
+        except RuntimeError as err:
+            raise binding.BindError(f"gRPC cannot listen on {target}: {err}") from None
 
     def _start_metrics(self) -> int | None:
         """The HTTP endpoint: /metrics, and /health and /ready answered from the loop."""
@@ -413,6 +436,7 @@ async def serve(config: ServerConfig) -> None:
         "serving",
         address=handle.target,
         port=handle.port,
+        unix_socket=f"unix:{config.unix_socket}" if config.unix_socket else None,
         metrics_url=handle.metrics_url,
         # The pool's, not the setting's: a memory budget may have sized it.
         num_blocks=server.table.manager.kv_cache_config.num_blocks,

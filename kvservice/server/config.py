@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 from collections.abc import Mapping
@@ -9,10 +10,14 @@ from dataclasses import dataclass, field
 
 from kvservice.core.block_hashing import CRYPTOGRAPHIC_HASHES
 from kvservice.core.errors import InvalidArgumentError
+from kvservice.core.kv_cache_groups import GroupShape, parse_groups
 from kvservice.core.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    KVCacheSpec,
+    KVCacheSpecKind,
     MambaSpec,
     SlidingWindowSpec,
 )
@@ -42,6 +47,9 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
+    # Also serve gRPC on this Unix domain socket (clients' target ``unix:PATH``): a
+    # co-located engine skips the TCP stack. "": none.
+    unix_socket: str = ""
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = DEFAULT_METRICS_PORT
     num_blocks: int = 4096
@@ -64,6 +72,14 @@ class ServerConfig:
     # A sliding-window attention group of this window (tokens) and the attention
     # block size beside the full-attention group; 0: none.
     sliding_window: int = 0
+    # The groups as vLLM lays them out (``kvservice.core.kv_cache_groups``: e.g.
+    # "sliding_window:4096" for a model with a window on every layer), instead of the
+    # full-attention group and the two options above; "": those.
+    kv_cache_groups: str = ""
+    # vLLM's prefix_cache_retention_interval: 0 (vLLM's default) caches, of the window
+    # and Mamba groups' blocks, only those a replay or a shared-prefix junction needs;
+    # None: every reusable block (dense). A vLLM engine's must match.
+    prefix_cache_retention_interval: int | None = None
     enable_caching: bool = True
     # Fraction of num_blocks kept free when admitting waiting or preempted requests
     # while others are scheduled (vLLM's --watermark).
@@ -71,8 +87,11 @@ class ServerConfig:
     # Tokens one engine step may schedule before the step has run (vLLM's
     # ``max_in_flight_tokens``: max_num_batched_tokens times its concurrent batches);
     # sliding-window groups are counted for at most a window plus this at admission.
-    # 0: max_model_len, as vLLM's manager defaults.
+    # 0: max_num_batched_tokens when set, else max_model_len, as vLLM's manager defaults.
     max_in_flight_tokens: int = 0
+    # vLLM's max_num_batched_tokens: the tokens in flight when max_in_flight_tokens is
+    # not set (one batch in flight, vLLM's synchronous scheduling); 0: not given.
+    max_num_batched_tokens: int = 0
     needs_kv_cache_zeroing: bool = False
     model_name: str = "default"
     engine: str = "0"
@@ -172,6 +191,12 @@ class ServerConfig:
         return self.kv_events or self.kv_events_config.enable_kv_cache_events
 
     @property
+    def tokens_in_flight(self) -> int:
+        """vLLM's ``max_in_flight_tokens`` for this pool: as set, else one batch of
+        ``max_num_batched_tokens``, else ``max_model_len`` (vLLM's manager default)."""
+        return self.max_in_flight_tokens or self.max_num_batched_tokens or self.max_model_len
+
+    @property
     def has_runtime(self) -> bool:
         """Whether this process owns the KV tensors (``runtime`` is not "none")."""
         return self.runtime != "none"
@@ -196,6 +221,34 @@ def build_kv_cache_config(
         head_size=config.head_size,
         dtype=config.dtype,
     )
+    _check_hash_block_size(config)
+    if config.kv_cache_groups:
+        groups = _named_groups(config, spec)
+    else:
+        groups = _default_groups(config, spec)
+    if available_memory is None and config.num_blocks < 2:
+        raise InvalidArgumentError(
+            f"num_blocks must be at least 2 (block 0 is the null block), got {config.num_blocks}"
+        )
+    kv_cache_config = dataclasses.replace(
+        kv_cache_config_from_memory(
+            groups,
+            available_memory=available_memory or 0,
+            num_gpu_blocks_override=config.num_blocks if available_memory is None else None,
+            needs_kv_cache_zeroing=config.needs_kv_cache_zeroing or config.has_runtime,
+        ),
+        prefix_cache_retention_interval=config.prefix_cache_retention_interval,
+    )
+    try:
+        check_enough_kv_cache_memory(kv_cache_config, config.max_model_len, config.tokens_in_flight)
+    except InvalidArgumentError as err:
+        raise InvalidArgumentError(_pool_too_small(config, str(err))) from None
+    return kv_cache_config
+
+
+def _default_groups(config: ServerConfig, spec: FullAttentionSpec) -> list[KVCacheGroupSpec]:
+    """Full attention over ``num_layers`` layers, beside it the sliding-window and
+    Mamba groups the options ask for."""
     layers = [f"model.layers.{i}.self_attn" for i in range(config.num_layers)]
     groups = [KVCacheGroupSpec(layers, spec)]
     if config.sliding_window:
@@ -207,51 +260,81 @@ def build_kv_cache_config(
             sliding_window=config.sliding_window,
         )
         groups.append(KVCacheGroupSpec(["model.layers.sliding_window"], window))
-    _check_hash_block_size(config)
-    if available_memory is None and config.num_blocks < 2:
-        raise InvalidArgumentError(
-            f"num_blocks must be at least 2 (block 0 is the null block), got {config.num_blocks}"
-        )
     if config.mamba_block_size:
-        groups.append(_mamba_group(config, spec.page_size_bytes))
-    kv_cache_config = kv_cache_config_from_memory(
-        groups,
-        available_memory=available_memory or 0,
-        num_gpu_blocks_override=config.num_blocks if available_memory is None else None,
-        needs_kv_cache_zeroing=config.needs_kv_cache_zeroing or config.has_runtime,
-    )
-    in_flight = config.max_in_flight_tokens or config.max_model_len
-    try:
-        check_enough_kv_cache_memory(kv_cache_config, config.max_model_len, in_flight)
-    except InvalidArgumentError as err:
-        raise InvalidArgumentError(_pool_too_small(config, str(err))) from None
-    return kv_cache_config
+        groups.append(_mamba_group(config.mamba_block_size, config, spec.page_size_bytes))
+    return groups
+
+
+def _named_groups(config: ServerConfig, spec: FullAttentionSpec) -> list[KVCacheGroupSpec]:
+    """The groups ``kv_cache_groups`` names (``num_layers`` layers each), the attention
+    ones shaped as ``spec``, a Mamba state padded to its page."""
+    if config.sliding_window or config.mamba_block_size:
+        raise InvalidArgumentError(
+            "--kv-cache-groups names every group: drop --sliding-window and "
+            "--mamba-block-size (write sliding_window:W or mamba:B among the groups)"
+        )
+    attention = (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
+    groups = []
+    for index, shape in enumerate(parse_groups(config.kv_cache_groups)):
+        group_spec: KVCacheSpec
+        if shape.kind is KVCacheSpecKind.SLIDING_WINDOW:
+            group_spec = SlidingWindowSpec(*attention, sliding_window=shape.size)
+        elif shape.kind is KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION:
+            group_spec = ChunkedLocalAttentionSpec(*attention, attention_chunk_size=shape.size)
+        elif shape.kind is KVCacheSpecKind.MAMBA:
+            group_spec = _mamba_group(shape.size, config, spec.page_size_bytes).kv_cache_spec
+        else:
+            group_spec = spec
+        layers = [f"model.layers.{index}.{i}" for i in range(config.num_layers)]
+        groups.append(KVCacheGroupSpec(layers, group_spec))
+    return groups
 
 
 def _pool_too_small(config: ServerConfig, message: str) -> str:
     """The core's message, with the flags that fix it: the core names no flag, and a
-    sliding-window pool's need depends on one a newcomer does not think of."""
+    window-bounded pool's need depends on one a newcomer does not think of."""
     advice = " Raise --num-blocks (or --kv-cache-memory-bytes) or lower --max-model-len."
-    if config.sliding_window:
-        in_flight = config.max_in_flight_tokens or config.max_model_len
-        setting = (
-            f"--max-in-flight-tokens {config.max_in_flight_tokens}"
-            if config.max_in_flight_tokens
-            else f"--max-in-flight-tokens unset: max_model_len, {config.max_model_len}"
-        )
+    windowed = [
+        shape
+        for shape in _group_shapes(config)
+        if shape.kind in (KVCacheSpecKind.SLIDING_WINDOW, KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION)
+    ]
+    if windowed:
+        if config.max_in_flight_tokens:
+            setting = f"--max-in-flight-tokens {config.max_in_flight_tokens}"
+        elif config.max_num_batched_tokens:
+            setting = f"--max-num-batched-tokens {config.max_num_batched_tokens}"
+        else:
+            setting = (
+                "neither --max-num-batched-tokens nor --max-in-flight-tokens set: "
+                f"max_model_len, {config.max_model_len}"
+            )
         advice += (
-            f" The sliding-window group counts at most a window ({config.sliding_window}) "
-            f"plus the tokens in flight ({in_flight}; {setting}) per request: lower "
-            f"--max-in-flight-tokens to what one engine step schedules (vLLM's "
-            f"max_num_batched_tokens times its concurrent batches) to need fewer blocks."
+            f" A window-bounded group ({', '.join(map(str, windowed))}) counts at most its "
+            f"window plus the tokens in flight ({config.tokens_in_flight}; {setting}) per "
+            f"request: give --max-num-batched-tokens as vLLM's (or --max-in-flight-tokens, "
+            f"vLLM's max_num_batched_tokens times its concurrent batches) to need fewer blocks."
         )
     return message.replace(" Give the KV cache more memory or lower max_model_len.", "") + advice
 
 
+def _group_shapes(config: ServerConfig) -> list[GroupShape]:
+    """The pool's groups as ``--kv-cache-groups`` words (the options' when not given)."""
+    if config.kv_cache_groups:
+        return parse_groups(config.kv_cache_groups)
+    shapes = [GroupShape(KVCacheSpecKind.FULL_ATTENTION)]
+    if config.sliding_window:
+        shapes.append(GroupShape(KVCacheSpecKind.SLIDING_WINDOW, config.sliding_window))
+    if config.mamba_block_size:
+        shapes.append(GroupShape(KVCacheSpecKind.MAMBA, config.mamba_block_size))
+    return shapes
+
+
 def _check_hash_block_size(config: ServerConfig) -> None:
     sizes = {"block_size": config.block_size}
-    if config.mamba_block_size:
-        sizes["mamba_block_size"] = config.mamba_block_size
+    for shape in _group_shapes(config):
+        if shape.kind is KVCacheSpecKind.MAMBA:
+            sizes["mamba_block_size"] = shape.size
     for name, size in sizes.items():
         if size < 0 or (name == "block_size" and size == 0):
             raise InvalidArgumentError(f"{name} must be positive, got {size}")
@@ -266,11 +349,11 @@ def _check_hash_block_size(config: ServerConfig) -> None:
             )
 
 
-def _mamba_group(config: ServerConfig, page_size: int) -> KVCacheGroupSpec:
+def _mamba_group(block_size: int, config: ServerConfig, page_size: int) -> KVCacheGroupSpec:
     """One Mamba "align" layer whose page is padded to the attention page (the pool's
     blocks are interchangeable between groups)."""
     spec = MambaSpec(
-        block_size=config.mamba_block_size,
+        block_size=block_size,
         shapes=((1,),),
         dtypes=("float32",),
         page_size_padded=page_size,
@@ -290,7 +373,7 @@ def build_manager(
         enable_caching=config.enable_caching,
         log_stats=True,
         watermark=config.watermark,
-        max_in_flight_tokens=config.max_in_flight_tokens or None,
+        max_in_flight_tokens=config.tokens_in_flight,
         hash_algo=config.hash_algo,
         none_hash_seed=config.none_hash_seed,
         hash_block_size=config.hash_block_size or None,

@@ -391,6 +391,7 @@ def cache_config_to_pb(
         vocab_size=vocab_size,
         watermark_blocks=manager.watermark_blocks,
         max_in_flight_tokens=manager.max_in_flight_tokens,
+        prefix_cache_retention_interval=config.prefix_cache_retention_interval,
     )
 
 

@@ -7,6 +7,8 @@ names its status; this module maps the name to grpc's code.
 
 from __future__ import annotations
 
+import traceback
+
 import grpc
 
 from kvservice.core.errors import KVCacheError
@@ -34,6 +36,24 @@ def status_message_of(error: KVCacheError) -> str:
         return message
     suffix = f"... (cut from {len(message)} characters)"
     return message[: MAX_STATUS_MESSAGE_CHARS - len(suffix)] + suffix
+
+
+def forget_frames(error: BaseException) -> None:
+    """Drop the tracebacks of ``error`` and the errors it chains: a refusal is answered
+    as a status, and a traceback would keep every frame it passed through alive, with
+    their locals (the request, a megabyte of multimodal items), in a reference cycle
+    that only a full collection frees (``benchmarks/bench_hostile_resources``: refused
+    multimodal calls grew the server by megabytes each)."""
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        current.__traceback__ = None
+        pending += [current.__cause__, current.__context__]
 
 
 class PermissionDeniedError(KVCacheError):

@@ -32,7 +32,7 @@ from google.protobuf.message import DecodeError
 from kvservice.core.errors import InvalidArgumentError, KVCacheError
 from kvservice.protocol import CALL_ID_KEY, CLIENT_ID_KEY
 from kvservice.server.drain import SHUTTING_DOWN, Drain
-from kvservice.server.errors import status_code_of, status_message_of
+from kvservice.server.errors import forget_frames, status_code_of, status_message_of
 from kvservice.server.log import LineBudget, clip
 from kvservice.server.metrics import ClientTracker, KVCacheMetrics, RpcInstruments
 
@@ -261,6 +261,9 @@ def _unary_call(
                 error=clip(str(err)),
                 ms=_ms(start),
             )
+            forget_frames(err)
+            # The abort's own traceback keeps this frame: not the refused message.
+            request = None
             await context.abort(code, status_message_of(err))
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise  # an abort's status stands; a cancelled call has nobody to answer
@@ -328,6 +331,7 @@ def _stream_call(
             code = status_code_of(err)
             status = code.name
             lines.info(line, "stream refused", status, status=status, error=clip(str(err)))
+            forget_frames(err)
             await context.abort(code, status_message_of(err))
         except asyncio.CancelledError:
             status = "CANCELLED"

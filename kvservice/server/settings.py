@@ -62,6 +62,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("host", str, "gRPC bind address", "host"),
     Option("port", int, "gRPC port (0: any free port)", "port"),
     Option(
+        "unix_socket",
+        str,
+        "also serve gRPC on this Unix domain socket path, for an engine on the same node "
+        "(its target: unix:PATH; a stale socket file is replaced)",
+        "unix_socket",
+    ),
+    Option(
         "metrics",
         bool,
         "serve HTTP /metrics (Prometheus), /health and /ready on metrics_host:metrics_port",
@@ -127,6 +134,24 @@ OPTIONS: tuple[Option, ...] = (
         "sliding_window",
     ),
     Option(
+        "kv_cache_groups",
+        str,
+        "the KV cache groups as vLLM lays them out, comma separated, instead of full "
+        "attention plus --sliding-window/--mamba-block-size: full_attention, "
+        "sliding_window:W, chunked_local_attention:C, mamba:B (a Mistral-style model: "
+        "sliding_window:4096); the vLLM integration names the value its engine needs",
+        "kv_cache_groups",
+    ),
+    Option(
+        "prefix_cache_retention_interval",
+        int,
+        "vLLM's --prefix-cache-retention-interval: 0 (vLLM's default) caches, of the "
+        "sliding-window and Mamba groups' blocks, only those a replay or a shared-prefix "
+        "junction needs; k > 0 also one window every k tokens. Unset: every reusable "
+        "block is cached. A vLLM engine with window or Mamba layers needs vLLM's value",
+        "prefix_cache_retention_interval",
+    ),
+    Option(
         "enable_caching",
         bool,
         "prefix caching",
@@ -146,8 +171,17 @@ OPTIONS: tuple[Option, ...] = (
         "tokens one engine step may schedule before it has run: vLLM's "
         "max_num_batched_tokens, twice it with async scheduling; a sliding-window group "
         "is counted for at most its window plus this when admitting a request "
-        "(full_sequence_must_fit), as in vLLM (0: max_model_len)",
+        "(full_sequence_must_fit), as in vLLM (0: --max-num-batched-tokens when given, "
+        "else max_model_len)",
         "max_in_flight_tokens",
+    ),
+    Option(
+        "max_num_batched_tokens",
+        int,
+        "vLLM's --max-num-batched-tokens: the tokens in flight when --max-in-flight-tokens "
+        "is not given (one batch, vLLM's synchronous scheduling), which a window-bounded "
+        "group's pool check and admission count as vLLM's do (0: not given)",
+        "max_num_batched_tokens",
     ),
     Option(
         "zero_new_blocks",

@@ -17,6 +17,7 @@ MODES = (
     "kvservice in-process",
     "kvservice remote",
     "kvservice remote overlap",
+    "kvservice remote unix",
 )
 
 

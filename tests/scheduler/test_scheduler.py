@@ -336,17 +336,19 @@ WINDOW_POOL = dataclasses.replace(
 )
 
 
+@pytest.mark.parametrize("retention", [None, 0])
 @pytest.mark.parametrize("kind", ["long_document_qa", "shared_system_prompt"])
-def test_a_replica_decides_as_the_server_on_a_window_pool(kind: str) -> None:
+def test_a_replica_decides_as_the_server_on_a_window_pool(kind: str, retention: int | None) -> None:
+    pool = dataclasses.replace(WINDOW_POOL, prefix_cache_retention_interval=retention)
     specs = workload(kind)
-    local = Scheduler(InProcessBackend(build_manager(WINDOW_POOL)), FCFS, specs).run(5_000)
+    local = Scheduler(InProcessBackend(build_manager(pool)), FCFS, specs).run(5_000)
     assert first_admission_hit_tokens(local) > 0
-    with server_in_thread(WINDOW_POOL) as server, KVClient(server.target) as client:
+    with server_in_thread(pool) as server, KVClient(server.target) as client:
         backend = StepBackend(client)
         assert backend.manager.watermark_blocks == client.get_cache_config().watermark_blocks
         remote = Scheduler(backend, FCFS, specs).run(5_000)
         backend.flush()
-        assert client.get_usage().num_free_blocks == WINDOW_POOL.num_blocks - 1
+        assert client.get_usage().num_free_blocks == pool.num_blocks - 1
         assert client.audit().ok
     assert remote == local
 

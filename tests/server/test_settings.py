@@ -10,6 +10,7 @@ import pytest
 
 from kvservice.cli import build_parser, main
 from kvservice.core.errors import InvalidArgumentError
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.server import event_loop as loop
 from kvservice.server.config import ServerConfig, build_manager
 from kvservice.server.converters import cache_config_to_pb
@@ -223,3 +224,72 @@ class TestOperatorSurface:
         assert exited.value.code == 0
         declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
         assert capsys.readouterr().out.strip() == f"kvservice {declared}"
+
+
+class TestKVCacheGroups:
+    """``--kv-cache-groups`` lays out the groups vLLM computed, and
+    ``--max-num-batched-tokens`` makes the pool check vLLM's."""
+
+    def test_a_window_on_every_layer_is_one_group(self) -> None:
+        server = settings_for(
+            [
+                "--kv-cache-groups",
+                "sliding_window:64",
+                "--num-blocks",
+                "24",
+                "--max-model-len",
+                "256",
+            ],
+            {},
+        ).server  # type: ignore[attr-defined]
+        response = cache_config_to_pb(build_manager(server), "m")
+        [group] = response.groups
+        assert (group.kind, group.sliding_window) == (pb.KV_CACHE_SPEC_KIND_SLIDING_WINDOW, 64)
+
+    def test_hybrid_groups_in_vllm_order(self) -> None:
+        flags = ["--kv-cache-groups", "sliding_window:32,full_attention,mamba:16"]
+        flags += ["--num-blocks", "200", "--max-model-len", "512"]
+        server = settings_for(flags, {}).server  # type: ignore[attr-defined]
+        groups = build_manager(server).kv_cache_config.kv_cache_groups
+        assert [g.kv_cache_spec.kind.value for g in groups] == [
+            "sliding_window",
+            "full_attention",
+            "mamba",
+        ]
+        assert len({g.kv_cache_spec.page_size_bytes for g in groups}) == 1
+
+    def test_the_options_they_replace_are_refused_beside_them(self) -> None:
+        for extra in (["--sliding-window", "64"], ["--mamba-block-size", "16"]):
+            server = settings_for(["--kv-cache-groups", "full_attention", *extra], {}).server  # type: ignore[attr-defined]
+            with pytest.raises(
+                InvalidArgumentError, match="names every group: drop --sliding-window"
+            ):
+                build_manager(server)
+        server = settings_for(["--kv-cache-groups", "full,window"], {}).server  # type: ignore[attr-defined]
+        with pytest.raises(InvalidArgumentError, match="unknown kind 'full'"):
+            build_manager(server)
+
+    def test_max_num_batched_tokens_accepts_the_pool_vllm_accepts(self) -> None:
+        """Full attention beside a 256-token window, 16-token blocks, max_model_len
+        2048: vLLM fits one request in 256 blocks with 512 batched tokens (128 + 49),
+        the server without knowing them counts a window of max_model_len (128 + 129)."""
+        pool = [
+            "--kv-cache-groups",
+            "full_attention,sliding_window:256",
+            "--max-model-len",
+            "2048",
+            "--num-blocks",
+            "256",
+        ]
+        refused = settings_for(pool, {}).server  # type: ignore[attr-defined]
+        with pytest.raises(InvalidArgumentError, match="257 blocks are needed") as info:
+            build_manager(refused)
+        assert "--max-num-batched-tokens" in str(info.value)
+        accepted = settings_for([*pool, "--max-num-batched-tokens", "512"], {}).server  # type: ignore[attr-defined]
+        response = cache_config_to_pb(build_manager(accepted), "m")
+        assert response.max_in_flight_tokens == 512
+        assert response.groups[1].max_admission_blocks_per_request == 49
+        both = settings_for(
+            [*pool, "--max-num-batched-tokens", "512", "--max-in-flight-tokens", "1024"], {}
+        ).server  # type: ignore[attr-defined]
+        assert cache_config_to_pb(build_manager(both), "m").max_in_flight_tokens == 1024

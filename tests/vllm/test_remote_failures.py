@@ -84,7 +84,7 @@ def test_an_unreachable_server_fails_startup_naming_it(monkeypatch: pytest.Monke
         ({"num_blocks": 80}, r"num_blocks: vLLM 64, kvservice 80 .*--num-blocks 64 or fewer"),
         (
             {"block_size": 32},
-            r"KV cache groups \(kind, block size\): vLLM \[\('full_attention', 16\)\]",
+            r"block sizes: vLLM \[16\], kvservice \[32\] \(start kvservice with --block-size 16\)",
         ),
         ({"watermark": 0.1}, r"watermark blocks: vLLM 0, kvservice 6"),
         ({"hash_algo": "sha256_cbor"}, r"hash algorithm: vLLM sha256, kvservice sha256_cbor"),
@@ -97,7 +97,11 @@ def test_an_unreachable_server_fails_startup_naming_it(monkeypatch: pytest.Monke
             r"hash algorithm: vLLM sha256, kvservice xxhash; hash seed: kvservice draws a "
             r"random seed",
         ),
-        ({"sliding_window": 64, "num_blocks": 100}, r"KV cache groups"),
+        (
+            {"sliding_window": 64, "num_blocks": 100},
+            r"KV cache groups: vLLM full_attention, kvservice full_attention,sliding_window:64 "
+            r"\(start kvservice with --kv-cache-groups full_attention\)",
+        ),
         (
             {"max_model_len": 256},
             r"max_model_len: vLLM 512, kvservice 256 .*--max-model-len 512, or give vLLM "
@@ -111,6 +115,27 @@ def test_a_server_of_another_layout_fails_startup_naming_both_values(
     config = dataclasses.replace(POOL, **override)
     with remote(monkeypatch, config), pytest.raises(ServerConfigMismatchError, match=message):
         build_scheduler(SETUP, KVServiceScheduler)
+
+
+def test_a_window_pool_retaining_otherwise_fails_startup_naming_the_flag(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Which out-of-window blocks stay cached decides which free blocks come first: a
+    server retaining otherwise than vLLM (a real engine's default is 0) would hand out
+    other blocks, so it is refused at startup, with the value to start it with."""
+    setup = SchedulerSetup(num_blocks=64, max_model_len=512, groups=(("sliding_window", 16, 64),))
+    config = dataclasses.replace(
+        POOL, kv_cache_groups="sliding_window:64", prefix_cache_retention_interval=0
+    )
+    with (
+        remote(monkeypatch, config),
+        pytest.raises(
+            ServerConfigMismatchError,
+            match=r"prefix cache retention interval .*: vLLM None, kvservice 0 \(start "
+            r"kvservice without --prefix-cache-retention-interval\)",
+        ),
+    ):
+        build_scheduler(setup, KVServiceScheduler)
 
 
 def test_a_server_hashing_other_blocks_fails_startup(monkeypatch: pytest.MonkeyPatch) -> None:

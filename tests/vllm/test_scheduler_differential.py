@@ -46,6 +46,13 @@ SETUPS = {
         max_model_len=2048,
         max_num_seqs=16,
     ),
+    # A window on every layer (Mistral-style): one sliding-window group, preempting.
+    "sliding-window-every-layer": SchedulerSetup(
+        num_blocks=30,
+        groups=(("sliding_window", 16, 64),),
+        max_num_batched_tokens=128,
+        max_model_len=512,
+    ),
     "chunked-prefill": SchedulerSetup(max_num_batched_tokens=96, long_prefill_token_threshold=40),
     "watermark": SchedulerSetup(num_blocks=60, watermark=0.1, max_model_len=512),
     "256-running": SchedulerSetup(num_blocks=4000, max_num_seqs=256, max_num_batched_tokens=4096),
@@ -112,11 +119,18 @@ def test_in_process_matches_vllm_step_for_step(name: str, seed: int) -> None:
         assert sum(len(step["copies"] or ()) for step in actual) > 0
 
 
+def _word(kind: str, block_size: int, window: int) -> str:
+    """A harness group as ``--kv-cache-groups`` writes it."""
+    if kind == "sliding_window":
+        return f"sliding_window:{window}"
+    return f"mamba:{block_size}" if kind == "mamba" else "full_attention"
+
+
 def _server_config(setup: SchedulerSetup) -> ServerConfig:
-    windows = [window for kind, _, window in setup.groups if kind == "sliding_window"]
-    mamba = [size for kind, size, _ in setup.groups if kind == "mamba"]
+    """The server laid out as vLLM lays the setup out (``--kv-cache-groups``)."""
+    mamba = any(kind == "mamba" for kind, _, _ in setup.groups)
     return ServerConfig(
-        mamba_block_size=mamba[0] if mamba else 0,
+        kv_cache_groups=",".join(_word(*group) for group in setup.groups),
         hash_block_size=setup.hash_block_size,
         # vLLM zeroes fresh blocks of a pool with Mamba layers; so does the server.
         needs_kv_cache_zeroing=bool(mamba),
@@ -125,7 +139,6 @@ def _server_config(setup: SchedulerSetup) -> ServerConfig:
         num_blocks=setup.num_blocks,
         block_size=setup.block_size,
         max_model_len=setup.max_model_len,
-        sliding_window=windows[0] if windows else 0,
         enable_caching=setup.enable_prefix_caching,
         watermark=setup.watermark,
         # What vLLM passes its manager: max_num_batched_tokens per step in flight.
@@ -147,6 +160,7 @@ REMOTE_CASES = [
         ("preempting", "overlap"),
         ("hybrid-full-sliding-window", "overlap"),
         ("hybrid-sliding-window-pressure", "overlap"),
+        ("sliding-window-every-layer", "overlap"),
         ("hybrid-full-mamba-align-4x-hash", "overlap"),
     ]
     if case[0] not in REFUSED

@@ -38,6 +38,7 @@ from vllm.v1.request import RequestStatus as VllmRequestStatus
 from kvservice.core.allocation_options import allocation_options
 from kvservice.core.block_hashing import MultiModalFeature
 from kvservice.core.kv_cache_block import BlockIds, KVCacheBlock
+from kvservice.core.kv_cache_groups import format_groups
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.request import Request, RequestStatus
 from kvservice.integrations.vllm.cache_config import core_cache_config
@@ -212,7 +213,10 @@ class KVServiceKVCacheManager:
         managers = self.core.coordinator.single_type_managers
         return PoolLayout(
             groups=[(m.kv_cache_spec.kind.value, m.block_size) for m in managers],
-            sliding_windows=[getattr(m.kv_cache_spec, "sliding_window", None) for m in managers],
+            kv_cache_groups=format_groups([m.kv_cache_spec for m in managers]),
+            prefix_cache_retention_interval=(
+                self.core.kv_cache_config.prefix_cache_retention_interval
+            ),
             num_blocks=self.core.block_pool.num_gpu_blocks,
             watermark=self.args.watermark,
             watermark_blocks=self.core.watermark_blocks,

@@ -39,6 +39,7 @@ from kvservice.client import (
     CacheConfig,
     ComputedBlocks,
     FreeMode,
+    KVCacheGroup,
     KVClient,
     KVServiceError,
     Lease,
@@ -48,6 +49,7 @@ from kvservice.client import (
 from kvservice.client.step_link import RemoteStepError, StepLink
 from kvservice.client.step_log import ANY_ANSWER
 from kvservice.core.allocation_options import PLAIN_ALLOCATION, AllocationOptions
+from kvservice.core.kv_cache_groups import GroupShape
 from kvservice.core.kv_cache_interface import KVCacheSpecKind
 from kvservice.core.request import computed_after_allocation
 from kvservice.integrations.vllm.embeds import prompt_embeds_bytes
@@ -84,7 +86,11 @@ class PoolLayout:
     """The pool vLLM computed, as the server must have it."""
 
     groups: list[tuple[str, int]]  # (kind, block size in scheduler tokens)
-    sliding_windows: list[int | None]
+    # The groups as ``kvservice serve --kv-cache-groups`` writes them (kinds, windows,
+    # chunks, Mamba block sizes: ``kvservice.core.kv_cache_groups``).
+    kv_cache_groups: str
+    # vLLM's prefix_cache_retention_interval (what the window and Mamba groups cache).
+    prefix_cache_retention_interval: int | None
     num_blocks: int
     watermark: float
     watermark_blocks: int
@@ -108,6 +114,21 @@ class PoolLayout:
                 strict=True,
             )
         ]
+
+
+def _group_words(groups: Sequence[KVCacheGroup]) -> str:
+    """The server's groups (``GetCacheConfig``) as ``--kv-cache-groups`` writes them."""
+    sizes = {
+        KVCacheSpecKind.SLIDING_WINDOW: lambda group: group.sliding_window,
+        KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION: lambda group: group.attention_chunk_size,
+        KVCacheSpecKind.MAMBA: lambda group: group.block_size,
+    }
+    words = []
+    for group in groups:
+        kind = KVCacheSpecKind(group.kind)
+        size = sizes[kind](group) if kind in sizes else 0
+        words.append(str(GroupShape(kind, size or 0)))
+    return ",".join(words)
 
 
 class ServerLink:
@@ -221,12 +242,17 @@ class ServerLink:
         server_groups = [(group.kind, group.block_size) for group in server.groups]
         # (what, vLLM's value, kvservice's value, how to fix it)
         comparisons = [
-            ("KV cache groups (kind, block size)", layout.groups, server_groups, ""),
             (
-                "sliding windows",
-                layout.sliding_windows,
-                [group.sliding_window for group in server.groups],
-                " (kvservice --sliding-window)",
+                "KV cache groups",
+                layout.kv_cache_groups,
+                _group_words(server.groups),
+                f" (start kvservice with --kv-cache-groups {layout.kv_cache_groups})",
+            ),
+            (
+                "block sizes",
+                [size for _, size in layout.groups],
+                [size for _, size in server_groups],
+                f" (start kvservice with --block-size {layout.groups[0][1]})",
             ),
             (
                 "num_blocks",
@@ -269,6 +295,21 @@ class ServerLink:
                 f"{layout.max_in_flight_tokens}, kvservice {server_caps} from "
                 f"{server.max_in_flight_tokens} (start kvservice with --max-in-flight-tokens "
                 f"{layout.max_in_flight_tokens})"
+            )
+        sparse = {KVCacheSpecKind.SLIDING_WINDOW.value, KVCacheSpecKind.MAMBA.value}
+        retention = layout.prefix_cache_retention_interval
+        if retention != server.prefix_cache_retention_interval and any(
+            kind in sparse for kind, _ in layout.groups
+        ):
+            fix = (
+                f"start kvservice with --prefix-cache-retention-interval {retention}"
+                if retention is not None
+                else "start kvservice without --prefix-cache-retention-interval"
+            )
+            mismatches.append(
+                f"prefix cache retention interval (which blocks of the sliding-window and "
+                f"Mamba groups are cached): vLLM {retention}, kvservice "
+                f"{server.prefix_cache_retention_interval} ({fix})"
             )
         if server.max_model_len < layout.max_model_len:
             mismatches.append(
@@ -398,7 +439,7 @@ class ServerLink:
         attached = self._attached_hit(request_id, hit) if hit[0] else None
         self._send_tokens(request)
         # vLLM's defaults (a decode step's plain call) are sent as no options at all.
-        plain = allocation_options is PLAIN_ALLOCATION
+        plain = allocation_options == PLAIN_ALLOCATION
         num_computed_tokens = request.num_computed_tokens
         server_computed = self._server_computed
         # Async scheduling keeps steps in flight; only windows read that.

@@ -1087,6 +1087,7 @@ class GetCacheConfigResponse(_message.Message):
     NONE_HASH_SEED_FIELD_NUMBER: _builtins.int
     NONE_HASH_SEED_SOURCE_FIELD_NUMBER: _builtins.int
     MAX_IN_FLIGHT_TOKENS_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_RETENTION_INTERVAL_FIELD_NUMBER: _builtins.int
     SCHEDULER_EPOCH_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
     """The pool size, null block (id 0) included."""
@@ -1135,6 +1136,12 @@ class GetCacheConfigResponse(_message.Message):
     VllmConfig.max_in_flight_tokens; --max-in-flight-tokens, max_model_len unless
     given): it bounds the window-bounded groups' max_admission_blocks_per_request.
     """
+    prefix_cache_retention_interval: _builtins.int
+    """vLLM's CacheConfig.prefix_cache_retention_interval (--prefix-cache-retention-interval):
+    0 keeps, of the sliding-window and Mamba groups' blocks, only those a replay or a
+    shared-prefix junction needs (vLLM's default); k > 0 also one window every k
+    tokens. Unset: every reusable block is cached (dense).
+    """
     scheduler_epoch: _builtins.int
     """The caller's current scheduler epoch (the highest OpenSession epoch so far; 0
     before any). Numbered apart from the layout fields above.
@@ -1161,13 +1168,16 @@ class GetCacheConfigResponse(_message.Message):
         none_hash_seed: _builtins.str = ...,
         none_hash_seed_source: Global___HashSeedSource.ValueType = ...,
         max_in_flight_tokens: _builtins.int = ...,
+        prefix_cache_retention_interval: _builtins.int | None = ...,
         scheduler_epoch: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_prefix_cache_retention_interval", b"_prefix_cache_retention_interval", "prefix_cache_retention_interval", b"prefix_cache_retention_interval"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_zeroed_by_server", b"blocks_zeroed_by_server", "enable_caching", b"enable_caching", "groups", b"groups", "hash_algo", b"hash_algo", "hash_block_size", b"hash_block_size", "max_in_flight_tokens", b"max_in_flight_tokens", "max_model_len", b"max_model_len", "model_name", b"model_name", "needs_kv_cache_zeroing", b"needs_kv_cache_zeroing", "none_hash_seed", b"none_hash_seed", "none_hash_seed_fingerprint", b"none_hash_seed_fingerprint", "none_hash_seed_source", b"none_hash_seed_source", "num_blocks", b"num_blocks", "runtime_device", b"runtime_device", "scheduler_block_size", b"scheduler_block_size", "scheduler_epoch", b"scheduler_epoch", "vocab_size", b"vocab_size", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prefix_cache_retention_interval", b"_prefix_cache_retention_interval", "blocks_zeroed_by_server", b"blocks_zeroed_by_server", "enable_caching", b"enable_caching", "groups", b"groups", "hash_algo", b"hash_algo", "hash_block_size", b"hash_block_size", "max_in_flight_tokens", b"max_in_flight_tokens", "max_model_len", b"max_model_len", "model_name", b"model_name", "needs_kv_cache_zeroing", b"needs_kv_cache_zeroing", "none_hash_seed", b"none_hash_seed", "none_hash_seed_fingerprint", b"none_hash_seed_fingerprint", "none_hash_seed_source", b"none_hash_seed_source", "num_blocks", b"num_blocks", "prefix_cache_retention_interval", b"prefix_cache_retention_interval", "runtime_device", b"runtime_device", "scheduler_block_size", b"scheduler_block_size", "scheduler_epoch", b"scheduler_epoch", "vocab_size", b"vocab_size", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__prefix_cache_retention_interval: _TypeAlias = _typing.Literal["prefix_cache_retention_interval"]  # noqa: Y015
+    _WhichOneofArgType__prefix_cache_retention_interval: _TypeAlias = _typing.Literal["_prefix_cache_retention_interval", b"_prefix_cache_retention_interval"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prefix_cache_retention_interval) -> _WhichOneofReturnType__prefix_cache_retention_interval | None: ...
 
 Global___GetCacheConfigResponse: _TypeAlias = GetCacheConfigResponse  # noqa: Y015
 

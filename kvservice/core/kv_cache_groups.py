@@ -1,0 +1,93 @@
+"""A pool's KV cache groups written as text: what ``kvservice serve --kv-cache-groups``
+takes, and what the vLLM integration names when a server's pool is not the one vLLM
+computed, so the fix can be pasted.
+
+One word per group, comma separated, in vLLM's group order: ``full_attention``,
+``sliding_window:W`` (a window of W tokens), ``chunked_local_attention:C`` (chunks of C
+tokens), ``mamba:B`` (a Mamba state group of B tokens per block). A Mistral-style model
+(a window on every layer) is ``sliding_window:4096``; a Gemma-style one
+``full_attention,sliding_window:1024``. The attention groups' block size and page are
+the pool's (``--block-size``); cross attention, sized by an encoder, has no word.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvservice.core.errors import InvalidArgumentError
+from kvservice.core.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    KVCacheSpec,
+    KVCacheSpecKind,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+# The kinds a word names, and whether it takes a size (window, chunk, block size).
+_SIZED = {
+    KVCacheSpecKind.SLIDING_WINDOW: "window in tokens",
+    KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION: "chunk in tokens",
+    KVCacheSpecKind.MAMBA: "block size in tokens",
+}
+_WORDS = "full_attention, sliding_window:W, chunked_local_attention:C, mamba:B (comma separated)"
+
+
+@dataclass(frozen=True, slots=True)
+class GroupShape:
+    """One group as a word names it: its kind and, for the sized kinds, the size."""
+
+    kind: KVCacheSpecKind
+    size: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.kind.value}:{self.size}" if self.kind in _SIZED else self.kind.value
+
+
+def parse_groups(text: str) -> list[GroupShape]:
+    """The groups ``text`` names; ``InvalidArgumentError`` naming the word it cannot
+    read."""
+    if not text.strip():
+        raise InvalidArgumentError(f"no KV cache group named; use {_WORDS}")
+    return [_parse(word.strip()) for word in text.split(",")]
+
+
+def _parse(word: str) -> GroupShape:
+    name, _, size = word.partition(":")
+    try:
+        kind = KVCacheSpecKind(name)
+    except ValueError:
+        raise InvalidArgumentError(
+            f"KV cache group {word!r}: unknown kind {name!r}; use {_WORDS}"
+        ) from None
+    if kind not in _SIZED and kind is not KVCacheSpecKind.FULL_ATTENTION:
+        raise InvalidArgumentError(
+            f"KV cache group {word!r}: a {name} group cannot be laid out from its name; "
+            f"use {_WORDS}"
+        )
+    if kind not in _SIZED:
+        if size:
+            raise InvalidArgumentError(f"KV cache group {word!r}: {name} takes no size")
+        return GroupShape(kind)
+    if not size.isdigit() or int(size) <= 0:
+        raise InvalidArgumentError(
+            f"KV cache group {word!r}: {name} needs its {_SIZED[kind]}, a positive integer "
+            f"({name}:N)"
+        )
+    return GroupShape(kind, int(size))
+
+
+def shape_of(spec: KVCacheSpec) -> GroupShape:
+    """The word of a group's spec (as vLLM's or the server's manager holds it)."""
+    if isinstance(spec, SlidingWindowSpec):
+        return GroupShape(spec.kind, spec.sliding_window)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return GroupShape(spec.kind, spec.attention_chunk_size)
+    if isinstance(spec, MambaSpec):
+        return GroupShape(spec.kind, spec.block_size)
+    return GroupShape(spec.kind)
+
+
+def format_groups(specs: Sequence[KVCacheSpec]) -> str:
+    """``--kv-cache-groups``' text for these groups."""
+    return ",".join(str(shape_of(spec)) for spec in specs)
