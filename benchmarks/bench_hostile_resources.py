@@ -56,8 +56,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -67,14 +65,9 @@ from pathlib import Path
 import grpc
 
 from kvservice.bench.server import (
-    READY_TIMEOUT_S,
-    STOP_TIMEOUT_S,
     ChildServer,
-    ServerStartError,
     child_server,
-    free_port,
 )
-from kvservice.client import KVClient, ServiceUnavailableError, UnauthenticatedError
 from kvservice.protocol import AUTHORIZATION_KEY, SESSION_KEY, pack_token_ids
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.server.config import ServerConfig
@@ -606,57 +599,10 @@ def _server(
     options: Options, set_limits: dict[str, int], tokens_file: str | None = None
 ) -> Iterator[tuple[ChildProcess, str]]:
     args = _server_args(set_limits, options.server_args)
-    if tokens_file is None:
-        with child_server(args) as server:
-            yield ChildProcess(server), server.target
-        return
-    with _child_server_with_tokens([*args, f"--auth-tokens-file={tokens_file}"]) as server:
+    if tokens_file is not None:
+        args.append(f"--auth-tokens-file={tokens_file}")
+    with child_server(args) as server:
         yield ChildProcess(server), server.target
-
-
-@contextlib.contextmanager
-def _child_server_with_tokens(args: Sequence[str]) -> Iterator[ChildServer]:
-    """``child_server`` for a server with a tokens file: its readiness check sends no
-    token, so it never sees such a server ready. Ready here once a call without one is
-    refused UNAUTHENTICATED (the server answers)."""
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "kvservice.cli",
-        "serve",
-        "--host=127.0.0.1",
-        f"--port={port}",
-        "--no-metrics",
-        *args,
-    ]
-    target = f"127.0.0.1:{port}"
-    with tempfile.NamedTemporaryFile("wb", prefix="kvservice-", suffix=".log") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=os.environ)
-        try:
-            deadline = time.monotonic() + READY_TIMEOUT_S
-            with KVClient(target, timeout=1.0) as client:
-                while True:
-                    if process.poll() is not None:
-                        raise ServerStartError(f"the server exited with {process.returncode}")
-                    try:
-                        client.get_cache_config()
-                        break
-                    except UnauthenticatedError:
-                        break
-                    except ServiceUnavailableError:
-                        if time.monotonic() > deadline:
-                            raise ServerStartError(f"no answer from {target}") from None
-                        time.sleep(0.05)
-            yield ChildServer(target, None, process.pid)
-        finally:
-            if process.poll() is None:
-                process.terminate()
-                try:
-                    process.wait(STOP_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
 
 
 def _tenants_needed(limits: dict[str, int], kind: str) -> int:

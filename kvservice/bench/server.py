@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from kvservice.client import KVClient, ServiceUnavailableError
+from kvservice.client import KVClient, ServiceUnavailableError, UnauthenticatedError
 
 READY_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
@@ -53,6 +53,8 @@ def _wait_ready(process: subprocess.Popen[bytes], target: str, log_path: str) ->
             try:
                 client.get_cache_config()
                 return
+            except UnauthenticatedError:
+                return  # a server with a tokens file answered: it is up
             except ServiceUnavailableError:
                 if time.monotonic() > deadline:
                     raise ServerStartError(

@@ -19,7 +19,7 @@ import os
 import pickle
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import cbor2
 import xxhash
@@ -187,6 +187,13 @@ def generate_block_hash_extra_keys(
     return (tuple(keys) if keys else None), next_mm_idx
 
 
+# Blocks remembered by BlockHasher; about 6 MB when full. The memo pays where prompts
+# share prefixes: `kvservice bench` (shared system prompt, in-process, 2,048 requests,
+# 150 steps, 3 rounds) ran 390-404 steps/s with it, 330-346 without (2 runs each);
+# bench_core's admission-heavy moved within its spread.
+HASH_MEMO_CAPACITY: Final = 16384
+
+
 def to_event_extra_keys(extra_keys: Iterable[ExtraKeys]) -> list[ExtraKeys] | None:
     """The per-block extra keys a ``BlockStored`` event publishes: untagged, in the
     shapes KV event consumers parse (an mm key becomes ``(identifier, offset)``, every
@@ -205,6 +212,12 @@ class BlockHasher:
     chain seed (``none_hash_seed``, resolved as ``resolve_none_hash_seed`` says).
     ``none_hash_seed_fingerprint`` lets a client check that it hashes the same way
     without the seed itself leaving the process.
+
+    It remembers the hashes of recent blocks, keyed by exactly what was hashed (parent
+    hash, token ids, extra keys), so requests that share a prefix (a system prompt, the
+    earlier turns of a chat) hash its blocks once. Token ids are ints: equal keys pickle
+    to equal bytes, so a remembered hash is the hash. A request stops looking at its
+    first miss: every later block's parent is then a hash never seen before.
     """
 
     def __init__(
@@ -219,6 +232,7 @@ class BlockHasher:
         self.none_hash: BlockHash = self.hash_fn(self.none_hash_seed)
         seed_digest = hashlib.sha256(self.none_hash_seed.encode()).hexdigest()
         self.none_hash_seed_fingerprint = seed_digest[:16]
+        self._memo: dict[tuple[BlockHash, tuple[int, ...], ExtraKeys], BlockHash] = {}
 
     def __call__(self, request: Request) -> list[BlockHash]:
         """Hashes of the full blocks not yet in ``request.block_hashes``."""
@@ -233,14 +247,22 @@ class BlockHasher:
         parent = hashes[-1] if hashes else None
         tokens = request.all_token_ids
         plain = not request.has_extra_keys
-        hash_fn = self.hash_fn
+        hash_fn, memo = self.hash_fn, self._memo
+        looking = True  # until a block is not remembered: each later parent is then new
         while start + bs <= num_tokens:
             keys: ExtraKeys = None
             if not plain:
                 keys, mm_idx = generate_block_hash_extra_keys(request, start, start + bs, mm_idx)
             # What hash_block_tokens hashes.
             block = (parent or self.none_hash, tuple(tokens[start : start + bs]), keys)
-            parent = hash_fn(block)
+            block_hash = memo.get(block) if looking else None
+            if block_hash is None:
+                looking = False
+                block_hash = hash_fn(block)
+                if len(memo) >= HASH_MEMO_CAPACITY:
+                    memo.clear()  # cheaper than keeping LRU order; shared blocks come back
+                memo[block] = block_hash
+            parent = block_hash
             new_hashes.append(parent)
             start += bs
         return new_hashes

@@ -42,7 +42,7 @@ import structlog
 from kvservice.core.errors import FailedPreconditionError, KVCacheError
 from kvservice.core.invariants import InvariantViolationError
 from kvservice.request_table.table import RequestTable
-from kvservice.server import forking
+from kvservice.server import background, forking
 from kvservice.server.metrics import KVCacheMetrics
 from kvservice.server.sessions import SessionRegistry
 from kvservice.server.turns import TableTurn
@@ -303,11 +303,7 @@ class SelfCheck:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is None:
-            return
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await background.cancel(task)
 
     async def _run(self) -> None:
         while True:

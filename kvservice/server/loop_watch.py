@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvservice.server import background
+
 # How often the stall watch wakes: the resolution of what it measures.
 STALL_INTERVAL_S = 0.01
 # A threshold for full collections that is never reached (it counts collections of
@@ -60,10 +62,7 @@ class StallWatch:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await background.cancel(task)
 
     async def _run(self) -> None:
         interval = self.interval_s
@@ -195,9 +194,7 @@ class FullCollections:
         task, self._task = self._task, None
         if task is None:
             return
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await background.cancel(task)
         cls = FullCollections
         cls._installed -= 1
         if cls._installed == 0 and cls._saved is not None:

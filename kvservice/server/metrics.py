@@ -336,12 +336,12 @@ class KVCacheMetrics:
 
     def watch_tenant_requests(self, counts: Callable[[], Mapping[str, tuple[int, int]]]) -> None:
         """Export ``counts()`` (tenant -> requests held, waiting tokens) at scrape time."""
-        self.registry.register(_TenantRequestsCollector(counts, self.labels))
+        self.registry.register(_TenantPairCollector(_TENANT_REQUESTS, counts, self.labels))
 
     def watch_tenant_sessions(self, counts: Callable[[], Mapping[str, tuple[int, int]]]) -> None:
         """Export ``counts()`` (tenant -> open sessions, open StepStreams) at scrape
         time."""
-        self.registry.register(_TenantSessionsCollector(counts, self.labels))
+        self.registry.register(_TenantPairCollector(_TENANT_SESSIONS, counts, self.labels))
 
     def _export_cache_config(self, manager: KVCacheManager) -> None:
         config = manager.kv_cache_config
@@ -420,13 +420,44 @@ class _TenantCollector:
         )
 
 
-class _TenantRequestsCollector:
-    """``kvservice_tenant_requests`` and ``kvservice_tenant_waiting_tokens``, what the
-    per-tenant request limits count, read at scrape time (from a copy)."""
+# (name, help) of the two per-tenant gauges one collector reports.
+_TenantGauges = tuple[tuple[str, str], tuple[str, str]]
+_TENANT_REQUESTS: _TenantGauges = (
+    (
+        "kvservice_tenant_requests",
+        "Requests each tenant holds, waiting, running or preempted (limit: "
+        "max_requests_per_tenant; the default tenant: empty).",
+    ),
+    (
+        "kvservice_tenant_waiting_tokens",
+        "Tokens of each tenant's requests that are not running (limit: "
+        "max_waiting_tokens_per_tenant).",
+    ),
+)
+_TENANT_SESSIONS: _TenantGauges = (
+    (
+        "kvservice_tenant_sessions",
+        "Sessions each tenant has open (limit: max_sessions_per_tenant; the default "
+        "tenant: empty).",
+    ),
+    (
+        "kvservice_tenant_step_streams",
+        "StepStreams each tenant has open (limit: max_step_streams_per_tenant).",
+    ),
+)
+
+
+class _TenantPairCollector:
+    """Two gauges per tenant, what a pair of per-tenant limits counts (requests and
+    waiting tokens, or sessions and streams), read at scrape time (from a copy)."""
 
     def __init__(
-        self, counts: Callable[[], Mapping[str, tuple[int, int]]], labels: dict[str, str]
+        self,
+        gauges: _TenantGauges,
+        counts: Callable[[], Mapping[str, tuple[int, int]]],
+        labels: dict[str, str],
     ) -> None:
+        self._gauges = gauges
         self._counts = counts
         self._label_values = [labels[name] for name in _LABELS]
 
@@ -434,67 +465,18 @@ class _TenantRequestsCollector:
         yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        requests, waiting = self._families()
-        for tenant, (num_requests, num_waiting) in sorted(self._counts().items()):
-            requests.add_metric([*self._label_values, tenant], num_requests)
-            waiting.add_metric([*self._label_values, tenant], num_waiting)
-        yield from (requests, waiting)
+        first, second = self._families()
+        for tenant, (one, other) in sorted(self._counts().items()):
+            first.add_metric([*self._label_values, tenant], one)
+            second.add_metric([*self._label_values, tenant], other)
+        yield from (first, second)
 
-    @staticmethod
-    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+    def _families(self) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
         labels = (*_LABELS, "tenant")
-        return (
-            GaugeMetricFamily(
-                "kvservice_tenant_requests",
-                "Requests each tenant holds, waiting, running or preempted (limit: "
-                "max_requests_per_tenant; the default tenant: empty).",
-                labels=labels,
-            ),
-            GaugeMetricFamily(
-                "kvservice_tenant_waiting_tokens",
-                "Tokens of each tenant's requests that are not running (limit: "
-                "max_waiting_tokens_per_tenant).",
-                labels=labels,
-            ),
+        first, second = (
+            GaugeMetricFamily(name, help_text, labels=labels) for name, help_text in self._gauges
         )
-
-
-class _TenantSessionsCollector:
-    """``kvservice_tenant_sessions`` and ``kvservice_tenant_step_streams``, what the
-    per-tenant session and stream limits count, read at scrape time (from a copy)."""
-
-    def __init__(
-        self, counts: Callable[[], Mapping[str, tuple[int, int]]], labels: dict[str, str]
-    ) -> None:
-        self._counts = counts
-        self._label_values = [labels[name] for name in _LABELS]
-
-    def describe(self) -> Iterator[Metric]:
-        yield from self._families()
-
-    def collect(self) -> Iterator[Metric]:
-        sessions, streams = self._families()
-        for tenant, (num_sessions, num_streams) in sorted(self._counts().items()):
-            sessions.add_metric([*self._label_values, tenant], num_sessions)
-            streams.add_metric([*self._label_values, tenant], num_streams)
-        yield from (sessions, streams)
-
-    @staticmethod
-    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
-        labels = (*_LABELS, "tenant")
-        return (
-            GaugeMetricFamily(
-                "kvservice_tenant_sessions",
-                "Sessions each tenant has open (limit: max_sessions_per_tenant; the "
-                "default tenant: empty).",
-                labels=labels,
-            ),
-            GaugeMetricFamily(
-                "kvservice_tenant_step_streams",
-                "StepStreams each tenant has open (limit: max_step_streams_per_tenant).",
-                labels=labels,
-            ),
-        )
+        return first, second
 
 
 class _ScrapeTimeCollector:

@@ -75,7 +75,6 @@ the server's loop, and no method awaits while it changes state.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import heapq
 import itertools
@@ -100,6 +99,7 @@ from kvservice.request_table.errors import LimitExceededError
 from kvservice.request_table.table import RequestTable
 from kvservice.request_table.tenancy import describe_tenant
 from kvservice.request_table.types import FreeMode
+from kvservice.server import background
 from kvservice.server.caller import CURRENT_CALLER, current_caller
 from kvservice.server.config import ServerConfig
 from kvservice.server.log import LineBudget
@@ -781,10 +781,7 @@ class SessionReaper:
 
     async def stop(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await background.cancel(task)
 
     async def _run(self) -> None:
         while True:

@@ -1,5 +1,6 @@
-"""``BlockHasher`` over shared prefixes: each hash is vLLM's chain for that very block,
-whatever the hasher saw before (other suffixes, salts, LoRA adapters)."""
+"""``BlockHasher`` remembers the hashes of shared prefixes: a remembered hash is the
+hash of that very block, whatever the hasher saw before (other suffixes, salts, LoRA
+adapters), and the memo stays bounded."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import random
 
 import pytest
 
-from kvservice.core.block_hashing import BlockHasher
+from kvservice.core.block_hashing import HASH_MEMO_CAPACITY, BlockHasher
 from kvservice.core.request import Request
 from tests.core.support import DEFAULT_SEED, REF_HASH_FNS
 
@@ -32,7 +33,7 @@ def reference_hashes(
 
 
 @pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
-def test_shared_prefixes_hash_as_vllms_chain(algo: str) -> None:
+def test_shared_prefixes_hash_as_if_nothing_was_remembered(algo: str) -> None:
     rng = random.Random(7)
     hasher = BlockHasher(BLOCK, algo, none_hash_seed=DEFAULT_SEED)
     system = [rng.getrandbits(15) for _ in range(5 * BLOCK)]
@@ -54,7 +55,7 @@ def test_shared_prefixes_hash_as_vllms_chain(algo: str) -> None:
             assert request.block_hashes == reference_hashes(algo, tokens, lora, salt)
 
 
-def test_output_blocks_extend_the_chain() -> None:
+def test_output_blocks_extend_a_remembered_chain() -> None:
     hasher = BlockHasher(BLOCK)
     prompt = list(range(2 * BLOCK))
     first = Request("first", prompt, hasher)
@@ -62,3 +63,13 @@ def test_output_blocks_extend_the_chain() -> None:
     second = Request("second", prompt + list(range(100, 100 + BLOCK)), hasher)
     assert second.block_hashes == first.block_hashes
     assert second.block_hashes == reference_hashes("sha256", second.all_token_ids)
+
+
+def test_the_memo_is_bounded() -> None:
+    hasher = BlockHasher(BLOCK)
+    tokens = list(range((HASH_MEMO_CAPACITY + 100) * BLOCK))
+    request = Request("long", tokens, hasher)
+    assert len(hasher._memo) <= HASH_MEMO_CAPACITY
+    again = Request("again", tokens[: 4 * BLOCK], hasher)
+    assert again.block_hashes == request.block_hashes[:4]
+    assert again.block_hashes == reference_hashes("sha256", tokens[: 4 * BLOCK])
