@@ -17,7 +17,9 @@ from dataclasses import dataclass
 
 from kvservice.core.errors import InvalidArgumentError
 from kvservice.core.kv_cache_interface import (
+    AttentionSpec,
     ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
     KVCacheSpec,
     KVCacheSpecKind,
     MambaSpec,
@@ -42,6 +44,19 @@ class GroupShape:
 
     def __str__(self) -> str:
         return f"{self.kind.value}:{self.size}" if self.kind in _SIZED else self.kind.value
+
+    @classmethod
+    def reported(
+        cls, kind: str, block_size: int, sliding_window: int | None, chunk_size: int | None
+    ) -> GroupShape:
+        """The word of a group as ``GetCacheConfig`` reports it."""
+        shape_kind = KVCacheSpecKind(kind)
+        sizes = {
+            KVCacheSpecKind.SLIDING_WINDOW: sliding_window,
+            KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION: chunk_size,
+            KVCacheSpecKind.MAMBA: block_size,
+        }
+        return cls(shape_kind, sizes.get(shape_kind) or 0)
 
 
 def parse_groups(text: str) -> list[GroupShape]:
@@ -91,3 +106,35 @@ def shape_of(spec: KVCacheSpec) -> GroupShape:
 def format_groups(specs: Sequence[KVCacheSpec]) -> str:
     """``--kv-cache-groups``' text for these groups."""
     return ",".join(str(shape_of(spec)) for spec in specs)
+
+
+def group_spec(
+    shape: GroupShape,
+    attention: AttentionSpec | None,
+    page_size_bytes: int,
+    enable_caching: bool,
+) -> KVCacheSpec:
+    """The core's spec of the group ``shape`` names: the attention kinds shaped as
+    ``attention`` (block size, heads, head size, dtype; None for a Mamba group); a
+    Mamba group one state padded to ``page_size_bytes`` (the pool's blocks are
+    interchangeable between groups), in "align" mode with prefix caching, else
+    "none"."""
+    if shape.kind is KVCacheSpecKind.MAMBA:
+        return MambaSpec(
+            shape.size,
+            shapes=((1,),),
+            dtypes=("float32",),
+            page_size_padded=page_size_bytes,
+            mamba_cache_mode="align" if enable_caching else "none",
+        )
+    if attention is None:
+        raise InvalidArgumentError(f"a {shape} group needs the attention layers' shape")
+    layout = (attention.block_size, attention.num_kv_heads, attention.head_size, attention.dtype)
+    match shape.kind:
+        case KVCacheSpecKind.FULL_ATTENTION:
+            return FullAttentionSpec(*layout)
+        case KVCacheSpecKind.SLIDING_WINDOW:
+            return SlidingWindowSpec(*layout, sliding_window=shape.size)
+        case KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION:
+            return ChunkedLocalAttentionSpec(*layout, attention_chunk_size=shape.size)
+    raise InvalidArgumentError(f"a {shape} group cannot be laid out from its name; use {_WORDS}")

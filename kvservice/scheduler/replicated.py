@@ -35,15 +35,14 @@ from kvservice.client import (
 from kvservice.client.step import StepBuilder
 from kvservice.client.step_link import RemoteStepError, Send, SentStep, StepLink
 from kvservice.client.step_log import ANY_ANSWER
+from kvservice.core.errors import InvalidArgumentError
+from kvservice.core.kv_cache_groups import GroupShape, group_spec
 from kvservice.core.kv_cache_interface import (
-    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
     KVCacheSpecKind,
-    MambaSpec,
-    SlidingWindowSpec,
 )
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.scheduler.backend import (
@@ -54,30 +53,24 @@ from kvservice.scheduler.backend import (
 
 
 def _group_spec(group: KVCacheGroup, enable_caching: bool) -> KVCacheSpec:
-    """The core's spec of one group the server reported."""
-    attention = (group.block_size, group.num_kv_heads, group.head_size, group.dtype)
-    match group.kind:
-        case KVCacheSpecKind.FULL_ATTENTION.value:
-            return FullAttentionSpec(*attention)
-        case KVCacheSpecKind.SLIDING_WINDOW.value if group.sliding_window is not None:
-            return SlidingWindowSpec(*attention, sliding_window=group.sliding_window)
-        case KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION.value if group.attention_chunk_size:
-            return ChunkedLocalAttentionSpec(
-                *attention, attention_chunk_size=group.attention_chunk_size
-            )
-        case KVCacheSpecKind.MAMBA.value:
-            # As the server lays out its Mamba group: one state padded to the page.
-            return MambaSpec(
-                group.block_size,
-                shapes=((1,),),
-                dtypes=("float32",),
-                page_size_padded=group.page_size_bytes,
-                mamba_cache_mode="align" if enable_caching else "none",
-            )
-    raise RemoteStepError(
-        f"the server's KV cache group {group.kind!r} (block size {group.block_size}) cannot "
-        "be replicated from its GetCacheConfig: use the unary RemoteBackend"
+    """The core's spec of one group the server reported, as the server lays it out."""
+    shape = GroupShape.reported(
+        group.kind, group.block_size, group.sliding_window, group.attention_chunk_size
     )
+    try:
+        attention = (
+            None
+            if shape.kind is KVCacheSpecKind.MAMBA
+            else FullAttentionSpec(
+                group.block_size, group.num_kv_heads, group.head_size, group.dtype
+            )
+        )
+        return group_spec(shape, attention, group.page_size_bytes, enable_caching)
+    except InvalidArgumentError:
+        raise RemoteStepError(
+            f"the server's KV cache group {group.kind!r} (block size {group.block_size}) "
+            "cannot be replicated from its GetCacheConfig: use the unary RemoteBackend"
+        ) from None
 
 
 def replica_manager(config: CacheConfig) -> KVCacheManager:

@@ -10,15 +10,12 @@ from dataclasses import dataclass, field
 
 from kvservice.core.block_hashing import CRYPTOGRAPHIC_HASHES
 from kvservice.core.errors import InvalidArgumentError
-from kvservice.core.kv_cache_groups import GroupShape, parse_groups
+from kvservice.core.kv_cache_groups import GroupShape, group_spec, parse_groups
 from kvservice.core.kv_cache_interface import (
-    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
-    KVCacheSpec,
     KVCacheSpecKind,
-    MambaSpec,
     SlidingWindowSpec,
 )
 from kvservice.core.kv_cache_manager import KVCacheManager
@@ -261,7 +258,13 @@ def _default_groups(config: ServerConfig, spec: FullAttentionSpec) -> list[KVCac
         )
         groups.append(KVCacheGroupSpec(["model.layers.sliding_window"], window))
     if config.mamba_block_size:
-        groups.append(_mamba_group(config.mamba_block_size, config, spec.page_size_bytes))
+        mamba = GroupShape(KVCacheSpecKind.MAMBA, config.mamba_block_size)
+        groups.append(
+            KVCacheGroupSpec(
+                ["model.layers.mamba"],
+                group_spec(mamba, spec, spec.page_size_bytes, config.enable_caching),
+            )
+        )
     return groups
 
 
@@ -273,20 +276,11 @@ def _named_groups(config: ServerConfig, spec: FullAttentionSpec) -> list[KVCache
             "--kv-cache-groups names every group: drop --sliding-window and "
             "--mamba-block-size (write sliding_window:W or mamba:B among the groups)"
         )
-    attention = (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
     groups = []
     for index, shape in enumerate(parse_groups(config.kv_cache_groups)):
-        group_spec: KVCacheSpec
-        if shape.kind is KVCacheSpecKind.SLIDING_WINDOW:
-            group_spec = SlidingWindowSpec(*attention, sliding_window=shape.size)
-        elif shape.kind is KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION:
-            group_spec = ChunkedLocalAttentionSpec(*attention, attention_chunk_size=shape.size)
-        elif shape.kind is KVCacheSpecKind.MAMBA:
-            group_spec = _mamba_group(shape.size, config, spec.page_size_bytes).kv_cache_spec
-        else:
-            group_spec = spec
+        group = group_spec(shape, spec, spec.page_size_bytes, config.enable_caching)
         layers = [f"model.layers.{index}.{i}" for i in range(config.num_layers)]
-        groups.append(KVCacheGroupSpec(layers, group_spec))
+        groups.append(KVCacheGroupSpec(layers, group))
     return groups
 
 
@@ -347,19 +341,6 @@ def _check_hash_block_size(config: ServerConfig) -> None:
                 f"hash_block_size {hbs} must divide {name} {size}; allowed values are the "
                 f"common divisors of the block sizes {sorted(set(sizes.values()))}"
             )
-
-
-def _mamba_group(block_size: int, config: ServerConfig, page_size: int) -> KVCacheGroupSpec:
-    """One Mamba "align" layer whose page is padded to the attention page (the pool's
-    blocks are interchangeable between groups)."""
-    spec = MambaSpec(
-        block_size=block_size,
-        shapes=((1,),),
-        dtypes=("float32",),
-        page_size_padded=page_size,
-        mamba_cache_mode="align" if config.enable_caching else "none",
-    )
-    return KVCacheGroupSpec(["model.layers.mamba"], spec)
 
 
 def build_manager(

@@ -118,17 +118,10 @@ class PoolLayout:
 
 def _group_words(groups: Sequence[KVCacheGroup]) -> str:
     """The server's groups (``GetCacheConfig``) as ``--kv-cache-groups`` writes them."""
-    sizes = {
-        KVCacheSpecKind.SLIDING_WINDOW: lambda group: group.sliding_window,
-        KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION: lambda group: group.attention_chunk_size,
-        KVCacheSpecKind.MAMBA: lambda group: group.block_size,
-    }
-    words = []
-    for group in groups:
-        kind = KVCacheSpecKind(group.kind)
-        size = sizes[kind](group) if kind in sizes else 0
-        words.append(str(GroupShape(kind, size or 0)))
-    return ",".join(words)
+    return ",".join(
+        str(GroupShape.reported(g.kind, g.block_size, g.sliding_window, g.attention_chunk_size))
+        for g in groups
+    )
 
 
 class ServerLink:
