@@ -102,10 +102,10 @@ unit: setup tools engine
 
 ## On vLLM 0.32.0's CPU engine: the end-to-end tests (tests/engine/, which .venv's run
 ## leaves out: it has no engine), and the scheduler differentials (sync and async), the
-## manager's interface and the version checks against vLLM 0.32.
+## manager's interface, the version checks and retention by extra_args against vLLM 0.32.
 ENGINE_TESTS := tests/engine tests/vllm/test_scheduler_differential.py \
 	tests/vllm/test_engine_order_differential.py tests/vllm/test_manager_interface.py \
-	tests/vllm/test_versions.py
+	tests/vllm/test_versions.py tests/vllm/test_retention_extra_args.py
 
 engine: engine-setup
 	KVSERVICE_ENGINE_TESTS=1 $(ENGINE_BIN)/pytest $(ENGINE_TESTS)

@@ -14,7 +14,14 @@ pool built the same way, in interleaved rounds:
   run and answered as bytes, without the transport;
 * ``client``: ``step`` plus the client's side, timed too: the ``StepBuilder`` calls
   that build each step and a ``StepResults`` read of every allocation's handle (what
-  a batching backend does around each message), still without the transport.
+  a batching backend does around each message), still without the transport;
+* ``link``: ``step`` behind the schedulers' remote-step mechanism (``StepLink``): each
+  append and allocation recorded in its ``StepLog`` with the replica's answer (computed
+  beforehand, untimed), the step sent to the runner and every answer checked, still
+  without the transport;
+* ``step-single``: ``step`` with coalescing off (``StepBuilder(coalesce=False)``): a
+  message operation per append and per allocation, so the runner's per-operation loop
+  and converters run once per entry.
 
 Prints microseconds per request per step (one append plus one allocation): the
 median over rounds and the lowest and highest round (the run's own noise), and each
@@ -22,7 +29,7 @@ layer's cost as a ratio to the core's in the same round, median over rounds. Eac
 round runs the layers in another order (``kvservice.bench.measure``).
 
 Run: ``python -m benchmarks.bench_decode_layers [--requests 256] [--steps 40]
-[--rounds 5]``.
+[--rounds 5] [--layers core,step,...]`` (``core`` always runs: the ratios' base).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from collections.abc import Callable
 
 from kvservice.bench.measure import median_ratio, rotated
 from kvservice.client import StepBuilder, StepResults
+from kvservice.client.step_link import StepLink
 from kvservice.core.request import Request
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.request_table.table import RequestTable
@@ -141,11 +149,73 @@ def client_path(num_requests: int, steps: int) -> Callable[[], None]:
     return run
 
 
+def link_path(num_requests: int, steps: int) -> Callable[[], None]:
+    # The replica's answers: the same steps on a table built the same way.
+    replica = _table(num_requests, steps)
+    ids = [f"r{i}" for i in range(num_requests)]
+    answers = []
+    for token in range(steps):
+        row = []
+        for rid in ids:
+            replica.append_tokens(rid, [token], "")
+            groups = replica.allocate_slots(rid, ONE, "").new_block_ids
+            row.append(None if groups is None else tuple(tuple(g) for g in groups))
+        answers.append(row)
+    runner = StepRunner(_table(num_requests, steps), max_ops=4 * num_requests)
+
+    class Sent:
+        def __init__(self, results: StepResults) -> None:
+            self._results = results
+
+        def result(self) -> StepResults:
+            return self._results
+
+    def send(builder: StepBuilder) -> Sent:
+        raw = builder.to_pb(0, stop_on_error=True).SerializeToString()
+        response = pb.StepResponse()
+        runner.run_whole(pb.StepRequest.FromString(raw), response, ANONYMOUS)
+        return Sent(StepResults(pb.StepResponse.FromString(response.SerializeToString())))
+
+    def run() -> None:
+        link = StepLink(send, "bench")
+        for token in range(steps):
+            log = link.log
+            for rid in ids:
+                log.append_tokens(rid, [token])
+            for rid, answer in zip(ids, answers[token], strict=True):
+                log.allocate(rid, 1, answer)
+            link.flush()
+
+    return run
+
+
+def step_single_path(num_requests: int, steps: int) -> Callable[[], None]:
+    runner = StepRunner(_table(num_requests, steps), max_ops=4 * num_requests)
+    messages = []
+    for token in range(steps):
+        builder = StepBuilder(omit_request_state=True, coalesce=False)
+        for i in range(num_requests):
+            builder.append_tokens(f"r{i}", [token])
+        for i in range(num_requests):
+            builder.allocate_slots(f"r{i}", 1)
+        messages.append(builder.to_pb(token, stop_on_error=True).SerializeToString())
+
+    def run() -> None:
+        for raw in messages:
+            response = pb.StepResponse()
+            runner.run_whole(pb.StepRequest.FromString(raw), response, ANONYMOUS)
+            response.SerializeToString()
+
+    return run
+
+
 LAYERS = {
     "core": core_steps,
     "table": table_steps,
     "step": step_path,
     "client": client_path,
+    "link": link_path,
+    "step-single": step_single_path,
 }
 
 
@@ -154,13 +224,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--layers", default=",".join(LAYERS), help="comma-separated (default: all)")
     args = parser.parse_args(argv)
+    names = ["core", *(n for n in args.layers.split(",") if n != "core")]
+    unknown = [n for n in names if n not in LAYERS]
+    if unknown:
+        parser.error(f"unknown layers {unknown}; choose from {', '.join(LAYERS)}")
     pairs = args.requests * args.steps
-    samples: dict[str, list[float]] = {name: [] for name in LAYERS}
+    samples: dict[str, list[float]] = {name: [] for name in names}
     for round_index in range(args.rounds):
         # A fresh pool per layer and round (each run consumes its decode steps).
-        runs = {name: build(args.requests, args.steps) for name, build in LAYERS.items()}
-        for name in rotated(list(LAYERS), round_index):
+        runs = {name: LAYERS[name](args.requests, args.steps) for name in names}
+        for name in rotated(names, round_index):
             start = time.perf_counter()
             runs[name]()
             samples[name].append((time.perf_counter() - start) / pairs * 1e6)
@@ -168,12 +243,12 @@ def main(argv: list[str] | None = None) -> None:
         f"decode steps of {args.requests} requests (one append + one allocation each), "
         f"{args.steps} steps, {args.rounds} rounds"
     )
-    print(f"{'layer':>10} {'us/request':>11} {'per round':>14} {'vs core':>8}")
-    for name in LAYERS:
+    print(f"{'layer':>12} {'us/request':>11} {'per round':>14} {'vs core':>8}")
+    for name in names:
         values = samples[name]
         spread = f"{min(values):.2f}-{max(values):.2f}"
         print(
-            f"{name:>10} {statistics.median(values):>11.2f} {spread:>14} "
+            f"{name:>12} {statistics.median(values):>11.2f} {spread:>14} "
             f"{median_ratio(values, samples['core']):>7.2f}x"
         )
 

@@ -23,10 +23,13 @@ from kvservice.client.types import (
     FreeResult,
     KVCacheGroup,
     MultiModalFeature,
+    Pin,
+    PinList,
     ProbeOptions,
     ProbeResult,
     RequestState,
     RequestStatus,
+    Retention,
     Usage,
 )
 from kvservice.protocol import pack_token_ids
@@ -222,6 +225,9 @@ def cache_config(msg: pb.GetCacheConfigResponse) -> CacheConfig:
         ),
         none_hash_seed=msg.none_hash_seed,
         none_hash_seed_source=_SEED_SOURCES.get(msg.none_hash_seed_source, ""),
+        # An older server does not say: it evicts by LRU and pins nothing.
+        eviction_policy=msg.eviction_policy or "lru",
+        max_pinned_blocks=msg.max_pinned_blocks,
     )
 
 
@@ -247,6 +253,8 @@ def add_request(
     lora_int_id: int | None = None,
     prompt_embeds: bytes | bytearray | memoryview | None = None,
     prompt_embeds_row_bytes: int = 0,
+    retention: Retention | None = None,
+    cache_control_ttl: str | float | None = None,
 ) -> Op[RequestState]:
     message = pb.AddRequestRequest(
         request_id=request_id,
@@ -267,6 +275,10 @@ def add_request(
         message.prompt_embeds = bytes(prompt_embeds)
     if prompt_embeds_row_bytes:
         message.prompt_embeds_row_bytes = prompt_embeds_row_bytes
+    if retention is not None:
+        retention_to_pb(retention, message.retention)
+    if cache_control_ttl is not None:
+        message.cache_control_ttl = ttl_text(cache_control_ttl)
     try:
         message.packed_prompt_token_ids = pack_token_ids(prompt_token_ids)
     except (OverflowError, TypeError):
@@ -393,6 +405,86 @@ def _num_free_blocks(msg: pb.FreeRetainedBlocksResponse) -> int:
 def cache_blocks(request_id: str, num_computed_tokens: int) -> Op[None]:
     message = pb.CacheBlocksRequest(request_id=request_id, num_computed_tokens=num_computed_tokens)
     return Op("CacheBlocks", "cache_blocks", message, _nothing)
+
+
+def retention_to_pb(retention: Retention, out: pb.Retention) -> None:
+    """The client's ``Retention`` on the wire (None end and durations: 0), the one
+    place it is converted; the server checks the values."""
+    for r in retention.token_ranges:
+        out.token_ranges.add(
+            start=r.start,
+            end=r.end or 0,
+            priority=r.priority,
+            duration_seconds=r.duration_s or 0.0,
+        )
+    out.decode_priority = retention.decode_priority
+    out.decode_duration_seconds = retention.decode_duration_s or 0.0
+    out.SetInParent()
+
+
+def ttl_text(ttl: str | float) -> str:
+    """A cache_control TTL as the server reads it: text as given ("5m", "300s",
+    "1h"), a number as seconds."""
+    return ttl if isinstance(ttl, str) else f"{float(ttl)!r}s"
+
+
+def _pin(msg: pb.Pin) -> Pin:
+    return Pin(
+        pin_id=msg.pin_id,
+        tenant=msg.tenant,
+        num_tokens=msg.num_tokens,
+        num_reserved_blocks=msg.num_reserved_blocks,
+        num_held_blocks=msg.num_held_blocks,
+        ttl_s=msg.ttl_seconds if msg.HasField("ttl_seconds") else None,
+        refresh_on_hit=msg.refresh_on_hit,
+        expires_in_s=msg.expires_in_seconds if msg.HasField("expires_in_seconds") else None,
+        num_hits=msg.num_hits,
+    )
+
+
+def _pinned(msg: pb.PinPrefixResponse) -> Pin:
+    return _pin(msg.pin)
+
+
+def _pin_list(msg: pb.ListPinsResponse) -> PinList:
+    return PinList(
+        pins=tuple(_pin(p) for p in msg.pins),
+        num_pinned_blocks=msg.num_pinned_blocks,
+        num_reserved_blocks=msg.num_reserved_blocks,
+        max_pinned_blocks=msg.max_pinned_blocks,
+    )
+
+
+def pin_prefix(
+    token_ids: Sequence[int],
+    ttl_s: float | None = None,
+    refresh_on_hit: bool = False,
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
+    lora_path: str | None = None,
+) -> Op[Pin]:
+    message = pb.PinPrefixRequest(
+        ttl_seconds=ttl_s or 0.0,
+        refresh_on_hit=refresh_on_hit,
+        cache_salt=cache_salt or "",
+        lora_name=lora_name or "",
+        lora_path=lora_path or "",
+    )
+    try:
+        message.packed_token_ids = pack_token_ids(token_ids)
+    except (OverflowError, TypeError):
+        # An id the packing cannot hold: sent as given, for the server to name it.
+        message.token_ids.extend(token_ids)
+    return Op("PinPrefix", "pin_prefix", message, _pinned)
+
+
+def unpin_prefix(pin_id: str) -> Op[None]:
+    return Op("UnpinPrefix", "unpin_prefix", pb.UnpinPrefixRequest(pin_id=pin_id), _nothing)
+
+
+def list_pins(all_tenants: bool = False) -> Op[PinList]:
+    message = pb.ListPinsRequest(all_tenants=all_tenants)
+    return Op("ListPins", "list_pins", message, _pin_list)
 
 
 def get_cache_config() -> Op[CacheConfig]:

@@ -42,9 +42,12 @@ from kvservice.client.types import (
     FreeMode,
     FreeResult,
     MultiModalFeature,
+    Pin,
+    PinList,
     ProbeOptions,
     ProbeResult,
     RequestState,
+    Retention,
     Usage,
 )
 from kvservice.protocol import SESSION_KEY
@@ -139,13 +142,18 @@ class KVClient:
         lora_int_id: int | None = None,
         prompt_embeds: bytes | bytearray | memoryview | None = None,
         prompt_embeds_row_bytes: int = 0,
+        retention: Retention | None = None,
+        cache_control_ttl: str | float | None = None,
     ) -> RequestState:
         """Register a WAITING request with its prompt. A LoRA adapter is keyed by
         ``lora_name`` and ``lora_path`` (vLLM's ``lora_request``), ``lora_int_id``
         labels its KV events; ``prompt_embeds`` are the raw bytes of a row-major
         ``[num_prompt_tokens, hidden]`` tensor, ``prompt_embeds_row_bytes`` per row (for
         a torch tensor ``t``: ``t.contiguous().view(torch.uint8).numpy().tobytes()``
-        and ``t[0].numel() * t.element_size()``)."""
+        and ``t[0].numel() * t.element_size()``). ``retention`` gives its blocks
+        eviction priorities (a server started with ``--eviction-policy priority``);
+        ``cache_control_ttl`` ("5m", "300s", "1h", or seconds) pins its prompt's whole
+        blocks for the caller's tenant for that long, created with the request."""
         op = _wire.add_request(
             request_id,
             prompt_token_ids,
@@ -157,6 +165,8 @@ class KVClient:
             lora_int_id,
             prompt_embeds,
             prompt_embeds_row_bytes,
+            retention,
+            cache_control_ttl,
         )
         return self._call(op)
 
@@ -234,6 +244,35 @@ class KVClient:
         """vLLM's ``cache_blocks``: hash into the prefix cache the request's blocks
         its first ``num_computed_tokens`` tokens fill (monotonic, idempotent)."""
         return self._call(_wire.cache_blocks(request_id, num_computed_tokens))
+
+    def pin_prefix(
+        self,
+        token_ids: Sequence[int],
+        *,
+        ttl_s: float | None = None,
+        refresh_on_hit: bool = False,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+    ) -> Pin:
+        """Pin the whole blocks of ``token_ids`` for the caller's tenant (for ``ttl_s``
+        seconds, restarted by each hit with ``refresh_on_hit``; None: until unpinned).
+        Blocks not cached yet join the pin when cached; pinning the same prefix again
+        refreshes the pin. ``cache_salt``, ``lora_name`` and ``lora_path`` must be the
+        requests' for the pin to match them. ``ResourceExhaustedError`` past the pool's
+        pinned budget or with pinning off."""
+        op = _wire.pin_prefix(token_ids, ttl_s, refresh_on_hit, cache_salt, lora_name, lora_path)
+        return self._call(op)
+
+    def unpin_prefix(self, pin_id: str) -> None:
+        """Drop one of the caller's tenant's pins; ``RequestNotFoundError`` (NOT_FOUND)
+        when it has no such pin."""
+        return self._call(_wire.unpin_prefix(pin_id))
+
+    def list_pins(self, *, all_tenants: bool = False) -> PinList:
+        """The caller's tenant's pins and the pool's pinned budget (``all_tenants``:
+        every tenant's, for an admin tenant or a server without tenants)."""
+        return self._call(_wire.list_pins(all_tenants))
 
     def get_cache_config(self) -> CacheConfig:
         return self._call(_wire.get_cache_config())

@@ -310,6 +310,83 @@ class CacheConfig:
     none_hash_seed: str = ""
     # Where it came from: "explicit", "PYTHONHASHSEED", "default" or "random".
     none_hash_seed_source: str = ""
+    # Which free cached blocks are evicted first: "lru" (vLLM's order) or "priority".
+    eviction_policy: str = "lru"
+    # The most blocks pins may reserve; 0: pinning is off.
+    max_pinned_blocks: int = 0
+
+    @property
+    def has_retention(self) -> bool:
+        """Whether the pool may evict otherwise than vLLM's LRU: priorities, or pins
+        (which a replica of the pool in another process cannot follow yet)."""
+        return self.eviction_policy != "lru" or self.max_pinned_blocks > 0
+
+
+# Why a replica of the server's pool refuses a pool with retention (the reference
+# scheduler's replicated backends, the vLLM integration's remote link).
+REPLICA_RETENTION_REFUSAL = (
+    "remote replicas cannot follow server-side pins/priorities yet; run the pool with the "
+    "default LRU or use the in-process manager"
+)
+
+
+# The default retention priority (TensorRT-LLM's), as the server's.
+DEFAULT_RETENTION_PRIORITY = 35
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRangeRetention:
+    """Prompt tokens ``[start, end)`` (``end`` None: to the prompt's end) kept at
+    ``priority`` (0: evicted first, 100: last) for ``duration_s`` seconds after their
+    blocks are cached (None: as long as they stay cached)."""
+
+    start: int
+    end: int | None
+    priority: int
+    duration_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """A request's eviction priorities (TensorRT-LLM's ``KvCacheRetentionConfig``):
+    prompt ranges, and one priority and duration for the blocks decoding fills. A block
+    takes the highest priority of the ranges it overlaps. Needs a server started with
+    ``--eviction-policy priority``; the server checks the values."""
+
+    token_ranges: tuple[TokenRangeRetention, ...] = ()
+    decode_priority: int = DEFAULT_RETENTION_PRIORITY
+    decode_duration_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pin:
+    """One pinned prefix of a tenant (``PinPrefix``, ``ListPins``)."""
+
+    # Names the prefix; ``unpin_prefix`` takes it.
+    pin_id: str
+    # "" for the default tenant of a server without tenants.
+    tenant: str
+    num_tokens: int
+    # Block keys the pin reserves against the pinned budget (cached or not), and of
+    # those the blocks cached and held now.
+    num_reserved_blocks: int
+    num_held_blocks: int
+    ttl_s: float | None
+    refresh_on_hit: bool
+    # Seconds left when the server answered; None: no TTL.
+    expires_in_s: float | None
+    num_hits: int
+
+
+@dataclass(frozen=True, slots=True)
+class PinList:
+    """``ListPins``: the pins and the pool's pinned budget in blocks (held now,
+    reserved by the pins, the most they may reserve; 0: pinning is off)."""
+
+    pins: tuple[Pin, ...]
+    num_pinned_blocks: int
+    num_reserved_blocks: int
+    max_pinned_blocks: int
 
 
 @dataclass(frozen=True, slots=True)

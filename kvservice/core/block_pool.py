@@ -20,8 +20,9 @@ from kvservice.core.block_hashing import (
     generate_block_hash_extra_keys,
     to_event_extra_keys,
 )
-from kvservice.core.errors import InvalidArgumentError
+from kvservice.core.errors import InvalidArgumentError, QuotaExceededError
 from kvservice.core.kv_cache_block import (
+    DEFAULT_PRIORITY,
     BlockHash,
     BlockHashWithGroupId,
     FreeKVCacheBlockQueue,
@@ -37,6 +38,7 @@ from kvservice.core.kv_events import (
     BlockStored,
     KVCacheEvent,
 )
+from kvservice.core.retention_policy import Pin, PriorityFreeQueue, RetentionPolicy
 
 if TYPE_CHECKING:
     from kvservice.core.request import Request
@@ -175,6 +177,7 @@ class BlockPool:
         enable_caching: bool,
         hash_block_size: int,
         enable_kv_cache_events: bool = False,
+        retention_policy: RetentionPolicy | None = None,
     ) -> None:
         if not isinstance(num_gpu_blocks, int) or num_gpu_blocks <= 0:
             raise InvalidArgumentError(
@@ -183,11 +186,15 @@ class BlockPool:
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
+        # Pins and priorities (None: vLLM's LRU and nothing else, the default).
+        self.retention_policy = retention_policy
+        # The time of the last expire_retention: pins refreshed by a hit count from it.
+        self.now = 0.0
         with _gc_paused():
             # A million tracked objects would trigger collections that rescan them all
             # (most of the construction time at 1M blocks).
             self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_gpu_blocks)]
-            self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+            self.free_block_queue = self._new_free_queue(self.blocks)
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         # Block id -> the keys a block is filed under besides its primary block_hash:
         # partial entries of a block cached for a longer prefix.
@@ -201,6 +208,11 @@ class BlockPool:
         self.num_evicted_on_reuse = 0
         self.num_evicted_on_request = 0
 
+    def _new_free_queue(self, blocks: list[KVCacheBlock]) -> FreeKVCacheBlockQueue:
+        if self.retention_policy is not None and self.retention_policy.priorities_enabled:
+            return PriorityFreeQueue(blocks)
+        return FreeKVCacheBlockQueue(blocks)
+
     # -- prefix cache -----------------------------------------------------------------
 
     def get_cached_block(
@@ -208,9 +220,9 @@ class BlockPool:
     ) -> list[KVCacheBlock] | None:
         """The cached block of ``block_hash`` in every listed group, or None if any misses."""
         cached: list[KVCacheBlock] = []
-        lookup = self.cached_block_hash_to_block.get_one_block
+        cache = self.cached_block_hash_to_block
         for group_id in kv_cache_group_ids:
-            block = lookup(make_block_hash_with_group_id(block_hash, group_id))
+            block = cache.get_one_block(make_block_hash_with_group_id(block_hash, group_id))
             if block is None:
                 return None
             cached.append(block)
@@ -240,6 +252,7 @@ class BlockPool:
         )
         gid_suffix = kv_cache_group_id.to_bytes(4, "big")
         insert = self.cached_block_hash_to_block.insert
+        retention = self.retention_policy
         stored_indices: list[int] = []
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
@@ -258,6 +271,8 @@ class BlockPool:
             block.set_block_hash(key, num_tokens)
             insert(key, block)
             stored_indices.append(i)
+            if retention is not None:
+                self._apply_retention(request, block, key, i * block_size, num_tokens)
         if self.enable_kv_cache_events:
             parent = hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
             self.kv_event_queue.append(
@@ -341,6 +356,8 @@ class BlockPool:
         else:
             self.cached_block_hashes_by_block.setdefault(block.block_id, set()).add(key)
         self.cached_block_hash_to_block.insert(key, block)
+        if self.retention_policy is not None and key in self.retention_policy.pins_by_key:
+            self._hold_for_pins(key)
 
     def _remove_cached_block_hashes(self, block: KVCacheBlock) -> list[BlockHashWithGroupId]:
         """Unfile ``block`` from every key it carries (primary first, then aliases);
@@ -354,6 +371,8 @@ class BlockPool:
         pop = self.cached_block_hash_to_block.pop
         removed = [key for key in keys if pop(key, block.block_id) is not None]
         block.reset_hash()
+        if self.retention_policy is not None and block.block_id in self.retention_policy.holders:
+            self._release_pin_holds(block, hold_again=True)
         return removed
 
     def aliases_of(self, block: KVCacheBlock) -> set[BlockHashWithGroupId]:
@@ -456,6 +475,12 @@ class BlockPool:
         its decisions from a fresh pool.
         """
         num_used_blocks = self.num_gpu_blocks - self.get_num_free_blocks()
+        if num_used_blocks - 1 == self._num_blocks_held_only_by_pins() > 0:
+            # Pins do not keep a reset from happening: they let go and wait for their
+            # prefixes to be cached again.
+            for block_id in list(self._pin_holders()):
+                self._release_pin_holds(self.blocks[block_id], hold_again=False)
+            num_used_blocks = self.num_gpu_blocks - self.get_num_free_blocks()
         if num_used_blocks != 1:  # the null block is always "used"
             return False
         self.cached_block_hash_to_block = BlockHashToBlockMap()
@@ -463,7 +488,7 @@ class BlockPool:
         for block in self.blocks:
             block.reset_hash()
         if restore_block_order:
-            self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+            self.free_block_queue = self._new_free_queue(self.blocks[1:])
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
         return True
@@ -478,9 +503,13 @@ class BlockPool:
             raise ValueError(f"Cannot get {num_blocks} free blocks from the pool")
         ret = self.free_block_queue.popleft_n(num_blocks)
         if self.enable_caching:
+            retention = self.retention_policy
             for block in ret:
-                if block.block_hash is not None and self._maybe_evict_cached_block(block):
-                    self.num_evicted_on_reuse += 1
+                if block.block_hash is not None:
+                    if retention is not None:
+                        retention.count_eviction(block.priority)
+                    if self._maybe_evict_cached_block(block):
+                        self.num_evicted_on_reuse += 1
                 block.ref_cnt = 1
         else:
             for block in ret:
@@ -490,12 +519,15 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-hit blocks; a free one leaves the free queue."""
         remove = self.free_block_queue.remove
+        retention = self.retention_policy
         for block in blocks:
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
                 remove(block)
             block.ref_cnt += 1
+            if retention is not None and block.block_id in retention.holders:
+                self._record_pinned_hit(block)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block, given in eviction priority order.
@@ -520,6 +552,142 @@ class BlockPool:
             self.free_block_queue.prepend_n(evict_first)
         if evict_last:
             self.free_block_queue.append_n(evict_last)
+
+    # -- retention policy: pins and priorities --------------------------------------
+
+    def _apply_retention(
+        self, request: Request, block: KVCacheBlock, key: BlockHashWithGroupId, start: int, end: int
+    ) -> None:
+        """A block just cached takes its request's priority and joins waiting pins."""
+        retention = self.retention_policy
+        assert retention is not None
+        config = request.retention
+        if config is not None and retention.priorities_enabled:
+            priority, duration_s = config.block_priority(start, end, request.num_prompt_tokens)
+            retention.set_priority(block, priority, duration_s, self.now)
+        if key in retention.pins_by_key:
+            self._hold_for_pins(key)
+
+    def pin(self, pin: Pin) -> None:
+        """Register ``pin`` and hold the blocks of its keys cached now; the rest join it
+        as they are cached. Refused (QuotaExceededError, nothing changed) when the pins'
+        keys would pass the pool's pinned budget."""
+        retention = self.retention_policy
+        if retention is None or retention.max_pinned_blocks == 0:
+            raise QuotaExceededError(
+                "pinning is off in this pool: its pinned budget is 0 blocks "
+                "(set a pinned fraction, e.g. --max-pinned-fraction 0.1)"
+            )
+        reserved = retention.num_reserved_blocks
+        if reserved + len(pin.keys) > retention.max_pinned_blocks:
+            raise QuotaExceededError(
+                f"pin {pin.pin_id!r} needs {len(pin.keys)} blocks, but pins already reserve "
+                f"{reserved} of the pinned budget of {retention.max_pinned_blocks} blocks "
+                f"(--max-pinned-fraction); unpin something or pin a shorter prefix"
+            )
+        retention.pins[pin.owner_key] = pin
+        for key in pin.keys:
+            retention.pins_by_key.setdefault(key, []).append(pin)
+        retention.schedule_pin_expiry(pin)
+        retention.stats.pins_created += 1
+        for key in pin.keys:
+            self._hold_for_pins(key)
+
+    def unpin(self, tenant: str, pin_id: str, expired: bool = False) -> Pin | None:
+        """Drop ``tenant``'s pin ``pin_id`` and its holds (its blocks age as freed
+        cached blocks); None if there is no such pin. Counted as removed, or as
+        ``expired``."""
+        retention = self.retention_policy
+        pin = retention.pins.pop((tenant, pin_id), None) if retention is not None else None
+        if retention is None or pin is None:
+            return None
+        for key in pin.keys:
+            waiting = retention.pins_by_key[key]
+            waiting.remove(pin)
+            if not waiting:
+                del retention.pins_by_key[key]
+        held = list(pin.held.values())
+        pin.held.clear()
+        for block in held:
+            holders = retention.holders[block.block_id]
+            holders.remove(pin)
+            if not holders:
+                del retention.holders[block.block_id]
+        self.free_blocks(held)
+        if expired:
+            retention.stats.pins_expired += 1
+        else:
+            retention.stats.pins_removed += 1
+        return pin
+
+    def expire_retention(self, now: float) -> None:
+        """Let time pass to ``now``: pins past their TTL let go, priorities past their
+        duration fall back to the default (a free block moves to the front of the
+        default level: it is the least recently used there)."""
+        self.now = now
+        retention = self.retention_policy
+        if retention is None:
+            return
+        for pin in retention.expired_pins(now):
+            self.unpin(pin.tenant, pin.pin_id, expired=True)
+        queue = self.free_block_queue
+        for block in retention.expired_priorities(now, self.blocks):
+            if block.block_hash is None:
+                continue
+            block.priority = DEFAULT_PRIORITY
+            retention.stats.priorities_expired += 1
+            if block.prev_free_block is not None and isinstance(queue, PriorityFreeQueue):
+                queue.requeue_at_front(block)
+
+    def _hold_for_pins(self, key: BlockHashWithGroupId) -> None:
+        """Every pin waiting on ``key`` takes a reference on the block cached under it."""
+        retention = self.retention_policy
+        assert retention is not None
+        block = self.cached_block_hash_to_block.get_one_block(key)
+        if block is None:
+            return
+        for pin in retention.pins_by_key.get(key, ()):
+            if key in pin.held:
+                continue
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+            pin.held[key] = block
+            retention.holders.setdefault(block.block_id, []).append(pin)
+
+    def _release_pin_holds(self, block: KVCacheBlock, hold_again: bool) -> None:
+        """The pins holding ``block`` let go of it and wait for its keys again; with
+        ``hold_again`` another block under the same key, if any, is held instead (the
+        block lost its keys)."""
+        retention = self.retention_policy
+        assert retention is not None
+        pins = retention.holders.pop(block.block_id, [])
+        keys: list[BlockHashWithGroupId] = []
+        for pin in pins:
+            for key in [k for k, held in pin.held.items() if held is block]:
+                del pin.held[key]
+                keys.append(key)
+        self.free_blocks([block] * len(pins))
+        if hold_again:
+            for key in keys:
+                self._hold_for_pins(key)
+
+    def _record_pinned_hit(self, block: KVCacheBlock) -> None:
+        retention = self.retention_policy
+        assert retention is not None
+        for pin in retention.holders[block.block_id]:
+            pin.num_hits += 1
+            retention.stats.pinned_block_hits += 1
+            if pin.refresh_on_hit and pin.ttl_s is not None:
+                pin.expires_at = self.now + pin.ttl_s
+                retention.schedule_pin_expiry(pin)
+
+    def _pin_holders(self) -> dict[int, list[Pin]]:
+        return self.retention_policy.holders if self.retention_policy is not None else {}
+
+    def _num_blocks_held_only_by_pins(self) -> int:
+        holders = self._pin_holders()
+        return sum(1 for i, pins in holders.items() if self.blocks[i].ref_cnt == len(pins))
 
     # -- accounting -------------------------------------------------------------------
 

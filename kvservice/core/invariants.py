@@ -36,6 +36,9 @@ def _queued_blocks(manager: KVCacheManager) -> list[KVCacheBlock]:
         assert curr is not None
         if curr.prev_free_block is not prev:
             _fail(f"free queue: block {curr.block_id}'s prev link does not point back")
+        if curr.block_id < 0:  # a priority level's sentinel
+            prev, curr = curr, curr.next_free_block
+            continue
         if curr.block_id in seen:
             _fail(f"free queue: block {curr.block_id} is queued twice")
         seen.add(curr.block_id)
@@ -73,7 +76,7 @@ def check_invariants(manager: KVCacheManager) -> None:
             if single.num_cached_block.get(request_id, 0) > len(blocks):
                 _fail(f"group {group_id}: request {request_id!r} caches more blocks than it holds")
     _check_writable_blocks_unshared(manager, table_holders)
-    holders = table_holders + _copy_holds(manager, queued_ids)
+    holders = table_holders + _copy_holds(manager, queued_ids) + _pin_holds(manager)
 
     for block in pool.blocks[1:]:
         if block.is_null:
@@ -107,6 +110,25 @@ def _copy_holds(manager: KVCacheManager, queued_ids: set[int]) -> Counter[int]:
                         f"group {group_id}: block {end.block_id} of the pending copy "
                         f"{src.block_id} -> {dst.block_id} is free before the copy was taken"
                     )
+    return holds
+
+
+def _pin_holds(manager: KVCacheManager) -> Counter[int]:
+    """One reference per pin on each block it holds, which must carry the pin's key."""
+    holds: Counter[int] = Counter()
+    retention = manager.block_pool.retention_policy
+    if retention is None:
+        return holds
+    cache = manager.block_pool.cached_block_hash_to_block
+    for pin in retention.pins.values():
+        for key, block in pin.held.items():
+            if key not in pin.keys or block not in cache.blocks_of(key):
+                _fail(f"pin {pin.pin_id!r} holds block {block.block_id} under a key it lacks")
+            if pin not in retention.holders.get(block.block_id, []):
+                _fail(f"pin {pin.pin_id!r} holds block {block.block_id} unrecorded")
+            holds[block.block_id] += 1
+    if sum(holds.values()) != sum(len(pins) for pins in retention.holders.values()):
+        _fail("the pins' holds and the pool's record of them disagree")
     return holds
 
 

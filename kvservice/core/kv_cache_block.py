@@ -20,6 +20,10 @@ BlockIds = tuple[tuple[int, ...], ...]
 BlockHash = bytes
 BlockHashWithGroupId = bytes
 
+# TensorRT-LLM's default retention priority: a block nobody gave a priority to. The
+# priority eviction policy evicts lower priorities first (core/retention.py).
+DEFAULT_PRIORITY = 35
+
 
 def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
     return block_hash + group_id.to_bytes(4, "big")
@@ -39,6 +43,8 @@ class KVCacheBlock:
     ``ref_cnt`` counts the request block tables that contain the block; 0 means the
     block sits in the free queue (and may still be a prefix-cache entry until it is
     reused). The free-list links belong to ``FreeKVCacheBlockQueue`` alone.
+    ``priority`` is the block's retention priority while it is cached; only the
+    priority eviction policy reads it.
     """
 
     __slots__ = (
@@ -48,6 +54,7 @@ class KVCacheBlock:
         "is_null",
         "next_free_block",
         "prev_free_block",
+        "priority",
         "ref_cnt",
     )
 
@@ -59,6 +66,7 @@ class KVCacheBlock:
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
         self.is_null = False
+        self.priority = DEFAULT_PRIORITY
 
     @property
     def block_hash(self) -> BlockHashWithGroupId | None:
@@ -82,6 +90,7 @@ class KVCacheBlock:
     def reset_hash(self) -> None:
         self._block_hash = None
         self._block_hash_num_tokens = None
+        self.priority = DEFAULT_PRIORITY
 
     def __repr__(self) -> str:
         # Neighbour ids, not neighbours: printing the objects would recurse the list.

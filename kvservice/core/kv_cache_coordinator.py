@@ -25,6 +25,7 @@ from kvservice.core.kv_cache_interface import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from kvservice.core.retention_policy import RetentionPolicy
 from kvservice.core.single_type_kv_cache_manager import (
     BlockCopy,
     CacheHitQuery,
@@ -153,6 +154,7 @@ class KVCacheCoordinator(ABC):
         hash_block_size: int,
         max_in_flight_tokens: int,
         use_eagle: bool = False,
+        retention_policy: RetentionPolicy | None = None,
     ) -> None:
         _validate_block_sizes(
             kv_cache_config, enable_caching, scheduler_block_size, hash_block_size
@@ -162,7 +164,11 @@ class KVCacheCoordinator(ABC):
         self.enable_caching = enable_caching
         self.scheduler_block_size = scheduler_block_size
         self.block_pool = BlockPool(
-            kv_cache_config.num_blocks, enable_caching, hash_block_size, enable_kv_cache_events
+            kv_cache_config.num_blocks,
+            enable_caching,
+            hash_block_size,
+            enable_kv_cache_events,
+            retention_policy,
         )
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(
@@ -597,6 +603,7 @@ def get_kv_cache_coordinator(
     hash_block_size: int,
     max_in_flight_tokens: int,
     use_eagle: bool = False,
+    retention_policy: RetentionPolicy | None = None,
 ) -> KVCacheCoordinator:
     args = (
         max_model_len,
@@ -607,7 +614,13 @@ def get_kv_cache_coordinator(
         max_in_flight_tokens,
     )
     if not enable_caching or not kv_cache_config.kv_cache_groups:
-        return KVCacheCoordinatorNoPrefixCache(kv_cache_config, *args, use_eagle=use_eagle)
+        return KVCacheCoordinatorNoPrefixCache(
+            kv_cache_config, *args, use_eagle=use_eagle, retention_policy=retention_policy
+        )
     if len(kv_cache_config.kv_cache_groups) == 1:
-        return UnitaryKVCacheCoordinator(kv_cache_config, *args, use_eagle=use_eagle)
-    return HybridKVCacheCoordinator(kv_cache_config, *args, use_eagle=use_eagle)
+        return UnitaryKVCacheCoordinator(
+            kv_cache_config, *args, use_eagle=use_eagle, retention_policy=retention_policy
+        )
+    return HybridKVCacheCoordinator(
+        kv_cache_config, *args, use_eagle=use_eagle, retention_policy=retention_policy
+    )

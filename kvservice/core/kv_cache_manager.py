@@ -19,13 +19,15 @@ from kvservice.core.allocation_options import (
     allocation_options,
 )
 from kvservice.core.block_hashing import BlockHasher, MultiModalFeature
+from kvservice.core.block_pool import resolve_block_hashes
 from kvservice.core.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
 )
-from kvservice.core.kv_cache_block import KVCacheBlock
+from kvservice.core.kv_cache_block import BlockHash, BlockHashWithGroupId, KVCacheBlock
 from kvservice.core.kv_cache_coordinator import get_kv_cache_coordinator
 from kvservice.core.kv_cache_interface import (
+    AttentionSpec,
     CrossAttentionSpec,
     KVCacheConfig,
     SlidingWindowSpec,
@@ -35,6 +37,7 @@ from kvservice.core.kv_cache_interface import (
 )
 from kvservice.core.kv_events import BlockStored, KVCacheEvent
 from kvservice.core.request import Request, RequestStatus
+from kvservice.core.retention_policy import Pin, RetentionConfig, RetentionPolicy, check_duration
 from kvservice.core.stats import PrefixCacheStats
 
 
@@ -133,11 +136,17 @@ class KVCacheManager:
         use_eagle: bool = False,
         dcp_world_size: int = 1,
         pcp_world_size: int = 1,
+        eviction_policy: str = "lru",
+        max_pinned_fraction: float = 0.0,
     ) -> None:
         if max_model_len <= 0:
             raise InvalidArgumentError(f"max_model_len must be positive, got {max_model_len}")
         if not 0.0 <= watermark < 1.0:
             raise InvalidArgumentError(f"watermark must be in [0, 1), got {watermark}")
+        if not 0.0 <= max_pinned_fraction < 1.0:
+            raise InvalidArgumentError(
+                f"max_pinned_fraction must be in [0, 1), got {max_pinned_fraction}"
+            )
         if max_in_flight_tokens is not None and max_in_flight_tokens < 0:
             raise InvalidArgumentError(
                 f"max_in_flight_tokens must be >= 0 (0 or None: max_model_len), got "
@@ -163,6 +172,14 @@ class KVCacheManager:
         self.log_stats = log_stats
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self.block_hasher = BlockHasher(self.hash_block_size, hash_algo, none_hash_seed)
+        # vLLM's LRU and nothing else unless a policy or a pinned budget is asked for.
+        retention_policy = (
+            RetentionPolicy(
+                eviction_policy, int(max_pinned_fraction * (kv_cache_config.num_blocks - 1))
+            )
+            if eviction_policy != "lru" or max_pinned_fraction > 0
+            else None
+        )
         self.coordinator = get_kv_cache_coordinator(
             scheduler_view,
             max_model_len=max_model_len,
@@ -172,6 +189,7 @@ class KVCacheManager:
             hash_block_size=self.hash_block_size,
             max_in_flight_tokens=self.max_in_flight_tokens,
             use_eagle=use_eagle,
+            retention_policy=retention_policy,
         )
         self.num_kv_cache_groups = len(groups)
         # Layer 1 reads the free count directly for its capacity checks.
@@ -229,8 +247,16 @@ class KVCacheManager:
         lora_path: str | None = None,
         lora_int_id: int | None = None,
         prompt_embeds: bytes | None = None,
+        retention: RetentionConfig | None = None,
     ) -> Request:
-        """A ``Request`` hashed with this manager's hash function and block size."""
+        """A ``Request`` hashed with this manager's hash function and block size.
+        ``retention`` needs the priority eviction policy (FailedPreconditionError)."""
+        if retention is not None and not self.priorities_enabled:
+            raise FailedPreconditionError(
+                f"request {request_id!r} carries retention priorities, but this pool "
+                f"evicts by LRU only; start it with the priority eviction policy "
+                f"(--eviction-policy priority) to honour them"
+            )
         return Request(
             request_id,
             prompt_token_ids,
@@ -242,6 +268,7 @@ class KVCacheManager:
             lora_path=lora_path,
             lora_int_id=lora_int_id,
             prompt_embeds=prompt_embeds,
+            retention=retention,
         )
 
     def new_step_starts(self) -> None:
@@ -558,6 +585,113 @@ class KVCacheManager:
             num_local_computed_tokens=num_local_computed_tokens,
             num_tokens_main_model=num_tokens_main_model,
         )
+
+    # -- retention policy: pins and priorities --------------------------------------
+
+    @property
+    def retention_policy(self) -> RetentionPolicy | None:
+        return self.block_pool.retention_policy
+
+    @property
+    def priorities_enabled(self) -> bool:
+        return self.retention_policy is not None and self.retention_policy.priorities_enabled
+
+    def expire_retention(self, now: float) -> None:
+        """Let time pass to ``now`` (seconds, any monotonic origin): expired pins let go
+        of their blocks, expired priorities revert. The caller owns the clock, so a
+        replica can follow its server's time exactly."""
+        self.block_pool.expire_retention(now)
+
+    def pin_prefix(
+        self,
+        tenant: str,
+        token_ids: Sequence[int],
+        now: float,
+        *,
+        ttl_s: float | None = None,
+        refresh_on_hit: bool = False,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+    ) -> Pin:
+        """Pin the whole blocks of ``token_ids`` for ``tenant`` (for ``ttl_s`` seconds
+        from ``now``, refreshed by each hit with ``refresh_on_hit``; None: until
+        unpinned). Blocks not cached yet join the pin when they are. Pinning a prefix
+        the tenant has pinned already refreshes that pin. Raises InvalidArgumentError
+        for a prefix shorter than a block, QuotaExceededError past the pinned budget."""
+        probe = self.new_request(
+            f"pin:{tenant}",
+            token_ids,
+            cache_salt=cache_salt,
+            lora_name=lora_name,
+            lora_path=lora_path,
+        )
+        return self.pin_request_prompt(
+            tenant, probe, now, ttl_s=ttl_s, refresh_on_hit=refresh_on_hit
+        )
+
+    def pin_request_prompt(
+        self,
+        tenant: str,
+        request: Request,
+        now: float,
+        *,
+        ttl_s: float | None = None,
+        refresh_on_hit: bool = False,
+    ) -> Pin:
+        """``pin_prefix`` of ``request``'s prompt, by the request's own block hashes
+        (whatever entered them: multimodal items, embeddings, the engine's hash
+        function)."""
+        if not tenant:
+            raise InvalidArgumentError("a pin needs a tenant")
+        check_duration(ttl_s, "pin TTL")
+        hashes = request.block_hashes[: request.num_prompt_tokens // self.hash_block_size]
+        keys = self._pin_keys(hashes)
+        if not keys:
+            raise InvalidArgumentError(
+                f"a pin covers whole blocks; {request.num_prompt_tokens} tokens do not fill "
+                f"one block of {self.scheduler_block_size} tokens"
+            )
+        self.expire_retention(now)
+        pin_id = hashes[-1].hex()[:32]
+        expires_at = None if ttl_s is None else now + ttl_s
+        retention = self.retention_policy
+        existing = retention.pins.get((tenant, pin_id)) if retention is not None else None
+        if existing is not None and retention is not None:
+            existing.ttl_s, existing.expires_at = ttl_s, expires_at
+            existing.refresh_on_hit = refresh_on_hit
+            retention.schedule_pin_expiry(existing)
+            return existing
+        num_tokens = len(hashes) * self.hash_block_size
+        pin = Pin(pin_id, tenant, num_tokens, keys, ttl_s, refresh_on_hit, expires_at)
+        self.block_pool.pin(pin)
+        return pin
+
+    def unpin_prefix(self, tenant: str, pin_id: str) -> bool:
+        """Drop ``tenant``'s pin ``pin_id``; False if it has no such pin."""
+        return self.block_pool.unpin(tenant, pin_id) is not None
+
+    def list_pins(self, tenant: str | None = None) -> list[Pin]:
+        """The pins of ``tenant`` (None: every tenant's), by tenant then id."""
+        retention = self.retention_policy
+        if retention is None:
+            return []
+        return [
+            pin for key, pin in sorted(retention.pins.items()) if tenant is None or key[0] == tenant
+        ]
+
+    def _pin_keys(self, block_hashes: Sequence[BlockHash]) -> tuple[BlockHashWithGroupId, ...]:
+        """The cache keys of the whole blocks ``block_hashes`` fingerprint, in every
+        group a hit reads blocks from (attention groups other than cross attention)."""
+        keys: list[BlockHashWithGroupId] = []
+        for group_id, manager in enumerate(self.coordinator.single_type_managers):
+            spec = manager.kv_cache_spec
+            if not isinstance(spec, AttentionSpec) or isinstance(spec, CrossAttentionSpec):
+                continue
+            hashes = resolve_block_hashes(block_hashes, self.hash_block_size, manager.block_size)
+            suffix = group_id.to_bytes(4, "big")
+            keys.extend(h + suffix for h in hashes)
+        return tuple(keys)
 
     # -- freeing and bookkeeping --------------------------------------------------------
 

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 from kvservice.core.block_hashing import BlockHasher, MultiModalFeature
 from kvservice.core.errors import FailedPreconditionError, InvalidArgumentError
 from kvservice.core.kv_cache_block import BlockHash
+from kvservice.core.retention_policy import RetentionConfig
 
 
 class RequestStatus(enum.IntEnum):
@@ -33,7 +34,8 @@ class Request:
     items, the cache salt and the prompt embeddings
     (``prompt_embeds``: the raw bytes of a row-major ``[num_prompt_tokens, hidden]``
     tensor, as vLLM hashes ``tensor_data`` of its rows). ``lora_int_id`` is vLLM's
-    ``lora_request.adapter_id``, reported as ``lora_id`` in KV events.
+    ``lora_request.adapter_id``, reported as ``lora_id`` in KV events. ``retention``
+    gives the blocks it caches a priority (core/retention.py).
     """
 
     __slots__ = (
@@ -54,6 +56,7 @@ class Request:
         "prompt_embeds",
         "prompt_embeds_row_bytes",
         "request_id",
+        "retention",
         "shared_prefix_boundary",
         "skip_reading_prefix_cache",
         "status",
@@ -72,6 +75,7 @@ class Request:
         lora_path: str | None = None,
         lora_int_id: int | None = None,
         prompt_embeds: bytes | None = None,
+        retention: RetentionConfig | None = None,
     ) -> None:
         if not request_id:
             raise InvalidArgumentError("request_id must be a non-empty string")
@@ -103,6 +107,8 @@ class Request:
         # Prompt-logprob and pooling requests must recompute every token: they write
         # the prefix cache but never read it.
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
+        # Priorities for the blocks this request caches (the priority eviction policy).
+        self.retention = retention
         self.status = RequestStatus.WAITING
         # Set by get_computed_blocks when some group matched further than the joint hit:
         # the junction later requests sharing this prefix will resume from.

@@ -31,6 +31,8 @@ MUTATING_UNARY_METHODS = frozenset(
         "NewStepStarts",
         "FreeRetainedBlocks",
         "CacheBlocks",
+        "PinPrefix",
+        "UnpinPrefix",
     }
 )
 # Every call that changes the pool, the step stream included.

@@ -12,6 +12,13 @@ class AlreadyExistsError(KVCacheError):
     status = "ALREADY_EXISTS"
 
 
+class PinNotFoundError(KVCacheError, LookupError):
+    """The caller's tenant has no pin of that id (another tenant's pins are never
+    found)."""
+
+    status = "NOT_FOUND"
+
+
 class StaleHitError(KVCacheError):
     """A remembered prefix hit lost a block to eviction before it was attached."""
 

@@ -13,6 +13,7 @@ each call runs to completion before the next starts.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,7 +32,13 @@ from kvservice.core.invariants import InvariantViolationError, check_invariants
 from kvservice.core.kv_cache_block import BlockHashWithGroupId, BlockIds
 from kvservice.core.kv_cache_manager import AllocationProbe, KVCacheBlocks, KVCacheManager
 from kvservice.core.request import Request, RequestStatus, computed_after_allocation
-from kvservice.request_table.errors import AlreadyExistsError, LimitExceededError, StaleHitError
+from kvservice.core.retention_policy import Pin, RetentionPolicy
+from kvservice.request_table.errors import (
+    AlreadyExistsError,
+    LimitExceededError,
+    PinNotFoundError,
+    StaleHitError,
+)
 from kvservice.request_table.limits import LimitError, RequestLimits, mm_identifier_bytes
 from kvservice.request_table.reporting import (
     AllocationResult,
@@ -45,7 +52,9 @@ from kvservice.request_table.tenancy import (
     TenantLedger,
     check_tenant_blocks,
     core_request_id,
+    pin_owner,
     tenant_cache_salt,
+    tenant_of_pin_owner,
 )
 from kvservice.request_table.types import (
     AllocateArgs,
@@ -54,6 +63,9 @@ from kvservice.request_table.types import (
     ComputedBlocks,
     FreeMode,
     NewRequest,
+    PinArgs,
+    PinnedBudget,
+    PinView,
     PoolUsage,
 )
 
@@ -112,6 +124,10 @@ class RequestTable:
     request's fields and the requests and waiting tokens each tenant holds
     (``limits``), and ``on_refusal`` hears of each call refused for one of them; token
     ids must be below ``vocab_size`` (0: no bound).
+
+    Retention (pins and priorities, when the manager has them): the table owns the
+    clock the core never reads. Each call that may allocate or pin first lets time
+    pass to ``clock()`` (``expire_retention``); without retention nothing is read.
     """
 
     def __init__(
@@ -124,6 +140,7 @@ class RequestTable:
         on_refusal: RefusalSink | None = None,
         vocab_size: int = 0,
         limits: RequestLimits | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if vocab_size < 0:
             raise InvalidArgumentError(f"vocab_size must be >= 0 (0: no bound), got {vocab_size}")
@@ -155,6 +172,11 @@ class RequestTable:
         # Inside ``batched()``: the runtime's zeroing and copies wait for the batch to
         # end, and so do the reporter's observations of the pool.
         self._batch_depth = 0
+        # Pins and priorities (None: vLLM's LRU, and no clock is read).
+        self._retention: RetentionPolicy | None = manager.retention_policy
+        self._clock = clock
+        # The time of the last ``_tick`` (what pins' TTLs are reported against).
+        self._now = 0.0
         self._after_change()
 
     # -- requests -------------------------------------------------------------------
@@ -184,6 +206,7 @@ class RequestTable:
                 )
         _check_lora(new)
         _check_prompt_embeds(new)
+        self._check_retention(new)
         embeds_bytes = len(new.prompt_embeds) if new.prompt_embeds is not None else 0
         mm_items = len(new.mm_features)
         mm_bytes = mm_identifier_bytes(new.mm_features)
@@ -191,23 +214,56 @@ class RequestTable:
             self.requests_per_tenant.check_add(
                 tenant, rid, len(new.prompt_token_ids), embeds_bytes, mm_items, mm_bytes
             )
+        salt = tenant_cache_salt(tenant, new.cache_salt)
         request = Request(
             key,
             new.prompt_token_ids,
             self.manager.block_hasher,
-            cache_salt=tenant_cache_salt(tenant, new.cache_salt),
+            cache_salt=salt,
             lora_name=new.lora_name,
             mm_features=new.mm_features,
             skip_reading_prefix_cache=new.skip_reading_prefix_cache,
             lora_path=new.lora_path,
             lora_int_id=new.lora_int_id,
             prompt_embeds=new.prompt_embeds,
+            retention=new.retention,
         )
+        if new.cache_control_ttl_s is not None:
+            # The last thing that may refuse the call: a refused pin adds no request,
+            # and nothing after it refuses (so a pin never outlives a refused add).
+            self._tick()
+            ttl_s = new.cache_control_ttl_s
+            self._charged_pin(
+                tenant,
+                lambda owner: self.manager.pin_request_prompt(
+                    owner, request, self._now, ttl_s=ttl_s
+                ),
+            )
+            self._reporter.changed()
         self._requests[key] = request
         self.requests_per_tenant.added(tenant, request.num_tokens, embeds_bytes, mm_items, mm_bytes)
         if session_id is not None and self.ownership is not None:
             self.ownership.adopt(tenant, rid, session_id)
         return request
+
+    def _check_retention(self, new: NewRequest) -> None:
+        """Refuse retention this pool cannot honour, and a cache_control_ttl pin of a
+        prompt whose blocks a pin cannot name (checked before anything changes)."""
+        rid = new.request_id
+        if new.retention is not None and not self.manager.priorities_enabled:
+            policy = self._retention.policy if self._retention is not None else "lru"
+            raise FailedPreconditionError(
+                f"request {rid!r} carries retention priorities, but this pool evicts by "
+                f"{policy} only; start the server with --eviction-policy priority to "
+                f"honour them (or send the request without retention)"
+            )
+        ttl = new.cache_control_ttl_s
+        if ttl is None:
+            return
+        if not ttl > 0:
+            raise InvalidArgumentError(
+                f"request {rid!r}: cache_control_ttl must be a positive duration, got {ttl}s"
+            )
 
     def check_request_size(self, request_id: str, num_mm_items: int, tenant: str) -> None:
         """The checks of ``add_request`` that need only the id and the number of
@@ -293,6 +349,7 @@ class RequestTable:
     def get_computed_blocks(self, request_id: str, tenant: str) -> ComputedBlocks:
         """The cached prefix of a waiting or preempted request, remembered for the
         next ``allocate_slots``. Side effect: records prefix cache stats."""
+        self._tick()
         request = self._get(request_id, tenant)
         if request.status == RequestStatus.RUNNING:
             raise FailedPreconditionError(
@@ -308,6 +365,7 @@ class RequestTable:
         """``allocate_slots`` for a known request; counts the outcome either way.
         RESOURCE_EXHAUSTED (nothing changed) when it would take ``tenant`` past its
         block quota."""
+        self._tick()
         try:
             allocation = self._allocate(request_id, args, tenant)
         except KVCacheError:
@@ -472,6 +530,7 @@ class RequestTable:
         """A scheduler step begins (vLLM's ``KVCacheManager.new_step_starts``): a Mamba
         state cached from now on is refused as a prefix hit until the next one. The
         boundary is the pool's, whichever tenant announces it."""
+        self._tick()
         self.manager.new_step_starts()
 
     def free_retained_blocks(
@@ -518,6 +577,179 @@ class RequestTable:
         """The copy holds kept (``batched(keep_copy_holds=...)``) per (tenant, session
         id) keeping them: for the server's audit, which checks each session is live."""
         return self._runtime_sync.kept_per_owner()
+
+    # -- retention: pins and the clock ----------------------------------------------
+
+    def _tick(self) -> None:
+        """Let time pass to ``clock()`` for the pool's pins and priorities: expired
+        pins let go (their blocks' tenants are charged the blocks that went free),
+        expired priorities revert. Nothing (no clock read) without retention."""
+        retention = self._retention
+        if retention is None:
+            return
+        now = self._now = self._clock()
+        deadline = retention.next_deadline()
+        if deadline is None or deadline > now:
+            self.manager.expire_retention(now)  # records the time; nothing expires
+            return
+        freed = self._blocks_freed_by_expiry(retention, now)
+        self.manager.expire_retention(now)
+        for tenant, num_blocks in freed.items():
+            self.tenants.charge(tenant, -num_blocks)
+        self._reporter.changed()
+
+    def _blocks_freed_by_expiry(self, retention: RetentionPolicy, now: float) -> dict[str, int]:
+        """Per counted tenant, the blocks the pins expiring by ``now`` hold alone (one
+        reference per pin and key; tenants share no block, so every other reference on
+        such a block is the same tenant's)."""
+        holds: dict[int, int] = {}
+        owners: dict[int, str] = {}
+        for pin in list(retention.pins.values()):
+            if pin.expires_at is None or pin.expires_at > now:
+                continue
+            tenant = tenant_of_pin_owner(pin.tenant)
+            if not self.tenants.counts(tenant):
+                continue
+            for block in pin.held.values():
+                holds[block.block_id] = holds.get(block.block_id, 0) + 1
+                owners[block.block_id] = tenant
+        freed: dict[str, int] = {}
+        blocks = self.manager.block_pool.blocks
+        for block_id, num_holds in holds.items():
+            if blocks[block_id].ref_cnt == num_holds:
+                tenant = owners[block_id]
+                freed[tenant] = freed.get(tenant, 0) + 1
+        return freed
+
+    def _charged_pin(self, tenant: str, pin: Callable[[str], Pin]) -> Pin:
+        """``pin(owner)`` for ``tenant`` (after ``_tick``), charging the tenant the
+        cached blocks the pin took out of the free queue."""
+        pool = self.manager.block_pool
+        counted = self.tenants.counts(tenant)
+        free_before = pool.get_num_free_blocks()
+        try:
+            return pin(pin_owner(tenant))
+        finally:
+            if counted:
+                self.tenants.charge(tenant, free_before - pool.get_num_free_blocks())
+
+    def pin_prefix(self, args: PinArgs, tenant: str) -> PinView:
+        """Pin the whole blocks of ``args.token_ids`` for ``tenant`` (README,
+        Retention); pinning a prefix the tenant pinned already refreshes that pin.
+        INVALID_ARGUMENT (shorter than a block, bad ids or TTL), OUT_OF_RANGE (past
+        max_model_len), RESOURCE_EXHAUSTED (pinning off, or past the pinned budget);
+        a refusal changes nothing (the arguments are checked before time passes)."""
+        self._check_pin_tokens(args)
+        with self._reporting_limits(tenant):
+            self.limits.check_fields("(pin)", args.cache_salt, args.lora_name, (), args.lora_path)
+        if args.lora_path and not args.lora_name:
+            raise InvalidArgumentError(
+                "pin: lora_path is set without lora_name; name the LoRA adapter "
+                "(lora_name) whose lora_path it is"
+            )
+        if args.ttl_s is not None and not args.ttl_s > 0:
+            raise InvalidArgumentError(
+                f"pin: ttl_seconds must be positive (or 0: until unpinned), got {args.ttl_s}"
+            )
+        self._tick()
+        pin = self._charged_pin(
+            tenant,
+            lambda owner: self.manager.pin_prefix(
+                owner,
+                args.token_ids,
+                self._now,
+                ttl_s=args.ttl_s,
+                refresh_on_hit=args.refresh_on_hit,
+                cache_salt=tenant_cache_salt(tenant, args.cache_salt),
+                lora_name=args.lora_name,
+                lora_path=args.lora_path,
+            ),
+        )
+        self._reporter.changed()
+        return self._pin_view(pin)
+
+    def _check_pin_tokens(self, args: PinArgs) -> None:
+        token_ids = args.token_ids
+        name = "packed_token_ids" if args.packed else "token_ids"
+        if not token_ids:
+            raise InvalidArgumentError(f"pin: {name} must hold at least one block of tokens")
+        if not args.packed and min(token_ids) < 0:
+            negative = next(i for i, t in enumerate(token_ids) if t < 0)
+            raise InvalidArgumentError(
+                f"pin: {name}[{negative}] = {token_ids[negative]}; token ids must be >= 0"
+            )
+        if self.vocab_size and max(token_ids) >= self.vocab_size:
+            outside = next(i for i, t in enumerate(token_ids) if t >= self.vocab_size)
+            raise InvalidArgumentError(
+                f"pin: {name}[{outside}] = {token_ids[outside]} is outside the vocabulary; "
+                f"token ids must be < vocab_size {self.vocab_size}"
+            )
+        if len(token_ids) > self.manager.max_model_len:
+            raise OutOfRangeError(
+                f"pin: {len(token_ids)} tokens exceed max_model_len "
+                f"{self.manager.max_model_len}; no request could hit such a prefix"
+            )
+
+    def unpin_prefix(self, pin_id: str, tenant: str) -> None:
+        """Drop ``tenant``'s pin ``pin_id`` (its blocks age as freed cached blocks).
+        NOT_FOUND when the tenant has no such pin."""
+        if not pin_id:
+            raise InvalidArgumentError("unpin: pin_id must not be empty (ListPins names them)")
+        self._tick()
+        pool = self.manager.block_pool
+        free_before = pool.get_num_free_blocks()
+        removed = self.manager.unpin_prefix(pin_owner(tenant), pin_id)
+        if not removed:
+            raise PinNotFoundError(
+                f"pin {pin_id!r} is not known (never pinned by this tenant, unpinned, or "
+                f"expired); ListPins names the tenant's pins"
+            )
+        if self.tenants.counts(tenant):
+            self.tenants.charge(tenant, free_before - pool.get_num_free_blocks())
+        self._reporter.changed()
+
+    def list_pins(self, tenant: str | None) -> list[PinView]:
+        """The pins of ``tenant`` (None: every tenant's), by tenant then id."""
+        self._tick()
+        owner = None if tenant is None else pin_owner(tenant)
+        return [self._pin_view(pin) for pin in self.manager.list_pins(owner)]
+
+    def pinned_budget(self) -> PinnedBudget:
+        """The pool's pinned blocks, reserved blocks and budget (zeros without pins)."""
+        retention = self._retention
+        if retention is None:
+            return PinnedBudget(0, 0, 0)
+        return PinnedBudget(
+            retention.num_pinned_blocks,
+            retention.num_reserved_blocks,
+            retention.max_pinned_blocks,
+        )
+
+    def pins_per_tenant(self) -> dict[str, int]:
+        """Pins per tenant (a copy: safe to read from the metrics thread, since the
+        keys are copied in one C-level step)."""
+        retention = self._retention
+        counts: dict[str, int] = {}
+        if retention is None:
+            return counts
+        for owner, _ in list(retention.pins):
+            tenant = tenant_of_pin_owner(owner)
+            counts[tenant] = counts.get(tenant, 0) + 1
+        return counts
+
+    def _pin_view(self, pin: Pin) -> PinView:
+        expires_in = None if pin.expires_at is None else max(0.0, pin.expires_at - self._now)
+        return PinView(
+            pin_id=pin.pin_id,
+            tenant=tenant_of_pin_owner(pin.tenant),
+            num_tokens=pin.num_tokens,
+            num_reserved_blocks=len(pin.keys),
+            num_held_blocks=len(pin.held),
+            ttl_s=pin.ttl_s,
+            refresh_on_hit=pin.refresh_on_hit,
+            expires_in_s=expires_in,
+            num_hits=pin.num_hits,
+        )
 
     # -- freeing and queries --------------------------------------------------------
 
@@ -583,6 +815,9 @@ class RequestTable:
         # Remembered hits are kept: their blocks lost their keys, so attaching one now
         # answers ABORTED, which tells the client to look up again.
         reset = self.manager.reset_prefix_cache(restore_block_order=fresh_pool)
+        if reset and self._retention is not None:
+            # Only pins held blocks, and they let go: no tenant holds any now.
+            self.tenants.release_all()
         self._after_change()
         return reset
 

@@ -83,6 +83,21 @@ def client_request_id(key: str) -> str:
     return key.request_id if isinstance(key, TenantRequestId) else key
 
 
+# The owner the core files the default tenant's pins under (the core needs a name; a
+# named tenant's name holds no NUL, so none can spell this one).
+_DEFAULT_PIN_OWNER = f"{_SEPARATOR}default"
+
+
+def pin_owner(tenant: str) -> str:
+    """The owner name the core files ``tenant``'s pins under."""
+    return tenant or _DEFAULT_PIN_OWNER
+
+
+def tenant_of_pin_owner(owner: str) -> str:
+    """The tenant whose pins the core files under ``owner``."""
+    return DEFAULT_TENANT if owner == _DEFAULT_PIN_OWNER else owner
+
+
 def tenant_cache_salt(tenant: str, cache_salt: str | None) -> str | None:
     """The salt that enters the first block's hash: the client's own for the default
     tenant (today's hashes, byte for byte); for a named tenant, the tenant and the
@@ -134,6 +149,11 @@ class TenantLedger:
                 f"(max_blocks); free or preempt some of its requests first"
             )
 
+    def release_all(self) -> None:
+        """Every tenant now holds nothing (the prefix cache was reset with no block in
+        use but the pins', which let go)."""
+        self._held.clear()
+
     def charge(self, tenant: str, num_blocks: int) -> None:
         """Record that ``tenant`` now holds ``num_blocks`` more (negative: fewer)."""
         if num_blocks:
@@ -160,7 +180,7 @@ def check_tenant_blocks(
 ) -> None:
     """Raise ``InvariantViolationError`` unless each tenant's ``ledger`` count equals
     the distinct blocks its requests (and the copy holds its sessions keep,
-    ``copy_holds``) hold and no block is held by two tenants."""
+    ``copy_holds``, and its pins) hold and no block is held by two tenants."""
     holders: dict[int, str] = {}
 
     def hold(block_id: int, owner: str) -> None:
@@ -179,6 +199,11 @@ def check_tenant_blocks(
     for owner, block_ids in (copy_holds or {}).items():
         for block_id in block_ids:
             hold(block_id, owner)
+    retention = manager.retention_policy
+    if retention is not None:
+        for pin in retention.pins.values():
+            for block in pin.held.values():
+                hold(block.block_id, tenant_of_pin_owner(pin.tenant))
     counted: dict[str, int] = {}
     for owner in holders.values():
         counted[owner] = counted.get(owner, 0) + 1

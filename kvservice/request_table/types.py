@@ -18,6 +18,7 @@ from kvservice.core.allocation_options import PLAIN_ALLOCATION, AllocationOption
 from kvservice.core.block_hashing import MultiModalFeature
 from kvservice.core.kv_cache_block import BlockIds
 from kvservice.core.request import Request
+from kvservice.core.retention_policy import RetentionConfig
 
 BlockIdsPerGroup = tuple[list[int], ...]
 
@@ -50,11 +51,58 @@ class NewRequest:
     # (vLLM hashes the raw bytes of each block's rows).
     prompt_embeds: bytes | None = None
     prompt_embeds_row_bytes: int = 0
+    # Eviction priorities of its blocks (needs the priority eviction policy).
+    retention: RetentionConfig | None = None
+    # Pin the prompt's whole blocks for the tenant for this many seconds (Dynamo's
+    # cache_control TTL), created with the request; None: no pin.
+    cache_control_ttl_s: float | None = None
 
     @property
     def prompt_field(self) -> str:
         """The AddRequestRequest field the prompt came in."""
         return "packed_prompt_token_ids" if self.packed else "prompt_token_ids"
+
+
+@dataclass(frozen=True, slots=True)
+class PinArgs:
+    """A prefix to pin, as a client describes it to PinPrefix: the tokens and the
+    keys that enter its block hashes (as a request's would), the TTL (None: until
+    unpinned) and whether a hit restarts it."""
+
+    token_ids: list[int]
+    ttl_s: float | None = None
+    refresh_on_hit: bool = False
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    lora_path: str | None = None
+    # The ids came packed (unsigned: none can be negative).
+    packed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class PinView:
+    """One pin as the table reports it: under the tenant the client knows, with the
+    time left rather than the server's clock reading."""
+
+    pin_id: str
+    tenant: str
+    num_tokens: int
+    num_reserved_blocks: int
+    num_held_blocks: int
+    ttl_s: float | None
+    refresh_on_hit: bool
+    expires_in_s: float | None
+    num_hits: int
+
+
+@dataclass(frozen=True, slots=True)
+class PinnedBudget:
+    """The pool's pins in blocks: held now, reserved (cached or not), and the most
+    pins may reserve (0: pinning is off)."""
+
+    num_pinned_blocks: int
+    num_reserved_blocks: int
+    max_pinned_blocks: int
 
 
 class AllocateArgs(NamedTuple):

@@ -35,6 +35,7 @@ from kvservice.client import (
 from kvservice.client.step import StepBuilder
 from kvservice.client.step_link import RemoteStepError, Send, SentStep, StepLink
 from kvservice.client.step_log import ANY_ANSWER
+from kvservice.client.types import REPLICA_RETENTION_REFUSAL
 from kvservice.core.errors import InvalidArgumentError
 from kvservice.core.kv_cache_groups import GroupShape, group_spec
 from kvservice.core.kv_cache_interface import (
@@ -73,8 +74,15 @@ def _group_spec(group: KVCacheGroup, enable_caching: bool) -> KVCacheSpec:
         ) from None
 
 
-def replica_manager(config: CacheConfig) -> KVCacheManager:
-    """A fresh pool laid out as the server's, deciding as the server's does."""
+def replica_manager(config: CacheConfig, target: str = "the server") -> KVCacheManager:
+    """A fresh pool laid out as the server's, deciding as the server's does.
+    ``RemoteStepError`` for a pool with retention (priorities or pins): its server
+    decides by a clock and pins the replica does not see."""
+    if config.has_retention:
+        raise RemoteStepError(
+            f"kvservice at {target} runs eviction policy {config.eviction_policy!r} with a "
+            f"pinned budget of {config.max_pinned_blocks} blocks: {REPLICA_RETENTION_REFUSAL}"
+        )
     groups = [
         KVCacheGroupSpec(list(group.layer_names), _group_spec(group, config.enable_caching))
         for group in config.groups
@@ -120,9 +128,10 @@ class ReplicatedBackend(InProcessBackend):
     def __init__(
         self, client: KVClient, send: Send, *, overlap: bool = False, ordered: bool = True
     ) -> None:
-        config = client.get_cache_config()
+        # Checked before the pool is claimed (reset): a refused backend changes nothing.
+        manager = replica_manager(client.get_cache_config(), client.target)
         _claim_pool(client)
-        super().__init__(replica_manager(config))
+        super().__init__(manager)
         self.link = StepLink(send, client.target, overlap=overlap, ordered=ordered)
 
     @property

@@ -42,7 +42,12 @@ from kvservice.server.idempotency import IdempotencyLayer, OperationCache
 from kvservice.server.interceptors import BoundaryInterceptor, RpcLayer
 from kvservice.server.log import unfiltered_logger
 from kvservice.server.loop_watch import FullCollections, GcWatch, StallWatch
-from kvservice.server.metrics import ClientTracker, KVCacheMetrics, MetricsEndpoint
+from kvservice.server.metrics import (
+    ClientTracker,
+    KVCacheMetrics,
+    MetricsEndpoint,
+    RetentionSource,
+)
 from kvservice.server.probes import LoopProbe
 from kvservice.server.runtime import build_runtime, kv_cache_budget
 from kvservice.server.servicer import KVCacheServicer
@@ -76,6 +81,10 @@ def _channel_options(config: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ]
+
+
+# Seconds grpc is given, after the drain, to send the statuses of calls that ended.
+_STATUS_FLUSH_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +188,14 @@ class KVCacheServer:
         self.metrics.watch_tenants(self.table.tenant_blocks)
         self.metrics.watch_tenant_requests(self.table.requests_per_tenant.per_tenant)
         self.metrics.watch_tenant_sessions(self.sessions.tenant_sessions)
+        retention = manager.retention_policy
+        self.metrics.watch_retention(
+            RetentionSource(
+                budget=self.table.pinned_budget,
+                pins_per_tenant=self.table.pins_per_tenant,
+                stats=lambda: retention.stats if retention is not None else None,
+            )
+        )
         # How long the loop is held up (``loop_watch``): reported in the metrics, and
         # the longest figures kept for tests and benchmarks.
         self.stalls = StallWatch(observe=self.metrics.record_loop_stall)
@@ -383,8 +400,12 @@ class KVCacheServer:
             if not await self._drain.wait_idle(grace):
                 log.warning("grace period over; cancelling the calls still running", grace_s=grace)
             # Whatever is left (health watches, reflection, calls past the grace) is
-            # cancelled; see kvservice/server/drain.py for why grpc's grace is not used.
-            await self._server.stop(0)
+            # cancelled; see kvservice/server/drain.py for why grpc's grace is not used
+            # for the drain. A short one still lets calls whose handler has just
+            # returned send their status: a stream closed a moment before the drain
+            # ended was otherwise seen cancelled now and then (test_faults' SIGTERM
+            # test, under load).
+            await self._server.stop(_STATUS_FLUSH_S)
             self._server = None
         # Sessions still being ended (their last frees), then the watches.
         await self.turn.drain()

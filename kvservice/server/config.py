@@ -78,6 +78,12 @@ class ServerConfig:
     # None: every reusable block (dense). A vLLM engine's must match.
     prefix_cache_retention_interval: int | None = None
     enable_caching: bool = True
+    # Which free cached blocks are evicted first: "lru" (vLLM's order, the default) or
+    # "priority" (requests' retention priorities reorder them; README, Retention).
+    eviction_policy: str = "lru"
+    # The fraction of the pool pins may reserve (PinPrefix, AddRequest's
+    # cache_control_ttl); 0: pinning is off.
+    max_pinned_fraction: float = 0.0
     # Fraction of num_blocks kept free when admitting waiting or preempted requests
     # while others are scheduled (vLLM's --watermark).
     watermark: float = 0.0
@@ -359,6 +365,8 @@ def build_manager(
         none_hash_seed=config.none_hash_seed,
         hash_block_size=config.hash_block_size or None,
         enable_kv_cache_events=config.records_kv_events,
+        eviction_policy=config.eviction_policy,
+        max_pinned_fraction=config.max_pinned_fraction,
     )
 
 

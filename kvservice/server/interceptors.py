@@ -18,10 +18,9 @@ saying how many more there were; the metrics count every call.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
@@ -40,10 +39,6 @@ log = structlog.get_logger("kvservice.rpc")
 
 UnaryBehavior = Callable[[Any, Any], Awaitable[Any]]
 StreamBehavior = Callable[[Any, Any], AsyncIterator[Any]]
-
-# Generated call ids: unique per process and cheap (no uuid per call on the hot path).
-_CALL_PREFIX = f"{os.getpid():x}-"
-_call_numbers = itertools.count(1)
 
 
 class BoundaryInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
@@ -189,7 +184,7 @@ def _identity(context: Any) -> tuple[str | None, str]:
             client_id = clip(value)  # also what the client tracker keeps
         elif key == CALL_ID_KEY:
             call_id = value
-    return client_id, call_id or f"{_CALL_PREFIX}{next(_call_numbers)}"
+    return client_id, call_id or uuid.uuid4().hex
 
 
 def _fields(method: str, request_id: str, client_id: str | None, call_id: str) -> dict[str, str]:

@@ -26,9 +26,10 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvservice.core.kv_cache_manager import KVCacheManager
+from kvservice.core.retention_policy import RetentionStats
 from kvservice.core.stats import PrefixCacheStats
 from kvservice.request_table.reporting import AllocationResult
-from kvservice.request_table.types import PoolUsage
+from kvservice.request_table.types import PinnedBudget, PoolUsage
 from kvservice.server.binding import BindError, address, socket_family
 from kvservice.server.probes import LoopProbe, with_probes
 
@@ -343,6 +344,11 @@ class KVCacheMetrics:
         time."""
         self.registry.register(_TenantPairCollector(_TENANT_SESSIONS, counts, self.labels))
 
+    def watch_retention(self, retention: RetentionSource) -> None:
+        """Export the pool's pins and priorities (``retention``) at scrape time; the
+        families are declared (at zero) on a pool without them too."""
+        self.registry.register(_RetentionCollector(retention, self.labels))
+
     def _export_cache_config(self, manager: KVCacheManager) -> None:
         config = manager.kv_cache_config
         info = {
@@ -477,6 +483,103 @@ class _TenantPairCollector:
             GaugeMetricFamily(name, help_text, labels=labels) for name, help_text in self._gauges
         )
         return first, second
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionSource:
+    """Where the retention metrics are read from at scrape time (copies, safe to read
+    from the exposition thread): the pinned budget, pins per tenant, the core's
+    counters (None: no retention in this pool)."""
+
+    budget: Callable[[], PinnedBudget]
+    pins_per_tenant: Callable[[], Mapping[str, int]]
+    stats: Callable[[], RetentionStats | None]
+
+
+class _RetentionCollector:
+    """Pins and eviction priorities (README, Retention), read when Prometheus
+    scrapes: plain counts of the pool's retention policy and a copy of its pins'
+    owners."""
+
+    def __init__(self, source: RetentionSource, labels: dict[str, str]) -> None:
+        self._source = source
+        self._label_values = [labels[name] for name in _LABELS]
+
+    def describe(self) -> Iterator[Metric]:
+        return self._families(with_samples=False)
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(with_samples=True)
+
+    def _families(self, with_samples: bool) -> Iterator[Metric]:
+        values = self._label_values
+        pinned = GaugeMetricFamily(
+            "kvservice_pinned_blocks",
+            "Blocks pins hold now (cached, never evicted, counted as used).",
+            labels=_LABELS,
+        )
+        reserved = GaugeMetricFamily(
+            "kvservice_pinned_reserved_blocks",
+            "Blocks pins reserve against the pinned budget: every block key of every "
+            "pin, in every attention group, cached or not (overlapping pins count twice).",
+            labels=_LABELS,
+        )
+        budget = GaugeMetricFamily(
+            "kvservice_pinned_budget_blocks",
+            "The most blocks pins may reserve (--max-pinned-fraction of the pool; 0: "
+            "pinning is off).",
+            labels=_LABELS,
+        )
+        tenant_pins = GaugeMetricFamily(
+            "kvservice_tenant_pins",
+            "Pins each tenant has (the default tenant: empty).",
+            labels=(*_LABELS, "tenant"),
+        )
+        counters = [
+            (
+                "kvservice_pins_created",
+                "Pins created (PinPrefix, AddRequest's cache_control_ttl); a refresh of "
+                "an existing pin is not counted.",
+                "pins_created",
+            ),
+            ("kvservice_pins_expired", "Pins whose TTL ran out.", "pins_expired"),
+            ("kvservice_pins_removed", "Pins dropped by UnpinPrefix.", "pins_removed"),
+            (
+                "kvservice_pinned_block_hits",
+                "Prefix hits on blocks a pin holds (one per block and pin).",
+                "pinned_block_hits",
+            ),
+            (
+                "kvservice_priority_expirations",
+                "Cached blocks whose retention priority's duration ran out (back to the "
+                "default priority, 35).",
+                "priorities_expired",
+            ),
+        ]
+        families = [
+            CounterMetricFamily(name, help_text, labels=_LABELS) for name, help_text, _ in counters
+        ]
+        by_priority = CounterMetricFamily(
+            "kvservice_evictions_by_priority",
+            "Cached blocks evicted for reuse, by the retention priority they had (35: the "
+            "default; every eviction of a pool with retention on).",
+            labels=(*_LABELS, "priority"),
+        )
+        if with_samples:
+            source = self._source
+            now = source.budget()
+            pinned.add_metric(values, now.num_pinned_blocks)
+            reserved.add_metric(values, now.num_reserved_blocks)
+            budget.add_metric(values, now.max_pinned_blocks)
+            for tenant, count in sorted(source.pins_per_tenant().items()):
+                tenant_pins.add_metric([*values, tenant], count)
+            stats = source.stats()
+            for family, (_, _, attribute) in zip(families, counters, strict=True):
+                family.add_metric(values, getattr(stats, attribute) if stats is not None else 0)
+            evictions = dict(stats.evictions_by_priority) if stats is not None else {}
+            for priority, count in sorted(evictions.items()):
+                by_priority.add_metric([*values, str(priority)], count)
+        yield from (pinned, reserved, budget, tenant_pins, *families, by_priority)
 
 
 class _ScrapeTimeCollector:

@@ -206,6 +206,47 @@ def get_usage(
     out.pool_wide = pool_wide
 
 
+def pin_prefix(
+    table: RequestTable,
+    msg: pb.PinPrefixRequest,
+    out: pb.PinPrefixResponse,
+    caller: Caller,
+    with_state: bool,
+    /,
+) -> None:
+    # Every argument is read and checked before the table changes anything.
+    args = converters.pin_args_from_pb(msg)
+    converters.fill_pin(out.pin, table.pin_prefix(args, caller.tenant))
+
+
+def unpin_prefix(
+    table: RequestTable,
+    msg: pb.UnpinPrefixRequest,
+    out: pb.UnpinPrefixResponse,
+    caller: Caller,
+    with_state: bool,
+    /,
+) -> None:
+    table.unpin_prefix(msg.pin_id, caller.tenant)
+
+
+def list_pins(
+    table: RequestTable,
+    msg: pb.ListPinsRequest,
+    out: pb.ListPinsResponse,
+    caller: Caller,
+    with_state: bool,
+    /,
+) -> None:
+    if msg.all_tenants and not caller.admin:
+        raise PermissionDeniedError(
+            f"tenant {caller.tenant!r} may not list every tenant's pins: they name other "
+            f"tenants' prefixes (set admin = true for the tenant in the tokens file)"
+        )
+    pins = table.list_pins(None if msg.all_tenants else caller.tenant)
+    converters.fill_pins(out, pins, table.pinned_budget())
+
+
 # The StepOperation oneof field name -> the operation. StepResult's oneof uses the same
 # names, so a result is filed under the name of the operation that produced it.
 STEP_OPERATIONS: dict[str, Operation] = {
@@ -221,6 +262,9 @@ STEP_OPERATIONS: dict[str, Operation] = {
     "new_step_starts": new_step_starts,
     "free_retained_blocks": free_retained_blocks,
     "cache_blocks": cache_blocks,
+    "pin_prefix": pin_prefix,
+    "unpin_prefix": unpin_prefix,
+    "list_pins": list_pins,
 }
 
 

@@ -83,8 +83,11 @@ class KVCacheServicer:
         self, request: pb.AddRequestRequest, context: Context, caller: Caller
     ) -> pb.AddRequestResponse:
         """Register a WAITING request. ALREADY_EXISTS for a known id; INVALID_ARGUMENT
-        for an empty id or prompt, a negative token id or a multimodal item outside
-        the prompt; OUT_OF_RANGE past max_model_len."""
+        for an empty id or prompt, a negative token id, a multimodal item outside
+        the prompt, a malformed retention or cache_control_ttl; OUT_OF_RANGE past
+        max_model_len; FAILED_PRECONDITION for retention on an LRU pool;
+        RESOURCE_EXHAUSTED for a cache_control_ttl pin the pool refuses (nothing
+        added)."""
         return await self._run(operations.add_request, request, pb.AddRequestResponse(), caller)
 
     async def AppendTokens(  # noqa: N802
@@ -308,6 +311,29 @@ class KVCacheServicer:
                 await slices.pause()
         slices.finish()
         return pb.CloseSessionResponse(num_requests_freed=end.num_freed)
+
+    async def PinPrefix(  # noqa: N802
+        self, request: pb.PinPrefixRequest, context: Context, caller: Caller
+    ) -> pb.PinPrefixResponse:
+        """Pin a token prefix for the caller's tenant (README, Retention); pinning it
+        again refreshes the pin. RESOURCE_EXHAUSTED (pinning off, past the pinned
+        budget); INVALID_ARGUMENT (shorter than a block, bad ids or TTL); OUT_OF_RANGE
+        (past max_model_len). A refusal pins nothing."""
+        return await self._run(operations.pin_prefix, request, pb.PinPrefixResponse(), caller)
+
+    async def UnpinPrefix(  # noqa: N802
+        self, request: pb.UnpinPrefixRequest, context: Context, caller: Caller
+    ) -> pb.UnpinPrefixResponse:
+        """Drop one of the caller's tenant's pins. NOT_FOUND for a pin the tenant does
+        not have; INVALID_ARGUMENT for an empty pin_id."""
+        return await self._run(operations.unpin_prefix, request, pb.UnpinPrefixResponse(), caller)
+
+    async def ListPins(  # noqa: N802
+        self, request: pb.ListPinsRequest, context: Context, caller: Caller
+    ) -> pb.ListPinsResponse:
+        """The caller's tenant's pins (all_tenants: every tenant's, for admins) and the
+        pool's pinned budget. PERMISSION_DENIED for all_tenants from a non-admin."""
+        return await self._run(operations.list_pins, request, pb.ListPinsResponse(), caller)
 
     async def Audit(  # noqa: N802
         self, request: pb.AuditRequest, context: Context, caller: Caller

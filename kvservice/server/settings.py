@@ -159,6 +159,23 @@ OPTIONS: tuple[Option, ...] = (
         aliases=("--enable-prefix-caching",),
     ),
     Option(
+        "eviction_policy",
+        str,
+        "which free cached blocks are evicted first: lru (vLLM's order) or priority "
+        "(AddRequest's retention priorities reorder them, lowest first; see README, "
+        "Retention)",
+        "eviction_policy",
+        choices=("lru", "priority"),
+    ),
+    Option(
+        "max_pinned_fraction",
+        float,
+        "fraction of the pool pinned prefixes may reserve (PinPrefix, AddRequest's "
+        "cache_control_ttl); pinned blocks stay cached and count as used (0: pinning "
+        "off)",
+        "max_pinned_fraction",
+    ),
+    Option(
         "watermark",
         float,
         "fraction of the pool kept free when admitting waiting or preempted requests "

@@ -155,6 +155,9 @@ class StepRunner:
                 )
             keep_holds = (caller.tenant, caller.session_id)
         response.step_id = step.step_id
+        # Speed: hoisted out of the per-operation loop;
+        # `python -m benchmarks.bench_decode_layers --requests 512 --steps 60 --layers step-single`:
+        # step-single layer +7.2% us/request without (8.70 -> 9.33, medians of 11; 2026-12-03).
         add_result = response.results.add
         run_one = self._run_one
         sliced_operations = SLICED_OPERATIONS

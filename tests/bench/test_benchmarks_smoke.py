@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import bench_core, bench_decode_layers, bench_grpc
+from benchmarks import bench_core, bench_decode_layers, bench_grpc, bench_retention
 from kvservice.bench.measure import Sample
 
 
@@ -42,6 +42,17 @@ def test_bench_decode_layers_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for layer in bench_decode_layers.LAYERS:
         assert f" {layer} " in out
+
+
+def test_bench_retention_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every policy serves the churn, kvservice's LRU decides as vLLM's, and every
+    policy's cost row prints."""
+    argv = ["--requests", "96", "--rounds", "1", "--ops", "400", "--big-pool", "20000"]
+    assert bench_retention.main(argv) == 0
+    out = capsys.readouterr().out
+    for row in (*bench_retention.POLICIES, "lru ", "priority ", "pinned "):
+        assert f"\n{row}" in out
+    assert "disagree" not in out
 
 
 def test_a_round_that_measured_no_cpu_is_left_out_of_the_cpu_ratio() -> None:

@@ -410,6 +410,24 @@ def check_in_flight(stack: Stack, q: PanelQuery, result: list[dict[str, Any]]) -
     assert set(in_flight.values()) == {0.0}  # nothing is running between the scenario's calls
 
 
+def check_pinned(stack: Stack, q: PanelQuery, result: list[dict[str, Any]]) -> None:
+    """The pinned, reserved and budget gauges: what the service exports (0 on this
+    pool, which pins nothing)."""
+    name = _one(sorted(promql_metric_names(q.expr)))
+    assert _one([float(s["value"][1]) for s in result]) == stack.truth.total(name) == 0
+
+
+def check_priority_evictions(stack: Stack, q: PanelQuery, result: list[dict[str, Any]]) -> None:
+    """One rate per priority the service counted; none on this pool (retention off)."""
+    rates = _by(result, "priority")
+    exported = {
+        dict(labels)["priority"]
+        for (name, labels) in stack.truth.samples
+        if name == "kvservice_evictions_by_priority_total"
+    }
+    assert set(rates) == exported == set()
+
+
 CHECKS: dict[str, Callable[[Stack, PanelQuery, list[dict[str, Any]]], None]] = {
     "Max KV cache usage": check_usage,
     "Mean KV cache usage": check_usage,
@@ -429,6 +447,8 @@ CHECKS: dict[str, Callable[[Stack, PanelQuery, list[dict[str, Any]]], None]] = {
     "In-flight RPCs by method": check_in_flight,
     "Active requests and clients": check_requests_and_clients,
     "KV events / s": check_rate,
+    "Pinned blocks": check_pinned,
+    "Evictions / s by priority": check_priority_evictions,
 }
 
 QUERIES = dashboard_queries()

@@ -425,6 +425,31 @@ def test_a_replicated_backend_refuses_a_pool_in_use() -> None:
         StepBackend(client).flush()  # idle again: accepted
 
 
+@pytest.mark.parametrize(
+    "retention",
+    [{"eviction_policy": "priority"}, {"max_pinned_fraction": 0.25}],
+    ids=["priority", "pins"],
+)
+def test_a_replicated_backend_refuses_a_pool_with_retention(retention: dict[str, object]) -> None:
+    """A replica cannot follow the server's pins, expiries nor priorities: refused at
+    startup, before the pool is claimed (a cached prefix survives the refusal)."""
+    pool = dataclasses.replace(TIGHT_POOL, **retention)  # type: ignore[arg-type]
+    with server_in_thread(pool) as server, KVClient(server.target) as client:
+        client.add_request("x", list(range(40)))
+        client.allocate_slots("x", 40)
+        client.free("x")
+        for backend in (StepBackend, StreamBackend, ReplicatedBackend):
+            with pytest.raises(
+                RemoteStepError, match="remote replicas cannot follow server-side pins/priorities"
+            ):
+                if backend is ReplicatedBackend:
+                    backend(client, lambda step: None)  # type: ignore[arg-type,return-value]
+                else:
+                    backend(client)  # type: ignore[call-arg]
+        client.add_request("y", list(range(40)))
+        assert client.get_computed_blocks("y").num_computed_tokens == 32
+
+
 def test_steady_decode_steps_are_one_message() -> None:
     """The replica answers every call: a step sends exactly one message, after its
     decisions."""

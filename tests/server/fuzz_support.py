@@ -51,8 +51,17 @@ _ALLOCATION = _PER_REQUEST | {
     Code.ABORTED,
 }
 ALLOWED_CODES: dict[str, frozenset[grpc.StatusCode]] = {
+    # FAILED_PRECONDITION: retention on an LRU pool; RESOURCE_EXHAUSTED: a
+    # cache_control_ttl pin the pool refuses (pinning off, or past its budget).
     "AddRequest": frozenset(
-        {Code.OK, Code.ALREADY_EXISTS, Code.INVALID_ARGUMENT, Code.OUT_OF_RANGE}
+        {
+            Code.OK,
+            Code.ALREADY_EXISTS,
+            Code.INVALID_ARGUMENT,
+            Code.OUT_OF_RANGE,
+            Code.FAILED_PRECONDITION,
+            Code.RESOURCE_EXHAUSTED,
+        }
     ),
     "AppendTokens": _PER_REQUEST | {Code.INVALID_ARGUMENT, Code.OUT_OF_RANGE},
     "GetComputedBlocks": _PER_REQUEST | {Code.FAILED_PRECONDITION},
@@ -81,6 +90,12 @@ ALLOWED_CODES: dict[str, frozenset[grpc.StatusCode]] = {
     "KeepAlive": frozenset({Code.OK, Code.NOT_FOUND, Code.FAILED_PRECONDITION}),
     "CloseSession": frozenset({Code.OK, Code.NOT_FOUND, Code.FAILED_PRECONDITION}),
     "Audit": frozenset({Code.OK}),
+    # Pins: refused past the pinned budget (or with pinning off, the default).
+    "PinPrefix": frozenset(
+        {Code.OK, Code.INVALID_ARGUMENT, Code.OUT_OF_RANGE, Code.RESOURCE_EXHAUSTED}
+    ),
+    "UnpinPrefix": frozenset({Code.OK, Code.NOT_FOUND, Code.INVALID_ARGUMENT}),
+    "ListPins": frozenset({Code.OK}),
     # Step-only columnar operations: refused whole only when malformed (no entry,
     # uneven columns); each entry's refusal is in the batch's answer.
     "AppendTokensBatch": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
@@ -99,7 +114,9 @@ BATCH_ENTRY_RPC = {"AppendTokensBatch": "AppendTokens", "AllocateSlotsBatch": "A
 UNARY_STEP_OPS = sorted(k for k, rpc in STEP_OP_RPC.items() if rpc in SERVICE.methods_by_name)
 BATCH_STEP_OPS = sorted(k for k, rpc in STEP_OP_RPC.items() if rpc not in SERVICE.methods_by_name)
 # RPCs that never change state, whatever they answer.
-READ_ONLY = frozenset({"GetRequest", "GetBlockIds", "GetUsage", "GetCacheConfig", "Probe", "Audit"})
+READ_ONLY = frozenset(
+    {"GetRequest", "GetBlockIds", "GetUsage", "GetCacheConfig", "Probe", "Audit", "ListPins"}
+)
 
 
 # Every unary RPC is fuzzed with raw bytes; one added without its statuses in
@@ -374,6 +391,15 @@ MESSAGES["CloseSession"] = st.builds(
     pb.CloseSessionRequest, session_id=request_ids, free_requests=st.booleans()
 )
 MESSAGES["Audit"] = st.just(pb.AuditRequest())
+MESSAGES["PinPrefix"] = st.builds(
+    pb.PinPrefixRequest,
+    token_ids=token_ids,
+    ttl_seconds=ttls,
+    refresh_on_hit=st.booleans(),
+    cache_salt=st.one_of(st.just(""), st.text(max_size=8)),
+)
+MESSAGES["UnpinPrefix"] = st.builds(pb.UnpinPrefixRequest, pin_id=request_ids)
+MESSAGES["ListPins"] = st.builds(pb.ListPinsRequest, all_tenants=st.booleans())
 
 
 def _step_op(kind: str | None, message: Any) -> pb.StepOperation:

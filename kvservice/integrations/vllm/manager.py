@@ -20,6 +20,8 @@ over before each call that reads them.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,6 +39,7 @@ from vllm.v1.request import RequestStatus as VllmRequestStatus
 
 from kvservice.core.allocation_options import allocation_options
 from kvservice.core.block_hashing import MultiModalFeature
+from kvservice.core.errors import KVCacheError
 from kvservice.core.kv_cache_block import BlockIds, KVCacheBlock
 from kvservice.core.kv_cache_groups import format_groups
 from kvservice.core.kv_cache_manager import KVCacheManager
@@ -44,6 +47,13 @@ from kvservice.core.request import Request, RequestStatus
 from kvservice.integrations.vllm.cache_config import core_cache_config
 from kvservice.integrations.vllm.embeds import prompt_embeds_bytes
 from kvservice.integrations.vllm.events import to_vllm_events
+from kvservice.integrations.vllm.retention import (
+    NO_RETENTION,
+    PIN_TENANT,
+    RequestRetention,
+    RetentionSettings,
+    request_retention,
+)
 from kvservice.integrations.vllm.settings import ConnectionSettings
 from kvservice.integrations.vllm.versions import refuse_divergences
 from kvservice.integrations.vllm.views import (
@@ -56,6 +66,8 @@ if TYPE_CHECKING:
     from kvservice.integrations.vllm.server_link import PoolLayout, ServerLink
 
 _NO_HIT: tuple[int, BlockIds] = (0, ())
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +150,13 @@ class KVServiceKVCacheManager:
         )
         self._no_block_ids: BlockIds = tuple(() for _ in range(self.num_kv_cache_groups))
         settings = ConnectionSettings.from_env()
+        retention = RetentionSettings.from_env()
+        if settings.target is not None and retention.enabled:
+            raise ValueError(
+                "KVSERVICE_EVICTION_POLICY and KVSERVICE_MAX_PINNED_FRACTION set the "
+                "in-process pool's retention; a remote pool's is the server's "
+                "(kvservice serve --eviction-policy / --max-pinned-fraction)"
+            )
         if settings.target is not None and args.use_eagle:
             # The server's pool is not told of a drafter: its hits would keep the block
             # an EAGLE drafter gives back, and the first one would stop the engine.
@@ -162,6 +181,8 @@ class KVServiceKVCacheManager:
             use_eagle=args.use_eagle,
             dcp_world_size=args.dcp_world_size,
             pcp_world_size=args.pcp_world_size,
+            eviction_policy=retention.eviction_policy,
+            max_pinned_fraction=retention.max_pinned_fraction,
         )
         self.block_pool = BlockPoolView(
             self._free_retained_blocks,
@@ -238,6 +259,7 @@ class KVServiceKVCacheManager:
             # Hashes come from vLLM; the keys' inputs are for the KV events' extra_keys.
             lora = request.lora_request
             embeds, _ = prompt_embeds_bytes(request)
+            wanted = self._retention_of(request)
             mirror = Request(
                 request.request_id,
                 request._all_token_ids,
@@ -251,15 +273,44 @@ class KVServiceKVCacheManager:
                 ],
                 skip_reading_prefix_cache=request.skip_reading_prefix_cache,
                 prompt_embeds=embeds,
+                retention=wanted.config,
             )
             # Shared, not copied: vLLM appends to both as the request grows.
             mirror.all_token_ids = request._all_token_ids
             mirror.block_hashes = request.block_hashes
             self._requests[request.request_id] = mirror
+            if wanted.pin_ttl_s is not None:
+                self._pin_prompt(mirror, wanted.pin_ttl_s)
         mirror.status = _STATUS[request.status]
         mirror.num_computed_tokens = request.num_computed_tokens
         mirror.num_in_flight_tokens = request.num_in_flight_tokens
         return mirror
+
+    def _retention_of(self, request: Any) -> RequestRetention:
+        """What ``request``'s ``extra_args`` ask for, as far as this pool can serve it;
+        a request asking for more is served without it, and logged."""
+        params = request.sampling_params
+        try:
+            wanted = request_retention(params.extra_args if params is not None else None)
+        except KVCacheError as error:
+            logger.warning("request %s: retention ignored: %s", request.request_id, error)
+            return NO_RETENTION
+        if wanted.config is not None and not self.core.priorities_enabled:
+            logger.warning(
+                "request %s: retention priorities ignored: this pool evicts by LRU "
+                "(set KVSERVICE_EVICTION_POLICY=priority)",
+                request.request_id,
+            )
+            return RequestRetention(None, wanted.pin_ttl_s)
+        return wanted
+
+    def _pin_prompt(self, request: Request, ttl_s: float) -> None:
+        """Pin the whole blocks of ``request``'s prompt (Dynamo's ``cache_control``), by
+        vLLM's own block hashes; they join the pin as this request caches them."""
+        try:
+            self.core.pin_request_prompt(PIN_TENANT, request, time.monotonic(), ttl_s=ttl_s)
+        except KVCacheError as error:
+            logger.warning("request %s: cache_control pin refused: %s", request.request_id, error)
 
     def _blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> Any:
         return VllmKVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
@@ -428,6 +479,8 @@ class KVServiceKVCacheManager:
             self.server.confirm()
             # After the previous step's frees, before this step's lookups.
             self.server.step_started()
+        if self.core.retention_policy is not None:
+            self.core.expire_retention(time.monotonic())
         self.core.new_step_starts()
 
     def take_events(self) -> list[Any]:

@@ -48,6 +48,7 @@ from kvservice.client import (
 )
 from kvservice.client.step_link import RemoteStepError, StepLink
 from kvservice.client.step_log import ANY_ANSWER
+from kvservice.client.types import REPLICA_RETENTION_REFUSAL
 from kvservice.core.allocation_options import PLAIN_ALLOCATION, AllocationOptions
 from kvservice.core.kv_cache_groups import GroupShape
 from kvservice.core.kv_cache_interface import KVCacheSpecKind
@@ -151,6 +152,13 @@ class ServerLink:
         self.server_config: CacheConfig = self._call(
             "GetCacheConfig", self._client.get_cache_config
         )
+        if self.server_config.has_retention:
+            self._client.close()
+            raise KVServiceManagerError(
+                f"kvservice at {self.target} runs eviction policy "
+                f"{self.server_config.eviction_policy!r} with a pinned budget of "
+                f"{self.server_config.max_pinned_blocks} blocks: {REPLICA_RETENTION_REFUSAL}"
+            )
         # Each step on the engine's stream (opened by start).
         self._link = StepLink(
             lambda step: self._session.send(step, stop_on_error=True),

@@ -332,6 +332,8 @@ class AddRequestRequest(_message.Message):
     LORA_INT_ID_FIELD_NUMBER: _builtins.int
     PROMPT_EMBEDS_FIELD_NUMBER: _builtins.int
     PROMPT_EMBEDS_ROW_BYTES_FIELD_NUMBER: _builtins.int
+    RETENTION_FIELD_NUMBER: _builtins.int
+    CACHE_CONTROL_TTL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique among the requests the server knows; must not be empty."""
     cache_salt: _builtins.str
@@ -367,6 +369,17 @@ class AddRequestRequest(_message.Message):
     """Bytes per prompt token in prompt_embeds (hidden size times the element size);
     required with prompt_embeds, 0 without.
     """
+    cache_control_ttl: _builtins.str
+    """Dynamo's cache_control TTL shorthand: pin this request's prompt prefix (its whole
+    blocks) for the caller's tenant for this long, as PinPrefix with ttl_seconds
+    would: a number with a unit, "300s", "5m", "1h" (a bare number: seconds). The
+    pin is created with the request (a refused AddRequest creates none, and a pin
+    refused leaves the request unadded: RESOURCE_EXHAUSTED past the pinned budget or
+    with pinning off); its blocks join as the request caches them. Empty: no pin.
+    The pin names the prompt's blocks by the request's own hashes (multimodal items
+    and prompt embeddings included). INVALID_ARGUMENT for a malformed or non-positive
+    TTL, or a prompt shorter than one block.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """At least one token, at most max_model_len; each id >= 0. Or send the prompt in
@@ -375,6 +388,14 @@ class AddRequestRequest(_message.Message):
 
     @_builtins.property
     def mm_features(self) -> _containers.RepeatedCompositeFieldContainer[Global___MultiModalFeature]: ...
+    @_builtins.property
+    def retention(self) -> Global___Retention:
+        """Eviction priorities of this request's blocks (TensorRT-LLM's
+        KvCacheRetentionConfig). Needs a pool started with --eviction-policy priority
+        (FAILED_PRECONDITION otherwise); INVALID_ARGUMENT for a priority outside 0-100, a
+        negative duration or a range with end <= start.
+        """
+
     def __init__(
         self,
         *,
@@ -389,14 +410,89 @@ class AddRequestRequest(_message.Message):
         lora_int_id: _builtins.int = ...,
         prompt_embeds: _builtins.bytes = ...,
         prompt_embeds_row_bytes: _builtins.int = ...,
+        retention: Global___Retention | None = ...,
+        cache_control_ttl: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["retention", b"retention"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "lora_int_id", b"lora_int_id", "lora_name", b"lora_name", "lora_path", b"lora_path", "mm_features", b"mm_features", "packed_prompt_token_ids", b"packed_prompt_token_ids", "prompt_embeds", b"prompt_embeds", "prompt_embeds_row_bytes", b"prompt_embeds_row_bytes", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "skip_reading_prefix_cache", b"skip_reading_prefix_cache"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_control_ttl", b"cache_control_ttl", "cache_salt", b"cache_salt", "lora_int_id", b"lora_int_id", "lora_name", b"lora_name", "lora_path", b"lora_path", "mm_features", b"mm_features", "packed_prompt_token_ids", b"packed_prompt_token_ids", "prompt_embeds", b"prompt_embeds", "prompt_embeds_row_bytes", b"prompt_embeds_row_bytes", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "retention", b"retention", "skip_reading_prefix_cache", b"skip_reading_prefix_cache"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AddRequestRequest: _TypeAlias = AddRequestRequest  # noqa: Y015
+
+@_typing.final
+class TokenRangeRetention(_message.Message):
+    """The eviction priority of a range of prompt tokens (TensorRT-LLM's
+    TokenRangeRetentionConfig). Free cached blocks of a lower priority are evicted
+    before any of a higher one; LRU within a priority.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    DURATION_SECONDS_FIELD_NUMBER: _builtins.int
+    start: _builtins.int
+    """The first prompt token of the range."""
+    end: _builtins.int
+    """One past its last token; 0 (or unset): to the end of the prompt."""
+    priority: _builtins.int
+    """0 (evicted first) to 100 (evicted last); the default priority is 35."""
+    duration_seconds: _builtins.float
+    """Seconds after the blocks are cached that the priority lasts, then it reverts to
+    the default; 0: for as long as the blocks stay cached.
+    """
+    def __init__(
+        self,
+        *,
+        start: _builtins.int = ...,
+        end: _builtins.int = ...,
+        priority: _builtins.int = ...,
+        duration_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration_seconds", b"duration_seconds", "end", b"end", "priority", b"priority", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TokenRangeRetention: _TypeAlias = TokenRangeRetention  # noqa: Y015
+
+@_typing.final
+class Retention(_message.Message):
+    """A request's retention: ranges of its prompt, and the blocks decoding fills. A block
+    takes the highest priority of the ranges it overlaps, the default (35) for none.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_RANGES_FIELD_NUMBER: _builtins.int
+    DECODE_PRIORITY_FIELD_NUMBER: _builtins.int
+    DECODE_DURATION_SECONDS_FIELD_NUMBER: _builtins.int
+    decode_priority: _builtins.int
+    """The priority of the blocks past the prompt; unset: the default, 35."""
+    decode_duration_seconds: _builtins.float
+    """How long decode_priority lasts (seconds after caching); 0: as long as cached."""
+    @_builtins.property
+    def token_ranges(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenRangeRetention]: ...
+    def __init__(
+        self,
+        *,
+        token_ranges: _abc.Iterable[Global___TokenRangeRetention] | None = ...,
+        decode_priority: _builtins.int | None = ...,
+        decode_duration_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_decode_priority", b"_decode_priority", "decode_priority", b"decode_priority"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_decode_priority", b"_decode_priority", "decode_duration_seconds", b"decode_duration_seconds", "decode_priority", b"decode_priority", "token_ranges", b"token_ranges"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__decode_priority: _TypeAlias = _typing.Literal["decode_priority"]  # noqa: Y015
+    _WhichOneofArgType__decode_priority: _TypeAlias = _typing.Literal["_decode_priority", b"_decode_priority"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__decode_priority) -> _WhichOneofReturnType__decode_priority | None: ...
+
+Global___Retention: _TypeAlias = Retention  # noqa: Y015
 
 @_typing.final
 class AddRequestResponse(_message.Message):
@@ -1089,6 +1185,8 @@ class GetCacheConfigResponse(_message.Message):
     MAX_IN_FLIGHT_TOKENS_FIELD_NUMBER: _builtins.int
     PREFIX_CACHE_RETENTION_INTERVAL_FIELD_NUMBER: _builtins.int
     SCHEDULER_EPOCH_FIELD_NUMBER: _builtins.int
+    EVICTION_POLICY_FIELD_NUMBER: _builtins.int
+    MAX_PINNED_BLOCKS_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
     """The pool size, null block (id 0) included."""
     max_model_len: _builtins.int
@@ -1146,6 +1244,15 @@ class GetCacheConfigResponse(_message.Message):
     """The caller's current scheduler epoch (the highest OpenSession epoch so far; 0
     before any). Numbered apart from the layout fields above.
     """
+    eviction_policy: _builtins.str
+    """Which free cached blocks are evicted first (--eviction-policy): "lru", vLLM's
+    order, or "priority" (AddRequestRequest.retention reorders them). Empty from a
+    server that predates it: "lru".
+    """
+    max_pinned_blocks: _builtins.int
+    """The most blocks pins may reserve (--max-pinned-fraction of the pool); 0: pinning
+    is off (PinPrefix answers RESOURCE_EXHAUSTED).
+    """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVCacheGroup]: ...
     def __init__(
@@ -1170,10 +1277,12 @@ class GetCacheConfigResponse(_message.Message):
         max_in_flight_tokens: _builtins.int = ...,
         prefix_cache_retention_interval: _builtins.int | None = ...,
         scheduler_epoch: _builtins.int = ...,
+        eviction_policy: _builtins.str = ...,
+        max_pinned_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_prefix_cache_retention_interval", b"_prefix_cache_retention_interval", "prefix_cache_retention_interval", b"prefix_cache_retention_interval"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prefix_cache_retention_interval", b"_prefix_cache_retention_interval", "blocks_zeroed_by_server", b"blocks_zeroed_by_server", "enable_caching", b"enable_caching", "groups", b"groups", "hash_algo", b"hash_algo", "hash_block_size", b"hash_block_size", "max_in_flight_tokens", b"max_in_flight_tokens", "max_model_len", b"max_model_len", "model_name", b"model_name", "needs_kv_cache_zeroing", b"needs_kv_cache_zeroing", "none_hash_seed", b"none_hash_seed", "none_hash_seed_fingerprint", b"none_hash_seed_fingerprint", "none_hash_seed_source", b"none_hash_seed_source", "num_blocks", b"num_blocks", "prefix_cache_retention_interval", b"prefix_cache_retention_interval", "runtime_device", b"runtime_device", "scheduler_block_size", b"scheduler_block_size", "scheduler_epoch", b"scheduler_epoch", "vocab_size", b"vocab_size", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prefix_cache_retention_interval", b"_prefix_cache_retention_interval", "blocks_zeroed_by_server", b"blocks_zeroed_by_server", "enable_caching", b"enable_caching", "eviction_policy", b"eviction_policy", "groups", b"groups", "hash_algo", b"hash_algo", "hash_block_size", b"hash_block_size", "max_in_flight_tokens", b"max_in_flight_tokens", "max_model_len", b"max_model_len", "max_pinned_blocks", b"max_pinned_blocks", "model_name", b"model_name", "needs_kv_cache_zeroing", b"needs_kv_cache_zeroing", "none_hash_seed", b"none_hash_seed", "none_hash_seed_fingerprint", b"none_hash_seed_fingerprint", "none_hash_seed_source", b"none_hash_seed_source", "num_blocks", b"num_blocks", "prefix_cache_retention_interval", b"prefix_cache_retention_interval", "runtime_device", b"runtime_device", "scheduler_block_size", b"scheduler_block_size", "scheduler_epoch", b"scheduler_epoch", "vocab_size", b"vocab_size", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__prefix_cache_retention_interval: _TypeAlias = _typing.Literal["prefix_cache_retention_interval"]  # noqa: Y015
     _WhichOneofArgType__prefix_cache_retention_interval: _TypeAlias = _typing.Literal["_prefix_cache_retention_interval", b"_prefix_cache_retention_interval"]  # noqa: Y015
@@ -1397,6 +1506,9 @@ class StepOperation(_message.Message):
     NEW_STEP_STARTS_FIELD_NUMBER: _builtins.int
     FREE_RETAINED_BLOCKS_FIELD_NUMBER: _builtins.int
     CACHE_BLOCKS_FIELD_NUMBER: _builtins.int
+    PIN_PREFIX_FIELD_NUMBER: _builtins.int
+    UNPIN_PREFIX_FIELD_NUMBER: _builtins.int
+    LIST_PINS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def add_request(self) -> Global___AddRequestRequest: ...
     @_builtins.property
@@ -1427,6 +1539,12 @@ class StepOperation(_message.Message):
     def free_retained_blocks(self) -> Global___FreeRetainedBlocksRequest: ...
     @_builtins.property
     def cache_blocks(self) -> Global___CacheBlocksRequest: ...
+    @_builtins.property
+    def pin_prefix(self) -> Global___PinPrefixRequest: ...
+    @_builtins.property
+    def unpin_prefix(self) -> Global___UnpinPrefixRequest: ...
+    @_builtins.property
+    def list_pins(self) -> Global___ListPinsRequest: ...
     def __init__(
         self,
         *,
@@ -1445,12 +1563,15 @@ class StepOperation(_message.Message):
         new_step_starts: Global___NewStepStartsRequest | None = ...,
         free_retained_blocks: Global___FreeRetainedBlocksRequest | None = ...,
         cache_blocks: Global___CacheBlocksRequest | None = ...,
+        pin_prefix: Global___PinPrefixRequest | None = ...,
+        unpin_prefix: Global___UnpinPrefixRequest | None = ...,
+        list_pins: Global___ListPinsRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "new_step_starts", b"new_step_starts", "op", b"op", "probe", b"probe"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "new_step_starts", b"new_step_starts", "op", b"op", "pin_prefix", b"pin_prefix", "probe", b"probe", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "new_step_starts", b"new_step_starts", "op", b"op", "probe", b"probe"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "new_step_starts", b"new_step_starts", "op", b"op", "pin_prefix", b"pin_prefix", "probe", b"probe", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "new_step_starts", "free_retained_blocks", "cache_blocks"]  # noqa: Y015
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "new_step_starts", "free_retained_blocks", "cache_blocks", "pin_prefix", "unpin_prefix", "list_pins"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 
@@ -1765,6 +1886,9 @@ class StepResult(_message.Message):
     FREE_RETAINED_BLOCKS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
     CACHE_BLOCKS_FIELD_NUMBER: _builtins.int
+    PIN_PREFIX_FIELD_NUMBER: _builtins.int
+    UNPIN_PREFIX_FIELD_NUMBER: _builtins.int
+    LIST_PINS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def add_request(self) -> Global___AddRequestResponse: ...
     @_builtins.property
@@ -1803,6 +1927,12 @@ class StepResult(_message.Message):
 
     @_builtins.property
     def cache_blocks(self) -> Global___CacheBlocksResponse: ...
+    @_builtins.property
+    def pin_prefix(self) -> Global___PinPrefixResponse: ...
+    @_builtins.property
+    def unpin_prefix(self) -> Global___UnpinPrefixResponse: ...
+    @_builtins.property
+    def list_pins(self) -> Global___ListPinsResponse: ...
     def __init__(
         self,
         *,
@@ -1822,12 +1952,15 @@ class StepResult(_message.Message):
         free_retained_blocks: Global___FreeRetainedBlocksResponse | None = ...,
         error: Global___OperationError | None = ...,
         cache_blocks: Global___CacheBlocksResponse | None = ...,
+        pin_prefix: Global___PinPrefixResponse | None = ...,
+        unpin_prefix: Global___UnpinPrefixResponse | None = ...,
+        list_pins: Global___ListPinsResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "error", b"error", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "new_step_starts", b"new_step_starts", "probe", b"probe", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "error", b"error", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "new_step_starts", b"new_step_starts", "pin_prefix", b"pin_prefix", "probe", b"probe", "result", b"result", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "error", b"error", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "new_step_starts", b"new_step_starts", "probe", b"probe", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "error", b"error", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "new_step_starts", b"new_step_starts", "pin_prefix", b"pin_prefix", "probe", b"probe", "result", b"result", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "new_step_starts", "free_retained_blocks", "error", "cache_blocks"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "new_step_starts", "free_retained_blocks", "error", "cache_blocks", "pin_prefix", "unpin_prefix", "list_pins"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
@@ -2578,6 +2711,222 @@ class CloseSessionResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CloseSessionResponse: _TypeAlias = CloseSessionResponse  # noqa: Y015
+
+@_typing.final
+class PinPrefixRequest(_message.Message):
+    """A prefix to pin: the token ids (or packed_token_ids, 4 bytes per id, unsigned
+    little-endian, as AddRequestRequest.packed_prompt_token_ids; set one of the two)
+    and the keys that go into its block hashes, as a request's would.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    PACKED_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    REFRESH_ON_HIT_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
+    LORA_NAME_FIELD_NUMBER: _builtins.int
+    LORA_PATH_FIELD_NUMBER: _builtins.int
+    packed_token_ids: _builtins.bytes
+    ttl_seconds: _builtins.float
+    """Seconds the pin lasts; 0: until UnpinPrefix."""
+    refresh_on_hit: _builtins.bool
+    """Each prefix hit on a pinned block restarts the TTL."""
+    cache_salt: _builtins.str
+    """As AddRequestRequest's: a pin only matches requests hashed with the same keys."""
+    lora_name: _builtins.str
+    lora_path: _builtins.str
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        packed_token_ids: _builtins.bytes = ...,
+        ttl_seconds: _builtins.float = ...,
+        refresh_on_hit: _builtins.bool = ...,
+        cache_salt: _builtins.str = ...,
+        lora_name: _builtins.str = ...,
+        lora_path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "lora_name", b"lora_name", "lora_path", b"lora_path", "packed_token_ids", b"packed_token_ids", "refresh_on_hit", b"refresh_on_hit", "token_ids", b"token_ids", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PinPrefixRequest: _TypeAlias = PinPrefixRequest  # noqa: Y015
+
+@_typing.final
+class Pin(_message.Message):
+    """One pin of a tenant."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PIN_ID_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_RESERVED_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_HELD_BLOCKS_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    REFRESH_ON_HIT_FIELD_NUMBER: _builtins.int
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _builtins.int
+    NUM_HITS_FIELD_NUMBER: _builtins.int
+    pin_id: _builtins.str
+    """Names the prefix (the hex of its last block hash); UnpinPrefix takes it."""
+    tenant: _builtins.str
+    """The tenant that owns it (empty: the default tenant of a server without tenants)."""
+    num_tokens: _builtins.int
+    """Tokens of the pinned prefix, as given (only whole blocks are pinned)."""
+    num_reserved_blocks: _builtins.int
+    """Cache keys the pin covers: its whole blocks in every attention group. All count
+    against the pinned budget, cached or not.
+    """
+    num_held_blocks: _builtins.int
+    """Of those, the blocks cached now and held by the pin."""
+    ttl_seconds: _builtins.float
+    """The TTL it was given; unset: none."""
+    refresh_on_hit: _builtins.bool
+    expires_in_seconds: _builtins.float
+    """Seconds left before it expires, when this answer was made; unset: no TTL."""
+    num_hits: _builtins.int
+    """Prefix hits on its blocks since it was created."""
+    def __init__(
+        self,
+        *,
+        pin_id: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        num_tokens: _builtins.int = ...,
+        num_reserved_blocks: _builtins.int = ...,
+        num_held_blocks: _builtins.int = ...,
+        ttl_seconds: _builtins.float | None = ...,
+        refresh_on_hit: _builtins.bool = ...,
+        expires_in_seconds: _builtins.float | None = ...,
+        num_hits: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_expires_in_seconds", b"_expires_in_seconds", "_ttl_seconds", b"_ttl_seconds", "expires_in_seconds", b"expires_in_seconds", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expires_in_seconds", b"_expires_in_seconds", "_ttl_seconds", b"_ttl_seconds", "expires_in_seconds", b"expires_in_seconds", "num_held_blocks", b"num_held_blocks", "num_hits", b"num_hits", "num_reserved_blocks", b"num_reserved_blocks", "num_tokens", b"num_tokens", "pin_id", b"pin_id", "refresh_on_hit", b"refresh_on_hit", "tenant", b"tenant", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__expires_in_seconds: _TypeAlias = _typing.Literal["expires_in_seconds"]  # noqa: Y015
+    _WhichOneofArgType__expires_in_seconds: _TypeAlias = _typing.Literal["_expires_in_seconds", b"_expires_in_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__ttl_seconds: _TypeAlias = _typing.Literal["ttl_seconds"]  # noqa: Y015
+    _WhichOneofArgType__ttl_seconds: _TypeAlias = _typing.Literal["_ttl_seconds", b"_ttl_seconds"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__expires_in_seconds) -> _WhichOneofReturnType__expires_in_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__ttl_seconds) -> _WhichOneofReturnType__ttl_seconds | None: ...
+
+Global___Pin: _TypeAlias = Pin  # noqa: Y015
+
+@_typing.final
+class PinPrefixResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PIN_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def pin(self) -> Global___Pin: ...
+    def __init__(
+        self,
+        *,
+        pin: Global___Pin | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pin", b"pin"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pin", b"pin"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PinPrefixResponse: _TypeAlias = PinPrefixResponse  # noqa: Y015
+
+@_typing.final
+class UnpinPrefixRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PIN_ID_FIELD_NUMBER: _builtins.int
+    pin_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        pin_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pin_id", b"pin_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnpinPrefixRequest: _TypeAlias = UnpinPrefixRequest  # noqa: Y015
+
+@_typing.final
+class UnpinPrefixResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnpinPrefixResponse: _TypeAlias = UnpinPrefixResponse  # noqa: Y015
+
+@_typing.final
+class ListPinsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ALL_TENANTS_FIELD_NUMBER: _builtins.int
+    all_tenants: _builtins.bool
+    """Every tenant's pins (admin tenants, or a server without tenants)."""
+    def __init__(
+        self,
+        *,
+        all_tenants: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_tenants", b"all_tenants"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListPinsRequest: _TypeAlias = ListPinsRequest  # noqa: Y015
+
+@_typing.final
+class ListPinsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PINS_FIELD_NUMBER: _builtins.int
+    NUM_PINNED_BLOCKS_FIELD_NUMBER: _builtins.int
+    NUM_RESERVED_BLOCKS_FIELD_NUMBER: _builtins.int
+    MAX_PINNED_BLOCKS_FIELD_NUMBER: _builtins.int
+    num_pinned_blocks: _builtins.int
+    """The pool's: blocks pins hold now, blocks pins reserve (cached or not), and the
+    most they may reserve (--max-pinned-fraction; 0: pinning is off).
+    """
+    num_reserved_blocks: _builtins.int
+    max_pinned_blocks: _builtins.int
+    @_builtins.property
+    def pins(self) -> _containers.RepeatedCompositeFieldContainer[Global___Pin]:
+        """By tenant, then pin_id."""
+
+    def __init__(
+        self,
+        *,
+        pins: _abc.Iterable[Global___Pin] | None = ...,
+        num_pinned_blocks: _builtins.int = ...,
+        num_reserved_blocks: _builtins.int = ...,
+        max_pinned_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_pinned_blocks", b"max_pinned_blocks", "num_pinned_blocks", b"num_pinned_blocks", "num_reserved_blocks", b"num_reserved_blocks", "pins", b"pins"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListPinsResponse: _TypeAlias = ListPinsResponse  # noqa: Y015
 
 @_typing.final
 class AuditRequest(_message.Message):

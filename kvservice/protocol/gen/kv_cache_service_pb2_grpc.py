@@ -145,6 +145,21 @@ class KVCacheServiceStub:
                 request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.AuditRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.AuditResponse.FromString,
                 _registered_method=True)
+        self.PinPrefix = channel.unary_unary(
+                '/kvservice.v1.KVCacheService/PinPrefix',
+                request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.PinPrefixRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.PinPrefixResponse.FromString,
+                _registered_method=True)
+        self.UnpinPrefix = channel.unary_unary(
+                '/kvservice.v1.KVCacheService/UnpinPrefix',
+                request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.UnpinPrefixRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.UnpinPrefixResponse.FromString,
+                _registered_method=True)
+        self.ListPins = channel.unary_unary(
+                '/kvservice.v1.KVCacheService/ListPins',
+                request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.ListPinsRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.ListPinsResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServiceServicer:
@@ -368,6 +383,39 @@ class KVCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PinPrefix(self, request, context):
+        """Pin a token prefix in the prefix cache for the caller's tenant (README,
+        Retention): each whole block of the prefix, in every attention group, stays cached
+        and counts as used while the pin lasts (ttl_seconds, or until UnpinPrefix). Blocks
+        not cached yet join the pin when a request of the tenant caches them. Pinning a
+        prefix the tenant already pinned refreshes that pin (same pin_id). Needs a pool
+        started with --max-pinned-fraction > 0; RESOURCE_EXHAUSTED (nothing pinned) when
+        pinning is off or the pin would pass the pool's pinned budget;
+        INVALID_ARGUMENT for a prefix shorter than one block, a negative token id or a
+        negative ttl_seconds; OUT_OF_RANGE past max_model_len.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnpinPrefix(self, request, context):
+        """Drop one of the caller's tenant's pins; its blocks age as freed cached blocks
+        (LRU). NOT_FOUND when the tenant has no pin of that id (another tenant's pins are
+        never found); INVALID_ARGUMENT for an empty pin_id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListPins(self, request, context):
+        """The caller's tenant's pins, and the pool's pinned budget. all_tenants lists every
+        tenant's: for admin tenants (PERMISSION_DENIED for another), and any caller of a
+        server without tenants.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -480,6 +528,21 @@ def add_KVCacheServiceServicer_to_server(servicer, server):
                     servicer.Audit,
                     request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.AuditRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.AuditResponse.SerializeToString,
+            ),
+            'PinPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinPrefix,
+                    request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.PinPrefixRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.PinPrefixResponse.SerializeToString,
+            ),
+            'UnpinPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnpinPrefix,
+                    request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.UnpinPrefixRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.UnpinPrefixResponse.SerializeToString,
+            ),
+            'ListPins': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPins,
+                    request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.ListPinsRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.ListPinsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1077,6 +1140,87 @@ class KVCacheService:
             '/kvservice.v1.KVCacheService/Audit',
             kvservice_dot_v1_dot_kv__cache__service__pb2.AuditRequest.SerializeToString,
             kvservice_dot_v1_dot_kv__cache__service__pb2.AuditResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/PinPrefix',
+            kvservice_dot_v1_dot_kv__cache__service__pb2.PinPrefixRequest.SerializeToString,
+            kvservice_dot_v1_dot_kv__cache__service__pb2.PinPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnpinPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/UnpinPrefix',
+            kvservice_dot_v1_dot_kv__cache__service__pb2.UnpinPrefixRequest.SerializeToString,
+            kvservice_dot_v1_dot_kv__cache__service__pb2.UnpinPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListPins(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/ListPins',
+            kvservice_dot_v1_dot_kv__cache__service__pb2.ListPinsRequest.SerializeToString,
+            kvservice_dot_v1_dot_kv__cache__service__pb2.ListPinsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -166,6 +166,27 @@ class KVCacheServiceStub:
     free queue, the prefix cache's hash map, request ownership) and report what
     is wrong, if anything. O(pool size); changes nothing.
     """
+    PinPrefix: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.PinPrefixRequest, _kv_cache_service_pb2.PinPrefixResponse]
+    """Pin a token prefix in the prefix cache for the caller's tenant (README,
+    Retention): each whole block of the prefix, in every attention group, stays cached
+    and counts as used while the pin lasts (ttl_seconds, or until UnpinPrefix). Blocks
+    not cached yet join the pin when a request of the tenant caches them. Pinning a
+    prefix the tenant already pinned refreshes that pin (same pin_id). Needs a pool
+    started with --max-pinned-fraction > 0; RESOURCE_EXHAUSTED (nothing pinned) when
+    pinning is off or the pin would pass the pool's pinned budget;
+    INVALID_ARGUMENT for a prefix shorter than one block, a negative token id or a
+    negative ttl_seconds; OUT_OF_RANGE past max_model_len.
+    """
+    UnpinPrefix: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.UnpinPrefixRequest, _kv_cache_service_pb2.UnpinPrefixResponse]
+    """Drop one of the caller's tenant's pins; its blocks age as freed cached blocks
+    (LRU). NOT_FOUND when the tenant has no pin of that id (another tenant's pins are
+    never found); INVALID_ARGUMENT for an empty pin_id.
+    """
+    ListPins: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.ListPinsRequest, _kv_cache_service_pb2.ListPinsResponse]
+    """The caller's tenant's pins, and the pool's pinned budget. all_tenants lists every
+    tenant's: for admin tenants (PERMISSION_DENIED for another), and any caller of a
+    server without tenants.
+    """
 
 class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
     """The scheduler-facing KV cache block manager."""
@@ -421,6 +442,45 @@ class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
         """Check every invariant of the pool (reference counts against block tables, the
         free queue, the prefix cache's hash map, request ownership) and report what
         is wrong, if anything. O(pool size); changes nothing.
+        """
+
+    @_abc_1.abstractmethod
+    def PinPrefix(
+        self,
+        request: _kv_cache_service_pb2.PinPrefixRequest,
+        context: _aio.ServicerContext[_kv_cache_service_pb2.PinPrefixRequest, _abc.Awaitable[_kv_cache_service_pb2.PinPrefixResponse]],
+    ) -> _abc.Awaitable[_kv_cache_service_pb2.PinPrefixResponse]:
+        """Pin a token prefix in the prefix cache for the caller's tenant (README,
+        Retention): each whole block of the prefix, in every attention group, stays cached
+        and counts as used while the pin lasts (ttl_seconds, or until UnpinPrefix). Blocks
+        not cached yet join the pin when a request of the tenant caches them. Pinning a
+        prefix the tenant already pinned refreshes that pin (same pin_id). Needs a pool
+        started with --max-pinned-fraction > 0; RESOURCE_EXHAUSTED (nothing pinned) when
+        pinning is off or the pin would pass the pool's pinned budget;
+        INVALID_ARGUMENT for a prefix shorter than one block, a negative token id or a
+        negative ttl_seconds; OUT_OF_RANGE past max_model_len.
+        """
+
+    @_abc_1.abstractmethod
+    def UnpinPrefix(
+        self,
+        request: _kv_cache_service_pb2.UnpinPrefixRequest,
+        context: _aio.ServicerContext[_kv_cache_service_pb2.UnpinPrefixRequest, _abc.Awaitable[_kv_cache_service_pb2.UnpinPrefixResponse]],
+    ) -> _abc.Awaitable[_kv_cache_service_pb2.UnpinPrefixResponse]:
+        """Drop one of the caller's tenant's pins; its blocks age as freed cached blocks
+        (LRU). NOT_FOUND when the tenant has no pin of that id (another tenant's pins are
+        never found); INVALID_ARGUMENT for an empty pin_id.
+        """
+
+    @_abc_1.abstractmethod
+    def ListPins(
+        self,
+        request: _kv_cache_service_pb2.ListPinsRequest,
+        context: _aio.ServicerContext[_kv_cache_service_pb2.ListPinsRequest, _abc.Awaitable[_kv_cache_service_pb2.ListPinsResponse]],
+    ) -> _abc.Awaitable[_kv_cache_service_pb2.ListPinsResponse]:
+        """The caller's tenant's pins, and the pool's pinned budget. all_tenants lists every
+        tenant's: for admin tenants (PERMISSION_DENIED for another), and any caller of a
+        server without tenants.
         """
 
 def add_KVCacheServiceServicer_to_server(servicer: KVCacheServiceServicer, server: _aio.Server) -> None: ...
