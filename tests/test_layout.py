@@ -27,13 +27,15 @@ ALLOWED: dict[str, set[str]] = {
     "workloads": set(),
     "request_table": {"core"},
     "client": {"protocol"},
-    "scheduler": {"core", "client", "request_table", "workloads"},
+    "scheduler": {"core", "client", "request_table", "workloads", "replication"},
     "server": {"core", "protocol", "request_table"},
     "bench": {"core", "client", "scheduler", "server", "workloads"},
     # The entry point imports the commands only once gRPC's fork handlers are off.
     "cli": {"server"},
     "commands": {"core", "server", "bench"},
-    "integrations": {"core", "client"},
+    "integrations": {"core", "client", "replication"},
+    # Where the client's vocabulary meets the core's, for replicas and in-process runs.
+    "replication": {"core", "client"},
 }
 # Loaded by grpc itself on ``import grpc`` (aliases as grpc.health, grpc.reflection);
 # only their submodules are server code.

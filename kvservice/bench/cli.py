@@ -217,6 +217,20 @@ def add_parser(commands: Any) -> None:
         action="store_true",
         help="send --token over plaintext (a loopback server without TLS)",
     )
+    add(
+        "--eviction-policy",
+        choices=("lru", "priority"),
+        default=None,
+        help="the pool's eviction policy (default: lru, vLLM's)",
+    )
+    add(
+        "--system-prompt-priority",
+        type=int,
+        default=None,
+        metavar="P",
+        help="keep the shared_system_prompt workload's system prompts at eviction "
+        "priority P (0-100; needs --eviction-policy priority)",
+    )
     add("--json", action="store_true", help="print the results as JSON instead of the table")
     add(
         "--plot",
@@ -246,6 +260,8 @@ _FLAGS = {
     "max_batched_tokens": "max_batched_tokens",
     "arrival_rate": "arrival_rate",
     "max_model_len": "max_model_len",
+    "eviction_policy": "eviction_policy",
+    "system_prompt_priority": "system_prompt_priority",
 }
 
 
@@ -264,6 +280,7 @@ def _spawned(pool: ServerConfig) -> contextlib.AbstractContextManager[ChildServe
             f"--block-size={pool.block_size}",
             f"--max-model-len={pool.max_model_len}",
             f"--hash-algo={pool.hash_algo}",
+            f"--eviction-policy={pool.eviction_policy}",
         ]
         with child_server(flags) as server:
             yield server

@@ -101,6 +101,8 @@ def to_json(config: BenchConfig, pools: list[PoolResult]) -> dict[str, Any]:
             "max_running": config.max_running,
             "max_batched_tokens": config.max_batched_tokens,
             "arrival_rate": config.arrival_rate,
+            "eviction_policy": config.eviction_policy,
+            "system_prompt_priority": config.system_prompt_priority,
         },
         "pools": [pool_summary(pool, pools[0]) for pool in pools],
     }
@@ -125,6 +127,14 @@ def _spread(ratios: list[float] | None) -> str:
     return f"{min(ratios):.2f}-{max(ratios):.2f}".rjust(11)
 
 
+def _retention_words(config: dict[str, Any]) -> str:
+    policy, priority = config.get("eviction_policy", "lru"), config.get("system_prompt_priority")
+    if policy == "lru" and priority is None:
+        return ""
+    kept = "" if priority is None else f", system prompts at priority {priority}"
+    return f"; eviction policy {policy}{kept}"
+
+
 def table(document: dict[str, Any]) -> str:
     """The human-readable table of ``to_json``'s document."""
     config = document["config"]
@@ -132,7 +142,7 @@ def table(document: dict[str, Any]) -> str:
         f"kvservice bench: {config['workload']}, {config['num_requests']} requests "
         f"(seed {config['seed']}), <= {config['max_running']} running, "
         f"{config['max_batched_tokens']} tokens/step, {config['rounds']} rounds "
-        f"alternating {', '.join(config['modes'])}",
+        f"alternating {', '.join(config['modes'])}" + _retention_words(config),
     ]
     for pool in document["pools"]:
         match = all(m["decisions_match"] for m in pool["modes"])

@@ -23,6 +23,7 @@ from kvservice.bench.measure import process_cpu_seconds, rotated
 from kvservice.bench.progress import Progress
 from kvservice.bench.server import ChildServer
 from kvservice.client import AdmitOptions, BlockIds, ComputedBlocks, KVClient
+from kvservice.client.types import Retention
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.scheduler.backend import (
     AdmittedIds,
@@ -76,6 +77,10 @@ class BenchConfig:
     arrival_rate: float = 16.0
     block_size: int = 16
     max_model_len: int = 8192
+    # The pool's eviction policy, and the priority the shared_system_prompt workload
+    # keeps its system prompts at (README, Retention).
+    eviction_policy: str = "lru"
+    system_prompt_priority: int | None = None
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -93,6 +98,7 @@ class BenchConfig:
             num_blocks=num_blocks,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
+            eviction_policy=self.eviction_policy,
         )
 
 
@@ -104,7 +110,9 @@ def build_workload(config: BenchConfig) -> list[RequestSpec]:
     workload: WorkloadConfig
     match config.workload:
         case "shared_system_prompt":
-            workload = SharedSystemPromptConfig(num_requests=n)
+            workload = SharedSystemPromptConfig(
+                num_requests=n, system_prompt_priority=config.system_prompt_priority
+            )
         case "multi_turn_chat":
             workload = MultiTurnChatConfig(
                 num_conversations=groups, turns_per_conversation=_GROUP_SIZE
@@ -145,9 +153,14 @@ class CountingBackend(ForwardingBackend):
         super().__init__(inner)
         self.num_ops = 0
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        retention: Retention | None = None,
+    ) -> None:
         self.num_ops += 1
-        super().add_request(request_id, prompt_token_ids)
+        super().add_request(request_id, prompt_token_ids, retention)
 
     def get_computed_blocks(self, request_id: str) -> ComputedBlocks:
         self.num_ops += 1
@@ -402,9 +415,9 @@ def _run_mode(
         timed(RemoteBackend(client))
     elif mode == "step":
         # Each step checked before the next is sent, while the next is planned.
-        step_backend = StepBackend(client, overlap=True)
-        timed(step_backend)
-        result.num_sends = (result.num_sends or 0) + step_backend.round_trips
+        with StepBackend(client, overlap=True) as step_backend:
+            timed(step_backend)
+            result.num_sends = (result.num_sends or 0) + step_backend.round_trips
     else:
         # Each step checked while the next is planned: the server's work overlaps the
         # scheduler's.

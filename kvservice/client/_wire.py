@@ -30,6 +30,10 @@ from kvservice.client.types import (
     RequestState,
     RequestStatus,
     Retention,
+    RetentionChange,
+    RetentionPin,
+    RetentionTick,
+    RetentionUnpin,
     Usage,
 )
 from kvservice.protocol import pack_token_ids
@@ -622,3 +626,28 @@ BATCH_ROWS: dict[str, Callable[[Any], list[Any]]] = {
     APPEND_TOKENS_BATCH: _append_rows,
     ALLOCATE_SLOTS_BATCH: _allocation_rows,
 }
+
+
+def retention_changes(events: Iterable[pb.RetentionEvent]) -> tuple[RetentionChange, ...]:
+    """A replica session's retention changes, from its Step answer."""
+    changes: list[RetentionChange] = []
+    for event in events:
+        kind = event.WhichOneof("event")
+        if kind == "pin":
+            pin = event.pin
+            changes.append(
+                RetentionPin(
+                    event.now_seconds,
+                    pin.owner,
+                    pin.pin_id,
+                    pin.num_tokens,
+                    tuple(pin.keys),
+                    pin.ttl_seconds or None,
+                    pin.refresh_on_hit,
+                )
+            )
+        elif kind == "unpin":
+            changes.append(RetentionUnpin(event.now_seconds, event.unpin.owner, event.unpin.pin_id))
+        else:
+            changes.append(RetentionTick(event.now_seconds))
+    return tuple(changes)

@@ -384,17 +384,22 @@ class AsyncKVClient:
         return audit_report(await self._invoke("Audit", pb.AuditRequest()))
 
     async def open_session(
-        self, ttl_s: float = 0.0, *, epoch: int = 0, client_name: str = ""
+        self, ttl_s: float = 0.0, *, epoch: int = 0, client_name: str = "", replica: bool = False
     ) -> AsyncLease:
         """Open a server session (``ttl_s`` 0: the server's default lease) and send its
         id with every later call of this client; the lease is renewed in the
         background until the handle is closed. Requests added from now on are owned
         by the session: the server frees them if the lease runs out. A session opened
         before stops being renewed. Raises
-        ``FailedPreconditionError`` when a newer ``epoch`` has taken over."""
+        ``FailedPreconditionError`` when a newer ``epoch`` has taken over. ``replica``:
+        the caller keeps a replica of the pool, so the server's retention changes
+        reach it with its Step answers (``StepResults.retention_changes``), at its
+        step boundaries."""
         response = await self._invoke(
             "OpenSession",
-            pb.OpenSessionRequest(ttl_seconds=ttl_s, client_name=client_name, epoch=epoch),
+            pb.OpenSessionRequest(
+                ttl_seconds=ttl_s, client_name=client_name, epoch=epoch, replica=replica
+            ),
         )
         if self._lease is not None:
             # One session per client: the previous one is no longer renewed.

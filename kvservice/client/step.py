@@ -362,6 +362,10 @@ class StepResults:
     def __init__(self, response: pb.StepResponse) -> None:
         self.step_id = response.step_id
         self._results = response.results
+        # To a replica session: what the server decided for its retention (rarely any).
+        self.retention_changes = (
+            _wire.retention_changes(response.retention_events) if response.retention_events else ()
+        )
         # wire index -> the decoded entries of a columnar operation.
         self._rows: dict[int, list[Any]] = {}
 

@@ -29,7 +29,7 @@ from typing import Any, NoReturn, Protocol
 from kvservice.client.errors import KVServiceError
 from kvservice.client.step import StepBuilder, StepResults
 from kvservice.client.step_log import ANY_ANSWER, AllocationRun, Copies, Expected, StepLog
-from kvservice.client.types import Allocation
+from kvservice.client.types import Allocation, RetentionChange
 
 
 class RemoteStepError(RuntimeError):
@@ -47,6 +47,13 @@ class SentStep(Protocol):
 # that runs steps in the order sent.
 Send = Callable[[StepBuilder], SentStep]
 
+# Applies to the replica the retention changes the server decided, when they are due.
+ApplyRetention = Callable[[list[RetentionChange]], None]
+
+# Step messages between the answer that carries a retention change and the one after
+# whose operations the server applies it (the proto's StepResponse).
+RETENTION_LAG = 1
+
 
 def _copies(allocation: Allocation) -> Copies:
     """The copy-on-write copies the server answered an allocation with."""
@@ -61,6 +68,9 @@ class StepLink:
     (a subclass of ``RemoteStepError`` an integration names its errors with);
     ``ordered``: the transport runs steps in the order sent (a stream), so a step may
     leave before the last one's answer is read (unary ``Step`` calls wait for it).
+    ``apply_retention`` applies to the replica the retention changes a replica
+    session's answers carry, at the point the server applies them: after the
+    operations of the next message (the replica: as soon as it sent it).
     """
 
     def __init__(
@@ -72,16 +82,21 @@ class StepLink:
         ordered: bool = True,
         keep_copy_holds: bool = False,
         error: type[RemoteStepError] = RemoteStepError,
+        apply_retention: ApplyRetention | None = None,
     ) -> None:
         self._send = send
+        self._apply_retention = apply_retention
+        # Retention changes received, by the number of the message they are due at.
+        self._retention_due: dict[int, list[RetentionChange]] = {}
         self.target = target
         self._overlap = overlap
         self._ordered = ordered
         self._keep_copy_holds = keep_copy_holds
         self._error = error
         self.log = StepLog(keep_copy_holds)
-        # The step sent last and not yet checked, its expected answers and its size.
-        self._unconfirmed: tuple[SentStep, list[Expected | AllocationRun], int] | None = None
+        # The step sent last and not yet checked, its expected answers, its size and
+        # its number.
+        self._unconfirmed: tuple[SentStep, list[Expected | AllocationRun], int, int] | None = None
         self._failure: RemoteStepError | None = None
         self.round_trips = 0
 
@@ -109,15 +124,24 @@ class StepLink:
             self.confirm()
         sent = self._send(step)
         self.confirm()  # ordered: the last step's answer comes before this one's
-        self._unconfirmed = (sent, expected, len(step))
+        self._unconfirmed = (sent, expected, len(step), self.round_trips)
         if not self._overlap:
             self.confirm()
+        if self._retention_due:
+            self._apply_due(self.round_trips)
+
+    def _apply_due(self, sent: int) -> None:
+        """The retention changes due after message ``sent``, in the order received."""
+        due = self._retention_due
+        ready = sorted(number for number in due if number <= sent)
+        if ready and self._apply_retention is not None:
+            self._apply_retention([change for number in ready for change in due.pop(number)])
 
     def confirm(self) -> None:
         """Wait for the last step sent and check its answers."""
         if self._unconfirmed is None:
             return
-        sent, expected, num_ops = self._unconfirmed
+        sent, expected, num_ops, number = self._unconfirmed
         self._unconfirmed = None
         try:
             results = sent.result()
@@ -126,6 +150,9 @@ class StepLink:
                 f"kvservice at {self.target}: Step of {num_ops} operations failed: {error}", error
             )
         self._compare(results, expected)
+        if results.retention_changes:
+            target = number + RETENTION_LAG
+            self._retention_due.setdefault(target, []).extend(results.retention_changes)
 
     def fail(self, message: str, cause: BaseException | None = None) -> NoReturn:
         """Stop the link: raise ``message`` (from ``cause``), and refuse every call after

@@ -294,12 +294,16 @@ class KVClient:
         """Have the server check every invariant of its pool (O(pool size))."""
         return audit_report(self._invoke("Audit", pb.AuditRequest()))
 
-    def open_session(self, ttl_s: float = 0.0, *, epoch: int = 0, client_name: str = "") -> Lease:
+    def open_session(
+        self, ttl_s: float = 0.0, *, epoch: int = 0, client_name: str = "", replica: bool = False
+    ) -> Lease:
         """Open a server session bound to this client; see
         ``AsyncKVClient.open_session``."""
         response = self._invoke(
             "OpenSession",
-            pb.OpenSessionRequest(ttl_seconds=ttl_s, client_name=client_name, epoch=epoch),
+            pb.OpenSessionRequest(
+                ttl_seconds=ttl_s, client_name=client_name, epoch=epoch, replica=replica
+            ),
         )
         if self._lease is not None:
             self._lease.stop_renewing()

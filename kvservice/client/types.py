@@ -317,17 +317,9 @@ class CacheConfig:
 
     @property
     def has_retention(self) -> bool:
-        """Whether the pool may evict otherwise than vLLM's LRU: priorities, or pins
-        (which a replica of the pool in another process cannot follow yet)."""
+        """Whether the pool may evict otherwise than vLLM's LRU: priorities, or pins (a
+        replica of the pool then opens a replica session to follow them)."""
         return self.eviction_policy != "lru" or self.max_pinned_blocks > 0
-
-
-# Why a replica of the server's pool refuses a pool with retention (the reference
-# scheduler's replicated backends, the vLLM integration's remote link).
-REPLICA_RETENTION_REFUSAL = (
-    "remote replicas cannot follow server-side pins/priorities yet; run the pool with the "
-    "default LRU or use the in-process manager"
-)
 
 
 # The default retention priority (TensorRT-LLM's), as the server's.
@@ -403,3 +395,36 @@ class AuditReport:
     num_owned_requests: int
     current_epoch: int
     duration_s: float
+
+
+# -- retention changes a server ships a replica session (StepResponse.retention_events) --
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionTick:
+    """Time passes to ``now_s`` (the server's clock)."""
+
+    now_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionPin:
+    """A pin placed by its cache keys (block hash and group id, as the pool files them)."""
+
+    now_s: float
+    owner: str
+    pin_id: str
+    num_tokens: int
+    keys: tuple[bytes, ...]
+    ttl_s: float | None
+    refresh_on_hit: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RetentionUnpin:
+    now_s: float
+    owner: str
+    pin_id: str
+
+
+RetentionChange = RetentionTick | RetentionPin | RetentionUnpin

@@ -574,12 +574,15 @@ class BlockPool:
         keys would pass the pool's pinned budget."""
         retention = self.retention_policy
         if retention is None or retention.max_pinned_blocks == 0:
+            if retention is not None:
+                retention.stats.pins_refused += 1
             raise QuotaExceededError(
                 "pinning is off in this pool: its pinned budget is 0 blocks "
                 "(set a pinned fraction, e.g. --max-pinned-fraction 0.1)"
             )
         reserved = retention.num_reserved_blocks
         if reserved + len(pin.keys) > retention.max_pinned_blocks:
+            retention.stats.pins_refused += 1
             raise QuotaExceededError(
                 f"pin {pin.pin_id!r} needs {len(pin.keys)} blocks, but pins already reserve "
                 f"{reserved} of the pinned budget of {retention.max_pinned_blocks} blocks "

@@ -7,6 +7,7 @@ runs before anything is committed, so a refused call leaves no trace.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -23,6 +24,7 @@ from kvservice.core.block_pool import resolve_block_hashes
 from kvservice.core.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
+    QuotaExceededError,
 )
 from kvservice.core.kv_cache_block import BlockHash, BlockHashWithGroupId, KVCacheBlock
 from kvservice.core.kv_cache_coordinator import get_kv_cache_coordinator
@@ -37,7 +39,15 @@ from kvservice.core.kv_cache_interface import (
 )
 from kvservice.core.kv_events import BlockStored, KVCacheEvent
 from kvservice.core.request import Request, RequestStatus
-from kvservice.core.retention_policy import Pin, RetentionConfig, RetentionPolicy, check_duration
+from kvservice.core.retention_policy import (
+    Pin,
+    PinPlaced,
+    RetentionConfig,
+    RetentionEvent,
+    RetentionPolicy,
+    Tick,
+    check_duration,
+)
 from kvservice.core.stats import PrefixCacheStats
 
 
@@ -138,6 +148,7 @@ class KVCacheManager:
         pcp_world_size: int = 1,
         eviction_policy: str = "lru",
         max_pinned_fraction: float = 0.0,
+        max_pinned_blocks: int | None = None,
     ) -> None:
         if max_model_len <= 0:
             raise InvalidArgumentError(f"max_model_len must be positive, got {max_model_len}")
@@ -173,11 +184,12 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
         self.block_hasher = BlockHasher(self.hash_block_size, hash_algo, none_hash_seed)
         # vLLM's LRU and nothing else unless a policy or a pinned budget is asked for.
+        # A replica takes its server's budget in blocks (a fraction would round anew).
+        if max_pinned_blocks is None:
+            max_pinned_blocks = int(max_pinned_fraction * (kv_cache_config.num_blocks - 1))
         retention_policy = (
-            RetentionPolicy(
-                eviction_policy, int(max_pinned_fraction * (kv_cache_config.num_blocks - 1))
-            )
-            if eviction_policy != "lru" or max_pinned_fraction > 0
+            RetentionPolicy(eviction_policy, max_pinned_blocks)
+            if eviction_policy != "lru" or max_pinned_blocks > 0
             else None
         )
         self.coordinator = get_kv_cache_coordinator(
@@ -642,9 +654,21 @@ class KVCacheManager:
         """``pin_prefix`` of ``request``'s prompt, by the request's own block hashes
         (whatever entered them: multimodal items, embeddings, the engine's hash
         function)."""
+        pin_id, num_tokens, keys = self.prepare_pin(tenant, request)
+        check_duration(ttl_s, "pin TTL")
+        self.expire_retention(now)
+        return self.place_pin(
+            PinPlaced(now, tenant, pin_id, num_tokens, keys, ttl_s, refresh_on_hit)
+        )
+
+    def prepare_pin(
+        self, tenant: str, request: Request
+    ) -> tuple[str, int, tuple[BlockHashWithGroupId, ...]]:
+        """The id, token count and cache keys of a pin of ``request``'s prompt (its
+        whole blocks), placing nothing. InvalidArgumentError for no tenant or a prompt
+        shorter than a block."""
         if not tenant:
             raise InvalidArgumentError("a pin needs a tenant")
-        check_duration(ttl_s, "pin TTL")
         hashes = request.block_hashes[: request.num_prompt_tokens // self.hash_block_size]
         keys = self._pin_keys(hashes)
         if not keys:
@@ -652,20 +676,43 @@ class KVCacheManager:
                 f"a pin covers whole blocks; {request.num_prompt_tokens} tokens do not fill "
                 f"one block of {self.scheduler_block_size} tokens"
             )
-        self.expire_retention(now)
-        pin_id = hashes[-1].hex()[:32]
-        expires_at = None if ttl_s is None else now + ttl_s
+        return hashes[-1].hex()[:32], len(hashes) * self.hash_block_size, keys
+
+    def place_pin(self, placed: PinPlaced) -> Pin:
+        """Place a prepared pin as of ``placed.now`` (time is not advanced: see
+        ``expire_retention``); a pin of that owner and id already there is refreshed.
+        QuotaExceededError (nothing changed) past the pinned budget."""
+        expires_at = None if placed.ttl_s is None else placed.now + placed.ttl_s
         retention = self.retention_policy
-        existing = retention.pins.get((tenant, pin_id)) if retention is not None else None
+        key = (placed.owner, placed.pin_id)
+        existing = retention.pins.get(key) if retention is not None else None
         if existing is not None and retention is not None:
-            existing.ttl_s, existing.expires_at = ttl_s, expires_at
-            existing.refresh_on_hit = refresh_on_hit
+            existing.ttl_s, existing.expires_at = placed.ttl_s, expires_at
+            existing.refresh_on_hit = placed.refresh_on_hit
             retention.schedule_pin_expiry(existing)
             return existing
-        num_tokens = len(hashes) * self.hash_block_size
-        pin = Pin(pin_id, tenant, num_tokens, keys, ttl_s, refresh_on_hit, expires_at)
+        pin = Pin(
+            placed.pin_id,
+            placed.owner,
+            placed.num_tokens,
+            placed.keys,
+            placed.ttl_s,
+            placed.refresh_on_hit,
+            expires_at,
+        )
         self.block_pool.pin(pin)
         return pin
+
+    def apply_retention_event(self, event: RetentionEvent) -> None:
+        """Apply a change the pool's owner decided, as it applied it (a pin over the
+        budget is dropped on both sides alike)."""
+        if isinstance(event, Tick):
+            self.expire_retention(event.now)
+        elif isinstance(event, PinPlaced):
+            with contextlib.suppress(QuotaExceededError):
+                self.place_pin(event)
+        else:
+            self.unpin_prefix(event.owner, event.pin_id)
 
     def unpin_prefix(self, tenant: str, pin_id: str) -> bool:
         """Drop ``tenant``'s pin ``pin_id``; False if it has no such pin."""

@@ -251,6 +251,38 @@ class Pin:
         return self.tenant, self.pin_id
 
 
+@dataclass(frozen=True)
+class Tick:
+    """Time passes to ``now``: pins past their TTL let go, priorities revert."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class PinPlaced:
+    """A pin placed by its keys (what a server ships a replica: no hashing needed)."""
+
+    now: float
+    owner: str
+    pin_id: str
+    num_tokens: int
+    keys: tuple[BlockHashWithGroupId, ...]
+    ttl_s: float | None
+    refresh_on_hit: bool
+
+
+@dataclass(frozen=True)
+class PinRemoved:
+    now: float
+    owner: str
+    pin_id: str
+
+
+# A retention change decided by the pool's owner (a server), applied in order by it
+# and by every replica of the pool at the same step boundary.
+RetentionEvent = Tick | PinPlaced | PinRemoved
+
+
 @dataclass
 class RetentionStats:
     """Counters since start, for metrics."""
@@ -258,6 +290,8 @@ class RetentionStats:
     pins_created: int = 0
     pins_expired: int = 0
     pins_removed: int = 0
+    # Pins refused for the pinned budget (or with pinning off).
+    pins_refused: int = 0
     pinned_block_hits: int = 0
     priorities_expired: int = 0
     evictions_by_priority: dict[int, int] = field(default_factory=dict)

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from kvservice.core.allocation_options import AllocationOptions
 from kvservice.core.errors import (
@@ -32,7 +32,14 @@ from kvservice.core.invariants import InvariantViolationError, check_invariants
 from kvservice.core.kv_cache_block import BlockHashWithGroupId, BlockIds
 from kvservice.core.kv_cache_manager import AllocationProbe, KVCacheBlocks, KVCacheManager
 from kvservice.core.request import Request, RequestStatus, computed_after_allocation
-from kvservice.core.retention_policy import Pin, RetentionPolicy
+from kvservice.core.retention_policy import (
+    Pin,
+    PinPlaced,
+    PinRemoved,
+    RetentionEvent,
+    RetentionPolicy,
+    Tick,
+)
 from kvservice.request_table.errors import (
     AlreadyExistsError,
     LimitExceededError,
@@ -46,6 +53,7 @@ from kvservice.request_table.reporting import (
     Reporter,
     TableObserver,
 )
+from kvservice.request_table.retention_sequence import RetentionSequence
 from kvservice.request_table.runtime_sync import HoldOwner, KVRuntime, RuntimeSync
 from kvservice.request_table.tenancy import (
     RequestLedger,
@@ -72,6 +80,9 @@ from kvservice.request_table.types import (
 # Told (tenant, reason) of every call refused for a limit: "quota" (max_blocks), or
 # the name of the ``RequestLimits`` setting.
 RefusalSink = Callable[[str, str], None]
+
+
+_T = TypeVar("_T")
 
 
 class RequestOwnership(Protocol):
@@ -177,6 +188,14 @@ class RequestTable:
         self._clock = clock
         # The time of the last ``_tick`` (what pins' TTLs are reported against).
         self._now = 0.0
+        # While a replica session drives the pool, retention changes wait for its step
+        # boundaries (``retention_sequence``).
+        self.retention_sequence = RetentionSequence()
+        # The retention clock reads ``clock() - _clock_origin``: a replica session
+        # starts it from 0, as its fresh replica's pool starts.
+        self._clock_origin = 0.0
+        # A replica's table (``follow_server``): its server's events move its time.
+        self._follows_server = False
         self._after_change()
 
     # -- requests -------------------------------------------------------------------
@@ -231,20 +250,34 @@ class RequestTable:
         if new.cache_control_ttl_s is not None:
             # The last thing that may refuse the call: a refused pin adds no request,
             # and nothing after it refuses (so a pin never outlives a refused add).
-            self._tick()
-            ttl_s = new.cache_control_ttl_s
-            self._charged_pin(
-                tenant,
-                lambda owner: self.manager.pin_request_prompt(
-                    owner, request, self._now, ttl_s=ttl_s
-                ),
-            )
-            self._reporter.changed()
+            self._pin_prompt(request, new.cache_control_ttl_s, tenant)
         self._requests[key] = request
         self.requests_per_tenant.added(tenant, request.num_tokens, embeds_bytes, mm_items, mm_bytes)
         if session_id is not None and self.ownership is not None:
             self.ownership.adopt(tenant, rid, session_id)
         return request
+
+    def _pin_prompt(self, request: Request, ttl_s: float, tenant: str) -> None:
+        """AddRequest's ``cache_control_ttl``: pin the prompt's whole blocks, by the
+        request's own hashes (under a replica session, at its next boundaries)."""
+        owner = pin_owner(tenant)
+        if self.retention_sequence.driver is not None:
+            pin_id, num_tokens, keys = self.manager.prepare_pin(owner, request)
+            try:
+                self._check_pin_budget(len(keys), owner, pin_id)
+            except QuotaExceededError:
+                # A replica's scheduler cannot take a refused request back: the request
+                # is added without its pin (counted in kvservice_pins_refused_total).
+                return
+            placed = PinPlaced(self._time(), owner, pin_id, num_tokens, keys, ttl_s, False)
+            self.retention_sequence.queue(placed)
+            return
+        self._tick()
+        self._charged_pin(
+            tenant,
+            lambda owner: self.manager.pin_request_prompt(owner, request, self._now, ttl_s=ttl_s),
+        )
+        self._reporter.changed()
 
     def _check_retention(self, new: NewRequest) -> None:
         """Refuse retention this pool cannot honour, and a cache_control_ttl pin of a
@@ -584,10 +617,22 @@ class RequestTable:
         """Let time pass to ``clock()`` for the pool's pins and priorities: expired
         pins let go (their blocks' tenants are charged the blocks that went free),
         expired priorities revert. Nothing (no clock read) without retention."""
+        if (
+            self._retention is None
+            or self.retention_sequence.driver is not None
+            or self._follows_server
+        ):
+            return  # no retention, or time passes at the replica's step boundaries
+        self._advance(self._time())
+
+    def _time(self) -> float:
+        return self._clock() - self._clock_origin
+
+    def _advance(self, now: float) -> None:
+        """Time passes to ``now`` (``_tick``'s work, at a time given)."""
         retention = self._retention
-        if retention is None:
-            return
-        now = self._now = self._clock()
+        assert retention is not None
+        self._now = now
         deadline = retention.next_deadline()
         if deadline is None or deadline > now:
             self.manager.expire_retention(now)  # records the time; nothing expires
@@ -621,7 +666,7 @@ class RequestTable:
                 freed[tenant] = freed.get(tenant, 0) + 1
         return freed
 
-    def _charged_pin(self, tenant: str, pin: Callable[[str], Pin]) -> Pin:
+    def _charged_pin(self, tenant: str, pin: Callable[[str], _T]) -> _T:
         """``pin(owner)`` for ``tenant`` (after ``_tick``), charging the tenant the
         cached blocks the pin took out of the free queue."""
         pool = self.manager.block_pool
@@ -651,6 +696,8 @@ class RequestTable:
             raise InvalidArgumentError(
                 f"pin: ttl_seconds must be positive (or 0: until unpinned), got {args.ttl_s}"
             )
+        if self.retention_sequence.driver is not None:
+            return self._queue_pin(args, tenant)
         self._tick()
         pin = self._charged_pin(
             tenant,
@@ -695,6 +742,9 @@ class RequestTable:
         NOT_FOUND when the tenant has no such pin."""
         if not pin_id:
             raise InvalidArgumentError("unpin: pin_id must not be empty (ListPins names them)")
+        if self.retention_sequence.driver is not None:
+            self._queue_unpin(pin_id, tenant)
+            return
         self._tick()
         pool = self.manager.block_pool
         free_before = pool.get_num_free_blocks()
@@ -707,6 +757,149 @@ class RequestTable:
         if self.tenants.counts(tenant):
             self.tenants.charge(tenant, free_before - pool.get_num_free_blocks())
         self._reporter.changed()
+
+    # -- retention under a replica session (``retention_sequence``) ------------------
+
+    def follow_server(self) -> None:
+        """This table is a replica of a server's: its retention changes only by the
+        server's events (``apply_retention_event``), never by a clock of its own."""
+        self._follows_server = True
+
+    def apply_retention_event(self, event: RetentionEvent) -> None:
+        """A retention change the server shipped, applied where the server did."""
+        self._apply_event(event)
+
+    def check_replica_free(self) -> None:
+        """FAILED_PRECONDITION while a replica session drives the pool's retention."""
+        if self._retention is not None and self.retention_sequence.driver is not None:
+            raise FailedPreconditionError(
+                "another replica session drives this pool's retention; one scheduler "
+                "keeps a replica of a pool at a time (close the other session first)"
+            )
+
+    def start_replica(self, session_id: str) -> None:
+        """``session_id`` keeps a replica of the pool, fresh: from now on retention
+        changes wait for its step boundaries (``check_replica_free`` first). The
+        retention clock restarts from 0, as the replica's; the pins there are taken
+        out now and placed again, with what is left of their TTLs, at the replica's
+        first boundary (it resets the pool to a fresh one meanwhile)."""
+        retention = self._retention
+        if retention is None:
+            return  # nothing the server decides on its own
+        self.check_replica_free()
+        self._tick()
+        old_now = self._now
+        self._clock_origin = self._clock()
+        sequence = self.retention_sequence
+        sequence.start(session_id)
+        for pin in list(retention.pins.values()):
+            left = None if pin.expires_at is None else pin.expires_at - old_now
+            if left is not None and left <= 0:
+                continue
+            # Placed at a time before 0 such that it expires as before, and a hit still
+            # refreshes it to its whole TTL.
+            placed_at = 0.0 if left is None or pin.ttl_s is None else left - pin.ttl_s
+            sequence.queue(
+                PinPlaced(
+                    placed_at,
+                    pin.tenant,
+                    pin.pin_id,
+                    pin.num_tokens,
+                    pin.keys,
+                    pin.ttl_s,
+                    pin.refresh_on_hit,
+                )
+            )
+            self._apply_event(PinRemoved(old_now, pin.tenant, pin.pin_id))
+        self._advance(0.0)
+
+    def end_replica(self, session_id: str) -> None:
+        """The replica session ended: what waited takes effect, the clock runs again."""
+        if self.retention_sequence.driver != session_id:
+            return
+        for event in self.retention_sequence.stop():
+            self._apply_event(event)
+        self._tick()
+
+    def begin_replica_step(self, session_id: str | None) -> bool:
+        """A Step message of ``session_id`` begins: True if it drives the pool (call
+        ``end_replica_step`` once its operations ran)."""
+        sequence = self.retention_sequence
+        if session_id is None or sequence.driver != session_id:
+            return False
+        sequence.step += 1
+        return True
+
+    def end_replica_step(self) -> list[RetentionEvent]:
+        """The driver's message ran: the changes due after it are applied (the replica
+        applied them as it sent it), then those to ship with its answer are returned
+        (see ``retention_sequence``): the server's clock now, and what was queued."""
+        sequence = self.retention_sequence
+        for event in sequence.due():
+            self._apply_event(event)
+        return sequence.end_step(self._time())
+
+    def _apply_event(self, event: RetentionEvent) -> None:
+        """Apply a held change, as the replica will, charging tenants what pins take or
+        give back."""
+        if isinstance(event, Tick):
+            self._advance(event.now)
+            return
+        tenant = tenant_of_pin_owner(event.owner)
+        self._charged_pin(tenant, lambda _: self.manager.apply_retention_event(event))
+        self._reporter.changed()
+
+    def _queue_pin(self, args: PinArgs, tenant: str) -> PinView:
+        """A pin for the replica's next boundaries: answered now (as it will be placed,
+        holding nothing yet), placed when the boundary comes."""
+        owner = pin_owner(tenant)
+        probe = self.manager.new_request(
+            f"pin:{owner}",
+            args.token_ids,
+            cache_salt=tenant_cache_salt(tenant, args.cache_salt),
+            lora_name=args.lora_name,
+            lora_path=args.lora_path,
+        )
+        pin_id, num_tokens, keys = self.manager.prepare_pin(owner, probe)
+        self._check_pin_budget(len(keys), owner, pin_id)
+        now = self._time()
+        placed = PinPlaced(now, owner, pin_id, num_tokens, keys, args.ttl_s, args.refresh_on_hit)
+        self.retention_sequence.queue(placed)
+        expires_at = None if args.ttl_s is None else now + args.ttl_s
+        pending = Pin(pin_id, owner, num_tokens, keys, args.ttl_s, args.refresh_on_hit, expires_at)
+        return self._pin_view(pending)
+
+    def _check_pin_budget(self, num_keys: int, owner: str, pin_id: str) -> None:
+        """Refuse now a pin the boundary would refuse: past the budget, counting the
+        pins placed and those waiting (a pin there already is refreshed, not added)."""
+        retention = self._retention
+        assert retention is not None
+        waiting = [e for e in self.retention_sequence.queued if isinstance(e, PinPlaced)]
+        if (owner, pin_id) in retention.pins or any(e.pin_id == pin_id for e in waiting):
+            return
+        reserved = retention.num_reserved_blocks + sum(len(e.keys) for e in waiting)
+        if retention.max_pinned_blocks == 0 or reserved + num_keys > retention.max_pinned_blocks:
+            retention.stats.pins_refused += 1
+            raise QuotaExceededError(
+                f"pin {pin_id!r} needs {num_keys} blocks, but pins already reserve "
+                f"{reserved} of the pinned budget of {retention.max_pinned_blocks} blocks "
+                f"(--max-pinned-fraction); unpin something or pin a shorter prefix"
+            )
+
+    def _queue_unpin(self, pin_id: str, tenant: str) -> None:
+        owner = pin_owner(tenant)
+        retention = self._retention
+        assert retention is not None
+        waiting = any(
+            isinstance(e, PinPlaced) and (e.owner, e.pin_id) == (owner, pin_id)
+            for e in self.retention_sequence.queued
+        )
+        if (owner, pin_id) not in retention.pins and not waiting:
+            raise PinNotFoundError(
+                f"pin {pin_id!r} is not known (never pinned by this tenant, unpinned, or "
+                f"expired); ListPins names the tenant's pins"
+            )
+        self.retention_sequence.queue(PinRemoved(self._time(), owner, pin_id))
 
     def list_pins(self, tenant: str | None) -> list[PinView]:
         """The pins of ``tenant`` (None: every tenant's), by tenant then id."""

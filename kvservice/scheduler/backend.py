@@ -22,9 +22,11 @@ from kvservice.client.types import (
     BlockIds,
     ComputedBlocks,
     FreeMode,
+    Retention,
 )
 from kvservice.core.allocation_options import allocation_options
 from kvservice.core.kv_cache_manager import KVCacheManager
+from kvservice.replication import core_retention
 from kvservice.request_table import admission
 from kvservice.request_table.table import RequestTable
 from kvservice.request_table.tenancy import DEFAULT_TENANT
@@ -90,7 +92,12 @@ class Backend(Protocol):
     (a replicated backend sends the step there); ``flush`` ends a run.
     """
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None: ...
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        retention: Retention | None = None,
+    ) -> None: ...
 
     def new_step_starts(self) -> None: ...
 
@@ -138,8 +145,13 @@ class ForwardingBackend:
     def _forward(self, call: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         return call(*args, **kwargs)
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
-        self._forward(self.inner.add_request, request_id, prompt_token_ids)
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        retention: Retention | None = None,
+    ) -> None:
+        self._forward(self.inner.add_request, request_id, prompt_token_ids, retention)
 
     def new_step_starts(self) -> None:
         self._forward(self.inner.new_step_starts)
@@ -198,8 +210,18 @@ class InProcessBackend:
         self.manager = manager
         self.table = RequestTable(manager)
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
-        self.table.add_request(NewRequest(request_id, list(prompt_token_ids)), DEFAULT_TENANT)
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        retention: Retention | None = None,
+    ) -> None:
+        new = NewRequest(
+            request_id,
+            list(prompt_token_ids),
+            retention=None if retention is None else core_retention(retention),
+        )
+        self.table.add_request(new, DEFAULT_TENANT)
 
     def new_step_starts(self) -> None:
         self.table.new_step_starts()
@@ -300,8 +322,13 @@ class RemoteBackend:
     def __init__(self, client: KVClient) -> None:
         self.client = client
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
-        self.client.add_request(request_id, prompt_token_ids)
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        retention: Retention | None = None,
+    ) -> None:
+        self.client.add_request(request_id, prompt_token_ids, retention=retention)
 
     def new_step_starts(self) -> None:
         self.client.new_step_starts()

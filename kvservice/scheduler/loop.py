@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvservice.client import BlockIds
-from kvservice.client.types import AdmitOptions
+from kvservice.client.types import AdmitOptions, Retention, TokenRangeRetention
 from kvservice.scheduler.backend import Backend
 from kvservice.workloads.specs import RequestSpec
 
@@ -182,7 +182,7 @@ class Scheduler:
             and self._pending[self._num_arrived].arrival_step <= self.step_index
         ):
             spec = self._pending[self._num_arrived]
-            self.backend.add_request(spec.request_id, spec.prompt_token_ids)
+            self.backend.add_request(spec.request_id, spec.prompt_token_ids, _retention(spec))
             self.waiting.append(_Tracked(spec, self._num_arrived, len(spec.prompt_token_ids)))
             self._num_arrived += 1
 
@@ -319,3 +319,10 @@ class Scheduler:
             return True
         self.backend.append_tokens(request.request_id, [token])
         return False
+
+
+def _retention(spec: RequestSpec) -> Retention | None:
+    """The eviction priority ``spec`` asks for its shared prefix (None: none)."""
+    if spec.prefix_priority is None or spec.prefix_len <= 0:
+        return None
+    return Retention((TokenRangeRetention(0, spec.prefix_len, spec.prefix_priority),))

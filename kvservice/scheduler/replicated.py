@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import TracebackType
+from typing import Self
 
 from kvservice.client import (
     AdmitOptions,
@@ -35,7 +36,7 @@ from kvservice.client import (
 from kvservice.client.step import StepBuilder
 from kvservice.client.step_link import RemoteStepError, Send, SentStep, StepLink
 from kvservice.client.step_log import ANY_ANSWER
-from kvservice.client.types import REPLICA_RETENTION_REFUSAL
+from kvservice.client.types import Retention, RetentionChange
 from kvservice.core.errors import InvalidArgumentError
 from kvservice.core.kv_cache_groups import GroupShape, group_spec
 from kvservice.core.kv_cache_interface import (
@@ -46,6 +47,7 @@ from kvservice.core.kv_cache_interface import (
     KVCacheSpecKind,
 )
 from kvservice.core.kv_cache_manager import KVCacheManager
+from kvservice.replication import core_retention_event
 from kvservice.scheduler.backend import (
     AdmittedIds,
     InProcessBackend,
@@ -75,14 +77,22 @@ def _group_spec(group: KVCacheGroup, enable_caching: bool) -> KVCacheSpec:
 
 
 def replica_manager(config: CacheConfig, target: str = "the server") -> KVCacheManager:
-    """A fresh pool laid out as the server's, deciding as the server's does.
-    ``RemoteStepError`` for a pool with retention (priorities or pins): its server
-    decides by a clock and pins the replica does not see."""
-    if config.has_retention:
-        raise RemoteStepError(
-            f"kvservice at {target} runs eviction policy {config.eviction_policy!r} with a "
-            f"pinned budget of {config.max_pinned_blocks} blocks: {REPLICA_RETENTION_REFUSAL}"
-        )
+    """A fresh pool laid out as the server's, deciding as the server's does (its
+    retention policy and pinned budget too: the server's changes reach it through a
+    replica session)."""
+    # The replica's hashes never leave this process: only which blocks match matters,
+    # so the fastest hash serves (a collision would show as an answer that differs at
+    # the check, never silently). But pins arrive as the server's cache keys: with a
+    # pinned budget the replica must hash exactly as the server does.
+    hash_algo, none_hash_seed = "xxhash", None
+    if config.max_pinned_blocks > 0:
+        if not config.none_hash_seed:
+            raise RemoteStepError(
+                f"kvservice at {target} pins prefixes by its cache keys, but its hash seed "
+                f"is secret ({config.hash_algo}, a random seed): the replica cannot hash as "
+                f"it does. Start it with --none-hash-seed, or a SHA hash algorithm"
+            )
+        hash_algo, none_hash_seed = config.hash_algo, config.none_hash_seed
     groups = [
         KVCacheGroupSpec(list(group.layer_names), _group_spec(group, config.enable_caching))
         for group in config.groups
@@ -99,10 +109,10 @@ def replica_manager(config: CacheConfig, target: str = "the server") -> KVCacheM
         hash_block_size=config.hash_block_size,
         enable_caching=config.enable_caching,
         max_in_flight_tokens=config.max_in_flight_tokens or None,
-        # The replica's hashes never leave this process: only which blocks match
-        # matters, so the fastest hash serves (a collision would show as an answer
-        # that differs at the check, never silently).
-        hash_algo="xxhash",
+        hash_algo=hash_algo,
+        none_hash_seed=none_hash_seed,
+        eviction_policy=config.eviction_policy,
+        max_pinned_blocks=config.max_pinned_blocks,
     )
     # The server reports its watermark in blocks, the count the manager decides with.
     manager.watermark_blocks = config.watermark_blocks
@@ -128,23 +138,45 @@ class ReplicatedBackend(InProcessBackend):
     def __init__(
         self, client: KVClient, send: Send, *, overlap: bool = False, ordered: bool = True
     ) -> None:
-        # Checked before the pool is claimed (reset): a refused backend changes nothing.
-        manager = replica_manager(client.get_cache_config(), client.target)
+        config = client.get_cache_config()
+        manager = replica_manager(config, client.target)
+        # On a pool with retention the server decides pins and expiries at this
+        # backend's steps, through a replica session (``close`` ends it).
+        self._lease = client.open_session(replica=True) if config.has_retention else None
         _claim_pool(client)
         super().__init__(manager)
-        self.link = StepLink(send, client.target, overlap=overlap, ordered=ordered)
+        self.table.follow_server()
+        self.link = StepLink(
+            send,
+            client.target,
+            overlap=overlap,
+            ordered=ordered,
+            apply_retention=self._apply_retention,
+        )
+
+    def _apply_retention(self, changes: list[RetentionChange]) -> None:
+        for change in changes:
+            self.table.apply_retention_event(core_retention_event(change))
 
     @property
     def round_trips(self) -> int:
         """Messages sent: one per step that changed anything."""
         return self.link.round_trips
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        retention: Retention | None = None,
+    ) -> None:
         self.link.check_alive()
-        super().add_request(request_id, prompt_token_ids)
+        super().add_request(request_id, prompt_token_ids, retention)
         # A copy: the step leaves after the scheduler appended the step's output to
         # its token list.
-        self.link.log.add_request(request_id, list(prompt_token_ids))
+        if retention is None:
+            self.link.log.add_request(request_id, list(prompt_token_ids))
+        else:
+            self.link.log.add_request(request_id, list(prompt_token_ids), retention=retention)
 
     def new_step_starts(self) -> None:
         self.link.check_alive()
@@ -208,6 +240,43 @@ class ReplicatedBackend(InProcessBackend):
         self.link.flush()
         self.link.confirm()
 
+    def close(self) -> None:
+        """Send and check what is left (after a failure, nothing more is sent), end
+        the transport, then the replica session, if any (what the server held for it
+        takes effect)."""
+        if self.link.failed:
+            self._drop()
+        else:
+            self.flush()
+            self._finish()
+        self._end_session()
+
+    def _finish(self) -> None:
+        """End the transport once everything is sent (unary calls: nothing to end)."""
+
+    def _drop(self) -> None:
+        """Drop the transport, sending nothing more."""
+
+    def _end_session(self) -> None:
+        if self._lease is not None:
+            self._lease.close()
+            self._lease = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self._drop()
+            self._end_session()
+
 
 def _claim_pool(client: KVClient) -> None:
     """Refuse a pool in use; reset an idle one to a fresh pool's state, the state the
@@ -241,33 +310,21 @@ class StreamBackend(ReplicatedBackend):
     and its answers are checked at the next send."""
 
     def __init__(self, client: KVClient, *, overlap: bool = False) -> None:
-        self._stream: Session = client.session()
-        stream = self._stream
+        self._client = client
+        # Opened by the first step, after the backend's session (its metadata is the
+        # stream's for good).
+        self._stream: Session | None = None
+        super().__init__(client, self._send, overlap=overlap)
 
-        def send(step: StepBuilder) -> SentStep:
-            return stream.send(step, stop_on_error=True)
+    def _send(self, step: StepBuilder) -> SentStep:
+        if self._stream is None:
+            self._stream = self._client.session()
+        return self._stream.send(step, stop_on_error=True)
 
-        super().__init__(client, send, overlap=overlap)
+    def _finish(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
 
-    def close(self) -> None:
-        """Send and check what is left, then end the stream (after a failure, drop
-        it: nothing more is sent)."""
-        if self.link.failed:
-            self._stream.cancel()
-            return
-        self.flush()
-        self._stream.close()
-
-    def __enter__(self) -> StreamBackend:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is None:
-            self.close()
-        else:
+    def _drop(self) -> None:
+        if self._stream is not None:
             self._stream.cancel()

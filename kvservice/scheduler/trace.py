@@ -13,13 +13,20 @@ of its own), so it is still read.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvservice.client.types import AdmitOptions, BlockIds, ComputedBlocks
+from kvservice.client.types import (
+    AdmitOptions,
+    BlockIds,
+    ComputedBlocks,
+    Retention,
+    TokenRangeRetention,
+)
 from kvservice.scheduler.backend import AdmittedIds, Backend, ForwardingBackend
 
 TRACE_FORMAT = "kvservice-trace"
@@ -128,11 +135,20 @@ class TracingBackend(ForwardingBackend):
     def _record(self, op: str, args: dict[str, Any], result: Any = None) -> None:
         self.entries.append(TraceEntry(op, args, result))
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int]) -> None:
-        super().add_request(request_id, prompt_token_ids)
-        self._record(
-            "add_request", {"request_id": request_id, "prompt_token_ids": list(prompt_token_ids)}
-        )
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        retention: Retention | None = None,
+    ) -> None:
+        super().add_request(request_id, prompt_token_ids, retention)
+        args: dict[str, Any] = {
+            "request_id": request_id,
+            "prompt_token_ids": list(prompt_token_ids),
+        }
+        if retention is not None:
+            args["retention"] = dataclasses.asdict(retention)
+        self._record("add_request", args)
 
     def new_step_starts(self) -> None:
         super().new_step_starts()
@@ -224,7 +240,11 @@ def _apply(backend: Backend, entry: TraceEntry) -> Any:
     args = entry.args
     match entry.op:
         case "add_request":
-            backend.add_request(str(args["request_id"]), [int(t) for t in args["prompt_token_ids"]])
+            backend.add_request(
+                str(args["request_id"]),
+                [int(t) for t in args["prompt_token_ids"]],
+                _retention(args.get("retention")),
+            )
             return None
         case "new_step_starts":
             backend.new_step_starts()
@@ -296,3 +316,14 @@ def check_replay(trace: Trace, backend: Backend) -> int:
             )
     backend.flush()
     return len(trace.entries)
+
+
+def _retention(fields: Any) -> Retention | None:
+    """A request's retention as a trace stores it (``dataclasses.asdict``)."""
+    if fields is None:
+        return None
+    return Retention(
+        tuple(TokenRangeRetention(**r) for r in fields["token_ranges"]),
+        fields["decode_priority"],
+        fields["decode_duration_s"],
+    )

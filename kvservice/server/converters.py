@@ -23,7 +23,14 @@ from kvservice.core.kv_cache_interface import (
 )
 from kvservice.core.kv_cache_manager import AllocationProbe, KVCacheManager
 from kvservice.core.request import Request, RequestStatus
-from kvservice.core.retention_policy import RetentionConfig, TokenRangeRetention, parse_duration
+from kvservice.core.retention_policy import (
+    PinPlaced,
+    RetentionConfig,
+    RetentionEvent,
+    Tick,
+    TokenRangeRetention,
+    parse_duration,
+)
 from kvservice.protocol import PACKED_TOKEN_ID_SIZE, unpack_token_ids
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.request_table.admission import AdmitStop
@@ -510,3 +517,19 @@ _ADMIT_STOPS = {
 
 def admit_stop_to_pb(stop: AdmitStop) -> pb.AdmitStopReason.ValueType:
     return _ADMIT_STOPS[stop]
+
+
+def retention_events_to_pb(events: Sequence[RetentionEvent], out: Any) -> None:
+    """A replica session's retention changes into its Step answer."""
+    for event in events:
+        message = out.add(now_seconds=event.now)
+        if isinstance(event, Tick):
+            message.tick = True
+        elif isinstance(event, PinPlaced):
+            pin = message.pin
+            pin.owner, pin.pin_id, pin.num_tokens = event.owner, event.pin_id, event.num_tokens
+            pin.keys.extend(event.keys)
+            pin.ttl_seconds = event.ttl_s or 0.0
+            pin.refresh_on_hit = event.refresh_on_hit
+        else:
+            message.unpin.owner, message.unpin.pin_id = event.owner, event.pin_id

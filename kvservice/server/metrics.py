@@ -545,6 +545,12 @@ class _RetentionCollector:
             ("kvservice_pins_expired", "Pins whose TTL ran out.", "pins_expired"),
             ("kvservice_pins_removed", "Pins dropped by UnpinPrefix.", "pins_removed"),
             (
+                "kvservice_pins_refused",
+                "Pins refused for the pinned budget or with pinning off (a replica "
+                "session's request is added without its cache_control pin).",
+                "pins_refused",
+            ),
+            (
                 "kvservice_pinned_block_hits",
                 "Prefix hits on blocks a pin holds (one per block and pin).",
                 "pinned_block_hits",

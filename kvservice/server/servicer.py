@@ -277,9 +277,16 @@ class KVCacheServicer:
         """Open a session of the caller's tenant (see ``sessions``). INVALID_ARGUMENT
         for a ttl_seconds outside the server's bounds, a negative epoch or an
         over-long client_name; FAILED_PRECONDITION for an epoch older than the
-        current one."""
+        current one, or for a second replica session of a pool with retention."""
         tenant = caller.tenant
-        lease = self._sessions.open(tenant, request.ttl_seconds, request.client_name, request.epoch)
+        async with self._turn:
+            if request.replica:
+                self._table.check_replica_free()
+            lease = self._sessions.open(
+                tenant, request.ttl_seconds, request.client_name, request.epoch
+            )
+            if request.replica:
+                self._table.start_replica(lease.session.session_id)
         return pb.OpenSessionResponse(
             session_id=lease.session.session_id,
             ttl_seconds=lease.session.ttl_s,

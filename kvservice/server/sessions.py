@@ -675,6 +675,8 @@ class SessionRegistry:
         session.requests.clear()
         del self._sessions[session.session_id]
         self._ending.pop(session.session_id, None)
+        # A replica session's held retention changes take effect now.
+        self._table.end_replica(session.session_id)
         left = self._sessions_per_tenant.get(session.tenant, 0) - 1
         if left > 0:
             self._sessions_per_tenant[session.tenant] = left

@@ -68,6 +68,7 @@ from kvservice.core.errors import FailedPreconditionError, InvalidArgumentError,
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.request_table.table import RequestTable
 from kvservice.server.caller import Caller
+from kvservice.server.converters import retention_events_to_pb
 from kvservice.server.errors import status_code_of, status_message_of
 from kvservice.server.log import LineBudget
 from kvservice.server.operations import (
@@ -155,6 +156,7 @@ class StepRunner:
                 )
             keep_holds = (caller.tenant, caller.session_id)
         response.step_id = step.step_id
+        replica = self.table.begin_replica_step(session_id)
         # Speed: hoisted out of the per-operation loop;
         # `python -m benchmarks.bench_decode_layers --requests 512 --steps 60 --layers step-single`:
         # step-single layer +7.2% us/request without (8.70 -> 9.33, medians of 11; 2026-12-03).
@@ -204,6 +206,8 @@ class StepRunner:
                         _answer_not_run(step.ops[index + 1 :], add_result)
                         failed[_CANCELLED] += len(step.ops) - index - 1
                         break
+        if replica:
+            retention_events_to_pb(self.table.end_replica_step(), response.retention_events)
         if failed:
             # One line per step, never one per operation (a step may hold thousands).
             codes = {_CODE_NAMES[c]: n for c, n in failed.items() if n}

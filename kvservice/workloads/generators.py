@@ -56,6 +56,8 @@ class SharedSystemPromptConfig(WorkloadConfig):
     num_requests: int = 32
     num_system_prompts: int = 1
     system_prompt_len: int = 512
+    # Keep the system prompts at this eviction priority (None: none).
+    system_prompt_priority: int | None = None
     user_len: LengthDistribution = field(
         default_factory=lambda: LengthDistribution(median=64, sigma=0.7, low=1, high=1024)
     )
@@ -137,7 +139,13 @@ class _Draw:
         self.clock += self.rng.expovariate(self.config.requests_per_step)
         return int(self.clock)
 
-    def add(self, prompt: list[int], arrival_step: int) -> RequestSpec | None:
+    def add(
+        self,
+        prompt: list[int],
+        arrival_step: int,
+        prefix_priority: int | None = None,
+        prefix_len: int = 0,
+    ) -> RequestSpec | None:
         """Append a spec with a drawn output length fitted under ``max_model_len``;
         None (nothing added) when the prompt leaves no room for one output token."""
         room = self.config.max_model_len - len(prompt)
@@ -150,6 +158,8 @@ class _Draw:
             max_output_tokens=min(self.config.output_len.sample(self.rng), room),
             arrival_step=arrival_step,
             priority=priority,
+            prefix_priority=prefix_priority,
+            prefix_len=prefix_len,
         )
         self.specs.append(spec)
         return spec
@@ -161,7 +171,12 @@ def _shared_system_prompt(config: SharedSystemPromptConfig, draw: _Draw) -> None
     ]
     for _ in range(config.num_requests):
         system = draw.rng.choice(system_prompts)
-        draw.add(system + draw.tokens(config.user_len.sample(draw.rng)), draw.next_arrival())
+        draw.add(
+            system + draw.tokens(config.user_len.sample(draw.rng)),
+            draw.next_arrival(),
+            config.system_prompt_priority,
+            len(system),
+        )
 
 
 def _multi_turn_chat(config: MultiTurnChatConfig, draw: _Draw) -> None:

@@ -10,7 +10,9 @@ class RequestSpec:
     """A request as a workload describes it, before any scheduling.
 
     ``priority`` follows vLLM: a lower value is more important. ``arrival_step`` is the
-    scheduler step at which the request joins the waiting queue.
+    scheduler step at which the request joins the waiting queue. ``prefix_priority``
+    (0-100, None: none) keeps the prompt's first ``prefix_len`` tokens (a shared system
+    prompt) at that eviction priority, on a pool with the priority eviction policy.
     """
 
     request_id: str
@@ -18,6 +20,8 @@ class RequestSpec:
     max_output_tokens: int
     arrival_step: int = 0
     priority: int = 0
+    prefix_priority: int | None = None
+    prefix_len: int = 0
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -59,6 +59,17 @@ def test_smoke_compares_every_mode_on_the_same_decisions(
     assert rows["unary"]["messages_per_step"] is None
 
 
+def test_system_prompts_at_a_priority_decide_alike_in_every_mode(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The pool with the priority policy and the workload's system prompts kept at 80:
+    every mode (the replicated ones through a replica session) decides as in-process."""
+    document = bench_json(capsys, "--eviction-policy", "priority", "--system-prompt-priority", "80")
+    assert document["config"]["eviction_policy"] == "priority"
+    (pool,) = document["pools"]
+    assert all(row["decisions_match"] for row in pool["modes"])
+
+
 def test_pools_side_by_side(capsys: pytest.CaptureFixture[str]) -> None:
     document = bench_json(capsys, "--modes", "in-process", "--num-blocks", "96,400")
     small, large = document["pools"]

@@ -176,9 +176,22 @@ def stop_vllm(server: VLLMServer) -> None:
     server.process.wait()
 
 
-def complete(server: VLLMServer, prompt: str) -> dict[str, Any]:
-    """One greedy ``/v1/completions``; an HTTP error fails the test with the log."""
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+def complete(
+    server: VLLMServer,
+    prompt: str,
+    max_tokens: int = MAX_TOKENS,
+    vllm_xargs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One greedy ``/v1/completions`` (with ``vllm_xargs``, vLLM's extra_args); an HTTP
+    error fails the test with the log."""
+    body: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
+    if vllm_xargs is not None:
+        body["vllm_xargs"] = vllm_xargs
     request = urllib.request.Request(
         f"{server.url}/v1/completions",
         data=json.dumps(body).encode(),

@@ -6,10 +6,8 @@ priority, still hits after the same churn (vLLM's own prefix-cache counter)."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,10 +19,9 @@ from kvservice.integrations.vllm.tiny_model import SPECIAL_TOKENS, VOCAB_SIZE, t
 from tests.engine.test_openai_server import (
     BLOCK_SIZE,
     HITS,
-    MODEL_NAME,
     NUM_BLOCKS,
-    REQUEST_TIMEOUT_S,
     VLLMServer,
+    complete,
     metric,
     scrape,
     start_vllm,
@@ -43,25 +40,8 @@ def _system_prompt() -> list[int]:
     return [_rng.choice(_WORDS) for _ in range(SYSTEM_BLOCKS * BLOCK_SIZE)]
 
 
-def complete(server: VLLMServer, tokens: list[int], xargs: dict[str, Any] | None) -> None:
-    body: dict[str, Any] = {
-        "model": MODEL_NAME,
-        "prompt": text(tokens),
-        "max_tokens": 1,
-        "temperature": 0,
-    }
-    if xargs is not None:
-        body["vllm_xargs"] = xargs
-    request = urllib.request.Request(
-        f"{server.url}/v1/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
-            json.load(response)
-    except OSError as error:
-        pytest.fail(f"/v1/completions failed: {error}\n{server.tail()}")
+def send(server: VLLMServer, tokens: list[int], xargs: dict[str, Any] | None = None) -> None:
+    complete(server, text(tokens), max_tokens=1, vllm_xargs=xargs)
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +66,11 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def hits_after_churn(server: VLLMServer, xargs: dict[str, Any] | None) -> float:
     """The prefix-cache hits of a system prompt's second completion, after the churn."""
     system = _system_prompt()
-    complete(server, [*system, _rng.choice(_WORDS)], xargs)
+    send(server, [*system, _rng.choice(_WORDS)], xargs)
     for prompt in CHURN:
-        complete(server, [*prompt, _rng.choice(_WORDS)], None)
+        send(server, [*prompt, _rng.choice(_WORDS)])
     before = metric(scrape(f"{server.url}/metrics"), HITS)
-    complete(server, [*system, _rng.choice(_WORDS)], None)
+    send(server, [*system, _rng.choice(_WORDS)])
     return metric(scrape(f"{server.url}/metrics"), HITS) - before
 
 

@@ -425,29 +425,48 @@ def test_a_replicated_backend_refuses_a_pool_in_use() -> None:
         StepBackend(client).flush()  # idle again: accepted
 
 
-@pytest.mark.parametrize(
-    "retention",
-    [{"eviction_policy": "priority"}, {"max_pinned_fraction": 0.25}],
-    ids=["priority", "pins"],
-)
-def test_a_replicated_backend_refuses_a_pool_with_retention(retention: dict[str, object]) -> None:
-    """A replica cannot follow the server's pins, expiries nor priorities: refused at
-    startup, before the pool is claimed (a cached prefix survives the refusal)."""
-    pool = dataclasses.replace(TIGHT_POOL, **retention)  # type: ignore[arg-type]
-    with server_in_thread(pool) as server, KVClient(server.target) as client:
-        client.add_request("x", list(range(40)))
-        client.allocate_slots("x", 40)
-        client.free("x")
-        for backend in (StepBackend, StreamBackend, ReplicatedBackend):
-            with pytest.raises(
-                RemoteStepError, match="remote replicas cannot follow server-side pins/priorities"
-            ):
-                if backend is ReplicatedBackend:
-                    backend(client, lambda step: None)  # type: ignore[arg-type,return-value]
-                else:
-                    backend(client)  # type: ignore[call-arg]
-        client.add_request("y", list(range(40)))
-        assert client.get_computed_blocks("y").num_computed_tokens == 32
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("backend_cls", [StepBackend, StreamBackend])
+def test_a_replicated_backend_follows_the_servers_pins_and_expiries(
+    backend_cls: type[StepBackend] | type[StreamBackend], overlap: bool
+) -> None:
+    """On a pool with retention the backend opens a replica session: an operator's pins
+    and unpins, and pins expiring on the server's clock, reach the replica at the same
+    step boundaries as the server's pool (every answer is checked), and both end alike."""
+    pool = dataclasses.replace(TIGHT_POOL, eviction_policy="priority", max_pinned_fraction=0.3)
+    prefixes = [tuple(range(p * 1000, p * 1000 + 32)) for p in range(3)]
+    specs = [
+        RequestSpec(
+            f"r{i}", prefixes[i % 3] + tuple(range(9000 + 50 * i, 9010 + 50 * i)), 6, i // 2
+        )
+        for i in range(40)
+    ]
+    config = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=256)
+    with (
+        server_in_thread(pool) as server,
+        KVClient(server.target) as client,
+        KVClient(server.target) as admin,
+    ):
+        backend = backend_cls(client, overlap=overlap)
+        scheduler = Scheduler(backend, config, specs)
+        for step in range(200):
+            if step % 5 == 1:
+                admin.pin_prefix(list(prefixes[step % 3]), ttl_s=0.01 if step % 2 else None)
+            if step % 9 == 4 and admin.list_pins().pins:
+                admin.unpin_prefix(admin.list_pins().pins[0].pin_id)
+            if scheduler.done:
+                if step > 60:
+                    break
+                scheduler = Scheduler(backend, config, [])  # steps with nothing to do
+            scheduler.step()
+        backend.flush()
+        retention = backend.manager.retention_policy
+        assert retention is not None and retention.stats.pins_created > 0
+        assert retention.stats.pinned_block_hits > 0
+        server_pins = {(p.pin_id, p.num_held_blocks) for p in admin.list_pins().pins}
+        assert server_pins == {(p.pin_id, len(p.held)) for p in backend.manager.list_pins()}
+        assert admin.get_usage().num_free_blocks == backend.num_free_blocks()
+        assert admin.audit().ok
 
 
 def test_steady_decode_steps_are_one_message() -> None:
@@ -568,3 +587,44 @@ def test_a_step_admitting_several_requests_is_one_message_for_them(mode: str) ->
         ("r1", 0),
         *((f"r{i}", 32) for i in range(2, 6)),
     ]
+
+
+@pytest.mark.parametrize("mode", ["in-process", *REMOTE_MODES])
+def test_system_prompts_kept_at_a_priority_decide_alike_in_every_mode(mode: str) -> None:
+    """The shared_system_prompt workload with its system prompts at priority 90, on a
+    pool with the priority policy: the reference scheduler sends each request's
+    retention through every door, and every mode decides as in-process; the priorities
+    change the decisions (hits survive that LRU evicts)."""
+    pool = dataclasses.replace(TIGHT_POOL, eviction_policy="priority")
+    config = SchedulerConfig(max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=128)
+    base = SharedSystemPromptConfig(
+        num_requests=12,
+        system_prompt_len=64,
+        user_len=L(24, 0.7, 1, 96),
+        num_system_prompts=4,
+        max_model_len=MAX_MODEL_LEN,
+        output_len=_OUTPUT,
+        requests_per_step=0.5,
+    )
+    kept = generate(dataclasses.replace(base, system_prompt_priority=90), 4)
+    assert all(spec.prefix_priority == 90 and spec.prefix_len == 64 for spec in kept)
+
+    def records(specs: list[RequestSpec], run_mode: str) -> list[StepRecord]:
+        if run_mode == "in-process":
+            return run(InProcessBackend(build_manager(pool)), specs, config)
+        with server_in_thread(pool) as server, KVClient(server.target) as client:
+            if run_mode == "unary":
+                return run(RemoteBackend(client), specs, config)
+            backend_cls = StepBackend if run_mode == "step" else StreamBackend
+            with backend_cls(client, overlap=True) as backend:
+                return run_replicated(backend, client, specs, config)
+
+    expected = records(kept, "in-process")
+    assert records(kept, mode) == expected
+    if mode == "in-process":
+        lru = records(generate(base, 4), "in-process")
+
+        def hits(run: list[StepRecord]) -> int:
+            return sum(s.num_hit_tokens for record in run for s in record.scheduled)
+
+        assert hits(expected) > hits(lru)  # the kept prompts are hit where LRU lost them

@@ -592,3 +592,52 @@ async def test_the_clients_refuse_in_their_own_words(client: AsyncKVClient) -> N
     """Errors arrive typed: retention on an LRU pool is a FailedPreconditionError."""
     with pytest.raises(FailedPreconditionError, match="--eviction-policy priority"):
         await client.add_request("r", tokens(20), retention=HIGH)
+
+
+# -- a replica session: retention changes wait for its step boundaries --------------------
+
+
+async def _step(session: Any) -> Any:
+    """One Step message of the replica session (a step boundary and nothing else)."""
+    step = StepBuilder()
+    step.new_step_starts()
+    return await session.step(step)
+
+
+@pytest.mark.parametrize("server_config", [PINNING])
+async def test_a_replica_session_gets_pins_after_its_next_message(
+    server: KVCacheServer, client: AsyncKVClient
+) -> None:
+    await client.open_session(replica=True)
+    session = client.session()
+    async with AsyncKVClient(server.handle.target) as admin:
+        pin = await admin.pin_prefix(PREFIX, ttl_s=60.0)
+        assert pin.num_held_blocks == 0
+        assert (await admin.list_pins()).pins == ()  # answered, not placed yet
+        first = await _step(session)  # answer 1 ships it (after the clock)
+        changes = first.retention_changes
+        assert [type(c).__name__ for c in changes] == ["RetentionTick", "RetentionPin"]
+        assert changes[1].pin_id == pin.pin_id and len(changes[1].keys) == 3
+        assert (await admin.list_pins()).pins == ()
+        await _step(session)  # placed after message 2's operations
+        (placed,) = (await admin.list_pins()).pins
+        assert placed.pin_id == pin.pin_id
+        await admin.unpin_prefix(pin.pin_id)
+        assert len((await admin.list_pins()).pins) == 1  # waits too
+        with pytest.raises(RequestNotFoundError, match="is not known"):
+            await admin.unpin_prefix("no-such-pin")
+        with pytest.raises(FailedPreconditionError, match="another replica session"):
+            await admin.open_session(replica=True)
+
+
+@pytest.mark.parametrize("server_config", [PINNING])
+async def test_what_waited_takes_effect_when_the_replica_session_ends(
+    server: KVCacheServer, client: AsyncKVClient
+) -> None:
+    lease = await client.open_session(replica=True)
+    async with AsyncKVClient(server.handle.target) as admin:
+        await admin.pin_prefix(PREFIX)
+        assert (await admin.list_pins()).pins == ()
+        await lease.close()
+        (placed,) = (await admin.list_pins()).pins
+        assert placed.num_reserved_blocks == 3

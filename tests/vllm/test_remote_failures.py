@@ -117,26 +117,6 @@ def test_a_server_of_another_layout_fails_startup_naming_both_values(
         build_scheduler(SETUP, KVServiceScheduler)
 
 
-@pytest.mark.parametrize(
-    "override",
-    [{"eviction_policy": "priority"}, {"max_pinned_fraction": 0.1}],
-    ids=["priority", "pins"],
-)
-def test_a_server_with_retention_fails_startup(
-    monkeypatch: pytest.MonkeyPatch, override: dict[str, Any]
-) -> None:
-    """The replica cannot follow the server's pins or priorities: refused at startup,
-    before the pool is claimed."""
-    config = dataclasses.replace(POOL, **override)
-    with (
-        remote(monkeypatch, config),
-        pytest.raises(
-            KVServiceManagerError, match="remote replicas cannot follow server-side pins/priorities"
-        ),
-    ):
-        build_scheduler(SETUP, KVServiceScheduler)
-
-
 def test_a_window_pool_retaining_otherwise_fails_startup_naming_the_flag(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -44,6 +44,7 @@ from kvservice.core.kv_cache_block import BlockIds, KVCacheBlock
 from kvservice.core.kv_cache_groups import format_groups
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.request import Request, RequestStatus
+from kvservice.core.retention_policy import RetentionEvent
 from kvservice.integrations.vllm.cache_config import core_cache_config
 from kvservice.integrations.vllm.embeds import prompt_embeds_bytes
 from kvservice.integrations.vllm.events import to_vllm_events
@@ -167,6 +168,11 @@ class KVServiceKVCacheManager:
         # The server first: its pool, when smaller than vLLM's, is the replica's too.
         link = None if settings.target is None else self._connect(settings)
         num_blocks = config.num_blocks if link is None else link.pool_size(config.num_blocks)
+        # A replica keeps its server's retention policy and pinned budget.
+        policy, max_pinned_blocks = retention.eviction_policy, None
+        if link is not None:
+            policy = link.server_config.eviction_policy
+            max_pinned_blocks = link.server_config.max_pinned_blocks
         self.core = KVCacheManager(
             core_cache_config(config, num_blocks),
             max_model_len=args.max_model_len,
@@ -181,8 +187,9 @@ class KVServiceKVCacheManager:
             use_eagle=args.use_eagle,
             dcp_world_size=args.dcp_world_size,
             pcp_world_size=args.pcp_world_size,
-            eviction_policy=retention.eviction_policy,
+            eviction_policy=policy,
             max_pinned_fraction=retention.max_pinned_fraction,
+            max_pinned_blocks=max_pinned_blocks,
         )
         self.block_pool = BlockPoolView(
             self._free_retained_blocks,
@@ -216,6 +223,7 @@ class KVServiceKVCacheManager:
         self._requests: dict[str, Request] = {}
         self.server: ServerLink | None = None
         if link is not None:
+            link.retention_sink = self._apply_server_retention
             link.start(self._layout(link))
             self.server = link
 
@@ -279,7 +287,10 @@ class KVServiceKVCacheManager:
             mirror.all_token_ids = request._all_token_ids
             mirror.block_hashes = request.block_hashes
             self._requests[request.request_id] = mirror
-            if wanted.pin_ttl_s is not None:
+            if self.server is not None:
+                # The server pins, and ships the pin to this replica at its boundary.
+                self.server.retain(request.request_id, wanted.config, wanted.pin_ttl_s)
+            elif wanted.pin_ttl_s is not None:
                 self._pin_prompt(mirror, wanted.pin_ttl_s)
         mirror.status = _STATUS[request.status]
         mirror.num_computed_tokens = request.num_computed_tokens
@@ -311,6 +322,12 @@ class KVServiceKVCacheManager:
             self.core.pin_request_prompt(PIN_TENANT, request, time.monotonic(), ttl_s=ttl_s)
         except KVCacheError as error:
             logger.warning("request %s: cache_control pin refused: %s", request.request_id, error)
+
+    def _apply_server_retention(self, events: list[RetentionEvent]) -> None:
+        """The server's retention decisions (time passing, pins and unpins of other
+        callers), applied where the server applied them."""
+        for event in events:
+            self.core.apply_retention_event(event)
 
     def _blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> Any:
         return VllmKVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
@@ -479,7 +496,8 @@ class KVServiceKVCacheManager:
             self.server.confirm()
             # After the previous step's frees, before this step's lookups.
             self.server.step_started()
-        if self.core.retention_policy is not None:
+        if self.server is None and self.core.retention_policy is not None:
+            # In-process the clock is this process's; a replica's is its server's.
             self.core.expire_retention(time.monotonic())
         self.core.new_step_starts()
 

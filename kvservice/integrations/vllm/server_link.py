@@ -48,13 +48,15 @@ from kvservice.client import (
 )
 from kvservice.client.step_link import RemoteStepError, StepLink
 from kvservice.client.step_log import ANY_ANSWER
-from kvservice.client.types import REPLICA_RETENTION_REFUSAL
+from kvservice.client.types import Retention, RetentionChange
 from kvservice.core.allocation_options import PLAIN_ALLOCATION, AllocationOptions
 from kvservice.core.kv_cache_groups import GroupShape
 from kvservice.core.kv_cache_interface import KVCacheSpecKind
 from kvservice.core.request import computed_after_allocation
+from kvservice.core.retention_policy import RetentionConfig, RetentionEvent
 from kvservice.integrations.vllm.embeds import prompt_embeds_bytes
 from kvservice.integrations.vllm.settings import ConnectionSettings
+from kvservice.replication import client_retention, core_retention_event
 
 logger = logging.getLogger(__name__)
 
@@ -152,13 +154,6 @@ class ServerLink:
         self.server_config: CacheConfig = self._call(
             "GetCacheConfig", self._client.get_cache_config
         )
-        if self.server_config.has_retention:
-            self._client.close()
-            raise KVServiceManagerError(
-                f"kvservice at {self.target} runs eviction policy "
-                f"{self.server_config.eviction_policy!r} with a pinned budget of "
-                f"{self.server_config.max_pinned_blocks} blocks: {REPLICA_RETENTION_REFUSAL}"
-            )
         # Each step on the engine's stream (opened by start).
         self._link = StepLink(
             lambda step: self._session.send(step, stop_on_error=True),
@@ -166,7 +161,12 @@ class ServerLink:
             overlap=settings.confirm == "overlap",
             keep_copy_holds=True,
             error=KVServiceManagerError,
+            apply_retention=self._apply_retention,
         )
+        # Where the server's retention changes go (the replica's manager; set by it).
+        self.retention_sink: Callable[[list[RetentionEvent]], None] | None = None
+        # What each new request asks of retention, sent with its AddRequest.
+        self._retention: dict[str, tuple[Retention | None, float | None]] = {}
         # Tokens the server has of each request, and its num_computed_tokens.
         self._server_tokens: dict[str, int] = {}
         self._server_computed: dict[str, int] = {}
@@ -215,7 +215,12 @@ class ServerLink:
         self._lease: Lease = self._call(
             "OpenSession",
             lambda: self._client.open_session(
-                settings.session_ttl_s, epoch=time.time_ns() // 1000, client_name=settings.client_id
+                settings.session_ttl_s,
+                epoch=time.time_ns() // 1000,
+                client_name=settings.client_id,
+                # On a pool with retention the server sequences its decisions (pins,
+                # expiries) at this session's steps, for the replica to follow.
+                replica=self.server_config.has_retention,
             ),
         )
         self._wait_for_idle_pool()
@@ -224,6 +229,12 @@ class ServerLink:
         ):
             raise KVServiceManagerError(f"kvservice at {self.target} refused to reset its pool")
         self._session: Session = self._call("StepStream", self._client.session)
+
+    def _apply_retention(self, changes: list[RetentionChange]) -> None:
+        """The server's retention decisions, due now, to the replica (in the core's
+        terms: the one place the client's are translated)."""
+        if self.retention_sink is not None:
+            self.retention_sink([core_retention_event(change) for change in changes])
 
     # -- startup --------------------------------------------------------------------
 
@@ -408,12 +419,32 @@ class ServerLink:
                     MultiModalFeature(f.identifier, f.mm_position.offset, f.mm_position.length)
                     for f in request.mm_features or ()
                 ],
+                **self._retention_args(request_id),
             )
             known = request.num_prompt_tokens
             self._server_computed[request_id] = 0
         if num_tokens > known:
             self._link.log.append_tokens(request_id, request._all_token_ids[known:])
         self._server_tokens[request_id] = num_tokens
+
+    def retain(
+        self, request_id: str, config: RetentionConfig | None, pin_ttl_s: float | None
+    ) -> None:
+        """Send ``request_id``'s priorities and ``cache_control`` pin with its
+        AddRequest (the server pins; the pin reaches the replica at its boundary)."""
+        if config is None and pin_ttl_s is None:
+            return
+        retention = None if config is None else client_retention(config)
+        self._retention[request_id] = (retention, pin_ttl_s)
+
+    def _retention_args(self, request_id: str) -> dict[str, Any]:
+        retention, pin_ttl_s = self._retention.pop(request_id, (None, None))
+        args: dict[str, Any] = {}
+        if retention is not None:
+            args["retention"] = retention
+        if pin_ttl_s is not None:
+            args["cache_control_ttl"] = pin_ttl_s
+        return args
 
     def looked_up(
         self, request: Any, block_ids: BlockIds, num_tokens: int, shared_prefix_boundary: int

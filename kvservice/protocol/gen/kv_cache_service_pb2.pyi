@@ -378,7 +378,9 @@ class AddRequestRequest(_message.Message):
     with pinning off); its blocks join as the request caches them. Empty: no pin.
     The pin names the prompt's blocks by the request's own hashes (multimodal items
     and prompt embeddings included). INVALID_ARGUMENT for a malformed or non-positive
-    TTL, or a prompt shorter than one block.
+    TTL, or a prompt shorter than one block. From a replica session (OpenSessionRequest.
+    replica) the pin is placed at the session's next boundaries and, past the budget,
+    dropped rather than refusing the request (a scheduler cannot take a request back).
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -2024,24 +2026,139 @@ class StepResponse(_message.Message):
 
     STEP_ID_FIELD_NUMBER: _builtins.int
     RESULTS_FIELD_NUMBER: _builtins.int
+    RETENTION_EVENTS_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     @_builtins.property
     def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepResult]:
         """One result per operation, in the same order."""
+
+    @_builtins.property
+    def retention_events(self) -> _containers.RepeatedCompositeFieldContainer[Global___RetentionEvent]:
+        """To a replica session only (OpenSessionRequest.replica) on a pool with retention:
+        the retention changes the server decided since its last step (time passing, pins
+        and unpins from other callers), in order. Both sides apply them after the
+        operations of this session's next Step message: the server once it ran them,
+        before it answers; the replica as soon as it sent it (a scheduler confirming with
+        overlap reads this answer just before it sends the next message). Once an
+        answer is in, both have applied the same changes. Time starts from 0 when the
+        session opens, as a fresh replica's pool does.
+        """
 
     def __init__(
         self,
         *,
         step_id: _builtins.int = ...,
         results: _abc.Iterable[Global___StepResult] | None = ...,
+        retention_events: _abc.Iterable[Global___RetentionEvent] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results", "retention_events", b"retention_events", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StepResponse: _TypeAlias = StepResponse  # noqa: Y015
+
+@_typing.final
+class RetentionEvent(_message.Message):
+    """A retention change the server decided, shipped to a replica session."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NOW_SECONDS_FIELD_NUMBER: _builtins.int
+    TICK_FIELD_NUMBER: _builtins.int
+    PIN_FIELD_NUMBER: _builtins.int
+    UNPIN_FIELD_NUMBER: _builtins.int
+    now_seconds: _builtins.float
+    """The server's clock (monotonic seconds, any origin) when it happens."""
+    tick: _builtins.bool
+    """Time passes to now_seconds: pins past their TTL let go, priorities past their
+    duration revert to the default.
+    """
+    @_builtins.property
+    def pin(self) -> Global___PinPlaced: ...
+    @_builtins.property
+    def unpin(self) -> Global___PinRemoved: ...
+    def __init__(
+        self,
+        *,
+        now_seconds: _builtins.float = ...,
+        tick: _builtins.bool = ...,
+        pin: Global___PinPlaced | None = ...,
+        unpin: Global___PinRemoved | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "pin", b"pin", "tick", b"tick", "unpin", b"unpin"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "now_seconds", b"now_seconds", "pin", b"pin", "tick", b"tick", "unpin", b"unpin"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["tick", "pin", "unpin"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___RetentionEvent: _TypeAlias = RetentionEvent  # noqa: Y015
+
+@_typing.final
+class PinPlaced(_message.Message):
+    """A pin as the pool places it: the cache keys of its blocks (block hash and group id,
+    as the pool files them), so a replica places it without hashing anything.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OWNER_FIELD_NUMBER: _builtins.int
+    PIN_ID_FIELD_NUMBER: _builtins.int
+    NUM_TOKENS_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    REFRESH_ON_HIT_FIELD_NUMBER: _builtins.int
+    owner: _builtins.str
+    """The pin's owner in the pool (its tenant)."""
+    pin_id: _builtins.str
+    num_tokens: _builtins.int
+    ttl_seconds: _builtins.float
+    """0: no TTL."""
+    refresh_on_hit: _builtins.bool
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        owner: _builtins.str = ...,
+        pin_id: _builtins.str = ...,
+        num_tokens: _builtins.int = ...,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        ttl_seconds: _builtins.float = ...,
+        refresh_on_hit: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "num_tokens", b"num_tokens", "owner", b"owner", "pin_id", b"pin_id", "refresh_on_hit", b"refresh_on_hit", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PinPlaced: _TypeAlias = PinPlaced  # noqa: Y015
+
+@_typing.final
+class PinRemoved(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OWNER_FIELD_NUMBER: _builtins.int
+    PIN_ID_FIELD_NUMBER: _builtins.int
+    owner: _builtins.str
+    pin_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        owner: _builtins.str = ...,
+        pin_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["owner", b"owner", "pin_id", b"pin_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PinRemoved: _TypeAlias = PinRemoved  # noqa: Y015
 
 @_typing.final
 class NewStepStartsRequest(_message.Message):
@@ -2573,6 +2690,7 @@ class OpenSessionRequest(_message.Message):
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     CLIENT_NAME_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
     ttl_seconds: _builtins.float
     """The lease, in seconds; 0 takes the server's default. Must lie within the
     server's bounds (session_ttl_min .. session_ttl_max).
@@ -2583,16 +2701,27 @@ class OpenSessionRequest(_message.Message):
     """The scheduler's fencing epoch: a restarted scheduler opens with a higher one,
     after which sessions of lower epochs are refused.
     """
+    replica: _builtins.bool
+    """The scheduler keeps a replica of the pool (vLLM's integration does): on a pool
+    with retention (GetCacheConfig's eviction_policy or max_pinned_blocks), time
+    passes, and pins and unpins from other callers take effect, only at this
+    session's step boundaries, shipped with its Step answers (StepResponse.
+    retention_events) so that its replica applies them at the same point; PinPrefix
+    and UnpinPrefix from other callers answer at once and take effect then. One
+    replica session per pool at a time (FAILED_PRECONDITION for a second); when it
+    ends, what was waiting takes effect and the server's clock runs again.
+    """
     def __init__(
         self,
         *,
         ttl_seconds: _builtins.float = ...,
         client_name: _builtins.str = ...,
         epoch: _builtins.int = ...,
+        replica: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "epoch", b"epoch", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_name", b"client_name", "epoch", b"epoch", "replica", b"replica", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
