@@ -346,6 +346,16 @@ def _fit_to_target(config: BenchConfig, target: str, connect: Connect) -> BenchC
 def main(args: argparse.Namespace) -> int:
     """Run ``kvservice bench``; the exit status."""
     config = config_from(args)
+    if config.system_prompt_priority is not None and config.eviction_policy != "priority":
+        print(
+            "kvservice bench: --system-prompt-priority needs --eviction-policy priority "
+            "(an LRU pool refuses requests that carry priorities)",
+            file=sys.stderr,
+        )
+        return 2
+    if config.system_prompt_priority is not None and not 0 <= config.system_prompt_priority <= 100:
+        print("kvservice bench: --system-prompt-priority must be in [0, 100]", file=sys.stderr)
+        return 2
     server_for: ServerFactory | None = None
     connect: Connect = KVClient
     if config.modes != (IN_PROCESS,):

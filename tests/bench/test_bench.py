@@ -126,6 +126,20 @@ def test_bad_flags_are_refused(
     assert named in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--system-prompt-priority", "80"], "needs --eviction-policy priority"),
+        (["--eviction-policy", "priority", "--system-prompt-priority", "101"], "[0, 100]"),
+    ],
+)
+def test_retention_flags_are_checked_first(
+    capsys: pytest.CaptureFixture[str], flags: list[str], named: str
+) -> None:
+    assert main(["bench", "--smoke", "--no-progress", *flags]) == 2
+    assert named in capsys.readouterr().err
+
+
 def test_target_takes_one_pool(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["bench", "--target", "127.0.0.1:1", "--num-blocks", "96,200"])
     assert code == 2

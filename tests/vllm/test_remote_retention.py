@@ -114,3 +114,30 @@ def test_the_replica_follows_the_servers_retention_step_for_step(
             assert usage.num_free_blocks == replica.block_pool.get_num_free_blocks()
             scheduler.shutdown()
             assert admin.audit().ok
+
+
+def test_retention_a_default_server_cannot_serve_is_dropped_not_fatal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Priorities and cache_control pins sent to vLLM's default pool (LRU, no pinned
+    budget): each request is served without them (logged), never refused, which would
+    stop the engine."""
+    with server_in_thread(_server_config(SETUP)) as server:
+        monkeypatch.setenv("KVSERVICE_TARGET", server.handle.target)
+        scheduler = build_scheduler(SETUP, KVServiceScheduler)
+        assert scheduler.kv_cache_manager.core.retention_policy is None
+        rng = random.Random(5)
+        prefixes = [[rng.randrange(VOCAB_SIZE) for _ in range(BS * 2)]]
+        for i in range(12):
+            request = _request(rng, i, prefixes)
+            request.sampling_params.extra_args = {
+                "cache_control": "5m",
+                "kvservice_priority": 90,
+            }
+            scheduler.add_request(request)
+        while scheduler.has_requests():
+            output = scheduler.schedule()
+            scheduler.update_from_output(output, model_runner_output(scheduler, output))
+        scheduler.shutdown()
+        with KVClient(server.handle.target) as client:
+            assert client.audit().ok and client.list_pins().pins == ()

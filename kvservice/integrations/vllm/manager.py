@@ -306,14 +306,26 @@ class KVServiceKVCacheManager:
         except KVCacheError as error:
             logger.warning("request %s: retention ignored: %s", request.request_id, error)
             return NO_RETENTION
-        if wanted.config is not None and not self.core.priorities_enabled:
+        config, pin_ttl_s = wanted.config, wanted.pin_ttl_s
+        if config is not None and not self.core.priorities_enabled:
             logger.warning(
                 "request %s: retention priorities ignored: this pool evicts by LRU "
-                "(set KVSERVICE_EVICTION_POLICY=priority)",
+                "(set KVSERVICE_EVICTION_POLICY=priority, or the server's "
+                "--eviction-policy priority)",
                 request.request_id,
             )
-            return RequestRetention(None, wanted.pin_ttl_s)
-        return wanted
+            config = None
+        retention = self.core.retention_policy
+        if pin_ttl_s is not None and (retention is None or retention.max_pinned_blocks == 0):
+            # A server would refuse the whole request, which the scheduler cannot take
+            # back: the pin is dropped here, as in-process.
+            logger.warning(
+                "request %s: cache_control pin ignored: pinning is off in this pool "
+                "(set KVSERVICE_MAX_PINNED_FRACTION, or the server's --max-pinned-fraction)",
+                request.request_id,
+            )
+            pin_ttl_s = None
+        return RequestRetention(config, pin_ttl_s)
 
     def _pin_prompt(self, request: Request, ttl_s: float) -> None:
         """Pin the whole blocks of ``request``'s prompt (Dynamo's ``cache_control``), by
