@@ -107,11 +107,11 @@ def table_steps(num_requests: int, steps: int) -> Callable[[], None]:
     return run
 
 
-def step_path(num_requests: int, steps: int) -> Callable[[], None]:
+def step_path(num_requests: int, steps: int, coalesce: bool = True) -> Callable[[], None]:
     runner = StepRunner(_table(num_requests, steps), max_ops=4 * num_requests)
     messages = []
     for token in range(steps):
-        builder = StepBuilder(omit_request_state=True)
+        builder = StepBuilder(omit_request_state=True, coalesce=coalesce)
         for i in range(num_requests):
             builder.append_tokens(f"r{i}", [token])
         for i in range(num_requests):
@@ -190,23 +190,8 @@ def link_path(num_requests: int, steps: int) -> Callable[[], None]:
 
 
 def step_single_path(num_requests: int, steps: int) -> Callable[[], None]:
-    runner = StepRunner(_table(num_requests, steps), max_ops=4 * num_requests)
-    messages = []
-    for token in range(steps):
-        builder = StepBuilder(omit_request_state=True, coalesce=False)
-        for i in range(num_requests):
-            builder.append_tokens(f"r{i}", [token])
-        for i in range(num_requests):
-            builder.allocate_slots(f"r{i}", 1)
-        messages.append(builder.to_pb(token, stop_on_error=True).SerializeToString())
-
-    def run() -> None:
-        for raw in messages:
-            response = pb.StepResponse()
-            runner.run_whole(pb.StepRequest.FromString(raw), response, ANONYMOUS)
-            response.SerializeToString()
-
-    return run
+    """``step_path`` with one message operation per entry (no columnar runs)."""
+    return step_path(num_requests, steps, coalesce=False)
 
 
 LAYERS = {

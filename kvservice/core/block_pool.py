@@ -573,21 +573,12 @@ class BlockPool:
         as they are cached. Refused (QuotaExceededError, nothing changed) when the pins'
         keys would pass the pool's pinned budget."""
         retention = self.retention_policy
-        if retention is None or retention.max_pinned_blocks == 0:
-            if retention is not None:
-                retention.stats.pins_refused += 1
+        if retention is None:
             raise QuotaExceededError(
                 "pinning is off in this pool: its pinned budget is 0 blocks "
                 "(set a pinned fraction, e.g. --max-pinned-fraction 0.1)"
             )
-        reserved = retention.num_reserved_blocks
-        if reserved + len(pin.keys) > retention.max_pinned_blocks:
-            retention.stats.pins_refused += 1
-            raise QuotaExceededError(
-                f"pin {pin.pin_id!r} needs {len(pin.keys)} blocks, but pins already reserve "
-                f"{reserved} of the pinned budget of {retention.max_pinned_blocks} blocks "
-                f"(--max-pinned-fraction); unpin something or pin a shorter prefix"
-            )
+        retention.check_budget(pin.pin_id, len(pin.keys))
         retention.pins[pin.owner_key] = pin
         for key in pin.keys:
             retention.pins_by_key.setdefault(key, []).append(pin)

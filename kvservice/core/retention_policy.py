@@ -21,7 +21,7 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from kvservice.core.errors import InvalidArgumentError
+from kvservice.core.errors import InvalidArgumentError, QuotaExceededError
 from kvservice.core.kv_cache_block import (
     DEFAULT_PRIORITY,
     BlockHashWithGroupId,
@@ -135,10 +135,6 @@ class PriorityFreeQueue(FreeKVCacheBlockQueue):
         # Level -> the node its blocks are inserted before (the next level's sentinel).
         self._level_end: dict[int, KVCacheBlock] = {}
 
-    @staticmethod
-    def is_sentinel(block: KVCacheBlock) -> bool:
-        return block.block_id < 0
-
     def _end_of_level(self, priority: int) -> KVCacheBlock:
         end = self._level_end.get(priority)
         if end is None:
@@ -197,12 +193,10 @@ class PriorityFreeQueue(FreeKVCacheBlockQueue):
         _link_after(self._sentinels[block.priority], block)
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
-        return (block for block in self.iter_nodes() if block.block_id >= 0)
-
-    def iter_nodes(self) -> Iterator[KVCacheBlock]:
         curr = self.fake_free_list_head.next_free_block
         while curr is not None and curr is not self.fake_free_list_tail:
-            yield curr
+            if curr.block_id >= 0:  # not a level's sentinel
+                yield curr
             curr = curr.next_free_block
 
 
@@ -334,6 +328,24 @@ class RetentionPolicy:
     @property
     def num_pinned_blocks(self) -> int:
         return len(self.holders)
+
+    def check_budget(self, pin_id: str, num_keys: int, pending: int = 0) -> None:
+        """Refuse (QuotaExceededError, counted) a new pin of ``num_keys`` keys past the
+        pinned budget, beside what pins reserve and ``pending`` keys not placed yet."""
+        if self.max_pinned_blocks == 0:
+            self.stats.pins_refused += 1
+            raise QuotaExceededError(
+                "pinning is off in this pool: its pinned budget is 0 blocks "
+                "(set a pinned fraction, e.g. --max-pinned-fraction 0.1)"
+            )
+        reserved = self.num_reserved_blocks + pending
+        if reserved + num_keys > self.max_pinned_blocks:
+            self.stats.pins_refused += 1
+            raise QuotaExceededError(
+                f"pin {pin_id!r} needs {num_keys} blocks, but pins already reserve "
+                f"{reserved} of the pinned budget of {self.max_pinned_blocks} blocks "
+                f"(--max-pinned-fraction); unpin something or pin a shorter prefix"
+            )
 
     def next_deadline(self) -> float | None:
         deadlines = [h[0][0] for h in (self._pin_deadlines, self._priority_deadlines) if h]

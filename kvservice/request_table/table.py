@@ -875,16 +875,11 @@ class RequestTable:
         retention = self._retention
         assert retention is not None
         waiting = [e for e in self.retention_sequence.queued if isinstance(e, PinPlaced)]
-        if (owner, pin_id) in retention.pins or any(e.pin_id == pin_id for e in waiting):
+        if (owner, pin_id) in retention.pins or any(
+            (e.owner, e.pin_id) == (owner, pin_id) for e in waiting
+        ):
             return
-        reserved = retention.num_reserved_blocks + sum(len(e.keys) for e in waiting)
-        if retention.max_pinned_blocks == 0 or reserved + num_keys > retention.max_pinned_blocks:
-            retention.stats.pins_refused += 1
-            raise QuotaExceededError(
-                f"pin {pin_id!r} needs {num_keys} blocks, but pins already reserve "
-                f"{reserved} of the pinned budget of {retention.max_pinned_blocks} blocks "
-                f"(--max-pinned-fraction); unpin something or pin a shorter prefix"
-            )
+        retention.check_budget(pin_id, num_keys, sum(len(e.keys) for e in waiting))
 
     def _queue_unpin(self, pin_id: str, tenant: str) -> None:
         owner = pin_owner(tenant)
