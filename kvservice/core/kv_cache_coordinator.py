@@ -243,8 +243,10 @@ class KVCacheCoordinator(ABC):
         new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> None:
-        """Attach the prefix hits of every group, then allocate the external blocks.
+        """Attach the prefix hits of every group, then allocate the external blocks
+        (not listed for zeroing in ``skip_zeroing_group_ids``: a load writes them).
 
         Two phases: if one group allocated its external blocks before another group had
         touched its hits, the allocation could evict those untouched hit blocks and hand
@@ -261,7 +263,10 @@ class KVCacheCoordinator(ABC):
         for i, manager in enumerate(self.single_type_managers):
             if not self._is_cross_attention[i]:
                 manager.allocate_external_computed_blocks(
-                    request_id, num_local_computed_tokens, num_external_computed_tokens
+                    request_id,
+                    num_local_computed_tokens,
+                    num_external_computed_tokens,
+                    i not in skip_zeroing_group_ids,
                 )
 
     def allocate_new_blocks(
@@ -317,6 +322,17 @@ class KVCacheCoordinator(ABC):
     def free(self, request_id: str) -> None:
         for manager in self.single_type_managers:
             manager.free(request_id)
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Every group's ``pop_blocks_for_free``, group after group."""
+        blocks: list[KVCacheBlock] = []
+        for manager in self.single_type_managers:
+            blocks.extend(manager.pop_blocks_for_free(request_id))
+        return blocks
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        for manager in self.single_type_managers:
+            manager.record_blocks_for_zeroing(request_id, start_token)
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         for manager in self.single_type_managers:

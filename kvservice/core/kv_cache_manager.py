@@ -368,6 +368,7 @@ class KVCacheManager:
         num_new_computed_tokens: int,
         new_computed_blocks: KVCacheBlocks | None,
         options: AllocationOptions,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> KVCacheBlocks | None:
         """Allocate slots for ``num_new_tokens`` more tokens of ``request``.
 
@@ -380,7 +381,9 @@ class KVCacheManager:
         comp = ``request.num_computed_tokens``; new_comp = local prefix hits not yet
         attached (``num_new_computed_tokens``, ``new_computed_blocks``); ext_comp =
         tokens a KV connector will load; new = tokens to compute; lookahead = speculative
-        slots (allocated, never hashed).
+        slots (allocated, never hashed). The external blocks of the groups in
+        ``skip_zeroing_group_ids`` are not listed for zeroing (an asynchronous load
+        writes them); nothing else depends on it, so it is not an allocation option.
 
         Returns the entries appended to each group's block table (never the hit blocks;
         a private copy of a hit block that the hit ends inside comes first; a Mamba
@@ -434,7 +437,11 @@ class KVCacheManager:
 
         if num_external_computed_tokens > 0 or any(hits):
             coordinator.allocate_new_computed_blocks(
-                request_id, hits, num_local_computed_tokens, num_external_computed_tokens
+                request_id,
+                hits,
+                num_local_computed_tokens,
+                num_external_computed_tokens,
+                skip_zeroing_group_ids,
             )
         new_blocks = coordinator.allocate_new_blocks(
             request_id, num_tokens_need_slot, num_encoder_tokens, num_tokens_main_model
@@ -751,6 +758,23 @@ class KVCacheManager:
         """
         self.coordinator.free(request.request_id)
         self.checker.record_free(request)
+
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
+        """Forget ``request`` as ``free`` does, but keep its blocks referenced, held as
+        ``take_kv_cache_block_copies``' are until ``free_retained_blocks``: vLLM's
+        scheduler defers the free while a step in flight may still write them (a KV
+        connector loading into a reused block would race that write). Table order, each
+        group's leading null blocks left out."""
+        blocks = self.coordinator.pop_blocks_for_free(request.request_id)
+        self._retained_holds.update(b.block_id for b in blocks)
+        self.checker.record_free(request)
+        return blocks
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """List ``request_id``'s blocks from ``start_token`` (block-aligned) for zeroing
+        again (``take_new_block_ids``): a failed asynchronous load left them unwritten."""
+        self.checker.check_known(request_id)
+        self.coordinator.record_blocks_for_zeroing(request_id, start_token)
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         self.checker.check_known(request_id)

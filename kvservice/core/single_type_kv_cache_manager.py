@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 from kvservice.core.block_pool import BlockPool, resolve_block_hashes
+from kvservice.core.errors import InvalidArgumentError
 from kvservice.core.kv_cache_block import BlockHash, BlockHashWithGroupId, KVCacheBlock
 from kvservice.core.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
@@ -224,10 +225,16 @@ class SingleTypeKVCacheManager(ABC):
             self.num_cached_block[request_id] = index
 
     def allocate_external_computed_blocks(
-        self, request_id: str, num_local_computed_tokens: int, num_external_computed_tokens: int
+        self,
+        request_id: str,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+        record_for_zeroing: bool = True,
     ) -> None:
         """Allocate the blocks a KV connector will load ``num_external_computed_tokens``
-        into, after the local hits (and their null padding)."""
+        into, after the local hits (and their null padding). Without
+        ``record_for_zeroing`` they are not listed for zeroing: an asynchronous load
+        writes them, and zeroing them at the same time would race it."""
         total = num_local_computed_tokens + num_external_computed_tokens
         num_skipped_tokens = self.get_num_skipped_tokens(total)
         if num_skipped_tokens > 0:
@@ -239,7 +246,7 @@ class SingleTypeKVCacheManager(ABC):
             return
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
         num_new = max(0, cdiv(total, self.block_size) - len(req_blocks))
-        self._append_new_blocks(req_blocks, num_new)
+        self._append_new_blocks(req_blocks, num_new, record_for_zeroing)
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int | None = None
@@ -286,11 +293,11 @@ class SingleTypeKVCacheManager(ABC):
         return self._pending_cow_copies
 
     def _append_new_blocks(
-        self, req_blocks: list[KVCacheBlock], num_new: int
+        self, req_blocks: list[KVCacheBlock], num_new: int, record_for_zeroing: bool = True
     ) -> list[KVCacheBlock]:
         new_blocks = self.block_pool.get_new_blocks(num_new)
         req_blocks.extend(new_blocks)
-        if self._record_new_block_ids:
+        if self._record_new_block_ids and record_for_zeroing:
             self.new_block_ids.extend(b.block_id for b in new_blocks)
         return new_blocks
 
@@ -298,6 +305,18 @@ class SingleTypeKVCacheManager(ABC):
         """Blocks allocated since the last call (the runtime zeroes them before use)."""
         ids, self.new_block_ids = self.new_block_ids, []
         return ids
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """List the request's blocks from ``start_token`` (block-aligned) for zeroing
+        again: blocks a failed asynchronous load left unwritten."""
+        if not self._record_new_block_ids:
+            return
+        if start_token % self.block_size:
+            raise InvalidArgumentError(
+                f"start_token {start_token} is not a multiple of the block size {self.block_size}"
+            )
+        blocks = self.req_to_blocks.get(request_id, [])
+        self.new_block_ids.extend(b.block_id for b in blocks[start_token // self.block_size :])
 
     def new_step_starts(self) -> None:
         """The scheduler starts a new step (only Mamba keeps per-step state)."""
@@ -343,10 +362,19 @@ class SingleTypeKVCacheManager(ABC):
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last block first, so that a chain's tail is
         evicted before its root."""
+        self.block_pool.free_blocks(reversed(self.pop_blocks_for_free(request_id)))
+
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Forget the request and return its blocks in table order, without the leading
+        null blocks and still referenced: the caller frees them later (a step in
+        flight may still write them)."""
         blocks = self.req_to_blocks.pop(request_id, [])
-        self.block_pool.free_blocks(reversed(blocks))
         self.num_cached_block.pop(request_id, None)
         self._partial_hit_reqs.pop(request_id, None)
+        first = 0
+        while first < len(blocks) and blocks[first].is_null:
+            first += 1
+        return blocks[first:]
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens that no future token attends to (their blocks can go)."""
@@ -952,11 +980,11 @@ class MambaManager(SingleTypeKVCacheManager):
             self.num_cached_block[request.request_id] = index
         return key
 
-    def free(self, request_id: str) -> None:
-        super().free(request_id)
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         self._allocated_block_reqs.discard(request_id)
         self.last_state_block_idx.pop(request_id, None)
         self._num_retired_blocks.pop(request_id, None)
+        return super().pop_blocks_for_free(request_id)
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Only the state after the last computed token is read again."""

@@ -20,13 +20,7 @@ from typing import Any
 
 from vllm.v1.outputs import DraftTokenIds
 
-from tests.vllm.scheduler_harness import (
-    Workload,
-    _stats,
-    model_runner_output,
-    sampled_token,
-    snapshot,
-)
+from tests.vllm.scheduler_harness import Workload, sampled_token, snapshot
 
 
 def draft_token_ids(scheduler: Any, output: Any, num_drafts: int) -> Any:
@@ -52,6 +46,7 @@ class EngineOrderWorkload(Workload):
         return self
 
     def run(self, scheduler: Any, max_steps: int = 4000, stop_early: bool = False) -> list[Any]:
+        self.begin(scheduler)
         rng = random.Random(self.seed + 1)
         pending = list(self._specs)
         in_flight: deque[tuple[Any, Any, dict[str, Any]]] = deque()
@@ -68,7 +63,7 @@ class EngineOrderWorkload(Workload):
                 step = snapshot(scheduler, output)
                 step["drafts"] = dict(output.scheduled_spec_decode_tokens)
                 trace.append(step)
-                in_flight.appendleft((output, model_runner_output(scheduler, output), step))
+                in_flight.appendleft((output, self.runner_output(scheduler, output, step), step))
                 executed = output.total_num_scheduled_tokens > 0
                 if len(in_flight) < self.batch_queue_size and (
                     executed or scheduler.has_requests()
@@ -78,7 +73,7 @@ class EngineOrderWorkload(Workload):
                 continue
             output, runner_output, step = in_flight.pop()
             self._maybe_abort(scheduler, rng)
-            step["stats"] = _stats(scheduler.update_from_output(output, runner_output))
+            self.finish_step(scheduler, step, scheduler.update_from_output(output, runner_output))
             if self.num_drafts and self.batch_queue_size == 1:
                 scheduler.update_draft_token_ids(
                     draft_token_ids(scheduler, output, self.num_drafts)

@@ -181,6 +181,7 @@ class Workload:
     def run(self, scheduler: Any, max_steps: int = 2000, stop_early: bool = False) -> list[Any]:
         """Drive ``scheduler`` to completion (or for ``max_steps`` when ``stop_early``);
         the per-step snapshots."""
+        self.begin(scheduler)
         rng = random.Random(self.seed + 1)
         pending = list(self._specs)
         trace: list[Any] = []
@@ -193,14 +194,26 @@ class Workload:
                 return trace
             output = scheduler.schedule()
             step = snapshot(scheduler, output)
-            runner_output = model_runner_output(scheduler, output)
+            runner_output = self.runner_output(scheduler, output, step)
             self._maybe_abort(scheduler, rng)
-            engine_outputs = scheduler.update_from_output(output, runner_output)
-            step["stats"] = _stats(engine_outputs)
+            self.finish_step(scheduler, step, scheduler.update_from_output(output, runner_output))
             trace.append(step)
         if stop_early:
             return trace
         raise AssertionError(f"workload {self.seed} did not finish in {max_steps} steps")
+
+    # Hooks for a workload with more in each step (a KV connector's worker).
+
+    def begin(self, scheduler: Any) -> None:
+        """Before the first step."""
+
+    def runner_output(self, scheduler: Any, output: Any, step: dict[str, Any]) -> Any:
+        """The model's output for ``output``, fixed when the step is planned."""
+        return model_runner_output(scheduler, output)
+
+    def finish_step(self, scheduler: Any, step: dict[str, Any], engine_outputs: Any) -> None:
+        """Record what ``update_from_output`` answered for ``step``."""
+        step["stats"] = _stats(engine_outputs)
 
     def _maybe_abort(self, scheduler: Any, rng: random.Random) -> None:
         live = sorted(scheduler.requests)

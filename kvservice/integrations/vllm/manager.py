@@ -33,6 +33,7 @@ from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
+    MambaSpec,
 )
 from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import RequestStatus as VllmRequestStatus
@@ -205,11 +206,8 @@ class KVServiceKVCacheManager:
                     zip(core_managers, config.kv_cache_groups, strict=True)
                 )
             ],
-            enable_partial_hash_hits=getattr(
-                self.core.coordinator, "enable_partial_hash_hits", False
-            ),
-            eagle_group_ids=self.core.coordinator.eagle_group_ids,
-            block_pool=self.block_pool,
+            self.core.coordinator,
+            self.block_pool,
         )
         # estimate_cached_tokens reads the prefix-cacheable groups that are neither
         # cross attention nor encoder-only.
@@ -357,7 +355,7 @@ class KVServiceKVCacheManager:
         if server is not None:
             server.check_alive()
             if max_cache_hit_length is not None:
-                self.refuse_connector_only("get_computed_blocks(max_cache_hit_length)", True)
+                self.refuse_remote("get_computed_blocks(max_cache_hit_length)")
         blocks, num_tokens, boundary = self.core.get_computed_blocks(
             self._sync(request), max_cache_hit_length
         )
@@ -380,8 +378,6 @@ class KVServiceKVCacheManager:
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> Any | None:
-        if skip_zeroing_group_ids:
-            self.refuse_connector_only("skip_zeroing_group_ids", skip_zeroing_group_ids)
         server = self.server
         if server is not None:
             server.check_alive()
@@ -403,7 +399,12 @@ class KVServiceKVCacheManager:
             has_scheduled_reqs,
         )
         new_blocks = self.core.allocate_slots_with_options(
-            self._sync(request), num_new_tokens, num_new_computed_tokens, hits, options
+            self._sync(request),
+            num_new_tokens,
+            num_new_computed_tokens,
+            hits,
+            options,
+            skip_zeroing_group_ids,
         )
         if server is not None:
             hit = _NO_HIT if hits is None else (num_new_computed_tokens, _ids(hits.blocks))
@@ -595,36 +596,58 @@ class KVServiceKVCacheManager:
         if self.server is not None:
             self.server.close()
 
-    # -- paths for KV connectors, which kvservice does not serve -------------------------
+    # -- paths of vLLM's scheduler for KV connectors -----------------------------------
 
     def refuse_remote(self, call: str) -> None:
         if self.server is not None:
             raise NotImplementedError(f"{call} is not supported by kvservice's remote manager yet")
 
-    @staticmethod
-    def refuse_connector_only(call: str, value: object) -> None:
-        if value:
-            raise NotImplementedError(
-                f"{call} is used by vLLM's KV connectors, which kvservice's manager does "
-                "not support"
-            )
-
     def get_computed_blocks_for_connector(
         self, request: Any, max_cache_hit_length: int | None = None
     ) -> tuple[Any, int, int, bool]:
-        self.refuse_connector_only("get_computed_blocks_for_connector", True)
-        raise AssertionError("unreachable")
-
-    def pop_blocks_for_free(self, request: Any) -> list[Any]:
-        self.refuse_connector_only("pop_blocks_for_free", True)
-        raise AssertionError("unreachable")
+        """The local hit a connector starts from: ``get_computed_blocks``' (per-group
+        diverging hits, for Mamba hybrids, are refused at start by ``connectors``)."""
+        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
 
     def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
-        self.refuse_connector_only("truncate_computed_blocks", True)
+        """``blocks`` (a lookup's hit) cut at the block-aligned ``num_computed_tokens``;
+        no reference changes. A Mamba group keeps what it has up to there."""
+        truncated: list[list[Any]] = []
+        for group_blocks, manager in zip(
+            blocks.blocks, self.coordinator.single_type_managers, strict=True
+        ):
+            if num_computed_tokens % manager.block_size:
+                raise ValueError(
+                    f"truncate_computed_blocks: {num_computed_tokens} tokens is not a "
+                    f"multiple of group {manager.kv_cache_group_id}'s block size "
+                    f"{manager.block_size}"
+                )
+            num_blocks = num_computed_tokens // manager.block_size
+            if not isinstance(manager.kv_cache_spec, MambaSpec) and num_blocks > len(group_blocks):
+                raise ValueError(
+                    f"truncate_computed_blocks: {num_computed_tokens} tokens is past the "
+                    f"hit of group {manager.kv_cache_group_id} ({len(group_blocks)} blocks)"
+                )
+            truncated.append(list(group_blocks[:num_blocks]))
+        return self._blocks(tuple(truncated))
+
+    def pop_blocks_for_free(self, request: Any) -> list[KVCacheBlock]:
+        """Forget ``request`` but keep its blocks until vLLM's scheduler hands them to
+        ``block_pool.free_blocks`` (it defers the free while a step in flight may still
+        write them)."""
+        self.refuse_remote("pop_blocks_for_free (deferred frees of KV connectors)")
+        mirror = self._sync(request)
+        blocks = self.core.pop_blocks_for_free(mirror)
+        if mirror.is_finished:
+            del self._requests[request.request_id]
+        return blocks
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        self.refuse_connector_only("record_blocks_for_zeroing", True)
+        """List the request's blocks from ``start_token`` for zeroing again (a failed
+        load left them unwritten)."""
+        self.core.record_blocks_for_zeroing(request_id, start_token)
 
     def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
-        self.refuse_connector_only("finalize_partial_tail_offloads", True)
-        raise AssertionError("unreachable")
+        """Mamba "align" partial tails a producer connector offloads: none (a Mamba
+        "align" model with a producer connector is refused at start)."""
+        return []

@@ -3,6 +3,9 @@
 For ``vllm serve --scheduler-cls kvservice.integrations.vllm.KVServiceScheduler``.
 Every scheduling decision is vLLM's code; only the ``KVCacheManager`` it builds is
 kvservice's (``KVServiceKVCacheManager``, configured from ``KVSERVICE_*`` variables).
+KV connectors (``--kv-transfer-config``, ``--kv-offloading-size``) work as with vLLM's
+manager, except those that reach into vLLM's own block pool, refused by name at start
+(``connectors``).
 
 vLLM takes a named scheduler class as it is, whatever ``async_scheduling`` says, and a
 subclass of its synchronous ``Scheduler`` adds no output placeholders: a running
@@ -24,6 +27,7 @@ from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from kvservice.integrations.vllm.connectors import check_connector, check_connector_classes
 from kvservice.integrations.vllm.manager import KVServiceKVCacheManager
 
 _construction = threading.Lock()
@@ -67,13 +71,12 @@ class KVServiceScheduler(Scheduler):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         vllm_config = _vllm_config(args, kwargs)
-        if vllm_config is not None and vllm_config.kv_transfer_config is not None:
-            raise NotImplementedError(
-                "KVServiceScheduler does not support KV connectors (--kv-transfer-config): "
-                "kvservice's manager does not serve the connector paths of vLLM's scheduler"
-            )
+        if vllm_config is not None:
+            check_connector_classes(vllm_config)
         with _kv_cache_manager_class(KVServiceKVCacheManager):
             super().__init__(*args, **kwargs)
+        if self.connector is not None:
+            check_connector(self.connector, self.kv_cache_config)
         if self.cache_config.enable_prefix_caching:
             # The engine seeded vLLM's hash chain (init_none_hash) before building us.
             self.kv_cache_manager.check_hashing(

@@ -19,6 +19,8 @@ import torch
 from vllm import ModelRegistry
 from vllm.config import (
     CacheConfig,
+    KVEventsConfig,
+    KVTransferConfig,
     ModelConfig,
     SchedulerConfig,
     SpeculativeConfig,
@@ -100,6 +102,13 @@ class SchedulerSetup:
     async_scheduling: bool = False
     # Draft tokens per step (vLLM's n-gram speculative decoding: no draft model).
     num_speculative_tokens: int = 0
+    # vLLM's CPU offloading (``--kv-offloading-size``): the host bytes of its
+    # OffloadingConnector (0: no connector), its eviction policy and extra config.
+    offload_cpu_bytes: int = 0
+    offload_eviction_policy: str = "lru"
+    offload_extra: tuple[tuple[str, Any], ...] = ()
+    # vLLM's kv_load_failure_policy: "fail" (its default) or "recompute".
+    kv_load_failure_policy: str = "fail"
 
     @property
     def mamba_align(self) -> bool:
@@ -180,11 +189,35 @@ def vllm_config(setup: SchedulerSetup) -> Any:
         cache_config=cache_config,
         scheduler_config=scheduler_config,
         speculative_config=speculative_config,
+        kv_transfer_config=_offloading(setup),
+        # Events on (published nowhere), so the offload tier's can be compared.
+        kv_events_config=(
+            KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+            if setup.offload_cpu_bytes
+            else None
+        ),
     )
     # Set after the config is built: vLLM turns it off where the platform (this CPU)
     # cannot overlap steps, but the scheduler itself runs anywhere.
     config.scheduler_config.async_scheduling = setup.async_scheduling
     return config
+
+
+def _offloading(setup: SchedulerSetup) -> Any:
+    """vLLM's native ``OffloadingConnector`` for ``setup``, as ``--kv-offloading-size``
+    configures it; None without offloading."""
+    if not setup.offload_cpu_bytes:
+        return None
+    return KVTransferConfig(
+        kv_connector="OffloadingConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={
+            "cpu_bytes_to_use": setup.offload_cpu_bytes,
+            "eviction_policy": setup.offload_eviction_policy,
+            **dict(setup.offload_extra),
+        },
+        kv_load_failure_policy=setup.kv_load_failure_policy,
+    )
 
 
 def build_scheduler(setup: SchedulerSetup, scheduler_cls: type | None = None) -> Any:

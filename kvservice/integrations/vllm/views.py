@@ -3,18 +3,21 @@
 vLLM 0.33 reaches past ``KVCacheManager``'s methods in a few places: the engine and
 the scheduler read ``coordinator.single_type_managers[i].block_size`` and
 ``.kv_cache_spec`` (vLLM's spec objects) at construction, the scheduler reads
-``coordinator.enable_partial_hash_hits``, and it returns copy-on-write retained blocks
-with ``block_pool.free_blocks``. These views answer those reads from kvservice's state,
-with vLLM's spec objects where vLLM type-checks them.
+``coordinator.enable_partial_hash_hits``, asks ``coordinator.get_num_blocks_to_allocate``
+for the blocks in-flight prefills still need (with a KV connector), and returns
+copy-on-write retained blocks and deferred frees with ``block_pool.free_blocks``.
+These views answer those reads from kvservice's state, with vLLM's spec objects where
+vLLM type-checks them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvservice.core.kv_cache_block import KVCacheBlock
+from kvservice.core.kv_cache_coordinator import KVCacheCoordinator
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,15 +37,42 @@ class CoordinatorView:
     def __init__(
         self,
         managers: list[SingleTypeManagerView],
-        enable_partial_hash_hits: bool,
-        eagle_group_ids: frozenset[int],
+        core: KVCacheCoordinator,
         block_pool: BlockPoolView,
     ) -> None:
         self.single_type_managers = managers
-        self.enable_partial_hash_hits = enable_partial_hash_hits
-        self.eagle_group_ids = eagle_group_ids
+        self._core = core
+        self.enable_partial_hash_hits: bool = getattr(core, "enable_partial_hash_hits", False)
+        self.eagle_group_ids = core.eagle_group_ids
         self.num_reprefillable_tokens = 0
         self.block_pool = block_pool
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: tuple[Sequence[KVCacheBlock], ...],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        num_local_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        """The blocks a request still needs: vLLM's scheduler reserves them for the
+        prefills in flight when it admits an asynchronous KV load. ``prefill_end`` only
+        places sparse Mamba checkpoints, and connectors are refused on Mamba "align"
+        models (``connectors``)."""
+        return self._core.get_num_blocks_to_allocate(
+            request_id,
+            num_tokens,
+            new_computed_blocks,
+            num_encoder_tokens,
+            total_computed_tokens,
+            apply_admission_cap,
+            num_local_computed_tokens=num_local_computed_tokens,
+            num_tokens_main_model=num_tokens_main_model,
+        )
 
 
 class BlockPoolView:

@@ -1,0 +1,104 @@
+"""vLLM's CPU offloading (``--kv-offloading-size``: the native ``OffloadingConnector``)
+on kvservice's manager: vLLM 0.33's scheduler with the connector's scheduler side and
+a fake worker (``offload_harness``), once with vLLM's built-in ``KVCacheManager`` and
+once with kvservice's, must decide alike step for step: every ``SchedulerOutput``, every
+load and store (GPU blocks and CPU chunks), the requests waiting for a load, usage,
+prefix-cache and connector stats, and every KV event published, the GPU pool's and the
+offload tier's (``medium="CPU"``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvservice.integrations.vllm import KVServiceScheduler
+from tests.vllm.offload_harness import EngineOrderOffloadWorkload, OffloadWorkload
+from tests.vllm.scheduler_harness import SchedulerSetup, build_scheduler, first_difference
+
+# 4 KiB a block in these setups: 1 << 18 bytes is a CPU tier of 64 chunks, smaller
+# than the GPU pool, so the tier evicts.
+SMALL_TIER = 1 << 18
+LARGE_TIER = 1 << 21
+
+SETUPS = {
+    "lru": SchedulerSetup(num_blocks=80, offload_cpu_bytes=SMALL_TIER),
+    "arc": SchedulerSetup(
+        num_blocks=80, offload_cpu_bytes=SMALL_TIER, offload_eviction_policy="arc"
+    ),
+    "recompute-failed-loads": SchedulerSetup(
+        num_blocks=80, offload_cpu_bytes=LARGE_TIER, kv_load_failure_policy="recompute"
+    ),
+    "store-threshold": SchedulerSetup(
+        num_blocks=80, offload_cpu_bytes=SMALL_TIER, offload_extra=(("store_threshold", 2),)
+    ),
+    "preempting": SchedulerSetup(
+        num_blocks=40,
+        max_num_batched_tokens=256,
+        max_model_len=512,
+        offload_cpu_bytes=LARGE_TIER,
+        kv_load_failure_policy="recompute",
+    ),
+    "hybrid-full-sliding-window": SchedulerSetup(
+        num_blocks=160,
+        groups=(("full", 16, 0), ("sliding_window", 16, 64)),
+        max_model_len=1024,
+        offload_cpu_bytes=LARGE_TIER,
+    ),
+    "no-prefix-caching": SchedulerSetup(
+        num_blocks=80, enable_prefix_caching=False, offload_cpu_bytes=LARGE_TIER
+    ),
+}
+# Traffic that comes back to earlier prompts after the GPU pool has evicted them.
+TRAFFIC: dict[str, Any] = {"num_requests": 80, "repeat_rate": 0.4, "max_tokens": (1, 40)}
+
+
+def _workload(seed: int, setup: SchedulerSetup, engine_order: bool) -> OffloadWorkload:
+    failures = 0.15 if setup.enable_prefix_caching else 0.0
+    if engine_order:
+        return EngineOrderOffloadWorkload(seed, load_failure_rate=failures, **TRAFFIC)
+    return OffloadWorkload(seed, load_failure_rate=failures, **TRAFFIC)
+
+
+def _run(setup: SchedulerSetup, scheduler_cls: type | None, seed: int, engine_order: bool) -> Any:
+    scheduler = build_scheduler(setup, scheduler_cls)
+    try:
+        return _workload(seed, setup, engine_order).run(scheduler)
+    finally:
+        scheduler.shutdown()
+
+
+def _totals(trace: list[Any]) -> dict[str, int]:
+    transfers = [s["transfers"] for s in trace if s["transfers"] is not None]
+    return {
+        "loads": sum(len(t["loads"]) for t in transfers),
+        "stores": sum(len(t["stores"]) for t in transfers),
+        "cpu_events": sum(1 for s in trace for e in s["events"] if e.medium == "CPU"),
+        "async_loads": sum(1 for t in transfers for job in t["loads"] if not job[-1]),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(SETUPS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_offloading_decides_as_vllms_manager(name: str, seed: int) -> None:
+    setup = SETUPS[name]
+    expected = _run(setup, None, seed, engine_order=False)
+    actual = _run(setup, KVServiceScheduler, seed, engine_order=False)
+    assert first_difference(expected, actual) is None
+    totals = _totals(expected)
+    # The runs exercised the tier: CPU hits loaded back, stores, the tier's events.
+    if setup.enable_prefix_caching:
+        assert totals["loads"] > 0, totals
+    assert totals["stores"] > 0 and totals["cpu_events"] > 0, totals
+
+
+@pytest.mark.parametrize("name", ["lru", "recompute-failed-loads", "hybrid-full-sliding-window"])
+def test_offloading_with_async_scheduling_decides_as_vllms_async_scheduler(name: str) -> None:
+    """Two steps in flight: vLLM defers the frees of a connector that loads
+    (``pop_blocks_for_free``, then ``block_pool.free_blocks`` once the step is done)."""
+    setup = SchedulerSetup(**{**SETUPS[name].__dict__, "async_scheduling": True})
+    expected = _run(setup, None, 3, engine_order=True)
+    actual = _run(setup, KVServiceScheduler, 3, engine_order=True)
+    assert first_difference(expected, actual) is None
+    assert _totals(expected)["async_loads"] > 0
