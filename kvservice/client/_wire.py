@@ -345,8 +345,12 @@ def _set_allocate_options(message: pb.AllocateSlotsRequest, options: AllocateOpt
     message.num_in_flight_tokens = options.num_in_flight_tokens
 
 
-def free(request_id: str, mode: FreeMode = FreeMode.FINISH) -> Op[FreeResult]:
-    message = pb.FreeRequestRequest(request_id=request_id, mode=_FREE_MODE[mode])
+def free(
+    request_id: str, mode: FreeMode = FreeMode.FINISH, keep_blocks: bool = False
+) -> Op[FreeResult]:
+    message = pb.FreeRequestRequest(
+        request_id=request_id, mode=_FREE_MODE[mode], keep_blocks=keep_blocks
+    )
     return Op("FreeRequest", "free_request", message, _free_result)
 
 
@@ -403,6 +407,22 @@ def free_retained_blocks(block_ids: Sequence[int]) -> Op[int]:
 
 
 def _num_free_blocks(msg: pb.FreeRetainedBlocksResponse) -> int:
+    return msg.num_free_blocks
+
+
+def evict_blocks(block_ids: Sequence[int]) -> Op[None]:
+    message = pb.EvictBlocksRequest(block_ids=block_ids)
+    return Op("EvictBlocks", "evict_blocks", message, _nothing)
+
+
+def remove_skipped_blocks(request_id: str, processed_computed_tokens: int) -> Op[int]:
+    message = pb.RemoveSkippedBlocksRequest(
+        request_id=request_id, processed_computed_tokens=processed_computed_tokens
+    )
+    return Op("RemoveSkippedBlocks", "remove_skipped_blocks", message, _skipped_free_blocks)
+
+
+def _skipped_free_blocks(msg: pb.RemoveSkippedBlocksResponse) -> int:
     return msg.num_free_blocks
 
 

@@ -333,8 +333,23 @@ class StepBuilder:
     ) -> OpHandle[AdmitResult]:
         return self._add(_wire.admit(request_ids, token_budget, options))
 
-    def free(self, request_id: str, mode: FreeMode = FreeMode.FINISH) -> OpHandle[FreeResult]:
-        return self._add(_wire.free(request_id, mode))
+    def free(
+        self, request_id: str, mode: FreeMode = FreeMode.FINISH, keep_blocks: bool = False
+    ) -> OpHandle[FreeResult]:
+        """Free ``request_id``; with ``keep_blocks`` (vLLM's ``pop_blocks_for_free``)
+        its blocks stay held for this session until ``free_retained_blocks``."""
+        return self._add(_wire.free(request_id, mode, keep_blocks))
+
+    def evict_blocks(self, block_ids: Sequence[int]) -> OpHandle[None]:
+        """vLLM's ``evict_blocks``: drop the cache entries of the caller's blocks whose
+        KV failed to load (Step only)."""
+        return self._add(_wire.evict_blocks(block_ids))
+
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int
+    ) -> OpHandle[int]:
+        """vLLM's ``remove_skipped_blocks`` (Step only); the pool's free blocks after."""
+        return self._add(_wire.remove_skipped_blocks(request_id, processed_computed_tokens))
 
     def probe(
         self,

@@ -455,15 +455,16 @@ class BlockPool:
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Invalidate the cache entries of ``block_ids`` (e.g. KV a connector failed to
-        load). Ref counts and the free queue are untouched."""
-        ids = set(block_ids)
+        load). Ref counts and the free queue are untouched. In the order given (vLLM's
+        scheduler passes a set: its iteration order orders the removal events)."""
+        ids = list(dict.fromkeys(block_ids))
         bad = sorted(i for i in ids if not 0 <= i < self.num_gpu_blocks)
         if bad:
             raise InvalidArgumentError(
                 f"block ids {bad} are out of range; "
                 f"the pool has blocks 0..{self.num_gpu_blocks - 1}"
             )
-        for block_id in sorted(ids):
+        for block_id in ids:
             if self._maybe_evict_cached_block(self.blocks[block_id]):
                 self.num_evicted_on_request += 1
 

@@ -790,7 +790,8 @@ class KVCacheManager:
         self.checker.check_known(running_request_id)
         return self.coordinator.get_num_common_prefix_blocks(running_request_id)
 
-    def evict_blocks(self, block_ids: set[int]) -> None:
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop the cache entries of ``block_ids``, in the order given (see ``BlockPool``)."""
         self.block_pool.evict_blocks(block_ids)
 
     def reset_prefix_cache(self, restore_block_order: bool = False) -> bool:

@@ -123,6 +123,12 @@ class RuntimeSync:
                 self._retained.append((owner, taken.retained_blocks))
         return [(c.src_block_id, c.dst_block_id) for c in taken.copies]
 
+    def keep(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Keep the core's holds on ``blocks`` (a request's deferred free) for the
+        session of the running Step to release, as its copy holds are."""
+        assert self.keep_holds is not None, "keep() outside a Step with keep_copy_holds"
+        self._kept.setdefault(self.keep_holds, []).extend(b.block_id for b in blocks)
+
     def release_kept(self, owner: HoldOwner, block_ids: Sequence[int]) -> None:
         """Release one kept hold of ``owner`` on each of ``block_ids``, in that order
         (one ``free_retained_blocks``, as vLLM's scheduler frees them); refuses, changing
@@ -154,6 +160,10 @@ class RuntimeSync:
         if held:
             self.release_kept(owner, list(held))
         return len(held)
+
+    def kept_by(self, owner: HoldOwner) -> list[int]:
+        """The blocks ``owner``'s kept holds hold, in the order taken."""
+        return list(self._kept.get(owner, ()))
 
     def kept_blocks(self) -> dict[str, set[int]]:
         """The blocks each tenant's kept holds hold (for the audit)."""

@@ -56,6 +56,7 @@ from kvservice.request_table.reporting import (
 from kvservice.request_table.retention_sequence import RetentionSequence
 from kvservice.request_table.runtime_sync import HoldOwner, KVRuntime, RuntimeSync
 from kvservice.request_table.tenancy import (
+    DEFAULT_TENANT,
     RequestLedger,
     TenantLedger,
     check_tenant_blocks,
@@ -582,6 +583,56 @@ class RequestTable:
         self._reporter.changed()
         return self.manager.block_pool.get_num_free_blocks()
 
+    def evict_blocks(self, block_ids: Sequence[int], tenant: str, session_id: str | None) -> None:
+        """vLLM's ``evict_blocks``: drop the prefix-cache entries of blocks whose KV
+        failed to load. Refused for a block that neither a
+        request of ``tenant`` nor the session's kept holds hold (FAILED_PRECONDITION,
+        nothing evicted): no tenant drops another's cache."""
+        held = self._blocks_of(tenant, session_id)
+        for index, block_id in enumerate(block_ids):
+            if block_id not in held:
+                raise FailedPreconditionError(
+                    f"block_ids[{index}] = {block_id}: no request of this tenant holds "
+                    f"block {block_id}; evict_blocks drops only the caller's own blocks"
+                )
+        self.manager.evict_blocks(block_ids)
+        self._reporter.changed()
+
+    def _blocks_of(self, tenant: str, session_id: str | None) -> set[int]:
+        """The blocks ``tenant``'s requests and ``session_id``'s kept holds hold."""
+        held: set[int] = set()
+        coordinator = self.manager.coordinator
+        for key in self._requests:
+            if getattr(key, "tenant", DEFAULT_TENANT) != tenant:
+                continue
+            for group in coordinator.get_blocks(key):
+                held.update(b.block_id for b in group if not b.is_null)
+        if session_id is not None:
+            held.update(self._runtime_sync.kept_by((tenant, session_id)))
+        return held
+
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, tenant: str
+    ) -> int:
+        """vLLM's ``remove_skipped_blocks``: release the blocks a window no longer
+        reads below ``processed_computed_tokens``; the pool's free blocks after.
+        OUT_OF_RANGE, nothing released, past the request's computed tokens."""
+        request = self._get(request_id, tenant)
+        if not 0 <= processed_computed_tokens <= request.num_computed_tokens:
+            raise OutOfRangeError(
+                f"request {request_id!r}: remove_skipped_blocks({processed_computed_tokens}) "
+                f"must lie within the request's {request.num_computed_tokens} computed tokens"
+            )
+        pool = self.manager.block_pool
+        free_before = pool.get_num_free_blocks()
+        self.manager.coordinator.remove_skipped_blocks(
+            request.request_id, processed_computed_tokens
+        )
+        if self.tenants.counts(tenant):
+            self.tenants.charge(tenant, free_before - pool.get_num_free_blocks())
+        self._reporter.changed()
+        return pool.get_num_free_blocks()
+
     def cache_blocks(self, request_id: str, num_computed_tokens: int, tenant: str) -> None:
         """vLLM's ``cache_blocks``: hash into the prefix cache the request's blocks its
         first ``num_computed_tokens`` tokens fill (after a step's outputs came back under
@@ -941,15 +992,24 @@ class RequestTable:
 
     # -- freeing and queries --------------------------------------------------------
 
-    def free(self, request_id: str, mode: FreeMode, tenant: str) -> Request:
+    def free(
+        self, request_id: str, mode: FreeMode, tenant: str, keep_blocks: bool = False
+    ) -> Request:
         """Release the request's blocks; PREEMPT keeps it for re-prefill, FINISH
-        forgets it."""
+        forgets it. ``keep_blocks`` (vLLM's ``pop_blocks_for_free``): the blocks stay
+        held for the running Step's session, which releases them later
+        (``free_retained_blocks``)."""
         request = self._get(request_id, tenant)
         key = request.request_id
         if mode is FreeMode.PREEMPT and request.status != RequestStatus.RUNNING:
             raise FailedPreconditionError(
                 f"request {request_id!r} is {request.status.name}; only a running request "
                 f"can be preempted (use FINISH to drop it)"
+            )
+        if keep_blocks and self._runtime_sync.keep_holds is None:
+            raise FailedPreconditionError(
+                f"free({request_id!r}, keep_blocks) keeps the blocks for a session to "
+                f"release; it must run inside a session's Step"
             )
         self._hits.pop(key, None)
         if mode is FreeMode.FINISH:
@@ -966,7 +1026,10 @@ class RequestTable:
             )
             if self.ownership is not None:
                 self.ownership.release(tenant, request_id)
-        if self.tenants.counts(tenant):
+        if keep_blocks:
+            # Nothing goes back to the pool yet: the tenant is charged at the release.
+            self._runtime_sync.keep(self.manager.pop_blocks_for_free(request))
+        elif self.tenants.counts(tenant):
             pool = self.manager.block_pool
             free_before = pool.get_num_free_blocks()
             self.manager.free(request)

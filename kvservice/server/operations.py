@@ -126,6 +126,30 @@ def free_retained_blocks(
     )
 
 
+def evict_blocks(
+    table: RequestTable,
+    msg: pb.EvictBlocksRequest,
+    out: pb.EvictBlocksResponse,
+    caller: Caller,
+    with_state: bool,
+    /,
+) -> None:
+    table.evict_blocks(list(msg.block_ids), caller.tenant, caller.session_id)
+
+
+def remove_skipped_blocks(
+    table: RequestTable,
+    msg: pb.RemoveSkippedBlocksRequest,
+    out: pb.RemoveSkippedBlocksResponse,
+    caller: Caller,
+    with_state: bool,
+    /,
+) -> None:
+    out.num_free_blocks = table.remove_skipped_blocks(
+        msg.request_id, msg.processed_computed_tokens, caller.tenant
+    )
+
+
 def cache_blocks(
     table: RequestTable,
     msg: pb.CacheBlocksRequest,
@@ -146,7 +170,7 @@ def free_request(
     /,
 ) -> None:
     mode = converters.free_mode_from_pb(msg.mode)
-    freed = table.free(msg.request_id, mode, caller.tenant)
+    freed = table.free(msg.request_id, mode, caller.tenant, msg.keep_blocks)
     converters.fill_request_state(out.request, freed)
     out.num_free_blocks = table.manager.block_pool.get_num_free_blocks()
 
@@ -265,6 +289,8 @@ STEP_OPERATIONS: dict[str, Operation] = {
     "pin_prefix": pin_prefix,
     "unpin_prefix": unpin_prefix,
     "list_pins": list_pins,
+    "evict_blocks": evict_blocks,
+    "remove_skipped_blocks": remove_skipped_blocks,
 }
 
 

@@ -100,6 +100,10 @@ ALLOWED_CODES: dict[str, frozenset[grpc.StatusCode]] = {
     # uneven columns); each entry's refusal is in the batch's answer.
     "AppendTokensBatch": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
     "AllocateSlotsBatch": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
+    # Step-only, for KV connectors: a block the caller holds no request of, a request
+    # past its computed tokens.
+    "EvictBlocks": frozenset({Code.OK, Code.FAILED_PRECONDITION}),
+    "RemoveSkippedBlocks": _PER_REQUEST | {Code.OUT_OF_RANGE},
 }
 # A StepOperation's field -> the unary RPC whose statuses its result may carry (for a
 # columnar operation, its message's name: there is no such RPC).
@@ -110,7 +114,7 @@ STEP_OP_RPC = {
 }
 # A columnar operation -> the unary RPC each of its entries answers as.
 BATCH_ENTRY_RPC = {"AppendTokensBatch": "AppendTokens", "AllocateSlotsBatch": "AllocateSlots"}
-# The step operations with a unary twin, and the step-only (columnar) ones.
+# The step operations with a unary twin, and the step-only ones.
 UNARY_STEP_OPS = sorted(k for k, rpc in STEP_OP_RPC.items() if rpc in SERVICE.methods_by_name)
 BATCH_STEP_OPS = sorted(k for k, rpc in STEP_OP_RPC.items() if rpc not in SERVICE.methods_by_name)
 # RPCs that never change state, whatever they answer.
@@ -338,7 +342,9 @@ MESSAGES: dict[str, st.SearchStrategy[Any]] = {
         num_computed_tokens=st.none() | counts,
         num_in_flight_tokens=small_counts,
     ),
-    "FreeRequest": st.builds(pb.FreeRequestRequest, request_id=request_ids, mode=enum_values),
+    "FreeRequest": st.builds(
+        pb.FreeRequestRequest, request_id=request_ids, mode=enum_values, keep_blocks=st.booleans()
+    ),
     "GetRequest": st.builds(pb.GetRequestRequest, request_id=request_ids),
     "GetBlockIds": st.builds(pb.GetBlockIdsRequest, request_id=request_ids),
     "ResetPrefixCache": st.just(pb.ResetPrefixCacheRequest()),
@@ -421,7 +427,8 @@ def _batch(draw: st.DrawFn, message: Any, column: str, values: st.SearchStrategy
     )
 
 
-# Step-only messages (the columnar operations): not in MESSAGES, whose keys are RPCs.
+# Step-only messages (the columnar operations and the KV connectors' evict and skip):
+# not in MESSAGES, whose keys are RPCs.
 STEP_ONLY_MESSAGES: dict[str, st.SearchStrategy[Any]] = {
     "AppendTokensBatch": _batch(
         pb.AppendTokensBatch,
@@ -429,6 +436,13 @@ STEP_ONLY_MESSAGES: dict[str, st.SearchStrategy[Any]] = {
         st.one_of(st.integers(0, 50_000), st.sampled_from(EDGE_INTS)),
     ),
     "AllocateSlotsBatch": _batch(pb.AllocateSlotsBatch, "num_new_tokens", counts),
+    "EvictBlocks": st.builds(
+        pb.EvictBlocksRequest,
+        block_ids=st.lists(st.one_of(st.integers(0, 12), st.sampled_from(EDGE_INTS)), max_size=4),
+    ),
+    "RemoveSkippedBlocks": st.builds(
+        pb.RemoveSkippedBlocksRequest, request_id=request_ids, processed_computed_tokens=counts
+    ),
 }
 # Every StepOperation kind is fuzzed: one without a message strategy or its statuses
 # fails here, at import, rather than going unfuzzed.

@@ -83,13 +83,13 @@ class FakeOffloadWorker:
         for job_id in sorted(meta.store_jobs):
             self._jobs[job_id] = _Job(self._due(job_id), None, ())
         for job_id, job in sorted(meta.load_jobs.items()):
-            if job.sync:
-                # Completed before this step's forward pass.
-                self._jobs[job_id] = _Job(self.step, None, ())
-                continue
-            rng = self._rng(job_id)
-            failed = rng.random() < self.load_failure_rate
+            failed = self._rng(job_id).random() < self.load_failure_rate
             blocks = tuple(int(b) for b in job.dst_spec.block_ids) if failed else ()
+            if job.sync:
+                # Completed before this step's forward pass; a failure is reported by
+                # block (vLLM then evicts the blocks, hashed at allocation).
+                self._jobs[job_id] = _Job(self.step, None, () if self.by_request else blocks)
+                continue
             self._jobs[job_id] = _Job(self._due(job_id), job.req_id, blocks)
         for job_id in meta.jobs_to_flush or ():
             # The worker waits for a flushed job before the step runs.

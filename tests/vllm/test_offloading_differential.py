@@ -16,6 +16,7 @@ import pytest
 from kvservice.integrations.vllm import KVServiceScheduler
 from tests.vllm.offload_harness import EngineOrderOffloadWorkload, OffloadWorkload
 from tests.vllm.scheduler_harness import SchedulerSetup, build_scheduler, first_difference
+from tests.vllm.test_scheduler_differential import run_remote
 
 # 4 KiB a block in these setups: 1 << 18 bytes is a CPU tier of 64 chunks, smaller
 # than the GPU pool, so the tier evicts.
@@ -23,15 +24,32 @@ SMALL_TIER = 1 << 18
 LARGE_TIER = 1 << 21
 
 SETUPS = {
-    "lru": SchedulerSetup(num_blocks=80, offload_cpu_bytes=SMALL_TIER),
+    "lru": SchedulerSetup(num_blocks=80, max_model_len=1024, offload_cpu_bytes=SMALL_TIER),
     "arc": SchedulerSetup(
-        num_blocks=80, offload_cpu_bytes=SMALL_TIER, offload_eviction_policy="arc"
+        num_blocks=80,
+        max_model_len=1024,
+        offload_cpu_bytes=SMALL_TIER,
+        offload_eviction_policy="arc",
     ),
     "recompute-failed-loads": SchedulerSetup(
-        num_blocks=80, offload_cpu_bytes=LARGE_TIER, kv_load_failure_policy="recompute"
+        num_blocks=80,
+        max_model_len=1024,
+        offload_cpu_bytes=LARGE_TIER,
+        kv_load_failure_policy="recompute",
     ),
     "store-threshold": SchedulerSetup(
-        num_blocks=80, offload_cpu_bytes=SMALL_TIER, offload_extra=(("store_threshold", 2),)
+        num_blocks=80,
+        max_model_len=1024,
+        offload_cpu_bytes=SMALL_TIER,
+        offload_extra=(("store_threshold", 2),),
+    ),
+    # Loads within the step's budget run before the forward pass (synchronous); a
+    # failed one is evicted from the prefix cache (evict_blocks, under "fail").
+    "sync-loads": SchedulerSetup(
+        num_blocks=80,
+        max_model_len=1024,
+        offload_cpu_bytes=LARGE_TIER,
+        offload_extra=(("sync_load_budget_bytes", 1 << 20),),
     ),
     "preempting": SchedulerSetup(
         num_blocks=40,
@@ -47,7 +65,10 @@ SETUPS = {
         offload_cpu_bytes=LARGE_TIER,
     ),
     "no-prefix-caching": SchedulerSetup(
-        num_blocks=80, enable_prefix_caching=False, offload_cpu_bytes=LARGE_TIER
+        num_blocks=80,
+        max_model_len=1024,
+        enable_prefix_caching=False,
+        offload_cpu_bytes=LARGE_TIER,
     ),
 }
 # Traffic that comes back to earlier prompts after the GPU pool has evicted them.
@@ -59,6 +80,11 @@ def _workload(seed: int, setup: SchedulerSetup, engine_order: bool) -> OffloadWo
     if engine_order:
         return EngineOrderOffloadWorkload(seed, load_failure_rate=failures, **TRAFFIC)
     return OffloadWorkload(seed, load_failure_rate=failures, **TRAFFIC)
+
+
+@pytest.fixture(autouse=True)
+def _in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVSERVICE_TARGET", raising=False)
 
 
 def _run(setup: SchedulerSetup, scheduler_cls: type | None, seed: int, engine_order: bool) -> Any:
@@ -76,6 +102,7 @@ def _totals(trace: list[Any]) -> dict[str, int]:
         "stores": sum(len(t["stores"]) for t in transfers),
         "cpu_events": sum(1 for s in trace for e in s["events"] if e.medium == "CPU"),
         "async_loads": sum(1 for t in transfers for job in t["loads"] if not job[-1]),
+        "sync_loads": sum(1 for t in transfers for job in t["loads"] if job[-1]),
     }
 
 
@@ -102,3 +129,34 @@ def test_offloading_with_async_scheduling_decides_as_vllms_async_scheduler(name:
     actual = _run(setup, KVServiceScheduler, 3, engine_order=True)
     assert first_difference(expected, actual) is None
     assert _totals(expected)["async_loads"] > 0
+
+
+REMOTE_CASES = [
+    ("lru", "sync", False),
+    ("sync-loads", "sync", False),
+    ("sync-loads", "overlap", True),
+    ("recompute-failed-loads", "sync", False),
+    ("preempting", "overlap", False),
+    ("hybrid-full-sliding-window", "sync", False),
+    ("lru", "sync", True),
+    ("recompute-failed-loads", "overlap", True),
+    ("hybrid-full-sliding-window", "sync", True),
+]
+
+
+@pytest.mark.parametrize(("name", "confirm", "engine_order"), REMOTE_CASES)
+def test_remote_offloading_decides_as_vllms_manager(
+    name: str, confirm: str, engine_order: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connector's calls travel in the step (deferred frees as ``free`` keeping the
+    blocks for the session, ``evict_blocks``, ``remove_skipped_blocks``), one round trip
+    a step; the server's audit passes and every block comes back."""
+    setup = SETUPS[name]
+    if engine_order:
+        setup = SchedulerSetup(**{**setup.__dict__, "async_scheduling": True})
+    monkeypatch.delenv("KVSERVICE_TARGET", raising=False)
+    expected = _run(setup, None, 3, engine_order)
+    monkeypatch.setenv("KVSERVICE_CONFIRM", confirm)
+    actual = run_remote(setup, _workload(3, setup, engine_order), monkeypatch)
+    assert first_difference(expected, actual) is None
+    assert _totals(expected)["loads"] > 0

@@ -33,6 +33,7 @@ from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     CrossAttentionSpec,
     EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
     MambaSpec,
 )
 from vllm.v1.metrics.stats import PrefixCacheStats
@@ -216,6 +217,12 @@ class KVServiceKVCacheManager:
             for i, group in enumerate(config.kv_cache_groups)
             if group.kv_cache_spec.prefix_cacheable
             and not isinstance(group.kv_cache_spec, CrossAttentionSpec | EncoderOnlyAttentionSpec)
+        )
+        # Whether remove_skipped_blocks can release anything (a window, chunked local
+        # attention or a Mamba group).
+        self._skipping_groups = any(
+            not isinstance(group.kv_cache_spec, FullAttentionSpec)
+            for group in config.kv_cache_groups
         )
         # vLLM request id -> the core's view of that request.
         self._requests: dict[str, Request] = {}
@@ -474,9 +481,15 @@ class KVServiceKVCacheManager:
         num_prompt_tokens: int | None = None,
     ) -> None:
         """Release the blocks a window no longer reads (a connector path of vLLM's)."""
-        self.refuse_remote("remove_skipped_blocks")
-        if request_id in self._requests:
-            self.core.coordinator.remove_skipped_blocks(request_id, processed_computed_tokens)
+        mirror = self._requests.get(request_id)
+        if mirror is None:
+            return
+        if self.server is not None:
+            self.server.check_alive()
+        self.core.coordinator.remove_skipped_blocks(request_id, processed_computed_tokens)
+        if self.server is not None and self._skipping_groups:
+            # Full attention skips nothing: only a pool with windows sends the call.
+            self.server.skipped(mirror, processed_computed_tokens)
 
     def estimate_cached_tokens(self, request: Any) -> int:
         """vLLM's estimate: the shortest, over prefix-cacheable groups, of the longest
@@ -542,9 +555,12 @@ class KVServiceKVCacheManager:
         return {}
 
     def evict_blocks(self, block_ids: set[int]) -> None:
+        """Drop the cache entries of blocks whose KV failed to load (a connector's)."""
         if self.server is not None:
-            raise NotImplementedError("evict_blocks is not supported by kvservice's remote manager")
+            self.server.check_alive()
         self.core.evict_blocks(block_ids)
+        if self.server is not None and block_ids:
+            self.server.evicted(block_ids)
 
     def reset_prefix_cache(self) -> bool:
         if self.server is not None:
@@ -635,11 +651,14 @@ class KVServiceKVCacheManager:
         """Forget ``request`` but keep its blocks until vLLM's scheduler hands them to
         ``block_pool.free_blocks`` (it defers the free while a step in flight may still
         write them)."""
-        self.refuse_remote("pop_blocks_for_free (deferred frees of KV connectors)")
+        if self.server is not None:
+            self.server.check_alive()
         mirror = self._sync(request)
         blocks = self.core.pop_blocks_for_free(mirror)
         if mirror.is_finished:
             del self._requests[request.request_id]
+        if self.server is not None:
+            self.server.freed(request, keep_blocks=True)
         return blocks
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:

@@ -545,20 +545,37 @@ class ServerLink:
         kept the same holds for this."""
         self._link.log.record("free_retained_blocks", (block_ids,), ANY_ANSWER)
 
-    def freed(self, request: Any) -> None:
-        """The replica freed ``request`` (finished, or preempted when it is not)."""
+    def freed(self, request: Any, keep_blocks: bool = False) -> None:
+        """The replica freed ``request`` (finished, or preempted when it is not); with
+        ``keep_blocks`` it popped them (``pop_blocks_for_free``) and releases them later
+        (``released``), as the server then does."""
         request_id = request.request_id
         if request_id not in self._server_tokens:
             return  # never reached the server: nothing to free there
         finished = request.is_finished()
         mode = FreeMode.FINISH if finished else FreeMode.PREEMPT
-        self._link.log.record("free", (request_id, mode), ANY_ANSWER)
+        self._link.log.record("free", (request_id, mode, keep_blocks), ANY_ANSWER)
         self._lookups.pop(request_id, None)
         self._server_cached.pop(request_id, None)
         if finished:
             del self._server_tokens[request_id], self._server_computed[request_id]
         else:
             self._server_computed[request_id] = 0
+
+    def evicted(self, block_ids: set[int]) -> None:
+        """The replica's ``evict_blocks`` (a KV connector's failed load), in the set's
+        order, which orders the removal events on both sides."""
+        self._link.log.record("evict_blocks", (list(block_ids),), ANY_ANSWER)
+
+    def skipped(self, request: Any, processed_computed_tokens: int) -> None:
+        """The replica's ``remove_skipped_blocks`` for ``request`` (before a finished
+        request's blocks go to its KV connector)."""
+        if request.request_id in self._server_tokens:
+            self._link.log.record(
+                "remove_skipped_blocks",
+                (request.request_id, processed_computed_tokens),
+                ANY_ANSWER,
+            )
 
     # -- sending --------------------------------------------------------------------------
 

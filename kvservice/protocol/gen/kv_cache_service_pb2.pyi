@@ -833,17 +833,26 @@ class FreeRequestRequest(_message.Message):
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     MODE_FIELD_NUMBER: _builtins.int
+    KEEP_BLOCKS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     mode: Global___FreeMode.ValueType
+    keep_blocks: _builtins.bool
+    """vLLM's pop_blocks_for_free: free the request as `mode` says but keep its blocks
+    held for this session, released later with FreeRetainedBlocks in the order the
+    caller frees them (vLLM's scheduler defers the free while a step in flight may
+    still write the blocks, with a KV connector and async scheduling). Only inside a
+    session's Step (FAILED_PRECONDITION otherwise, nothing freed).
+    """
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         mode: Global___FreeMode.ValueType = ...,
+        keep_blocks: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["mode", b"mode", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep_blocks", b"keep_blocks", "mode", b"mode", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1511,6 +1520,8 @@ class StepOperation(_message.Message):
     PIN_PREFIX_FIELD_NUMBER: _builtins.int
     UNPIN_PREFIX_FIELD_NUMBER: _builtins.int
     LIST_PINS_FIELD_NUMBER: _builtins.int
+    EVICT_BLOCKS_FIELD_NUMBER: _builtins.int
+    REMOVE_SKIPPED_BLOCKS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def add_request(self) -> Global___AddRequestRequest: ...
     @_builtins.property
@@ -1547,6 +1558,10 @@ class StepOperation(_message.Message):
     def unpin_prefix(self) -> Global___UnpinPrefixRequest: ...
     @_builtins.property
     def list_pins(self) -> Global___ListPinsRequest: ...
+    @_builtins.property
+    def evict_blocks(self) -> Global___EvictBlocksRequest: ...
+    @_builtins.property
+    def remove_skipped_blocks(self) -> Global___RemoveSkippedBlocksRequest: ...
     def __init__(
         self,
         *,
@@ -1568,12 +1583,14 @@ class StepOperation(_message.Message):
         pin_prefix: Global___PinPrefixRequest | None = ...,
         unpin_prefix: Global___UnpinPrefixRequest | None = ...,
         list_pins: Global___ListPinsRequest | None = ...,
+        evict_blocks: Global___EvictBlocksRequest | None = ...,
+        remove_skipped_blocks: Global___RemoveSkippedBlocksRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "new_step_starts", b"new_step_starts", "op", b"op", "pin_prefix", b"pin_prefix", "probe", b"probe", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "evict_blocks", b"evict_blocks", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "new_step_starts", b"new_step_starts", "op", b"op", "pin_prefix", b"pin_prefix", "probe", b"probe", "remove_skipped_blocks", b"remove_skipped_blocks", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "new_step_starts", b"new_step_starts", "op", b"op", "pin_prefix", b"pin_prefix", "probe", b"probe", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "evict_blocks", b"evict_blocks", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "new_step_starts", b"new_step_starts", "op", b"op", "pin_prefix", b"pin_prefix", "probe", b"probe", "remove_skipped_blocks", b"remove_skipped_blocks", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "new_step_starts", "free_retained_blocks", "cache_blocks", "pin_prefix", "unpin_prefix", "list_pins"]  # noqa: Y015
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "new_step_starts", "free_retained_blocks", "cache_blocks", "pin_prefix", "unpin_prefix", "list_pins", "evict_blocks", "remove_skipped_blocks"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 
@@ -1891,6 +1908,8 @@ class StepResult(_message.Message):
     PIN_PREFIX_FIELD_NUMBER: _builtins.int
     UNPIN_PREFIX_FIELD_NUMBER: _builtins.int
     LIST_PINS_FIELD_NUMBER: _builtins.int
+    EVICT_BLOCKS_FIELD_NUMBER: _builtins.int
+    REMOVE_SKIPPED_BLOCKS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def add_request(self) -> Global___AddRequestResponse: ...
     @_builtins.property
@@ -1935,6 +1954,10 @@ class StepResult(_message.Message):
     def unpin_prefix(self) -> Global___UnpinPrefixResponse: ...
     @_builtins.property
     def list_pins(self) -> Global___ListPinsResponse: ...
+    @_builtins.property
+    def evict_blocks(self) -> Global___EvictBlocksResponse: ...
+    @_builtins.property
+    def remove_skipped_blocks(self) -> Global___RemoveSkippedBlocksResponse: ...
     def __init__(
         self,
         *,
@@ -1957,12 +1980,14 @@ class StepResult(_message.Message):
         pin_prefix: Global___PinPrefixResponse | None = ...,
         unpin_prefix: Global___UnpinPrefixResponse | None = ...,
         list_pins: Global___ListPinsResponse | None = ...,
+        evict_blocks: Global___EvictBlocksResponse | None = ...,
+        remove_skipped_blocks: Global___RemoveSkippedBlocksResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "error", b"error", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "new_step_starts", b"new_step_starts", "pin_prefix", b"pin_prefix", "probe", b"probe", "result", b"result", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "error", b"error", "evict_blocks", b"evict_blocks", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "new_step_starts", b"new_step_starts", "pin_prefix", b"pin_prefix", "probe", b"probe", "remove_skipped_blocks", b"remove_skipped_blocks", "result", b"result", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "error", b"error", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "new_step_starts", b"new_step_starts", "pin_prefix", b"pin_prefix", "probe", b"probe", "result", b"result", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "error", b"error", "evict_blocks", b"evict_blocks", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "new_step_starts", b"new_step_starts", "pin_prefix", b"pin_prefix", "probe", b"probe", "remove_skipped_blocks", b"remove_skipped_blocks", "result", b"result", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "new_step_starts", "free_retained_blocks", "error", "cache_blocks", "pin_prefix", "unpin_prefix", "list_pins"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "new_step_starts", "free_retained_blocks", "error", "cache_blocks", "pin_prefix", "unpin_prefix", "list_pins", "evict_blocks", "remove_skipped_blocks"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
@@ -2274,6 +2299,95 @@ class CacheBlocksResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___CacheBlocksResponse: _TypeAlias = CacheBlocksResponse  # noqa: Y015
+
+@_typing.final
+class EvictBlocksRequest(_message.Message):
+    """Step-only, for vLLM's KV connectors: drop the prefix-cache entries of blocks whose
+    KV failed to load (vLLM's evict_blocks). Each block must be held by one of the
+    caller's requests, or by its session's kept holds (FAILED_PRECONDITION otherwise,
+    nothing evicted): no tenant drops another's cache.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        block_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvictBlocksRequest: _TypeAlias = EvictBlocksRequest  # noqa: Y015
+
+@_typing.final
+class EvictBlocksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EvictBlocksResponse: _TypeAlias = EvictBlocksResponse  # noqa: Y015
+
+@_typing.final
+class RemoveSkippedBlocksRequest(_message.Message):
+    """Step-only: release the blocks a sliding window or chunked local attention no longer
+    reads below the request's first processed_computed_tokens tokens (vLLM's
+    remove_skipped_blocks, before a finished request's blocks go to its KV connector).
+    OUT_OF_RANGE, nothing released, past the request's computed tokens.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    PROCESSED_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    processed_computed_tokens: _builtins.int
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        processed_computed_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["processed_computed_tokens", b"processed_computed_tokens", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveSkippedBlocksRequest: _TypeAlias = RemoveSkippedBlocksRequest  # noqa: Y015
+
+@_typing.final
+class RemoveSkippedBlocksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _builtins.int
+    num_free_blocks: _builtins.int
+    """Free blocks in the pool after the call."""
+    def __init__(
+        self,
+        *,
+        num_free_blocks: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_free_blocks", b"num_free_blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveSkippedBlocksResponse: _TypeAlias = RemoveSkippedBlocksResponse  # noqa: Y015
 
 @_typing.final
 class StepStreamRequest(_message.Message):
