@@ -232,6 +232,7 @@ def cache_config(msg: pb.GetCacheConfigResponse) -> CacheConfig:
         # An older server does not say: it evicts by LRU and pins nothing.
         eviction_policy=msg.eviction_policy or "lru",
         max_pinned_blocks=msg.max_pinned_blocks,
+        use_eagle=msg.use_eagle,
     )
 
 

@@ -314,6 +314,8 @@ class CacheConfig:
     eviction_policy: str = "lru"
     # The most blocks pins may reserve; 0: pinning is off.
     max_pinned_blocks: int = 0
+    # The pool serves engines drafting with EAGLE: a prefix hit drops its last block.
+    use_eagle: bool = False
 
     @property
     def has_retention(self) -> bool:

@@ -78,6 +78,10 @@ class ServerConfig:
     # None: every reusable block (dense). A vLLM engine's must match.
     prefix_cache_retention_interval: int | None = None
     enable_caching: bool = True
+    # The engine drafts with EAGLE (vLLM's use_eagle): a prefix hit drops its last
+    # block, whose draft KV depends on the token after it, as vLLM's manager does. A
+    # pool's hits are every engine's, so this is the pool's; a vLLM engine's must match.
+    use_eagle: bool = False
     # Which free cached blocks are evicted first: "lru" (vLLM's order, the default) or
     # "priority" (requests' retention priorities reorder them; README, Retention).
     eviction_policy: str = "lru"
@@ -358,6 +362,7 @@ def build_manager(
         kv_cache_config or build_kv_cache_config(config),
         config.max_model_len,
         enable_caching=config.enable_caching,
+        use_eagle=config.use_eagle,
         log_stats=True,
         watermark=config.watermark,
         max_in_flight_tokens=config.tokens_in_flight,

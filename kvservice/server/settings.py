@@ -159,6 +159,14 @@ OPTIONS: tuple[Option, ...] = (
         aliases=("--enable-prefix-caching",),
     ),
     Option(
+        "use_eagle",
+        bool,
+        "the engines draft with EAGLE (vLLM's speculative method eagle, eagle3 or mtp): "
+        "a prefix hit drops its last block, as vLLM's manager does; a vLLM engine "
+        "drafting with EAGLE needs it, and one that does not must not have it",
+        "use_eagle",
+    ),
+    Option(
         "eviction_policy",
         str,
         "which free cached blocks are evicted first: lru (vLLM's order) or priority "

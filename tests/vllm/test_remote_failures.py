@@ -338,14 +338,28 @@ def test_shutdown_ends_the_engines_session_at_once(monkeypatch: pytest.MonkeyPat
         assert (usage.num_requests, usage.num_used_blocks) == (0, 0)
 
 
-def test_eagle_drafting_is_refused_remotely_at_startup(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Named before any connection, rather than stopping the engine at its first hit."""
-    monkeypatch.setenv("KVSERVICE_TARGET", f"127.0.0.1:{free_port()}")
-    with pytest.raises(NotImplementedError, match=r"EAGLE drafting \(use_eagle\)"):
+@pytest.mark.parametrize(
+    ("engine_eagle", "server_eagle", "message"),
+    [
+        (
+            True,
+            False,
+            r"EAGLE drafting: vLLM on, kvservice off \(start kvservice with --use-eagle\)",
+        ),
+        (False, True, r"EAGLE drafting: vLLM off, kvservice on \(start kvservice without"),
+    ],
+)
+def test_an_eagle_engine_needs_an_eagle_pool(
+    monkeypatch: pytest.MonkeyPatch, engine_eagle: bool, server_eagle: bool, message: str
+) -> None:
+    """An EAGLE drafter's hits drop their last block: an engine and a server that
+    disagree would answer other hits, so startup names the flag."""
+    config = dataclasses.replace(POOL, use_eagle=server_eagle)
+    with remote(monkeypatch, config), pytest.raises(ServerConfigMismatchError, match=message):
         KVServiceKVCacheManager(
             kv_cache_config=kv_cache_config(SETUP),
             max_model_len=SETUP.max_model_len,
             scheduler_block_size=SETUP.block_size,
             hash_block_size=SETUP.block_size,
-            use_eagle=True,
+            use_eagle=engine_eagle,
         )

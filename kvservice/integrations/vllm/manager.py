@@ -100,7 +100,9 @@ class ManagerArgs:
         the vLLM option that turns each on."""
         unsupported = {
             "num_hash_lookahead_tokens (lookahead block hashes)": self.num_hash_lookahead_tokens,
-            "num_prefill_lookahead (multi-module MTP drafting)": self.num_prefill_lookahead,
+            # An EAGLE drafter reads one token ahead (1): no token is re-prefilled, so
+            # nothing changes; multi-module MTP reads further and re-prefills them.
+            "num_prefill_lookahead (multi-module MTP drafting)": self.num_prefill_lookahead > 1,
             "metrics_collector (--kv-cache-metrics)": self.metrics_collector is not None,
             "enable_mamba_shared_prefix_checkpoint": self.enable_mamba_shared_prefix_checkpoint,
         }
@@ -159,13 +161,6 @@ class KVServiceKVCacheManager:
                 "KVSERVICE_EVICTION_POLICY and KVSERVICE_MAX_PINNED_FRACTION set the "
                 "in-process pool's retention; a remote pool's is the server's "
                 "(kvservice serve --eviction-policy / --max-pinned-fraction)"
-            )
-        if settings.target is not None and args.use_eagle:
-            # The server's pool is not told of a drafter: its hits would keep the block
-            # an EAGLE drafter gives back, and the first one would stop the engine.
-            raise NotImplementedError(
-                "kvservice's remote manager does not serve EAGLE drafting (use_eagle) yet: "
-                "unset KVSERVICE_TARGET to run kvservice's manager in vLLM's process"
             )
         # The server first: its pool, when smaller than vLLM's, is the replica's too.
         link = None if settings.target is None else self._connect(settings)
@@ -260,6 +255,7 @@ class KVServiceKVCacheManager:
             # The window-bounded groups' admission gate: vLLM's max_in_flight_tokens.
             max_in_flight_tokens=self.core.max_in_flight_tokens,
             admission_caps=tuple(m.max_admission_blocks_per_request for m in managers),
+            eagle_group_ids=self.core.coordinator.eagle_group_ids,
         )
 
     # -- requests ------------------------------------------------------------------

@@ -104,6 +104,8 @@ class PoolLayout:
     # window-bounded group (None for the others).
     max_in_flight_tokens: int
     admission_caps: tuple[int | None, ...]
+    # The groups an EAGLE drafter reads (vLLM's use_eagle; empty without a drafter).
+    eagle_group_ids: frozenset[int] = frozenset()
 
     def admission_blocks(self, caps: Sequence[int | None]) -> list[int]:
         """The most blocks admission can count per group for a request of vLLM's:
@@ -308,6 +310,7 @@ class ServerLink:
                 f"{server.max_in_flight_tokens} (start kvservice with --max-in-flight-tokens "
                 f"{layout.max_in_flight_tokens})"
             )
+        mismatches.extend(self._eagle_mismatch(layout))
         sparse = {KVCacheSpecKind.SLIDING_WINDOW.value, KVCacheSpecKind.MAMBA.value}
         retention = layout.prefix_cache_retention_interval
         if retention != server.prefix_cache_retention_interval and any(
@@ -335,6 +338,23 @@ class ServerLink:
                 f"kvservice at {self.target} does not match vLLM's KV cache: "
                 + "; ".join(mismatches)
             )
+
+    def _eagle_mismatch(self, layout: PoolLayout) -> list[str]:
+        """An EAGLE drafter's hits drop their last block on the server too
+        (``--use-eagle``, which applies to every group), or on neither side."""
+        every_group = frozenset(range(len(layout.groups)))
+        server_eagle = every_group if self.server_config.use_eagle else frozenset()
+        if layout.eagle_group_ids == server_eagle:
+            return []
+        if layout.eagle_group_ids and layout.eagle_group_ids != every_group:
+            return [
+                f"EAGLE drafter groups: vLLM {sorted(layout.eagle_group_ids)} of "
+                f"{len(layout.groups)}, kvservice's --use-eagle applies to every group "
+                f"(not served remotely yet)"
+            ]
+        if layout.eagle_group_ids:
+            return ["EAGLE drafting: vLLM on, kvservice off (start kvservice with --use-eagle)"]
+        return ["EAGLE drafting: vLLM off, kvservice on (start kvservice without --use-eagle)"]
 
     def check_hashing(self, hash_algo: str, none_hash_seed: str | None) -> None:
         """Refuse a server that hashes blocks otherwise than vLLM: its KV events and

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
+from unittest import mock
 
 import torch
 from vllm import ModelRegistry
@@ -102,6 +104,11 @@ class SchedulerSetup:
     async_scheduling: bool = False
     # Draft tokens per step (vLLM's n-gram speculative decoding: no draft model).
     num_speculative_tokens: int = 0
+    # The drafter scheduled as EAGLE is (``eagle_drafting``): lookahead slots for its
+    # drafts, and prefix hits that drop their last block (vLLM's
+    # --speculative-config '{"disable_lookahead_block_hashes": true}'; by default vLLM
+    # 0.33 hashes one token past each block instead).
+    eagle: bool = False
     # vLLM's CPU offloading (``--kv-offloading-size``): the host bytes of its
     # OffloadingConnector (0: no connector), its eviction policy and extra config.
     offload_cpu_bytes: int = 0
@@ -180,6 +187,7 @@ def vllm_config(setup: SchedulerSetup) -> Any:
             num_speculative_tokens=setup.num_speculative_tokens,
             prompt_lookup_min=1,
             prompt_lookup_max=3,
+            disable_lookahead_block_hashes=setup.eagle,
         )
         if setup.num_speculative_tokens
         else None
@@ -220,6 +228,20 @@ def _offloading(setup: SchedulerSetup) -> Any:
     )
 
 
+@contextmanager
+def eagle_drafting() -> Iterator[None]:
+    """vLLM's scheduler as it runs an EAGLE drafter, without its draft model (which an
+    EAGLE ``SpeculativeConfig`` needs to load): the n-gram drafter answers as EAGLE
+    (``use_eagle`` and the trailing-block drop), so the scheduler reserves lookahead
+    slots for the drafts and builds its manager with ``use_eagle``, and the drafts
+    still come from the caller."""
+    with (
+        mock.patch.object(SpeculativeConfig, "use_eagle", lambda self: True),
+        mock.patch.object(SpeculativeConfig, "needs_eagle_block_drop", lambda self: True),
+    ):
+        yield
+
+
 def build_scheduler(setup: SchedulerSetup, scheduler_cls: type | None = None) -> Any:
     """vLLM's scheduler for ``setup`` (``Scheduler``, or ``AsyncScheduler`` with async
     scheduling, as vLLM picks it), or ``scheduler_cls`` (``KVServiceScheduler``), stats
@@ -229,14 +251,15 @@ def build_scheduler(setup: SchedulerSetup, scheduler_cls: type | None = None) ->
     init_none_hash(sha256)
     if scheduler_cls is None:
         scheduler_cls = config.scheduler_config.get_scheduler_cls()
-    return scheduler_cls(
-        vllm_config=config,
-        kv_cache_config=kv_cache_config(setup),
-        structured_output_manager=StructuredOutputManager(config),
-        block_size=setup.block_size,
-        hash_block_size=setup.hash_block,
-        log_stats=True,
-    )
+    with eagle_drafting() if setup.eagle else nullcontext():
+        return scheduler_cls(
+            vllm_config=config,
+            kv_cache_config=kv_cache_config(setup),
+            structured_output_manager=StructuredOutputManager(config),
+            block_size=setup.block_size,
+            hash_block_size=setup.hash_block,
+            log_stats=True,
+        )
 
 
 def block_hasher(block_size: int) -> Callable[[Request], list[Any]]:
