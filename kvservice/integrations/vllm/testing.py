@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import tempfile
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -187,7 +187,7 @@ def vllm_config(setup: SchedulerSetup) -> Any:
             num_speculative_tokens=setup.num_speculative_tokens,
             prompt_lookup_min=1,
             prompt_lookup_max=3,
-            disable_lookahead_block_hashes=setup.eagle,
+            **_legacy_eagle_hashes(setup),
         )
         if setup.num_speculative_tokens
         else None
@@ -209,6 +209,14 @@ def vllm_config(setup: SchedulerSetup) -> Any:
     # cannot overlap steps, but the scheduler itself runs anywhere.
     config.scheduler_config.async_scheduling = setup.async_scheduling
     return config
+
+
+def _legacy_eagle_hashes(setup: SchedulerSetup) -> dict[str, bool]:
+    """vLLM 0.33's option for EAGLE's trailing-block drop instead of lookahead block
+    hashes (0.32 has only the drop)."""
+    if setup.eagle and "disable_lookahead_block_hashes" in SpeculativeConfig.__dataclass_fields__:
+        return {"disable_lookahead_block_hashes": True}
+    return {}
 
 
 def _offloading(setup: SchedulerSetup) -> Any:
@@ -235,10 +243,12 @@ def eagle_drafting() -> Iterator[None]:
     (``use_eagle`` and the trailing-block drop), so the scheduler reserves lookahead
     slots for the drafts and builds its manager with ``use_eagle``, and the drafts
     still come from the caller."""
-    with (
-        mock.patch.object(SpeculativeConfig, "use_eagle", lambda self: True),
-        mock.patch.object(SpeculativeConfig, "needs_eagle_block_drop", lambda self: True),
-    ):
+    with ExitStack() as patches:
+        patches.enter_context(mock.patch.object(SpeculativeConfig, "use_eagle", lambda _: True))
+        if hasattr(SpeculativeConfig, "needs_eagle_block_drop"):  # vLLM 0.33
+            patches.enter_context(
+                mock.patch.object(SpeculativeConfig, "needs_eagle_block_drop", lambda _: True)
+            )
         yield
 
 
