@@ -44,7 +44,8 @@ import statistics
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -378,11 +379,39 @@ def _run(
     forward_s: float,
     async_scheduling: bool = False,
 ) -> Timing:
+    with _connection_env(mode):
+        return _run_mode(mode, workload, steps, seed, forward_s, async_scheduling)
+
+
+@contextmanager
+def _connection_env(mode: Mode) -> Iterator[None]:
+    """``mode``'s KVSERVICE_* connection variables for the run, the caller's after it
+    (a test process runs more than this benchmark)."""
+    names = ("KVSERVICE_TARGET", "KVSERVICE_CONFIRM")
+    saved = {name: os.environ.get(name) for name in names}
     if mode.target is None:
         os.environ.pop("KVSERVICE_TARGET", None)
     else:
         os.environ["KVSERVICE_TARGET"] = mode.target
     os.environ["KVSERVICE_CONFIRM"] = mode.confirm
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _run_mode(
+    mode: Mode,
+    workload: str,
+    steps: int,
+    seed: int,
+    forward_s: float,
+    async_scheduling: bool,
+) -> Timing:
     if async_scheduling:
         scheduler = build_scheduler(ASYNC_SETUP, mode.scheduler_cls)
         # KVServiceScheduler builds KVServiceAsyncScheduler from the config, as vLLM

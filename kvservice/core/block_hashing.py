@@ -194,6 +194,25 @@ def generate_block_hash_extra_keys(
 HASH_MEMO_CAPACITY: Final = 16384
 
 
+def generate_lookahead_block_hash_extra_keys(
+    request: Request,
+    start_token_idx: int,
+    end_token_idx: int,
+    hash_end_token_idx: int,
+    start_mm_idx: int,
+) -> tuple[ExtraKeys, int]:
+    """Extra keys of a block hashed with lookahead tokens: those of the window up to
+    ``hash_end_token_idx`` (the block and the tokens after it); the multimodal index
+    steps back to the first item the next block still overlaps."""
+    keys, mm_idx = generate_block_hash_extra_keys(
+        request, start_token_idx, hash_end_token_idx, start_mm_idx
+    )
+    features = request.mm_features
+    while mm_idx > 0 and _feature_end(features[mm_idx - 1]) > end_token_idx:
+        mm_idx -= 1
+    return keys, mm_idx
+
+
 def to_event_extra_keys(extra_keys: Iterable[ExtraKeys]) -> list[ExtraKeys] | None:
     """The per-block extra keys a ``BlockStored`` event publishes: untagged, in the
     shapes KV event consumers parse (an mm key becomes ``(identifier, offset)``, every
@@ -221,11 +240,22 @@ class BlockHasher:
     """
 
     def __init__(
-        self, hash_block_size: int, hash_algo: str = "sha256", none_hash_seed: str | None = None
+        self,
+        hash_block_size: int,
+        hash_algo: str = "sha256",
+        none_hash_seed: str | None = None,
+        num_hash_lookahead_tokens: int = 0,
     ) -> None:
         if hash_block_size <= 0:
             raise InvalidArgumentError(f"hash_block_size must be positive, got {hash_block_size}")
+        if num_hash_lookahead_tokens < 0:
+            raise InvalidArgumentError(
+                f"num_hash_lookahead_tokens must be >= 0, got {num_hash_lookahead_tokens}"
+            )
         self.hash_block_size = hash_block_size
+        # vLLM 0.33's lookahead block hashes (an EAGLE drafter's default): each hash also
+        # covers the tokens after its block, so it exists only once they do.
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         self.hash_algo = hash_algo
         self.hash_fn = get_hash_fn_by_name(hash_algo)
         self.none_hash_seed = resolve_none_hash_seed(hash_algo, none_hash_seed)
@@ -237,9 +267,10 @@ class BlockHasher:
     def __call__(self, request: Request) -> list[BlockHash]:
         """Hashes of the full blocks not yet in ``request.block_hashes``."""
         bs = self.hash_block_size
+        lookahead = self.num_hash_lookahead_tokens
         hashes = request.block_hashes
         start = len(hashes) * bs
-        num_tokens = request.num_tokens
+        num_tokens = request.num_tokens - lookahead
         new_hashes: list[BlockHash] = []
         if start + bs > num_tokens:
             return new_hashes
@@ -251,7 +282,9 @@ class BlockHasher:
         looking = True  # until a block is not remembered: each later parent is then new
         while start + bs <= num_tokens:
             keys: ExtraKeys = None
-            if not plain:
+            if lookahead:
+                keys, mm_idx = self._lookahead_keys(request, start, start + bs, mm_idx)
+            elif not plain:
                 keys, mm_idx = generate_block_hash_extra_keys(request, start, start + bs, mm_idx)
             # What hash_block_tokens hashes.
             block = (parent or self.none_hash, tuple(tokens[start : start + bs]), keys)
@@ -266,3 +299,17 @@ class BlockHasher:
             new_hashes.append(parent)
             start += bs
         return new_hashes
+
+    def _lookahead_keys(
+        self, request: Request, start: int, end: int, mm_idx: int
+    ) -> tuple[ExtraKeys, int]:
+        """vLLM's extra keys of a lookahead hash: ``(E, token)`` for one lookahead
+        token, ``(E, *tokens)`` for more, where ``E`` covers the block and the tokens."""
+        lookahead = self.num_hash_lookahead_tokens
+        window_keys, mm_idx = generate_lookahead_block_hash_extra_keys(
+            request, start, end, end + lookahead, mm_idx
+        )
+        tokens = request.all_token_ids
+        if lookahead == 1:
+            return (window_keys, tokens[end]), mm_idx
+        return (window_keys, *tokens[end : end + lookahead]), mm_idx

@@ -18,6 +18,7 @@ from kvservice.core.block_hashing import (
     ExtraKeys,
     first_mm_index,
     generate_block_hash_extra_keys,
+    generate_lookahead_block_hash_extra_keys,
     to_event_extra_keys,
 )
 from kvservice.core.errors import InvalidArgumentError, QuotaExceededError
@@ -178,6 +179,7 @@ class BlockPool:
         hash_block_size: int,
         enable_kv_cache_events: bool = False,
         retention_policy: RetentionPolicy | None = None,
+        num_hash_lookahead_tokens: int = 0,
     ) -> None:
         if not isinstance(num_gpu_blocks, int) or num_gpu_blocks <= 0:
             raise InvalidArgumentError(
@@ -186,6 +188,9 @@ class BlockPool:
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
+        # Tokens after each block its hash covers (lookahead block hashes): the KV events
+        # publish them and the extra keys of the window they extend.
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         # Pins and priorities (None: vLLM's LRU and nothing else, the default).
         self.retention_policy = retention_policy
         # The time of the last expire_retention: pins refreshed by a hit count from it.
@@ -285,6 +290,9 @@ class BlockPool:
                     block_size,
                     kv_cache_group_id,
                     self._event_extra_keys(request, stored_indices, block_size),
+                    self._lookahead_token_ids(
+                        request, [(i + 1) * block_size for i in stored_indices]
+                    ),
                 )
             )
 
@@ -329,7 +337,7 @@ class BlockPool:
         if self.enable_kv_cache_events and not already_cached:
             start = num_tokens - hbs
             mm_idx = first_mm_index(request.mm_features, start, num_tokens)
-            extra_keys, _ = generate_block_hash_extra_keys(request, start, num_tokens, mm_idx)
+            extra_keys, _ = self._window_extra_keys(request, start, num_tokens, mm_idx)
             self.kv_event_queue.append(
                 self._block_stored(
                     request,
@@ -340,6 +348,7 @@ class BlockPool:
                     hbs,
                     kv_cache_group_id,
                     to_event_extra_keys([extra_keys]),
+                    self._lookahead_token_ids(request, [num_tokens]),
                 )
             )
         return key
@@ -404,11 +413,32 @@ class BlockPool:
         keys: list[ExtraKeys] = []
         mm_idx = 0
         for i in indices:
-            block_keys, mm_idx = generate_block_hash_extra_keys(
+            block_keys, mm_idx = self._window_extra_keys(
                 request, i * block_size, (i + 1) * block_size, mm_idx
             )
             keys.append(block_keys)
         return to_event_extra_keys(keys)
+
+    def _window_extra_keys(
+        self, request: Request, start: int, end: int, mm_idx: int
+    ) -> tuple[ExtraKeys, int]:
+        """The extra keys of the window a block's hash covers (with lookahead hashes,
+        the block and the tokens after it)."""
+        lookahead = self.num_hash_lookahead_tokens
+        if lookahead:
+            return generate_lookahead_block_hash_extra_keys(
+                request, start, end, end + lookahead, mm_idx
+            )
+        return generate_block_hash_extra_keys(request, start, end, mm_idx)
+
+    def _lookahead_token_ids(self, request: Request, ends: Sequence[int]) -> list[list[int]] | None:
+        """Per block ending at each of ``ends``, the tokens after it its hash covers;
+        None without lookahead hashes."""
+        lookahead = self.num_hash_lookahead_tokens
+        if not lookahead:
+            return None
+        tokens = request.all_token_ids
+        return [list(tokens[end : end + lookahead]) for end in ends]
 
     def _block_stored(
         self,
@@ -420,6 +450,7 @@ class BlockPool:
         block_size: int,
         kv_cache_group_id: int,
         extra_keys: list[ExtraKeys] | None,
+        lookahead_token_ids: list[list[int]] | None = None,
     ) -> BlockStored:
         return BlockStored(
             block_hashes=block_hashes,
@@ -431,6 +462,7 @@ class BlockPool:
             lora_name=request.lora_name,
             extra_keys=extra_keys,
             group_idx=kv_cache_group_id,
+            lookahead_token_ids=lookahead_token_ids,
         )
 
     def _emit_block_removed(self, keys: list[BlockHashWithGroupId]) -> None:

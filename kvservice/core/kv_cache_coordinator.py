@@ -155,6 +155,7 @@ class KVCacheCoordinator(ABC):
         max_in_flight_tokens: int,
         use_eagle: bool = False,
         retention_policy: RetentionPolicy | None = None,
+        num_hash_lookahead_tokens: int = 0,
     ) -> None:
         _validate_block_sizes(
             kv_cache_config, enable_caching, scheduler_block_size, hash_block_size
@@ -169,6 +170,7 @@ class KVCacheCoordinator(ABC):
             hash_block_size,
             enable_kv_cache_events,
             retention_policy,
+            num_hash_lookahead_tokens,
         )
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             get_manager_for_kv_cache_spec(
@@ -620,6 +622,7 @@ def get_kv_cache_coordinator(
     max_in_flight_tokens: int,
     use_eagle: bool = False,
     retention_policy: RetentionPolicy | None = None,
+    num_hash_lookahead_tokens: int = 0,
 ) -> KVCacheCoordinator:
     args = (
         max_model_len,
@@ -631,11 +634,19 @@ def get_kv_cache_coordinator(
     )
     if not enable_caching or not kv_cache_config.kv_cache_groups:
         return KVCacheCoordinatorNoPrefixCache(
-            kv_cache_config, *args, use_eagle=use_eagle, retention_policy=retention_policy
+            kv_cache_config,
+            *args,
+            use_eagle=use_eagle,
+            retention_policy=retention_policy,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
         )
     if len(kv_cache_config.kv_cache_groups) == 1:
         return UnitaryKVCacheCoordinator(
-            kv_cache_config, *args, use_eagle=use_eagle, retention_policy=retention_policy
+            kv_cache_config,
+            *args,
+            use_eagle=use_eagle,
+            retention_policy=retention_policy,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
         )
     return HybridKVCacheCoordinator(
         kv_cache_config, *args, use_eagle=use_eagle, retention_policy=retention_policy

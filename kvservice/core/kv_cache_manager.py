@@ -32,6 +32,7 @@ from kvservice.core.kv_cache_interface import (
     AttentionSpec,
     CrossAttentionSpec,
     KVCacheConfig,
+    MambaSpec,
     SlidingWindowSpec,
     hash_block_size_of,
     scale_for_context_parallelism,
@@ -128,6 +129,9 @@ class KVCacheManager:
         hash_algo / none_hash_seed: the block hash function and its chain seed.
         use_eagle: an EAGLE drafter reads the groups marked ``is_eagle_group`` (all
             groups if none is marked): their hits give back one block.
+        num_hash_lookahead_tokens: vLLM 0.33's lookahead block hashes (an EAGLE
+            drafter's default, 1): each hash also covers the tokens after its block, so
+            a block is cached once they exist, and the KV events publish them.
     """
 
     def __init__(
@@ -149,6 +153,7 @@ class KVCacheManager:
         eviction_policy: str = "lru",
         max_pinned_fraction: float = 0.0,
         max_pinned_blocks: int | None = None,
+        num_hash_lookahead_tokens: int = 0,
     ) -> None:
         if max_model_len <= 0:
             raise InvalidArgumentError(f"max_model_len must be positive, got {max_model_len}")
@@ -182,7 +187,17 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.log_stats = log_stats
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
-        self.block_hasher = BlockHasher(self.hash_block_size, hash_algo, none_hash_seed)
+        if num_hash_lookahead_tokens and any(
+            isinstance(g.kv_cache_spec, MambaSpec) for g in groups
+        ):
+            raise InvalidArgumentError(
+                "lookahead block hashes (num_hash_lookahead_tokens) with a Mamba group are "
+                "not supported by kvservice's manager"
+            )
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
+        self.block_hasher = BlockHasher(
+            self.hash_block_size, hash_algo, none_hash_seed, num_hash_lookahead_tokens
+        )
         # vLLM's LRU and nothing else unless a policy or a pinned budget is asked for.
         # A replica takes its server's budget in blocks (a fraction would round anew).
         if max_pinned_blocks is None:
@@ -202,6 +217,7 @@ class KVCacheManager:
             max_in_flight_tokens=self.max_in_flight_tokens,
             use_eagle=use_eagle,
             retention_policy=retention_policy,
+            num_hash_lookahead_tokens=num_hash_lookahead_tokens,
         )
         self.num_kv_cache_groups = len(groups)
         # Layer 1 reads the free count directly for its capacity checks.

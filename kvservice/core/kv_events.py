@@ -27,6 +27,9 @@ class BlockStored:
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    # The tokens after each block its hash also covers (lookahead block hashes); None
+    # without them.
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -109,6 +109,7 @@ def replica_manager(config: CacheConfig, target: str = "the server") -> KVCacheM
         hash_block_size=config.hash_block_size,
         enable_caching=config.enable_caching,
         use_eagle=config.use_eagle,
+        num_hash_lookahead_tokens=config.num_hash_lookahead_tokens,
         max_in_flight_tokens=config.max_in_flight_tokens or None,
         hash_algo=hash_algo,
         none_hash_seed=none_hash_seed,

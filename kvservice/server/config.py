@@ -82,6 +82,10 @@ class ServerConfig:
     # block, whose draft KV depends on the token after it, as vLLM's manager does. A
     # pool's hits are every engine's, so this is the pool's; a vLLM engine's must match.
     use_eagle: bool = False
+    # vLLM 0.33's lookahead block hashes (an EAGLE drafter's default: 1): each block's
+    # hash also covers this many tokens after it. The server hashes requests itself, so
+    # a vLLM engine's must match.
+    num_hash_lookahead_tokens: int = 0
     # Which free cached blocks are evicted first: "lru" (vLLM's order, the default) or
     # "priority" (requests' retention priorities reorder them; README, Retention).
     eviction_policy: str = "lru"
@@ -363,6 +367,7 @@ def build_manager(
         config.max_model_len,
         enable_caching=config.enable_caching,
         use_eagle=config.use_eagle,
+        num_hash_lookahead_tokens=config.num_hash_lookahead_tokens,
         log_stats=True,
         watermark=config.watermark,
         max_in_flight_tokens=config.tokens_in_flight,

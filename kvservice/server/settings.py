@@ -167,6 +167,14 @@ OPTIONS: tuple[Option, ...] = (
         "use_eagle",
     ),
     Option(
+        "num_hash_lookahead_tokens",
+        int,
+        "vLLM 0.33's lookahead block hashes: each block's hash also covers this many "
+        "tokens after it (an EAGLE drafter's default is 1; vLLM's "
+        "num_hash_lookahead_tokens). A vLLM engine's must match (0: none)",
+        "num_hash_lookahead_tokens",
+    ),
+    Option(
         "eviction_policy",
         str,
         "which free cached blocks are evicted first: lru (vLLM's order) or priority "

@@ -212,8 +212,15 @@ async def streams_opened_at_once(stub: pb_grpc.KVCacheServiceStub) -> None:
         await call.read()
         return call
 
+    async def open_past_the_limit() -> None:
+        # Refused as it opens, before any message: writing to it first would race the
+        # refusal (a write to a call already ended fails in the client, as INTERNAL).
+        await stub.StepStream().read()
+
     calls = await in_batches([open_one] * NUM_STREAMS)
-    await refused(open_one(), grpc.StatusCode.RESOURCE_EXHAUSTED, "max_step_streams_per_tenant")
+    await refused(
+        open_past_the_limit(), grpc.StatusCode.RESOURCE_EXHAUSTED, "max_step_streams_per_tenant"
+    )
 
     async def close(call: grpc.aio.StreamStreamCall) -> None:
         await call.done_writing()

@@ -200,6 +200,7 @@ SAMPLES: dict[str, Any] = {
     "group_idx": 2,
     "kv_cache_spec_kind": "sliding_window",
     "kv_cache_spec_sliding_window": 128,
+    "lookahead_token_ids": [[4], [5]],
 }
 
 

@@ -54,7 +54,9 @@ class EngineOrderWorkload(Workload):
         for _ in range(max_steps):
             for _ in range(rng.randrange(*self.arrivals_per_step)):
                 if pending:
-                    scheduler.add_request(pending.pop(0).build(self.hash_block_size))
+                    scheduler.add_request(
+                        pending.pop(0).build(self.hash_block_size, self.hash_lookahead)
+                    )
             self._maybe_abort(scheduler, rng)
             if not pending and not scheduler.has_requests() and not in_flight:
                 return trace

@@ -37,7 +37,7 @@ class RequestSpec:
     arrival_time: float = 0.0
     stop_token_ids: tuple[int, ...] = (STOP_TOKEN,)
 
-    def build(self, hash_block_size: int) -> Request:
+    def build(self, hash_block_size: int, hash_lookahead: int = 0) -> Request:
         return Request(
             self.request_id,
             list(self.prompt),
@@ -45,7 +45,7 @@ class RequestSpec:
             None,
             arrival_time=self.arrival_time,
             cache_salt=self.cache_salt,
-            block_hasher=block_hasher(hash_block_size),
+            block_hasher=block_hasher(hash_block_size, hash_lookahead),
         )
 
 
@@ -150,6 +150,8 @@ class Workload:
     # Stop tokens end about one answer in 64 tokens early; off, answers run to max_tokens.
     stop_tokens: bool = True
     hash_block_size: int = 16
+    # Tokens after each block its hash covers (vLLM 0.33's EAGLE default: 1).
+    hash_lookahead: int = 0
     repeat_rate: float = 0.0
     _specs: list[RequestSpec] = field(default_factory=list)
 
@@ -188,7 +190,9 @@ class Workload:
         for _ in range(max_steps):
             for _ in range(rng.randrange(*self.arrivals_per_step)):
                 if pending:
-                    scheduler.add_request(pending.pop(0).build(self.hash_block_size))
+                    scheduler.add_request(
+                        pending.pop(0).build(self.hash_block_size, self.hash_lookahead)
+                    )
             self._maybe_abort(scheduler, rng)
             if not pending and not scheduler.has_requests():
                 return trace

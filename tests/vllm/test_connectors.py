@@ -10,6 +10,11 @@ from kvservice.integrations.vllm import KVServiceScheduler
 from kvservice.integrations.vllm.testing import SchedulerSetup, build_scheduler, vllm_config
 
 
+@pytest.fixture(autouse=True)
+def _in_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVSERVICE_TARGET", raising=False)
+
+
 def test_the_offloading_connector_is_taken() -> None:
     scheduler = build_scheduler(SchedulerSetup(offload_cpu_bytes=1 << 20), KVServiceScheduler)
     try:

@@ -35,10 +35,15 @@ MODES = {
     "async-spec": (2, NUM_DRAFTS),
     "eagle": (1, NUM_DRAFTS),
     "async-eagle": (2, NUM_DRAFTS),
+    "eagle-lookahead": (1, NUM_DRAFTS),
+    "async-eagle-lookahead": (2, NUM_DRAFTS),
 }
 # Modes whose drafter is scheduled as EAGLE (``testing.eagle_drafting``): lookahead
 # slots for the drafts, hits that drop their last block.
 EAGLE_MODES = {"eagle", "async-eagle"}
+# vLLM 0.33's EAGLE default: no block dropped, each hash covers the token after its
+# block (vLLM 0.32 has no lookahead hashes: these modes run on 0.33 only).
+LOOKAHEAD_MODES = {"eagle-lookahead", "async-eagle-lookahead"}
 # vLLM 0.32 decides EAGLE hits otherwise: the integration refuses them there.
 EAGLE_REFUSED = release(vllm.__version__) == "0.32"
 # Draft tokens on a Mamba group need its speculative state blocks (a drafter's own
@@ -57,7 +62,7 @@ CASES = [
     for name in SYNC_SETUPS
     if name not in REFUSED
     for mode in MODES
-    if mode == "async" or name in SPEC_SETUPS
+    if (mode == "async" or name in SPEC_SETUPS) and not (mode in LOOKAHEAD_MODES and EAGLE_REFUSED)
 ]
 
 
@@ -68,12 +73,18 @@ def setup_for(name: str, mode: str) -> SchedulerSetup:
         async_scheduling=batch_queue_size > 1,
         num_speculative_tokens=num_drafts,
         eagle=mode in EAGLE_MODES,
+        eagle_lookahead_hashes=mode in LOOKAHEAD_MODES,
     )
 
 
 def workload(name: str, mode: str, seed: int, **traffic: Any) -> EngineOrderWorkload:
-    setup = SYNC_SETUPS[name]
-    traffic = {"hash_block_size": setup.hash_block, **WORKLOADS.get(name, {}), **traffic}
+    setup = setup_for(name, mode)
+    traffic = {
+        "hash_block_size": setup.hash_block,
+        "hash_lookahead": setup.hash_lookahead,
+        **WORKLOADS.get(name, {}),
+        **traffic,
+    }
     return EngineOrderWorkload(seed, **traffic).configure(*MODES[mode])
 
 

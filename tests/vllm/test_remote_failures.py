@@ -107,6 +107,11 @@ def test_an_unreachable_server_fails_startup_naming_it(monkeypatch: pytest.Monke
             r"max_model_len: vLLM 512, kvservice 256 .*--max-model-len 512, or give vLLM "
             r"--max-model-len 256",
         ),
+        (
+            {"num_hash_lookahead_tokens": 1},
+            r"lookahead tokens each block hash covers .*: vLLM 0, kvservice 1 \(start "
+            r"kvservice with --num-hash-lookahead-tokens 0\)",
+        ),
     ],
 )
 def test_a_server_of_another_layout_fails_startup_naming_both_values(

@@ -140,7 +140,8 @@ def _server_config(setup: SchedulerSetup) -> ServerConfig:
         block_size=setup.block_size,
         max_model_len=setup.max_model_len,
         enable_caching=setup.enable_prefix_caching,
-        use_eagle=setup.eagle,
+        use_eagle=setup.drops_eagle_block,
+        num_hash_lookahead_tokens=setup.hash_lookahead,
         watermark=setup.watermark,
         # What vLLM passes its manager: max_num_batched_tokens per step in flight.
         max_in_flight_tokens=vllm_config(setup).max_in_flight_tokens,

@@ -14,6 +14,12 @@ from kvservice.core import kv_events
 def _to_vllm(event: kv_events.KVCacheEvent) -> Any:
     if isinstance(event, kv_events.BlockStored):
         parent = event.parent_block_hash
+        # vLLM 0.33's field; 0.32 hashes no lookahead tokens and has none.
+        lookahead = (
+            {"lookahead_token_ids": event.lookahead_token_ids}
+            if event.lookahead_token_ids is not None
+            else {}
+        )
         return vllm_events.BlockStored(
             block_hashes=[maybe_convert_block_hash(h) for h in event.block_hashes],
             parent_block_hash=None if parent is None else maybe_convert_block_hash(parent),
@@ -26,6 +32,7 @@ def _to_vllm(event: kv_events.KVCacheEvent) -> Any:
             group_idx=event.group_idx,
             kv_cache_spec_kind=event.kv_cache_spec_kind,
             kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
+            **lookahead,
         )
     if isinstance(event, kv_events.BlockRemoved):
         return vllm_events.BlockRemoved(

@@ -99,7 +99,6 @@ class ManagerArgs:
         """Refuse, at construction, the features kvservice does not implement, naming
         the vLLM option that turns each on."""
         unsupported = {
-            "num_hash_lookahead_tokens (lookahead block hashes)": self.num_hash_lookahead_tokens,
             # An EAGLE drafter reads one token ahead (1): no token is re-prefilled, so
             # nothing changes; multi-module MTP reads further and re-prefills them.
             "num_prefill_lookahead (multi-module MTP drafting)": self.num_prefill_lookahead > 1,
@@ -184,6 +183,8 @@ class KVServiceKVCacheManager:
             use_eagle=args.use_eagle,
             dcp_world_size=args.dcp_world_size,
             pcp_world_size=args.pcp_world_size,
+            # vLLM hashes the requests; the core publishes the lookahead tokens.
+            num_hash_lookahead_tokens=args.num_hash_lookahead_tokens,
             eviction_policy=policy,
             max_pinned_fraction=retention.max_pinned_fraction,
             max_pinned_blocks=max_pinned_blocks,
@@ -256,6 +257,7 @@ class KVServiceKVCacheManager:
             max_in_flight_tokens=self.core.max_in_flight_tokens,
             admission_caps=tuple(m.max_admission_blocks_per_request for m in managers),
             eagle_group_ids=self.core.coordinator.eagle_group_ids,
+            num_hash_lookahead_tokens=self.core.num_hash_lookahead_tokens,
         )
 
     # -- requests ------------------------------------------------------------------

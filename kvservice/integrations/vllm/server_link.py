@@ -106,6 +106,8 @@ class PoolLayout:
     admission_caps: tuple[int | None, ...]
     # The groups an EAGLE drafter reads (vLLM's use_eagle; empty without a drafter).
     eagle_group_ids: frozenset[int] = frozenset()
+    # Tokens after each block its hash covers (vLLM's num_hash_lookahead_tokens).
+    num_hash_lookahead_tokens: int = 0
 
     def admission_blocks(self, caps: Sequence[int | None]) -> list[int]:
         """The most blocks admission can count per group for a request of vLLM's:
@@ -292,6 +294,13 @@ class ServerLink:
                 layout.hash_block_size,
                 server.hash_block_size,
                 f" (start kvservice with --hash-block-size {layout.hash_block_size})",
+            ),
+            (
+                "lookahead tokens each block hash covers (an EAGLE drafter's lookahead hashes)",
+                layout.num_hash_lookahead_tokens,
+                server.num_hash_lookahead_tokens,
+                " (start kvservice with --num-hash-lookahead-tokens "
+                f"{layout.num_hash_lookahead_tokens})",
             ),
         ]
         mismatches = [

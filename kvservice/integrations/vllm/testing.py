@@ -106,9 +106,11 @@ class SchedulerSetup:
     num_speculative_tokens: int = 0
     # The drafter scheduled as EAGLE is (``eagle_drafting``): lookahead slots for its
     # drafts, and prefix hits that drop their last block (vLLM's
-    # --speculative-config '{"disable_lookahead_block_hashes": true}'; by default vLLM
-    # 0.33 hashes one token past each block instead).
+    # --speculative-config '{"disable_lookahead_block_hashes": true}'), or with
+    # ``eagle_lookahead_hashes`` vLLM 0.33's default: each block hash covers the token
+    # after the block instead.
     eagle: bool = False
+    eagle_lookahead_hashes: bool = False
     # vLLM's CPU offloading (``--kv-offloading-size``): the host bytes of its
     # OffloadingConnector (0: no connector), its eviction policy and extra config.
     offload_cpu_bytes: int = 0
@@ -124,6 +126,17 @@ class SchedulerSetup:
     @property
     def hash_block(self) -> int:
         return self.hash_block_size or self.block_size
+
+    @property
+    def drops_eagle_block(self) -> bool:
+        """Whether vLLM builds its manager with ``use_eagle``: an EAGLE drafter without
+        lookahead hashes (off, or nothing to hash without prefix caching)."""
+        return (self.eagle or self.eagle_lookahead_hashes) and not self.hash_lookahead
+
+    @property
+    def hash_lookahead(self) -> int:
+        """Tokens after each block its hash covers (vLLM's EAGLE default: one)."""
+        return 1 if self.eagle_lookahead_hashes and self.enable_prefix_caching else 0
 
 
 def _spec(kind: str, block_size: int, window: int) -> Any:
@@ -214,9 +227,9 @@ def vllm_config(setup: SchedulerSetup) -> Any:
 def _legacy_eagle_hashes(setup: SchedulerSetup) -> dict[str, bool]:
     """vLLM 0.33's option for EAGLE's trailing-block drop instead of lookahead block
     hashes (0.32 has only the drop)."""
-    if setup.eagle and "disable_lookahead_block_hashes" in SpeculativeConfig.__dataclass_fields__:
-        return {"disable_lookahead_block_hashes": True}
-    return {}
+    if "disable_lookahead_block_hashes" not in SpeculativeConfig.__dataclass_fields__:
+        return {}
+    return {"disable_lookahead_block_hashes": setup.eagle and not setup.eagle_lookahead_hashes}
 
 
 def _offloading(setup: SchedulerSetup) -> Any:
@@ -261,7 +274,7 @@ def build_scheduler(setup: SchedulerSetup, scheduler_cls: type | None = None) ->
     init_none_hash(sha256)
     if scheduler_cls is None:
         scheduler_cls = config.scheduler_config.get_scheduler_cls()
-    with eagle_drafting() if setup.eagle else nullcontext():
+    with eagle_drafting() if setup.eagle or setup.eagle_lookahead_hashes else nullcontext():
         return scheduler_cls(
             vllm_config=config,
             kv_cache_config=kv_cache_config(setup),
@@ -272,6 +285,12 @@ def build_scheduler(setup: SchedulerSetup, scheduler_cls: type | None = None) ->
         )
 
 
-def block_hasher(block_size: int) -> Callable[[Request], list[Any]]:
-    hasher: Callable[[Request], list[Any]] = get_request_block_hasher(block_size, sha256)
+def block_hasher(block_size: int, num_lookahead_tokens: int = 0) -> Callable[[Request], list[Any]]:
+    """vLLM's request hasher, as its engine builds it (``num_lookahead_tokens``: its
+    ``VllmConfig.num_hash_lookahead_tokens``)."""
+    hasher: Callable[[Request], list[Any]]
+    if num_lookahead_tokens:
+        hasher = get_request_block_hasher(block_size, sha256, num_lookahead_tokens)
+    else:  # vLLM 0.32's hasher takes no lookahead
+        hasher = get_request_block_hasher(block_size, sha256)
     return hasher

@@ -115,6 +115,7 @@ class WireEncoder:
                 event.group_idx,
                 event.kv_cache_spec_kind,
                 event.kv_cache_spec_sliding_window,
+                lookahead_token_ids=event.lookahead_token_ids,
             )
         if isinstance(event, core.BlockRemoved):
             return BlockRemoved(
