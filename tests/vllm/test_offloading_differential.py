@@ -160,3 +160,40 @@ def test_remote_offloading_decides_as_vllms_manager(
     actual = run_remote(setup, _workload(3, setup, engine_order), monkeypatch)
     assert first_difference(expected, actual) is None
     assert _totals(expected)["loads"] > 0
+
+
+# kvservice's own offload index (``KVServiceOffloadingSpec``) under kvservice's manager.
+KVSERVICE_INDEX = (
+    ("spec_name", "KVServiceOffloadingSpec"),
+    ("spec_module_path", "kvservice.integrations.vllm.offloading"),
+)
+
+
+@pytest.mark.parametrize(
+    ("name", "remote", "engine_order"),
+    [
+        ("lru", False, False),
+        ("arc", False, False),
+        ("store-threshold", False, True),
+        ("lru", True, False),
+        ("sync-loads", True, True),
+    ],
+)
+def test_kvservice_manager_and_index_decide_as_vllms(
+    name: str, remote: bool, engine_order: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both layers kvservice's: its manager for the GPU pool and its index for the CPU
+    tier, against vLLM's manager and ``CPUOffloadingManager``."""
+    stock = SETUPS[name]
+    if engine_order:
+        stock = SchedulerSetup(**{**stock.__dict__, "async_scheduling": True})
+    ours = SchedulerSetup(
+        **{**stock.__dict__, "offload_extra": stock.offload_extra + KVSERVICE_INDEX}
+    )
+    expected = _run(stock, None, 3, engine_order)
+    if remote:
+        actual = run_remote(ours, _workload(3, ours, engine_order), monkeypatch)
+    else:
+        actual = _run(ours, KVServiceScheduler, 3, engine_order)
+    assert first_difference(expected, actual) is None
+    assert _totals(expected)["loads"] > 0
