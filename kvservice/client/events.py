@@ -59,6 +59,8 @@ class BlockStored:
     kv_cache_spec_kind: str | None
     kv_cache_spec_sliding_window: int | None
     extra_keys: tuple[tuple[ExtraKey, ...] | None, ...] | None = None
+    # The tokens after each block its hash also covers (lookahead block hashes).
+    lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +106,9 @@ def event_from_pb(msg: pb.SubscribeEventsResponse) -> KVEvent:
             s.kv_cache_spec_kind or None,
             s.kv_cache_spec_sliding_window if s.HasField("kv_cache_spec_sliding_window") else None,
             tuple(_block_keys(block) for block in s.extra_keys) if s.extra_keys else None,
+            tuple(tuple(t.token_ids) for t in s.lookahead_token_ids)
+            if s.lookahead_token_ids
+            else None,
         )
     if kind == "block_removed":
         r = msg.block_removed

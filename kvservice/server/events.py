@@ -89,6 +89,8 @@ def event_to_pb(event: KVCacheEvent, out: pb.SubscribeEventsResponse) -> None:
             stored.kv_cache_spec_sliding_window = event.kv_cache_spec_sliding_window
         if event.extra_keys:
             add_extra_keys(stored.extra_keys, event.extra_keys)
+        for tokens in event.lookahead_token_ids or ():
+            stored.lookahead_token_ids.add().token_ids.extend(tokens)
     elif isinstance(event, BlockRemoved):
         removed = out.block_removed
         removed.block_hashes.extend(event.block_hashes)

@@ -82,6 +82,7 @@ class VllmSide:
     """vLLM's manager on the server's pool, driven as the server is."""
 
     def __init__(self, config: ServerConfig) -> None:
+        lookahead = config.num_hash_lookahead_tokens
         hash_fn = get_hash_fn_by_name(config.hash_algo)
         init_none_hash(hash_fn)
         spec = FullAttentionSpec(
@@ -98,8 +99,9 @@ class VllmSide:
             hash_block_size=config.block_size,
             enable_caching=True,
             enable_kv_cache_events=True,
+            num_hash_lookahead_tokens=lookahead,
         )
-        self.hasher = get_request_block_hasher(config.block_size, hash_fn)
+        self.hasher = get_request_block_hasher(config.block_size, hash_fn, lookahead)
         self.events: list[Any] = []
 
     def admit(self, request_id: str, prompt: list[int], extras: Extras) -> int:
@@ -171,6 +173,7 @@ def _stored(event: Any) -> tuple[Any, ...]:
         event.lora_id,
         event.lora_name,
         _plain(event.extra_keys),
+        _plain(event.lookahead_token_ids),
     )
 
 
@@ -195,12 +198,17 @@ async def _grpc_events(server: KVCacheServer, items: AsyncIterator[Any]) -> list
     return stored
 
 
-async def test_request_extras_hash_and_publish_as_vllm(zmq_context: zmq.asyncio.Context) -> None:
+@pytest.mark.parametrize("lookahead", [0, 1])
+async def test_request_extras_hash_and_publish_as_vllm(
+    zmq_context: zmq.asyncio.Context, lookahead: int
+) -> None:
     """Every request's hit and every BlockStored (hashes, tokens, LoRA id and name,
-    extra keys per block) on SubscribeEvents and on ZMQ, against vLLM's."""
-    reference = VllmSide(EVENTS_POOL)
+    extra keys per block, and with lookahead block hashes the tokens after each block)
+    on SubscribeEvents and on ZMQ, against vLLM's."""
+    config = dataclasses.replace(EVENTS_POOL, num_hash_lookahead_tokens=lookahead)
+    reference = VllmSide(config)
     async with (
-        running_server(EVENTS_POOL) as server,
+        running_server(config) as server,
         AsyncKVClient(server.handle.target) as client,
     ):
         subscriber = VllmSubscriber(zmq_context, server)
@@ -226,8 +234,11 @@ async def test_request_extras_hash_and_publish_as_vllm(zmq_context: zmq.asyncio.
     expected = [_stored(e) for e in reference.events if isinstance(e, VllmStored)]
     assert [_stored(e) for e in grpc_stored] == expected
     assert [_stored(e) for e in zmq_stored] == expected
+    if lookahead:
+        assert all(e[-1] and len(e[-1]) == len(e[0]) for e in expected)
+        return
     # One BlockStored per request but same-path, whose full blocks were all hits.
-    lora, salt, other_path, mm, embeds = (e[2:] for e in expected)
+    lora, salt, other_path, mm, embeds = (e[2:-1] for e in expected)
     assert lora == (7, "adapter", (("adapter",), ("adapter",)))
     assert salt == (None, None, (("adapter",), None))  # the salt, on the first block only
     assert other_path[:2] == (8, "adapter")

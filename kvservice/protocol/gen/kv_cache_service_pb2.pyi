@@ -2599,6 +2599,7 @@ class BlockStored(_message.Message):
     KV_CACHE_SPEC_KIND_FIELD_NUMBER: _builtins.int
     KV_CACHE_SPEC_SLIDING_WINDOW_FIELD_NUMBER: _builtins.int
     EXTRA_KEYS_FIELD_NUMBER: _builtins.int
+    LOOKAHEAD_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     parent_block_hash: _builtins.bytes
     """The hash of the block before the first one; unset for a request's first block."""
     block_size: _builtins.int
@@ -2629,6 +2630,12 @@ class BlockStored(_message.Message):
         sends None (no block of the request has any).
         """
 
+    @_builtins.property
+    def lookahead_token_ids(self) -> _containers.RepeatedCompositeFieldContainer[Global___LookaheadTokens]:
+        """With lookahead block hashes (--num-hash-lookahead-tokens): the tokens after each
+        block its hash also covers, one entry per block hash; empty without them.
+        """
+
     def __init__(
         self,
         *,
@@ -2643,10 +2650,11 @@ class BlockStored(_message.Message):
         kv_cache_spec_kind: _builtins.str = ...,
         kv_cache_spec_sliding_window: _builtins.int | None = ...,
         extra_keys: _abc.Iterable[Global___BlockExtraKeys] | None = ...,
+        lookahead_token_ids: _abc.Iterable[Global___LookaheadTokens] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window", "_lora_id", b"_lora_id", "_lora_name", b"_lora_name", "_medium", b"_medium", "_parent_block_hash", b"_parent_block_hash", "group_idx", b"group_idx", "kv_cache_spec_sliding_window", b"kv_cache_spec_sliding_window", "lora_id", b"lora_id", "lora_name", b"lora_name", "medium", b"medium", "parent_block_hash", b"parent_block_hash"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window", "_lora_id", b"_lora_id", "_lora_name", b"_lora_name", "_medium", b"_medium", "_parent_block_hash", b"_parent_block_hash", "block_hashes", b"block_hashes", "block_size", b"block_size", "extra_keys", b"extra_keys", "group_idx", b"group_idx", "kv_cache_spec_kind", b"kv_cache_spec_kind", "kv_cache_spec_sliding_window", b"kv_cache_spec_sliding_window", "lora_id", b"lora_id", "lora_name", b"lora_name", "medium", b"medium", "parent_block_hash", b"parent_block_hash", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx", "_kv_cache_spec_sliding_window", b"_kv_cache_spec_sliding_window", "_lora_id", b"_lora_id", "_lora_name", b"_lora_name", "_medium", b"_medium", "_parent_block_hash", b"_parent_block_hash", "block_hashes", b"block_hashes", "block_size", b"block_size", "extra_keys", b"extra_keys", "group_idx", b"group_idx", "kv_cache_spec_kind", b"kv_cache_spec_kind", "kv_cache_spec_sliding_window", b"kv_cache_spec_sliding_window", "lookahead_token_ids", b"lookahead_token_ids", "lora_id", b"lora_id", "lora_name", b"lora_name", "medium", b"medium", "parent_block_hash", b"parent_block_hash", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__group_idx: _TypeAlias = _typing.Literal["group_idx"]  # noqa: Y015
     _WhichOneofArgType__group_idx: _TypeAlias = _typing.Literal["_group_idx", b"_group_idx"]  # noqa: Y015
@@ -2676,11 +2684,31 @@ class BlockStored(_message.Message):
 Global___BlockStored: _TypeAlias = BlockStored  # noqa: Y015
 
 @_typing.final
-class BlockExtraKeys(_message.Message):
+class LookaheadTokens(_message.Message):
     """One block's extra keys, in vLLM's order (LoRA name, multimodal items, cache salt,
     prompt embeddings digest). No keys: vLLM's None for that block.
     """
 
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LookaheadTokens: _TypeAlias = LookaheadTokens  # noqa: Y015
+
+@_typing.final
+class BlockExtraKeys(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     KEYS_FIELD_NUMBER: _builtins.int
