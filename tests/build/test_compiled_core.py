@@ -1,6 +1,6 @@
-"""The compiled build (the core and the request table): the build a process imports is
-the one it asked for, and a build that does not match the sources is refused, never
-imported.
+"""The compiled build (the core, the request table and the server's Step path): the
+build a process imports is the one it asked for, and a build that does not match the
+sources is refused, never imported.
 
 ``make test`` runs this file twice, compiled and with ``KVSERVICE_PURE_PYTHON=1``. The
 refusals are checked in a copy of the packages, imported by a child process.
@@ -56,12 +56,43 @@ def test_the_hot_paths_are_native_code() -> None:
     assert inspect.isfunction(RequestTable.allocate_slots) is PURE
 
 
+# The server's modules that run once per call, connection or process stay sources.
+SERVER_SOURCES = {
+    "__init__.py",
+    "app.py",
+    "audit.py",
+    "auth.py",
+    "background.py",
+    "binding.py",
+    "caller.py",
+    "config.py",
+    "drain.py",
+    "errors.py",
+    "event_loop.py",
+    "events.py",
+    "forking.py",
+    "idempotency.py",
+    "interceptors.py",
+    "log.py",
+    "loop_watch.py",
+    "metrics.py",
+    "probes.py",
+    "runtime.py",
+    "servicer.py",
+    "sessions.py",
+    "settings.py",
+    "tls.py",
+    "turns.py",
+}
+
+
 def test_each_compiled_package_declares_its_own_sources() -> None:
     """The packages compiled are those whose ``__init__.py`` says which of their
     modules stay sources; the core's build module names none of them."""
     assert compiled.compiled_packages() == {
         "core": {"__init__.py", "compiled.py", "errors.py", "invariants.py"},
         "request_table": {"__init__.py", "errors.py", "tenancy.py"},
+        "server": set(SERVER_SOURCES),
     }
 
 
@@ -265,9 +296,9 @@ def test_the_makefiles_check_tells_a_stale_build(tree: Path, source: str) -> Non
 
 @pytest.mark.skipif(PURE, reason="builds a wheel: once per suite, in the compiled run")
 def test_a_wheel_carries_a_build_of_its_own_sources(tmp_path: Path) -> None:
-    """``pip install .`` (the Docker image's install) compiles the core and the request
-    table into the package, from the sources the wheel ships: this tree's, built in
-    pip's build environment."""
+    """``pip install .`` (the Docker image's install) compiles the core, the request
+    table and the server's Step path into the package, from the sources the wheel
+    ships: this tree's, built in pip's build environment."""
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), "."],
         cwd=ROOT,
@@ -284,6 +315,7 @@ def test_a_wheel_carries_a_build_of_its_own_sources(tmp_path: Path) -> None:
     assert {p.parent.name for p in compiled.compiled_sources(wheel_package)} == {
         "core",
         "request_table",
+        "server",
     }
     result = import_from(unpacked)
     assert result.returncode == 0, result.stderr
