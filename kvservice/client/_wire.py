@@ -298,8 +298,12 @@ def append_tokens(request_id: str, token_ids: Sequence[int]) -> Op[RequestState]
     return Op("AppendTokens", "append_tokens", message, _appended)
 
 
-def get_computed_blocks(request_id: str) -> Op[ComputedBlocks]:
+def get_computed_blocks(
+    request_id: str, max_cache_hit_length: int | None = None
+) -> Op[ComputedBlocks]:
     message = pb.GetComputedBlocksRequest(request_id=request_id)
+    if max_cache_hit_length is not None:
+        message.max_cache_hit_length = max_cache_hit_length
     return Op("GetComputedBlocks", "get_computed_blocks", message, _computed_blocks)
 
 

@@ -271,9 +271,12 @@ class AsyncKVClient:
         """Append sampled tokens."""
         return await self._call(_wire.append_tokens(request_id, token_ids))
 
-    async def get_computed_blocks(self, request_id: str) -> ComputedBlocks:
-        """The cached prefix of a waiting or preempted request (pass it as ``hit``)."""
-        return await self._call(_wire.get_computed_blocks(request_id))
+    async def get_computed_blocks(
+        self, request_id: str, max_cache_hit_length: int | None = None
+    ) -> ComputedBlocks:
+        """The cached prefix of a waiting or preempted request (pass it as ``hit``), at
+        most ``max_cache_hit_length`` tokens."""
+        return await self._call(_wire.get_computed_blocks(request_id, max_cache_hit_length))
 
     async def allocate_slots(
         self,

@@ -308,8 +308,10 @@ class StepBuilder:
             _wire.ALLOCATE_SLOTS_BATCH, "num_new_tokens", request_ids, num_new_tokens
         )
 
-    def get_computed_blocks(self, request_id: str) -> OpHandle[ComputedBlocks]:
-        return self._add(_wire.get_computed_blocks(request_id))
+    def get_computed_blocks(
+        self, request_id: str, max_cache_hit_length: int | None = None
+    ) -> OpHandle[ComputedBlocks]:
+        return self._add(_wire.get_computed_blocks(request_id, max_cache_hit_length))
 
     def allocate_slots(
         self,

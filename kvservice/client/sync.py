@@ -174,9 +174,12 @@ class KVClient:
         """Append sampled tokens."""
         return self._call(_wire.append_tokens(request_id, token_ids))
 
-    def get_computed_blocks(self, request_id: str) -> ComputedBlocks:
-        """The cached prefix of a waiting or preempted request (pass it as ``hit``)."""
-        return self._call(_wire.get_computed_blocks(request_id))
+    def get_computed_blocks(
+        self, request_id: str, max_cache_hit_length: int | None = None
+    ) -> ComputedBlocks:
+        """The cached prefix of a waiting or preempted request (pass it as ``hit``), at
+        most ``max_cache_hit_length`` tokens."""
+        return self._call(_wire.get_computed_blocks(request_id, max_cache_hit_length))
 
     def allocate_slots(
         self,

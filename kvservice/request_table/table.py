@@ -380,17 +380,24 @@ class RequestTable:
 
     # -- lookup and allocation ------------------------------------------------------
 
-    def get_computed_blocks(self, request_id: str, tenant: str) -> ComputedBlocks:
-        """The cached prefix of a waiting or preempted request, remembered for the
-        next ``allocate_slots``. Side effect: records prefix cache stats."""
+    def get_computed_blocks(
+        self, request_id: str, tenant: str, max_cache_hit_length: int | None = None
+    ) -> ComputedBlocks:
+        """The cached prefix of a waiting or preempted request (at most
+        ``max_cache_hit_length`` tokens, vLLM's cap), remembered for the next
+        ``allocate_slots``. Side effect: records prefix cache stats."""
         self._tick()
+        if max_cache_hit_length is not None and max_cache_hit_length < 0:
+            raise InvalidArgumentError(
+                f"max_cache_hit_length must be >= 0, got {max_cache_hit_length}"
+            )
         request = self._get(request_id, tenant)
         if request.status == RequestStatus.RUNNING:
             raise FailedPreconditionError(
                 f"request {request_id!r} is running; prefix lookups are for waiting or "
                 f"preempted requests (free it with PREEMPT to re-admit it)"
             )
-        blocks, num_hit, boundary = self.manager.get_computed_blocks(request)
+        blocks, num_hit, boundary = self.manager.get_computed_blocks(request, max_cache_hit_length)
         hit = self._hits[request.request_id] = _PrefixHit.of(blocks)
         self._after_change(tenant)
         return ComputedBlocks(hit.block_ids, num_hit, boundary)

@@ -85,7 +85,8 @@ def get_computed_blocks(
     with_state: bool,
     /,
 ) -> None:
-    hit = table.get_computed_blocks(msg.request_id, caller.tenant)
+    cap = msg.max_cache_hit_length if msg.HasField("max_cache_hit_length") else None
+    hit = table.get_computed_blocks(msg.request_id, caller.tenant, cap)
     converters.fill_computed_blocks(out, hit)
 
 

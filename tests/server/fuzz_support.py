@@ -64,7 +64,7 @@ ALLOWED_CODES: dict[str, frozenset[grpc.StatusCode]] = {
         }
     ),
     "AppendTokens": _PER_REQUEST | {Code.INVALID_ARGUMENT, Code.OUT_OF_RANGE},
-    "GetComputedBlocks": _PER_REQUEST | {Code.FAILED_PRECONDITION},
+    "GetComputedBlocks": _PER_REQUEST | {Code.FAILED_PRECONDITION, Code.INVALID_ARGUMENT},
     "AllocateSlots": _ALLOCATION,
     "FreeRequest": _PER_REQUEST | {Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION},
     "GetRequest": _PER_REQUEST,
@@ -300,6 +300,12 @@ def _probe(**fields: Any) -> pb.ProbeRequest:
     return _with_optional(message, has_scheduled_reqs=has_scheduled, num_new_tokens=new)
 
 
+def _computed_blocks_request(**fields: Any) -> pb.GetComputedBlocksRequest:
+    cap = fields.pop("max_cache_hit_length")
+    message = pb.GetComputedBlocksRequest(**fields)
+    return _with_optional(message, max_cache_hit_length=cap)
+
+
 MESSAGES: dict[str, st.SearchStrategy[Any]] = {
     "AddRequest": st.builds(
         pb.AddRequestRequest,
@@ -325,7 +331,9 @@ MESSAGES: dict[str, st.SearchStrategy[Any]] = {
         ),
     ),
     "AppendTokens": st.builds(pb.AppendTokensRequest, request_id=request_ids, token_ids=token_ids),
-    "GetComputedBlocks": st.builds(pb.GetComputedBlocksRequest, request_id=request_ids),
+    "GetComputedBlocks": st.builds(
+        _computed_blocks_request, request_id=request_ids, max_cache_hit_length=st.none() | counts
+    ),
     "AllocateSlots": st.builds(
         _allocate,
         request_id=request_ids,

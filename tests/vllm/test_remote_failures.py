@@ -14,15 +14,22 @@ from typing import Any
 
 import pytest
 from vllm.config import SchedulerConfig
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request
 
 from kvservice.bench.server import free_port
-from kvservice.client import KVClient
+from kvservice.client import InvalidArgumentError, KVClient
 from kvservice.integrations.vllm import KVServiceKVCacheManager, KVServiceScheduler
 from kvservice.integrations.vllm.server_link import (
     KVServiceManagerError,
     ServerConfigMismatchError,
 )
-from kvservice.integrations.vllm.testing import SchedulerSetup, build_scheduler, kv_cache_config
+from kvservice.integrations.vllm.testing import (
+    SchedulerSetup,
+    block_hasher,
+    build_scheduler,
+    kv_cache_config,
+)
 from kvservice.server.config import ServerConfig
 from tests.server.support import wait_for_blocks_back
 from tests.servers import ThreadedServer, server_in_thread
@@ -368,3 +375,46 @@ def test_an_eagle_engine_needs_an_eagle_pool(
             hash_block_size=SETUP.block_size,
             use_eagle=engine_eagle,
         )
+
+
+def test_a_capped_lookup_is_served_remotely_as_vllm_caps_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's ``max_cache_hit_length`` (its routed-experts output connector caps a
+    hit) reaches the server, which caps its hit alike; a negative cap is refused."""
+    hasher = block_hasher(SETUP.block_size)
+    prompt = list(range(1, 70))
+
+    def request(request_id: str) -> Request:
+        return Request(
+            request_id, list(prompt), SamplingParams(max_tokens=1), None, block_hasher=hasher
+        )
+
+    with remote(monkeypatch) as server:
+        scheduler = build_scheduler(SETUP, KVServiceScheduler)
+        manager = scheduler.kv_cache_manager
+        first = request("first")
+        manager.new_step_starts()
+        assert manager.allocate_slots(first, first.num_tokens)
+        manager.take_kv_cache_block_copies()
+        for cap, expected in ((40, 32), (16, 16), (0, 0)):
+            again = request(f"again-{cap}")
+            manager.new_step_starts()
+            blocks, num_hit, _ = manager.get_computed_blocks(again, max_cache_hit_length=cap)
+            assert num_hit == expected
+            assert manager.allocate_slots(
+                again, again.num_tokens - num_hit, num_hit, blocks if num_hit else None
+            )
+            # The step goes to the server, which must answer the capped lookup alike.
+            manager.take_kv_cache_block_copies()
+        assert manager.server is not None and manager.server.round_trips == 4
+        scheduler.shutdown()
+        with KVClient(server.handle.target) as client:
+            client.add_request("direct", prompt)
+            with pytest.raises(InvalidArgumentError, match="max_cache_hit_length must be >= 0"):
+                client.get_computed_blocks("direct", max_cache_hit_length=-1)
+            assert (
+                client.get_computed_blocks("direct", max_cache_hit_length=20).num_computed_tokens
+                == 16
+            )
+            assert client.audit().ok

@@ -359,13 +359,13 @@ class KVServiceKVCacheManager:
         server = self.server
         if server is not None:
             server.check_alive()
-            if max_cache_hit_length is not None:
-                self.refuse_remote("get_computed_blocks(max_cache_hit_length)")
         blocks, num_tokens, boundary = self.core.get_computed_blocks(
             self._sync(request), max_cache_hit_length
         )
         if server is not None:
-            server.looked_up(request, _ids(blocks.blocks), num_tokens, boundary)
+            server.looked_up(
+                request, _ids(blocks.blocks), num_tokens, boundary, max_cache_hit_length
+            )
         return self._blocks(blocks.blocks), num_tokens, boundary
 
     def allocate_slots(

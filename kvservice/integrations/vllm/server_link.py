@@ -476,13 +476,22 @@ class ServerLink:
         return args
 
     def looked_up(
-        self, request: Any, block_ids: BlockIds, num_tokens: int, shared_prefix_boundary: int
+        self,
+        request: Any,
+        block_ids: BlockIds,
+        num_tokens: int,
+        shared_prefix_boundary: int,
+        max_cache_hit_length: int | None = None,
     ) -> None:
-        """The replica's ``get_computed_blocks`` for ``request`` answered this hit."""
+        """The replica's ``get_computed_blocks`` for ``request`` (capped at
+        ``max_cache_hit_length`` tokens) answered this hit."""
         hit = ComputedBlocks(block_ids, num_tokens, shared_prefix_boundary)
         self._send_tokens(request)
         self._lookups[request.request_id] = hit
-        self._link.log.record("get_computed_blocks", (request.request_id,), hit)
+        args: tuple[Any, ...] = (request.request_id,)
+        if max_cache_hit_length is not None:
+            args = (request.request_id, max_cache_hit_length)
+        self._link.log.record("get_computed_blocks", args, hit)
 
     def allocated(
         self,

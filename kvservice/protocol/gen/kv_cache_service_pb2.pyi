@@ -566,17 +566,26 @@ class GetComputedBlocksRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    MAX_CACHE_HIT_LENGTH_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
+    max_cache_hit_length: _builtins.int
+    """vLLM's max_cache_hit_length: the hit covers at most this many tokens (vLLM's
+    routed-experts output connector caps it); unset: the prompt but its last token.
+    INVALID_ARGUMENT when negative.
+    """
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
+        max_cache_hit_length: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_cache_hit_length", b"_max_cache_hit_length", "max_cache_hit_length", b"max_cache_hit_length"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_cache_hit_length", b"_max_cache_hit_length", "max_cache_hit_length", b"max_cache_hit_length", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__max_cache_hit_length: _TypeAlias = _typing.Literal["max_cache_hit_length"]  # noqa: Y015
+    _WhichOneofArgType__max_cache_hit_length: _TypeAlias = _typing.Literal["_max_cache_hit_length", b"_max_cache_hit_length"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_cache_hit_length) -> _WhichOneofReturnType__max_cache_hit_length | None: ...
 
 Global___GetComputedBlocksRequest: _TypeAlias = GetComputedBlocksRequest  # noqa: Y015
 
