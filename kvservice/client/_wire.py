@@ -233,6 +233,7 @@ def cache_config(msg: pb.GetCacheConfigResponse) -> CacheConfig:
         eviction_policy=msg.eviction_policy or "lru",
         max_pinned_blocks=msg.max_pinned_blocks,
         use_eagle=msg.use_eagle,
+        eagle_group_ids=tuple(msg.eagle_group_ids),
         num_hash_lookahead_tokens=msg.num_hash_lookahead_tokens,
     )
 

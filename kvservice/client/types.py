@@ -316,6 +316,8 @@ class CacheConfig:
     max_pinned_blocks: int = 0
     # The pool serves engines drafting with EAGLE: a prefix hit drops its last block.
     use_eagle: bool = False
+    # The groups an EAGLE drafter's drop applies to (empty without one).
+    eagle_group_ids: tuple[int, ...] = ()
     # Tokens after each block its hash also covers (vLLM 0.33's lookahead hashes).
     num_hash_lookahead_tokens: int = 0
 

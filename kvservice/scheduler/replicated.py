@@ -93,9 +93,14 @@ def replica_manager(config: CacheConfig, target: str = "the server") -> KVCacheM
                 f"it does. Start it with --none-hash-seed, or a SHA hash algorithm"
             )
         hash_algo, none_hash_seed = config.hash_algo, config.none_hash_seed
+    eagle = set(config.eagle_group_ids) if len(config.eagle_group_ids) < len(config.groups) else ()
     groups = [
-        KVCacheGroupSpec(list(group.layer_names), _group_spec(group, config.enable_caching))
-        for group in config.groups
+        KVCacheGroupSpec(
+            list(group.layer_names),
+            _group_spec(group, config.enable_caching),
+            is_eagle_group=i in eagle,
+        )
+        for i, group in enumerate(config.groups)
     ]
     manager = KVCacheManager(
         KVCacheConfig(

@@ -82,6 +82,9 @@ class ServerConfig:
     # block, whose draft KV depends on the token after it, as vLLM's manager does. A
     # pool's hits are every engine's, so this is the pool's; a vLLM engine's must match.
     use_eagle: bool = False
+    # The groups the EAGLE drafter reads (vLLM marks those holding draft layers,
+    # ``is_eagle_group``), comma separated indices; "": every group.
+    eagle_groups: str = ""
     # vLLM 0.33's lookahead block hashes (an EAGLE drafter's default: 1): each block's
     # hash also covers this many tokens after it. The server hashes requests itself, so
     # a vLLM engine's must match.
@@ -237,6 +240,7 @@ def build_kv_cache_config(
         groups = _named_groups(config, spec)
     else:
         groups = _default_groups(config, spec)
+    groups = _mark_eagle_groups(config, groups)
     if available_memory is None and config.num_blocks < 2:
         raise InvalidArgumentError(
             f"num_blocks must be at least 2 (block 0 is the null block), got {config.num_blocks}"
@@ -280,6 +284,30 @@ def _default_groups(config: ServerConfig, spec: FullAttentionSpec) -> list[KVCac
             )
         )
     return groups
+
+
+def _mark_eagle_groups(
+    config: ServerConfig, groups: list[KVCacheGroupSpec]
+) -> list[KVCacheGroupSpec]:
+    """``groups`` with those ``--eagle-groups`` names marked as the drafter's."""
+    if not config.eagle_groups:
+        return groups
+    if not config.use_eagle:
+        raise InvalidArgumentError(
+            "--eagle-groups names the EAGLE drafter's groups: add --use-eagle"
+        )
+    try:
+        marked = {int(word) for word in config.eagle_groups.split(",")}
+    except ValueError:
+        raise InvalidArgumentError(
+            f"--eagle-groups {config.eagle_groups!r}: write group indices, comma separated "
+            f"(e.g. 0 or 0,2)"
+        ) from None
+    if not marked <= set(range(len(groups))):
+        raise InvalidArgumentError(
+            f"--eagle-groups {config.eagle_groups!r}: the pool has groups 0..{len(groups) - 1}"
+        )
+    return [dataclasses.replace(g, is_eagle_group=i in marked) for i, g in enumerate(groups)]
 
 
 def _named_groups(config: ServerConfig, spec: FullAttentionSpec) -> list[KVCacheGroupSpec]:

@@ -504,6 +504,7 @@ def cache_config_to_pb(
         eviction_policy=retention.policy if retention is not None else "lru",
         max_pinned_blocks=retention.max_pinned_blocks if retention is not None else 0,
         use_eagle=bool(manager.coordinator.eagle_group_ids),
+        eagle_group_ids=sorted(manager.coordinator.eagle_group_ids),
         num_hash_lookahead_tokens=manager.num_hash_lookahead_tokens,
     )
 

@@ -167,6 +167,14 @@ OPTIONS: tuple[Option, ...] = (
         "use_eagle",
     ),
     Option(
+        "eagle_groups",
+        str,
+        "with --use-eagle: the KV cache groups the drafter reads, comma separated indices "
+        "(vLLM marks the groups holding draft layers; the engine's startup check names "
+        "them); empty: every group",
+        "eagle_groups",
+    ),
+    Option(
         "num_hash_lookahead_tokens",
         int,
         "vLLM 0.33's lookahead block hashes: each block's hash also covers this many "

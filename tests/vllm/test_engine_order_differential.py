@@ -137,3 +137,29 @@ def test_remote_matches_vllm(
     expected = workload(name, mode, 3, salts=salts).run(build_scheduler(setup))
     actual = run_remote(setup, workload(name, mode, 3, salts=salts), monkeypatch)
     assert first_difference(expected, actual) is None
+
+
+@pytest.mark.parametrize("where", ["in-process", "remote"])
+@pytest.mark.parametrize("mode", ["eagle", "async-eagle"])
+def test_an_eagle_drafter_reading_one_group_of_a_hybrid(
+    where: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drafter's layers in the full-attention group only (vLLM marks it
+    ``is_eagle_group``): hits drop their last block there and not in the window group;
+    remotely the server is started with ``--use-eagle --eagle-groups 0``."""
+    if EAGLE_REFUSED:
+        pytest.skip("vLLM 0.32 decides EAGLE hits otherwise (refused there)")
+    setup = dataclasses.replace(setup_for("hybrid-full-sliding-window", mode), eagle_groups=(0,))
+    traffic = {"salts": (None, "tenant-a")}
+    expected = workload("hybrid-full-sliding-window", mode, 3, **traffic).run(
+        build_scheduler(setup)
+    )
+    if where == "remote":
+        actual = run_remote(
+            setup, workload("hybrid-full-sliding-window", mode, 3, **traffic), monkeypatch
+        )
+    else:
+        scheduler = build_scheduler(setup, KVServiceScheduler)
+        assert scheduler.kv_cache_manager.core.coordinator.eagle_group_ids == {0}
+        actual = workload("hybrid-full-sliding-window", mode, 3, **traffic).run(scheduler)
+    assert first_difference(expected, actual) is None

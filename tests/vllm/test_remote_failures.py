@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -30,7 +31,7 @@ from kvservice.integrations.vllm.testing import (
     build_scheduler,
     kv_cache_config,
 )
-from kvservice.server.config import ServerConfig
+from kvservice.server.config import ServerConfig, build_kv_cache_config
 from tests.server.support import wait_for_blocks_back
 from tests.servers import ThreadedServer, server_in_thread
 from tests.vllm.scheduler_harness import RequestSpec, Workload, model_runner_output
@@ -418,3 +419,49 @@ def test_a_capped_lookup_is_served_remotely_as_vllm_caps_it(
                 == 16
             )
             assert client.audit().ok
+
+
+def test_an_eagle_drafter_on_some_groups_names_them_at_startup(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM marks the groups holding draft layers; a server dropping blocks in every
+    group would answer other hits: refused, naming --eagle-groups."""
+    setup = SchedulerSetup(
+        num_blocks=100,
+        max_model_len=512,
+        groups=(("full", 16, 0), ("sliding_window", 16, 64)),
+        eagle_groups=(0,),
+    )
+    config = dataclasses.replace(
+        POOL, num_blocks=100, kv_cache_groups="full_attention,sliding_window:64", use_eagle=True
+    )
+    with (
+        remote(monkeypatch, config),
+        pytest.raises(
+            ServerConfigMismatchError,
+            match=re.escape(
+                "EAGLE drafter groups: vLLM [0], kvservice [0, 1] (start kvservice with "
+                "--use-eagle --eagle-groups 0)"
+            ),
+        ),
+    ):
+        KVServiceKVCacheManager(
+            kv_cache_config=kv_cache_config(setup),
+            max_model_len=setup.max_model_len,
+            scheduler_block_size=16,
+            hash_block_size=16,
+            use_eagle=True,
+        )
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ({"eagle_groups": "0"}, "add --use-eagle"),
+        ({"eagle_groups": "0,x", "use_eagle": True}, "write group indices"),
+        ({"eagle_groups": "3", "use_eagle": True}, "the pool has groups 0..0"),
+    ],
+)
+def test_bad_eagle_groups_are_refused(override: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_kv_cache_config(dataclasses.replace(POOL, **override))

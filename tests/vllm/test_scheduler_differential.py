@@ -141,6 +141,7 @@ def _server_config(setup: SchedulerSetup) -> ServerConfig:
         max_model_len=setup.max_model_len,
         enable_caching=setup.enable_prefix_caching,
         use_eagle=setup.drops_eagle_block,
+        eagle_groups=",".join(map(str, setup.eagle_groups)) if setup.drops_eagle_block else "",
         num_hash_lookahead_tokens=setup.hash_lookahead,
         watermark=setup.watermark,
         # What vLLM passes its manager: max_num_batched_tokens per step in flight.

@@ -349,21 +349,27 @@ class ServerLink:
             )
 
     def _eagle_mismatch(self, layout: PoolLayout) -> list[str]:
-        """An EAGLE drafter's hits drop their last block on the server too
-        (``--use-eagle``, which applies to every group), or on neither side."""
-        every_group = frozenset(range(len(layout.groups)))
-        server_eagle = every_group if self.server_config.use_eagle else frozenset()
-        if layout.eagle_group_ids == server_eagle:
+        """An EAGLE drafter's hits drop their last block in the same groups on the
+        server (``--use-eagle``, ``--eagle-groups``), or on neither side."""
+        server = self.server_config
+        server_eagle = frozenset(server.eagle_group_ids)
+        if not server_eagle and server.use_eagle:  # a server that predates the field
+            server_eagle = frozenset(range(len(layout.groups)))
+        ours = layout.eagle_group_ids
+        if ours == server_eagle:
             return []
-        if layout.eagle_group_ids and layout.eagle_group_ids != every_group:
-            return [
-                f"EAGLE drafter groups: vLLM {sorted(layout.eagle_group_ids)} of "
-                f"{len(layout.groups)}, kvservice's --use-eagle applies to every group "
-                f"(not served remotely yet)"
-            ]
-        if layout.eagle_group_ids:
-            return ["EAGLE drafting: vLLM on, kvservice off (start kvservice with --use-eagle)"]
-        return ["EAGLE drafting: vLLM off, kvservice on (start kvservice without --use-eagle)"]
+        if not ours:
+            return ["EAGLE drafting: vLLM off, kvservice on (start kvservice without --use-eagle)"]
+        every_group = frozenset(range(len(layout.groups)))
+        fix = "--use-eagle" + (
+            "" if ours == every_group else " --eagle-groups " + ",".join(map(str, sorted(ours)))
+        )
+        if not server_eagle:
+            return [f"EAGLE drafting: vLLM on, kvservice off (start kvservice with {fix})"]
+        return [
+            f"EAGLE drafter groups: vLLM {sorted(ours)}, kvservice {sorted(server_eagle)} "
+            f"(start kvservice with {fix})"
+        ]
 
     def check_hashing(self, hash_algo: str, none_hash_seed: str | None) -> None:
         """Refuse a server that hashes blocks otherwise than vLLM: its KV events and

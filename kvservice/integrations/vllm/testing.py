@@ -111,6 +111,9 @@ class SchedulerSetup:
     # after the block instead.
     eagle: bool = False
     eagle_lookahead_hashes: bool = False
+    # The groups holding the drafter's layers (vLLM marks them ``is_eagle_group``);
+    # empty: none marked, so every group counts as the drafter's.
+    eagle_groups: tuple[int, ...] = ()
     # vLLM's CPU offloading (``--kv-offloading-size``): the host bytes of its
     # OffloadingConnector (0: no connector), its eviction policy and extra config.
     offload_cpu_bytes: int = 0
@@ -162,7 +165,9 @@ def kv_cache_config(setup: SchedulerSetup) -> Any:
         num_blocks=setup.num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[
-            KVCacheGroupSpec([f"layers.{i}"], _spec(kind, size, window))
+            KVCacheGroupSpec(
+                [f"layers.{i}"], _spec(kind, size, window), is_eagle_group=i in setup.eagle_groups
+            )
             for i, (kind, size, window) in enumerate(setup.groups)
         ],
     )

@@ -1209,6 +1209,7 @@ class GetCacheConfigResponse(_message.Message):
     MAX_PINNED_BLOCKS_FIELD_NUMBER: _builtins.int
     USE_EAGLE_FIELD_NUMBER: _builtins.int
     NUM_HASH_LOOKAHEAD_TOKENS_FIELD_NUMBER: _builtins.int
+    EAGLE_GROUP_IDS_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
     """The pool size, null block (id 0) included."""
     max_model_len: _builtins.int
@@ -1285,6 +1286,12 @@ class GetCacheConfigResponse(_message.Message):
     """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVCacheGroup]: ...
+    @_builtins.property
+    def eagle_group_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The groups whose hits an EAGLE drafter's drop applies to (--use-eagle, and
+        --eagle-groups for some of them); empty without --use-eagle.
+        """
+
     def __init__(
         self,
         *,
@@ -1311,10 +1318,11 @@ class GetCacheConfigResponse(_message.Message):
         max_pinned_blocks: _builtins.int = ...,
         use_eagle: _builtins.bool = ...,
         num_hash_lookahead_tokens: _builtins.int = ...,
+        eagle_group_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_prefix_cache_retention_interval", b"_prefix_cache_retention_interval", "prefix_cache_retention_interval", b"prefix_cache_retention_interval"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prefix_cache_retention_interval", b"_prefix_cache_retention_interval", "blocks_zeroed_by_server", b"blocks_zeroed_by_server", "enable_caching", b"enable_caching", "eviction_policy", b"eviction_policy", "groups", b"groups", "hash_algo", b"hash_algo", "hash_block_size", b"hash_block_size", "max_in_flight_tokens", b"max_in_flight_tokens", "max_model_len", b"max_model_len", "max_pinned_blocks", b"max_pinned_blocks", "model_name", b"model_name", "needs_kv_cache_zeroing", b"needs_kv_cache_zeroing", "none_hash_seed", b"none_hash_seed", "none_hash_seed_fingerprint", b"none_hash_seed_fingerprint", "none_hash_seed_source", b"none_hash_seed_source", "num_blocks", b"num_blocks", "num_hash_lookahead_tokens", b"num_hash_lookahead_tokens", "prefix_cache_retention_interval", b"prefix_cache_retention_interval", "runtime_device", b"runtime_device", "scheduler_block_size", b"scheduler_block_size", "scheduler_epoch", b"scheduler_epoch", "use_eagle", b"use_eagle", "vocab_size", b"vocab_size", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prefix_cache_retention_interval", b"_prefix_cache_retention_interval", "blocks_zeroed_by_server", b"blocks_zeroed_by_server", "eagle_group_ids", b"eagle_group_ids", "enable_caching", b"enable_caching", "eviction_policy", b"eviction_policy", "groups", b"groups", "hash_algo", b"hash_algo", "hash_block_size", b"hash_block_size", "max_in_flight_tokens", b"max_in_flight_tokens", "max_model_len", b"max_model_len", "max_pinned_blocks", b"max_pinned_blocks", "model_name", b"model_name", "needs_kv_cache_zeroing", b"needs_kv_cache_zeroing", "none_hash_seed", b"none_hash_seed", "none_hash_seed_fingerprint", b"none_hash_seed_fingerprint", "none_hash_seed_source", b"none_hash_seed_source", "num_blocks", b"num_blocks", "num_hash_lookahead_tokens", b"num_hash_lookahead_tokens", "prefix_cache_retention_interval", b"prefix_cache_retention_interval", "runtime_device", b"runtime_device", "scheduler_block_size", b"scheduler_block_size", "scheduler_epoch", b"scheduler_epoch", "use_eagle", b"use_eagle", "vocab_size", b"vocab_size", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__prefix_cache_retention_interval: _TypeAlias = _typing.Literal["prefix_cache_retention_interval"]  # noqa: Y015
     _WhichOneofArgType__prefix_cache_retention_interval: _TypeAlias = _typing.Literal["_prefix_cache_retention_interval", b"_prefix_cache_retention_interval"]  # noqa: Y015
