@@ -197,6 +197,11 @@ def _group(msg: pb.KVCacheGroup) -> KVCacheGroup:
         attention_chunk_size=(
             msg.attention_chunk_size if msg.HasField("attention_chunk_size") else None
         ),
+        max_num_encoder_input_tokens=(
+            msg.max_num_encoder_input_tokens
+            if msg.HasField("max_num_encoder_input_tokens")
+            else None
+        ),
         max_admission_blocks_per_request=(
             msg.max_admission_blocks_per_request
             if msg.HasField("max_admission_blocks_per_request")

@@ -275,6 +275,8 @@ class KVCacheGroup:
     # Window-bounded groups: the most blocks admission (full_sequence_must_fit) counts
     # for one request; None for the others.
     max_admission_blocks_per_request: int | None = None
+    # Cross-attention groups: the encoder input tokens they are sized by.
+    max_num_encoder_input_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

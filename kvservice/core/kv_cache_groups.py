@@ -6,8 +6,10 @@ One word per group, comma separated, in vLLM's group order: ``full_attention``,
 ``sliding_window:W`` (a window of W tokens), ``chunked_local_attention:C`` (chunks of C
 tokens), ``mamba:B`` (a Mamba state group of B tokens per block). A Mistral-style model
 (a window on every layer) is ``sliding_window:4096``; a Gemma-style one
-``full_attention,sliding_window:1024``. The attention groups' block size and page are
-the pool's (``--block-size``); cross attention, sized by an encoder, has no word.
+``full_attention,sliding_window:1024``; an encoder-decoder model (Whisper-style) adds
+``cross_attention`` (its decoder's layers attending to the encoder's output, sized per
+request by the encoder input). The attention groups' block size and page are the
+pool's (``--block-size``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from kvservice.core.errors import InvalidArgumentError
 from kvservice.core.kv_cache_interface import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
     KVCacheSpecKind,
@@ -32,7 +35,12 @@ _SIZED = {
     KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION: "chunk in tokens",
     KVCacheSpecKind.MAMBA: "block size in tokens",
 }
-_WORDS = "full_attention, sliding_window:W, chunked_local_attention:C, mamba:B (comma separated)"
+# The kinds a bare word names.
+_UNSIZED = (KVCacheSpecKind.FULL_ATTENTION, KVCacheSpecKind.CROSS_ATTENTION)
+_WORDS = (
+    "full_attention, sliding_window:W, chunked_local_attention:C, mamba:B, "
+    "cross_attention (comma separated)"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +83,7 @@ def _parse(word: str) -> GroupShape:
         raise InvalidArgumentError(
             f"KV cache group {word!r}: unknown kind {name!r}; use {_WORDS}"
         ) from None
-    if kind not in _SIZED and kind is not KVCacheSpecKind.FULL_ATTENTION:
+    if kind not in _SIZED and kind not in _UNSIZED:
         raise InvalidArgumentError(
             f"KV cache group {word!r}: a {name} group cannot be laid out from its name; "
             f"use {_WORDS}"
@@ -113,12 +121,14 @@ def group_spec(
     attention: AttentionSpec | None,
     page_size_bytes: int,
     enable_caching: bool,
+    encoder_tokens: int = 0,
 ) -> KVCacheSpec:
     """The core's spec of the group ``shape`` names: the attention kinds shaped as
     ``attention`` (block size, heads, head size, dtype; None for a Mamba group); a
     Mamba group one state padded to ``page_size_bytes`` (the pool's blocks are
     interchangeable between groups), in "align" mode with prefix caching, else
-    "none"."""
+    "none"; a cross-attention group sized for ``encoder_tokens`` encoder input tokens
+    (what the pool's memory check counts)."""
     if shape.kind is KVCacheSpecKind.MAMBA:
         return MambaSpec(
             shape.size,
@@ -137,4 +147,6 @@ def group_spec(
             return SlidingWindowSpec(*layout, sliding_window=shape.size)
         case KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION:
             return ChunkedLocalAttentionSpec(*layout, attention_chunk_size=shape.size)
+        case KVCacheSpecKind.CROSS_ATTENTION:
+            return CrossAttentionSpec(*layout, max_num_encoder_input_tokens=encoder_tokens)
     raise InvalidArgumentError(f"a {shape} group cannot be laid out from its name; use {_WORDS}")

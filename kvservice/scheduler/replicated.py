@@ -68,7 +68,13 @@ def _group_spec(group: KVCacheGroup, enable_caching: bool) -> KVCacheSpec:
                 group.block_size, group.num_kv_heads, group.head_size, group.dtype
             )
         )
-        return group_spec(shape, attention, group.page_size_bytes, enable_caching)
+        return group_spec(
+            shape,
+            attention,
+            group.page_size_bytes,
+            enable_caching,
+            group.max_num_encoder_input_tokens or 0,
+        )
     except InvalidArgumentError:
         raise RemoteStepError(
             f"the server's KV cache group {group.kind!r} (block size {group.block_size}) "

@@ -103,6 +103,9 @@ class ServerConfig:
     # sliding-window groups are counted for at most a window plus this at admission.
     # 0: max_num_batched_tokens when set, else max_model_len, as vLLM's manager defaults.
     max_in_flight_tokens: int = 0
+    # vLLM's max_num_encoder_input_tokens: what a cross_attention group is sized for in
+    # the pool's memory check; 0: max_model_len.
+    max_num_encoder_input_tokens: int = 0
     # vLLM's max_num_batched_tokens: the tokens in flight when max_in_flight_tokens is
     # not set (one batch in flight, vLLM's synchronous scheduling); 0: not given.
     max_num_batched_tokens: int = 0
@@ -320,7 +323,13 @@ def _named_groups(config: ServerConfig, spec: FullAttentionSpec) -> list[KVCache
         )
     groups = []
     for index, shape in enumerate(parse_groups(config.kv_cache_groups)):
-        group = group_spec(shape, spec, spec.page_size_bytes, config.enable_caching)
+        group = group_spec(
+            shape,
+            spec,
+            spec.page_size_bytes,
+            config.enable_caching,
+            config.max_num_encoder_input_tokens or config.max_model_len,
+        )
         layers = [f"model.layers.{index}.{i}" for i in range(config.num_layers)]
         groups.append(KVCacheGroupSpec(layers, group))
     return groups

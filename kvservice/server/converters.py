@@ -17,6 +17,7 @@ from kvservice.core.kv_cache_block import DEFAULT_PRIORITY
 from kvservice.core.kv_cache_interface import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
     KVCacheGroupSpec,
     KVCacheSpecKind,
     SlidingWindowSpec,
@@ -452,6 +453,8 @@ def group_to_pb(group: KVCacheGroupSpec) -> pb.KVCacheGroup:
         msg.sliding_window = spec.sliding_window
     if isinstance(spec, ChunkedLocalAttentionSpec):
         msg.attention_chunk_size = spec.attention_chunk_size
+    if isinstance(spec, CrossAttentionSpec):
+        msg.max_num_encoder_input_tokens = spec.max_num_encoder_input_tokens
     return msg
 
 

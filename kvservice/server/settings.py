@@ -167,6 +167,13 @@ OPTIONS: tuple[Option, ...] = (
         "use_eagle",
     ),
     Option(
+        "max_num_encoder_input_tokens",
+        int,
+        "vLLM's --max-num-encoder-input-tokens: the encoder input a cross_attention group "
+        "is sized for in the pool's memory check (0: --max-model-len)",
+        "max_num_encoder_input_tokens",
+    ),
+    Option(
         "eagle_groups",
         str,
         "with --use-eagle: the KV cache groups the drafter reads, comma separated indices "

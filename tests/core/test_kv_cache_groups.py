@@ -17,13 +17,16 @@ from kvservice.core.kv_cache_interface import (
 
 
 def test_words_read_back_as_written() -> None:
-    text = "full_attention,sliding_window:1024,chunked_local_attention:8192,mamba:64"
+    text = (
+        "full_attention,sliding_window:1024,chunked_local_attention:8192,mamba:64,cross_attention"
+    )
     shapes = parse_groups(text)
     assert shapes == [
         GroupShape(KVCacheSpecKind.FULL_ATTENTION),
         GroupShape(KVCacheSpecKind.SLIDING_WINDOW, 1024),
         GroupShape(KVCacheSpecKind.CHUNKED_LOCAL_ATTENTION, 8192),
         GroupShape(KVCacheSpecKind.MAMBA, 64),
+        GroupShape(KVCacheSpecKind.CROSS_ATTENTION),
     ]
     assert ",".join(map(str, shapes)) == text
     assert parse_groups(" sliding_window:64 ") == [GroupShape(KVCacheSpecKind.SLIDING_WINDOW, 64)]
@@ -51,7 +54,7 @@ def test_every_spec_has_its_word() -> None:
         ("mamba:0", "needs its block size in tokens"),
         ("full_attention:16", "full_attention takes no size"),
         ("full_attention,,mamba:16", "unknown kind ''"),
-        ("cross_attention", "cannot be laid out from its name"),
+        ("cross_attention:1500", "cross_attention takes no size"),
     ],
 )
 def test_a_word_that_cannot_be_read_is_named(text: str, message: str) -> None:

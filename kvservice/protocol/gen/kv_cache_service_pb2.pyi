@@ -1130,6 +1130,7 @@ class KVCacheGroup(_message.Message):
     SLIDING_WINDOW_FIELD_NUMBER: _builtins.int
     ATTENTION_CHUNK_SIZE_FIELD_NUMBER: _builtins.int
     MAX_ADMISSION_BLOCKS_PER_REQUEST_FIELD_NUMBER: _builtins.int
+    MAX_NUM_ENCODER_INPUT_TOKENS_FIELD_NUMBER: _builtins.int
     kind: Global___KVCacheSpecKind.ValueType
     block_size: _builtins.int
     """Tokens per block."""
@@ -1147,6 +1148,8 @@ class KVCacheGroup(_message.Message):
     the admission gate (full_sequence_must_fit) counts for one request, vLLM's
     max_admission_blocks_per_request(max_in_flight_tokens, max_model_len).
     """
+    max_num_encoder_input_tokens: _builtins.int
+    """Set for cross-attention groups: the encoder input tokens they are sized by."""
     @_builtins.property
     def layer_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     def __init__(
@@ -1162,21 +1165,26 @@ class KVCacheGroup(_message.Message):
         sliding_window: _builtins.int | None = ...,
         attention_chunk_size: _builtins.int | None = ...,
         max_admission_blocks_per_request: _builtins.int | None = ...,
+        max_num_encoder_input_tokens: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_attention_chunk_size", b"_attention_chunk_size", "_max_admission_blocks_per_request", b"_max_admission_blocks_per_request", "_sliding_window", b"_sliding_window", "attention_chunk_size", b"attention_chunk_size", "max_admission_blocks_per_request", b"max_admission_blocks_per_request", "sliding_window", b"sliding_window"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_attention_chunk_size", b"_attention_chunk_size", "_max_admission_blocks_per_request", b"_max_admission_blocks_per_request", "_max_num_encoder_input_tokens", b"_max_num_encoder_input_tokens", "_sliding_window", b"_sliding_window", "attention_chunk_size", b"attention_chunk_size", "max_admission_blocks_per_request", b"max_admission_blocks_per_request", "max_num_encoder_input_tokens", b"max_num_encoder_input_tokens", "sliding_window", b"sliding_window"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attention_chunk_size", b"_attention_chunk_size", "_max_admission_blocks_per_request", b"_max_admission_blocks_per_request", "_sliding_window", b"_sliding_window", "attention_chunk_size", b"attention_chunk_size", "block_size", b"block_size", "dtype", b"dtype", "head_size", b"head_size", "kind", b"kind", "layer_names", b"layer_names", "max_admission_blocks_per_request", b"max_admission_blocks_per_request", "num_kv_heads", b"num_kv_heads", "page_size_bytes", b"page_size_bytes", "sliding_window", b"sliding_window"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attention_chunk_size", b"_attention_chunk_size", "_max_admission_blocks_per_request", b"_max_admission_blocks_per_request", "_max_num_encoder_input_tokens", b"_max_num_encoder_input_tokens", "_sliding_window", b"_sliding_window", "attention_chunk_size", b"attention_chunk_size", "block_size", b"block_size", "dtype", b"dtype", "head_size", b"head_size", "kind", b"kind", "layer_names", b"layer_names", "max_admission_blocks_per_request", b"max_admission_blocks_per_request", "max_num_encoder_input_tokens", b"max_num_encoder_input_tokens", "num_kv_heads", b"num_kv_heads", "page_size_bytes", b"page_size_bytes", "sliding_window", b"sliding_window"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__attention_chunk_size: _TypeAlias = _typing.Literal["attention_chunk_size"]  # noqa: Y015
     _WhichOneofArgType__attention_chunk_size: _TypeAlias = _typing.Literal["_attention_chunk_size", b"_attention_chunk_size"]  # noqa: Y015
     _WhichOneofReturnType__max_admission_blocks_per_request: _TypeAlias = _typing.Literal["max_admission_blocks_per_request"]  # noqa: Y015
     _WhichOneofArgType__max_admission_blocks_per_request: _TypeAlias = _typing.Literal["_max_admission_blocks_per_request", b"_max_admission_blocks_per_request"]  # noqa: Y015
+    _WhichOneofReturnType__max_num_encoder_input_tokens: _TypeAlias = _typing.Literal["max_num_encoder_input_tokens"]  # noqa: Y015
+    _WhichOneofArgType__max_num_encoder_input_tokens: _TypeAlias = _typing.Literal["_max_num_encoder_input_tokens", b"_max_num_encoder_input_tokens"]  # noqa: Y015
     _WhichOneofReturnType__sliding_window: _TypeAlias = _typing.Literal["sliding_window"]  # noqa: Y015
     _WhichOneofArgType__sliding_window: _TypeAlias = _typing.Literal["_sliding_window", b"_sliding_window"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__attention_chunk_size) -> _WhichOneofReturnType__attention_chunk_size | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_admission_blocks_per_request) -> _WhichOneofReturnType__max_admission_blocks_per_request | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_num_encoder_input_tokens) -> _WhichOneofReturnType__max_num_encoder_input_tokens | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__sliding_window) -> _WhichOneofReturnType__sliding_window | None: ...
 
