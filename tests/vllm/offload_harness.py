@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
     OffloadingWorkerMetadata,
 )
 from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import RequestStatus
 
 from tests.vllm.async_harness import EngineOrderWorkload
 from tests.vllm.scheduler_harness import Workload, model_runner_output
@@ -148,7 +149,10 @@ class OffloadWorkload(Workload):
         assert self._worker is not None
         step["transfers"] = connector_snapshot(output.kv_connector_metadata)
         step["waiting_for_kv"] = sorted(
-            r.request_id for r in scheduler.waiting if r.status.name == "WAITING_FOR_REMOTE_KV"
+            r.request_id
+            # vLLM keeps the requests holding KV blocks apart from the plain waiting ones.
+            for r in (*scheduler.waiting, *scheduler.kv_holding_waiting)
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         )
         runner_output = model_runner_output(scheduler, output)
         runner_output.kv_connector_output = self._worker.run(output.kv_connector_metadata)

@@ -612,10 +612,6 @@ class KVServiceKVCacheManager:
 
     # -- paths of vLLM's scheduler for KV connectors -----------------------------------
 
-    def refuse_remote(self, call: str) -> None:
-        if self.server is not None:
-            raise NotImplementedError(f"{call} is not supported by kvservice's remote manager yet")
-
     def get_computed_blocks_for_connector(
         self, request: Any, max_cache_hit_length: int | None = None
     ) -> tuple[Any, int, int, bool]:
