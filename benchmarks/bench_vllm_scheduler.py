@@ -92,6 +92,8 @@ class Mode:
     target: str | None
     confirm: str = "sync"
     server_pid: int | None = None
+    # Send vLLM's block hashes (the server trusts them and hashes nothing).
+    client_hashes: bool = False
 
 
 def _token(request_id: str, position: int) -> int:
@@ -387,13 +389,14 @@ def _run(
 def _connection_env(mode: Mode) -> Iterator[None]:
     """``mode``'s KVSERVICE_* connection variables for the run, the caller's after it
     (a test process runs more than this benchmark)."""
-    names = ("KVSERVICE_TARGET", "KVSERVICE_CONFIRM")
+    names = ("KVSERVICE_TARGET", "KVSERVICE_CONFIRM", "KVSERVICE_CLIENT_BLOCK_HASHES")
     saved = {name: os.environ.get(name) for name in names}
     if mode.target is None:
         os.environ.pop("KVSERVICE_TARGET", None)
     else:
         os.environ["KVSERVICE_TARGET"] = mode.target
     os.environ["KVSERVICE_CONFIRM"] = mode.confirm
+    os.environ["KVSERVICE_CLIENT_BLOCK_HASHES"] = "auto" if mode.client_hashes else "off"
     try:
         yield
     finally:
@@ -459,6 +462,8 @@ def main(argv: list[str] | None = None) -> int:
         f"--max-model-len={SETUP.max_model_len}",
         "--max-step-ops=16384",
         "--session-ttl-min=1",
+        # Whether a mode sends vLLM's hashes is the client's choice (Mode.client_hashes).
+        "--trust-client-block-hashes",
     ]
     try:
         return _compare(args, server_args, socket_path)
@@ -473,7 +478,23 @@ def _compare(args: argparse.Namespace, server_args: list[str], socket_path: str)
             Mode("kvservice in-process", KVServiceScheduler, None),
             Mode("kvservice remote", KVServiceScheduler, server.target, "sync", server.pid),
             Mode(
+                "remote, vLLM hashes",
+                KVServiceScheduler,
+                server.target,
+                "sync",
+                server.pid,
+                client_hashes=True,
+            ),
+            Mode(
                 "kvservice remote overlap", KVServiceScheduler, server.target, "overlap", server.pid
+            ),
+            Mode(
+                "overlap, vLLM hashes",
+                KVServiceScheduler,
+                server.target,
+                "overlap",
+                server.pid,
+                client_hashes=True,
             ),
             Mode(
                 "kvservice remote unix",

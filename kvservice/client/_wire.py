@@ -240,6 +240,7 @@ def cache_config(msg: pb.GetCacheConfigResponse) -> CacheConfig:
         use_eagle=msg.use_eagle,
         eagle_group_ids=tuple(msg.eagle_group_ids),
         num_hash_lookahead_tokens=msg.num_hash_lookahead_tokens,
+        trusts_client_block_hashes=msg.trusts_client_block_hashes,
     )
 
 
@@ -267,6 +268,7 @@ def add_request(
     prompt_embeds_row_bytes: int = 0,
     retention: Retention | None = None,
     cache_control_ttl: str | float | None = None,
+    block_hashes: Sequence[bytes] | None = None,
 ) -> Op[RequestState]:
     message = pb.AddRequestRequest(
         request_id=request_id,
@@ -291,6 +293,9 @@ def add_request(
         retention_to_pb(retention, message.retention)
     if cache_control_ttl is not None:
         message.cache_control_ttl = ttl_text(cache_control_ttl)
+    if block_hashes is not None:
+        message.client_hashed = True
+        message.block_hashes.extend(block_hashes)
     try:
         message.packed_prompt_token_ids = pack_token_ids(prompt_token_ids)
     except (OverflowError, TypeError):
@@ -299,8 +304,12 @@ def add_request(
     return Op("AddRequest", "add_request", message, _request_of)
 
 
-def append_tokens(request_id: str, token_ids: Sequence[int]) -> Op[RequestState]:
-    message = pb.AppendTokensRequest(request_id=request_id, token_ids=token_ids)
+def append_tokens(
+    request_id: str, token_ids: Sequence[int], block_hashes: Sequence[bytes] = ()
+) -> Op[RequestState]:
+    message = pb.AppendTokensRequest(
+        request_id=request_id, token_ids=token_ids, block_hashes=block_hashes
+    )
     return Op("AppendTokens", "append_tokens", message, _appended)
 
 

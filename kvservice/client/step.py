@@ -229,6 +229,7 @@ class StepBuilder:
         prompt_embeds_row_bytes: int = 0,
         retention: Retention | None = None,
         cache_control_ttl: str | float | None = None,
+        block_hashes: Sequence[bytes] | None = None,
     ) -> OpHandle[RequestState]:
         """``KVClient.add_request`` in the step."""
         return self._add(
@@ -245,6 +246,7 @@ class StepBuilder:
                 prompt_embeds_row_bytes,
                 retention,
                 cache_control_ttl,
+                block_hashes,
             )
         )
 
@@ -285,10 +287,12 @@ class StepBuilder:
         """vLLM's ``cache_blocks`` for ``request_id`` (see ``KVClient.cache_blocks``)."""
         return self._add(_wire.cache_blocks(request_id, num_computed_tokens))
 
-    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> OpHandle[RequestState]:
-        if self._coalesce and len(token_ids) == 1:
+    def append_tokens(
+        self, request_id: str, token_ids: Sequence[int], block_hashes: Sequence[bytes] = ()
+    ) -> OpHandle[RequestState]:
+        if self._coalesce and len(token_ids) == 1 and not block_hashes:
             return self._entry(_wire.APPEND_TOKENS_BATCH, "token_ids", request_id, token_ids[0])
-        return self._add(_wire.append_tokens(request_id, token_ids))
+        return self._add(_wire.append_tokens(request_id, token_ids, block_hashes))
 
     def append_tokens_batch(
         self, request_ids: Sequence[str], token_ids: Sequence[int]

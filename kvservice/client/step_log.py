@@ -88,6 +88,8 @@ class StepLog:
         # (request id, prompt, StepBuilder.add_request's keyword arguments)
         self._new: list[tuple[str, Sequence[int], dict[str, Any]]] = []
         self._appends: dict[str, list[int]] = {}
+        # A client_hashed request's hashes of the blocks its appends complete.
+        self._appended_hashes: dict[str, list[bytes]] = {}
         self._ops: list[_Op] = []
         # The last of _ops while it is a run that the next plain allocation joins.
         self._run: AllocationRun | None = None
@@ -99,8 +101,12 @@ class StepLog:
         """``StepBuilder.add_request(request_id, prompt_token_ids, **kwargs)``."""
         self._new.append((request_id, prompt_token_ids, kwargs))
 
-    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> None:
+    def append_tokens(
+        self, request_id: str, token_ids: Sequence[int], block_hashes: Sequence[bytes] = ()
+    ) -> None:
         self._appends.setdefault(request_id, []).extend(token_ids)
+        if block_hashes:
+            self._appended_hashes.setdefault(request_id, []).extend(block_hashes)
 
     def record(
         self,
@@ -138,12 +144,14 @@ class StepLog:
         step = StepBuilder(omit_request_state=True, keep_copy_holds=self._keep_copy_holds)
         for request_id, prompt, kwargs in self._new:
             step.add_request(request_id, prompt, **kwargs)
-        appends = self._appends
-        ones = [request_id for request_id, tokens in appends.items() if len(tokens) == 1]
+        appends, hashes = self._appends, self._appended_hashes
+        # One token and no hash: the decode step's columnar batch. An append that
+        # completes a client_hashed request's block travels alone, with its hash.
+        ones = [r for r, tokens in appends.items() if len(tokens) == 1 and r not in hashes]
         step.append_tokens_batch(ones, [appends[request_id][0] for request_id in ones])
         for request_id, tokens in appends.items():
-            if len(tokens) > 1:
-                step.append_tokens(request_id, tokens)
+            if len(tokens) > 1 or request_id in hashes:
+                step.append_tokens(request_id, tokens, hashes.get(request_id, ()))
         expected: list[Expected | AllocationRun] = []
         for op in self._ops:
             if isinstance(op, AllocationRun):

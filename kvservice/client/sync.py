@@ -144,6 +144,7 @@ class KVClient:
         prompt_embeds_row_bytes: int = 0,
         retention: Retention | None = None,
         cache_control_ttl: str | float | None = None,
+        block_hashes: Sequence[bytes] | None = None,
     ) -> RequestState:
         """Register a WAITING request with its prompt. A LoRA adapter is keyed by
         ``lora_name`` and ``lora_path`` (vLLM's ``lora_request``), ``lora_int_id``
@@ -153,7 +154,11 @@ class KVClient:
         and ``t[0].numel() * t.element_size()``). ``retention`` gives its blocks
         eviction priorities (a server started with ``--eviction-policy priority``);
         ``cache_control_ttl`` ("5m", "300s", "1h", or seconds) pins its prompt's whole
-        blocks for the caller's tenant for that long, created with the request."""
+        blocks for the caller's tenant for that long, created with the request.
+        ``block_hashes`` (a server that trusts the caller's hashes only:
+        ``CacheConfig.trusts_client_block_hashes``) makes the request client_hashed:
+        the server takes these hashes of the prompt's full blocks, and those that
+        ``append_tokens`` sends, instead of hashing its tokens."""
         op = _wire.add_request(
             request_id,
             prompt_token_ids,
@@ -167,12 +172,16 @@ class KVClient:
             prompt_embeds_row_bytes,
             retention,
             cache_control_ttl,
+            block_hashes,
         )
         return self._call(op)
 
-    def append_tokens(self, request_id: str, token_ids: Sequence[int]) -> RequestState:
-        """Append sampled tokens."""
-        return self._call(_wire.append_tokens(request_id, token_ids))
+    def append_tokens(
+        self, request_id: str, token_ids: Sequence[int], block_hashes: Sequence[bytes] = ()
+    ) -> RequestState:
+        """Append sampled tokens (for a client_hashed request, with the hashes of the
+        blocks they complete)."""
+        return self._call(_wire.append_tokens(request_id, token_ids, block_hashes))
 
     def get_computed_blocks(
         self, request_id: str, max_cache_hit_length: int | None = None

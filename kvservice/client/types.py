@@ -322,6 +322,8 @@ class CacheConfig:
     eagle_group_ids: tuple[int, ...] = ()
     # Tokens after each block its hash also covers (vLLM 0.33's lookahead hashes).
     num_hash_lookahead_tokens: int = 0
+    # The caller may send client_hashed requests (add_request's block_hashes).
+    trusts_client_block_hashes: bool = False
 
     @property
     def has_retention(self) -> bool:

@@ -45,6 +45,7 @@ class Request:
         "all_token_ids",
         "block_hashes",
         "cache_salt",
+        "client_hashed",
         "has_extra_keys",
         "lora_int_id",
         "lora_name",
@@ -76,6 +77,7 @@ class Request:
         lora_int_id: int | None = None,
         prompt_embeds: bytes | None = None,
         retention: RetentionConfig | None = None,
+        client_hashed: bool = False,
     ) -> None:
         if not request_id:
             raise InvalidArgumentError("request_id must be a non-empty string")
@@ -117,7 +119,10 @@ class Request:
         self._num_computed_tokens = 0
         self.num_in_flight_tokens = 0
         self.block_hashes: list[BlockHash] = []
-        self._block_hasher = block_hasher
+        # The caller enters this request's hashes as its blocks fill (a client the
+        # server trusts to hash as it would); no hasher then.
+        self.client_hashed = client_hashed
+        self._block_hasher = None if client_hashed else block_hasher
         self._update_block_hashes()
 
     def _row_bytes(self, prompt_embeds: bytes | None) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -29,7 +29,7 @@ from kvservice.core.errors import (
     RequestNotFoundError,
 )
 from kvservice.core.invariants import InvariantViolationError, check_invariants
-from kvservice.core.kv_cache_block import BlockHashWithGroupId, BlockIds
+from kvservice.core.kv_cache_block import BlockHash, BlockHashWithGroupId, BlockIds
 from kvservice.core.kv_cache_manager import AllocationProbe, KVCacheBlocks, KVCacheManager
 from kvservice.core.request import Request, RequestStatus, computed_after_allocation
 from kvservice.core.retention_policy import (
@@ -40,6 +40,7 @@ from kvservice.core.retention_policy import (
     RetentionPolicy,
     Tick,
 )
+from kvservice.request_table.client_hashes import ClientHashes
 from kvservice.request_table.errors import (
     AlreadyExistsError,
     LimitExceededError,
@@ -153,6 +154,7 @@ class RequestTable:
         vocab_size: int = 0,
         limits: RequestLimits | None = None,
         clock: Callable[[], float] = time.monotonic,
+        trusted_hash_tenants: Collection[str] = (),
     ) -> None:
         if vocab_size < 0:
             raise InvalidArgumentError(f"vocab_size must be >= 0 (0: no bound), got {vocab_size}")
@@ -164,6 +166,8 @@ class RequestTable:
         # Who owns each request (set by the server's sessions).
         self.ownership: RequestOwnership | None = None
         self.tenants = TenantLedger(quotas)
+        # The tenants whose requests may come with the client's block hashes.
+        self.client_hashes = ClientHashes(manager.block_hasher, trusted_hash_tenants)
         self.limits = limits or RequestLimits()
         self.requests_per_tenant = RequestLedger(
             self.limits.max_requests_per_tenant,
@@ -227,6 +231,7 @@ class RequestTable:
         _check_lora(new)
         _check_prompt_embeds(new)
         self._check_retention(new)
+        claimed = self._claimed_prompt_keys(new, tenant)
         embeds_bytes = len(new.prompt_embeds) if new.prompt_embeds is not None else 0
         mm_items = len(new.mm_features)
         mm_bytes = mm_identifier_bytes(new.mm_features)
@@ -247,7 +252,10 @@ class RequestTable:
             lora_int_id=new.lora_int_id,
             prompt_embeds=new.prompt_embeds,
             retention=new.retention,
+            client_hashed=claimed is not None,
         )
+        if claimed is not None:
+            request.block_hashes.extend(claimed)
         if new.cache_control_ttl_s is not None:
             # The last thing that may refuse the call: a refused pin adds no request,
             # and nothing after it refuses (so a pin never outlives a refused add).
@@ -257,6 +265,20 @@ class RequestTable:
         if session_id is not None and self.ownership is not None:
             self.ownership.adopt(tenant, rid, session_id)
         return request
+
+    def _claimed_prompt_keys(self, new: NewRequest, tenant: str) -> list[BlockHash] | None:
+        """The cache keys of a ``client_hashed`` request's claimed prompt hashes (None:
+        the server hashes it); refused before anything changes (``client_hashes``)."""
+        rid = new.request_id
+        if not new.client_hashed:
+            if new.block_hashes:
+                raise InvalidArgumentError(
+                    f"request {rid!r} carries block_hashes but is not client_hashed; set "
+                    "client_hashed to have the server take them, or leave them out"
+                )
+            return None
+        self.client_hashes.check_trusted(rid, tenant)
+        return self.client_hashes.keys(rid, tenant, new.block_hashes, 0, len(new.prompt_token_ids))
 
     def _pin_prompt(self, request: Request, ttl_s: float, tenant: str) -> None:
         """AddRequest's ``cache_control_ttl``: pin the prompt's whole blocks, by the
@@ -308,19 +330,55 @@ class RequestTable:
             self.limits.check_mm_item_count(request_id, num_mm_items)
             self.requests_per_tenant.check_mm_items(tenant, request_id, num_mm_items)
 
-    def append_tokens(self, request_id: str, token_ids: Sequence[int], tenant: str) -> Request:
-        """Append sampled tokens (hashing the blocks they complete)."""
+    def append_tokens(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        tenant: str,
+        block_hashes: Sequence[bytes] = (),
+    ) -> Request:
+        """Append sampled tokens, hashing the blocks they complete; for a
+        ``client_hashed`` request, entering ``block_hashes`` (the client's hashes of
+        blocks the tokens complete) instead."""
         request = self._get(request_id, tenant)
         self._check_new_tokens(request_id, token_ids, request.num_tokens, "token_ids")
+        claimed = self._claimed_appended_keys(request, token_ids, tenant, block_hashes)
         if request.status is RequestStatus.RUNNING:
             request.append_output_token_ids(token_ids)
+            if claimed:
+                request.block_hashes.extend(claimed)
             return request
         # Tokens of a request that is not running count against the waiting limit.
         with self._reporting_limits(tenant):
             self.requests_per_tenant.check_waiting(tenant, request_id, len(token_ids))
         request.append_output_token_ids(token_ids)
+        if claimed:
+            request.block_hashes.extend(claimed)
         self.requests_per_tenant.waiting_changed(tenant, len(token_ids))
         return request
+
+    def _claimed_appended_keys(
+        self, request: Request, token_ids: Sequence[int], tenant: str, hashes: Sequence[bytes]
+    ) -> list[BlockHash]:
+        """The cache keys of the hashes sent with an append (none for a request the
+        server hashes, which must come without any)."""
+        rid = request.request_id
+        if not request.client_hashed:
+            if hashes:
+                raise InvalidArgumentError(
+                    f"request {rid!r} is hashed by the server (it came without "
+                    "client_hashed); send its appends without block_hashes"
+                )
+            return []
+        if not hashes:
+            return []
+        return self.client_hashes.keys(
+            rid,
+            tenant,
+            hashes,
+            len(request.block_hashes),
+            request.num_tokens + len(token_ids),
+        )
 
     @contextmanager
     def _reporting_limits(self, tenant: str) -> Iterator[None]:

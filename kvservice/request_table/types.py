@@ -56,6 +56,10 @@ class NewRequest:
     # Pin the prompt's whole blocks for the tenant for this many seconds (Dynamo's
     # cache_control TTL), created with the request; None: no pin.
     cache_control_ttl_s: float | None = None
+    # The client's hashes of the prompt's full blocks, taken instead of hashing the
+    # prompt when ``client_hashed`` (a trusted tenant only: ``client_hashes``).
+    block_hashes: tuple[bytes, ...] = ()
+    client_hashed: bool = False
 
     @property
     def prompt_field(self) -> str:

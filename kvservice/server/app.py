@@ -26,6 +26,7 @@ from kvservice.core.errors import InvalidArgumentError
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.request_table.table import RequestTable
+from kvservice.request_table.tenancy import DEFAULT_TENANT
 from kvservice.server import binding
 from kvservice.server.audit import Auditor, SelfCheck
 from kvservice.server.auth import AuthInterceptor, TokenTable, load_tokens_file
@@ -57,7 +58,7 @@ from kvservice.server.sessions import (
     SessionReaper,
     SessionRegistry,
 )
-from kvservice.server.tls import check_bind, server_credentials
+from kvservice.server.tls import SecurityConfigError, check_bind, server_credentials
 from kvservice.server.turns import TableTurn
 from kvservice.server.zmq_events.publisher import ZmqEventPublisher
 
@@ -141,6 +142,7 @@ class KVCacheServer:
         )
         self._credentials = server_credentials(config)
         check_bind(config, has_tokens=self.tokens is not None)
+        trusted_hash_tenants = self._trusted_hash_tenants()
         kv_cache_config = build_kv_cache_config(config, kv_cache_budget(config))
         manager = build_manager(config, kv_cache_config)
         self.runtime: KVCacheRuntime | None = (
@@ -168,6 +170,7 @@ class KVCacheServer:
             on_refusal=self.metrics.record_refusal,
             vocab_size=config.vocab_size,
             limits=config.request_limits,
+            trusted_hash_tenants=trusted_hash_tenants,
         )
         self.clients = ClientTracker()
         # Sessions own requests (the registry hooks into the table); the reaper
@@ -219,6 +222,23 @@ class KVCacheServer:
         self._drain = Drain()
         # Started and not stopped (what /ready reports, with the drain).
         self._taking_calls = False
+
+    def _trusted_hash_tenants(self) -> frozenset[str]:
+        """Whose block hashes the pool takes: the default tenant's with the flag and no
+        tokens file, else the tenants the file trusts (the flag would name no one)."""
+        if self.tokens is None:
+            return (
+                frozenset({DEFAULT_TENANT})
+                if self.config.trust_client_block_hashes
+                else frozenset()
+            )
+        if self.config.trust_client_block_hashes:
+            raise SecurityConfigError(
+                "--trust-client-block-hashes trusts the default tenant, which a server "
+                "with a tokens file does not have: set trust_client_block_hashes = true "
+                "in the tables of the tenants to trust instead"
+            )
+        return self.tokens.trusted_hash_tenants
 
     def _zmq_publisher(self) -> ZmqEventPublisher | None:
         config = self.config

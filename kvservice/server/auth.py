@@ -10,6 +10,10 @@ A tokens file (``auth_tokens_file``, TOML) binds each token to a tenant::
     admin = false           # optional: may call the pool-wide ResetPrefixCache,
                             # SubscribeEvents (whose events carry every tenant's hashes)
                             # and Audit (whose report may name any tenant's requests)
+    trust_client_block_hashes = false  # optional: may send client_hashed requests,
+                            # whose block hashes the server takes instead of hashing
+                            # (in a namespace of the tenant's own: request_table.
+                            # client_hashes)
 
 ``AuthInterceptor`` runs before every other interceptor: it refuses a call without a
 valid ``authorization: Bearer <token>`` with UNAUTHENTICATED (never echoing what was
@@ -57,7 +61,9 @@ _SERVICE = pb.DESCRIPTOR.services_by_name["KVCacheService"].full_name
 ADMIN_METHODS = frozenset(
     f"/{_SERVICE}/{m}" for m in ("ResetPrefixCache", "SubscribeEvents", "Audit")
 )
-_TENANT_KEYS = frozenset({"tokens", "max_blocks", "rate_limit", "burst", "admin"})
+_TENANT_KEYS = frozenset(
+    {"tokens", "max_blocks", "rate_limit", "burst", "admin", "trust_client_block_hashes"}
+)
 _EXPECTED = f"send metadata '{AUTHORIZATION_KEY}: Bearer <token>'"
 
 # Told (tenant, reason) of every refused call; tenant "" when none was established.
@@ -75,6 +81,7 @@ class TenantPolicy:
     rate_limit: float | None = None
     burst: int | None = None
     admin: bool = False
+    trust_client_block_hashes: bool = False
 
 
 class TokenTable:
@@ -100,6 +107,11 @@ class TokenTable:
     def quotas(self) -> dict[str, int]:
         """``max_blocks`` of every tenant that has one."""
         return {n: p.max_blocks for n, p in self.tenants.items() if p.max_blocks is not None}
+
+    @property
+    def trusted_hash_tenants(self) -> frozenset[str]:
+        """The tenants whose block hashes the server takes (``client_hashes``)."""
+        return frozenset(n for n, p in self.tenants.items() if p.trust_client_block_hashes)
 
 
 def _digest(token: str) -> bytes:
@@ -160,10 +172,16 @@ def _parse_tenant(name: str, table: Any, where: str) -> tuple[TenantPolicy, list
     burst = _optional(table, "burst", int, where, minimum=1)
     if burst is not None and rate_limit is None:
         raise SecurityConfigError(f"{where}: burst needs rate_limit")
-    admin = table.get("admin", False)
-    if type(admin) is not bool:
-        raise SecurityConfigError(f"{where}: admin must be true or false, got {admin!r}")
-    return TenantPolicy(name, max_blocks, rate_limit, burst, admin), tokens
+    admin = _flag(table, "admin", where)
+    trusted = _flag(table, "trust_client_block_hashes", where)
+    return TenantPolicy(name, max_blocks, rate_limit, burst, admin, trusted), tokens
+
+
+def _flag(table: Mapping[str, Any], key: str, where: str) -> bool:
+    value = table.get(key, False)
+    if type(value) is not bool:
+        raise SecurityConfigError(f"{where}: {key} must be true or false, got {value!r}")
+    return bool(value)
 
 
 def _tokens(value: Any, where: str) -> list[str]:

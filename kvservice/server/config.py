@@ -89,6 +89,10 @@ class ServerConfig:
     # hash also covers this many tokens after it. The server hashes requests itself, so
     # a vLLM engine's must match.
     num_hash_lookahead_tokens: int = 0
+    # Take the block hashes of client_hashed requests instead of hashing them (a server
+    # without a tokens file: every caller is the default tenant; with one, each
+    # tenant's trust_client_block_hashes decides). ``request_table.client_hashes``.
+    trust_client_block_hashes: bool = False
     # Which free cached blocks are evicted first: "lru" (vLLM's order, the default) or
     # "priority" (requests' retention priorities reorder them; README, Retention).
     eviction_policy: str = "lru"

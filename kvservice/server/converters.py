@@ -95,6 +95,8 @@ def new_request_from_pb(msg: pb.AddRequestRequest) -> NewRequest:
             if msg.cache_control_ttl
             else None
         ),
+        block_hashes=tuple(msg.block_hashes) if msg.block_hashes else (),
+        client_hashed=msg.client_hashed,
     )
 
 
@@ -472,11 +474,13 @@ def cache_config_to_pb(
     runtime_device: str = "",
     vocab_size: int = 0,
     seed_source: HashSeedSource = HashSeedSource.RANDOM,
+    trusts_client_block_hashes: bool = False,
 ) -> pb.GetCacheConfigResponse:
     """The pool as clients see it; ``runtime_device`` is where the co-located
     runtime's KV tensors live, empty without a runtime; ``vocab_size`` bounds the
     token ids the server accepts (0: no bound); ``seed_source`` where the hash chain's
-    seed came from (the seed itself is reported unless it is a random one)."""
+    seed came from (the seed itself is reported unless it is a random one);
+    ``trusts_client_block_hashes``: whether the caller may send client_hashed requests."""
     config = manager.kv_cache_config
     hasher = manager.block_hasher
     retention = manager.retention_policy
@@ -509,6 +513,7 @@ def cache_config_to_pb(
         use_eagle=bool(manager.coordinator.eagle_group_ids),
         eagle_group_ids=sorted(manager.coordinator.eagle_group_ids),
         num_hash_lookahead_tokens=manager.num_hash_lookahead_tokens,
+        trusts_client_block_hashes=trusts_client_block_hashes,
     )
 
 

@@ -72,7 +72,9 @@ def append_tokens(
     with_state: bool,
     /,
 ) -> None:
-    updated = table.append_tokens(msg.request_id, list(msg.token_ids), caller.tenant)
+    updated = table.append_tokens(
+        msg.request_id, list(msg.token_ids), caller.tenant, list(msg.block_hashes)
+    )
     if with_state:
         converters.fill_request_state(out.request, updated)
 

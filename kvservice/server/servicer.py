@@ -209,6 +209,7 @@ class KVCacheServicer:
             self._runtime_device,
             table.vocab_size,
             self._seed_source,
+            table.client_hashes.trusts(caller.tenant),
         )
         response.scheduler_epoch = self._sessions.current_epoch(caller.tenant)
         return response

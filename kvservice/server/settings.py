@@ -167,6 +167,15 @@ OPTIONS: tuple[Option, ...] = (
         "use_eagle",
     ),
     Option(
+        "trust_client_block_hashes",
+        bool,
+        "take the block hashes clients send with client_hashed requests instead of "
+        "hashing their tokens (vLLM has hashed them already): for a server without a "
+        "tokens file, whose callers are all one party; with one, set "
+        "trust_client_block_hashes per tenant in the file instead",
+        "trust_client_block_hashes",
+    ),
+    Option(
         "max_num_encoder_input_tokens",
         int,
         "vLLM's --max-num-encoder-input-tokens: the encoder input a cross_attention group "

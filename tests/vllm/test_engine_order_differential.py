@@ -139,6 +139,34 @@ def test_remote_matches_vllm(
     assert first_difference(expected, actual) is None
 
 
+# The server on the engine's own block hashes (--trust-client-block-hashes): drafts,
+# async steps in flight, lookahead hashes (each covering the token after its block).
+CLIENT_HASH_CASES = [
+    (name, mode, confirm)
+    for name, mode, confirm in [
+        ("full", "async-spec", "sync"),
+        ("hybrid-full-sliding-window", "async", "overlap"),
+        ("preempting", "eagle-lookahead", "sync"),
+        ("hybrid-full-sliding-window", "async-eagle-lookahead", "sync"),
+    ]
+    if (name, mode) in CASES
+]
+
+
+@pytest.mark.parametrize(("name", "mode", "confirm"), CLIENT_HASH_CASES)
+def test_remote_on_the_engines_hashes_matches_vllm(
+    name: str, mode: str, confirm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    setup = setup_for(name, mode)
+    monkeypatch.setenv("KVSERVICE_CONFIRM", confirm)
+    monkeypatch.setenv("KVSERVICE_CLIENT_BLOCK_HASHES", "auto")
+    salts = (None, "tenant-a")
+    expected = workload(name, mode, 3, salts=salts).run(build_scheduler(setup))
+    remote = workload(name, mode, 3, salts=salts)
+    actual = run_remote(setup, remote, monkeypatch, trust_hashes=True)
+    assert first_difference(expected, actual) is None
+
+
 @pytest.mark.parametrize("where", ["in-process", "remote"])
 @pytest.mark.parametrize("mode", ["eagle", "async-eagle"])
 def test_an_eagle_drafter_reading_one_group_of_a_hybrid(

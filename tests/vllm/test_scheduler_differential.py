@@ -11,6 +11,7 @@ step (remotely: the server keeps them until the replica releases them).
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ import vllm
 
 from kvservice.client import KVClient
 from kvservice.integrations.vllm import KVServiceScheduler
+from kvservice.integrations.vllm.server_link import KVServiceManagerError, ServerLink
 from kvservice.integrations.vllm.testing import vllm_config
 from kvservice.integrations.vllm.versions import release
 from kvservice.server.config import ServerConfig
@@ -126,8 +128,9 @@ def _word(kind: str, block_size: int, window: int) -> str:
     return f"mamba:{block_size}" if kind == "mamba" else "full_attention"
 
 
-def _server_config(setup: SchedulerSetup) -> ServerConfig:
-    """The server laid out as vLLM lays the setup out (``--kv-cache-groups``)."""
+def _server_config(setup: SchedulerSetup, trust_hashes: bool = False) -> ServerConfig:
+    """The server laid out as vLLM lays the setup out (``--kv-cache-groups``);
+    ``trust_hashes``: it takes the engine's block hashes (``--trust-client-block-hashes``)."""
     mamba = any(kind == "mamba" for kind, _, _ in setup.groups)
     return ServerConfig(
         kv_cache_groups=",".join(_word(*group) for group in setup.groups),
@@ -151,6 +154,7 @@ def _server_config(setup: SchedulerSetup) -> ServerConfig:
         head_size=16,
         dtype="float16",
         shutdown_grace_s=0,
+        trust_client_block_hashes=trust_hashes,
     )
 
 
@@ -182,11 +186,16 @@ def test_remote_matches_vllm_step_for_step(
     assert first_difference(expected, actual) is None
 
 
-def run_remote(setup: SchedulerSetup, workload: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+def run_remote(
+    setup: SchedulerSetup,
+    workload: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    trust_hashes: bool = False,
+) -> Any:
     """``workload`` on ``KVServiceScheduler`` against a server with ``setup``'s pool:
     its trace, once the scheduler shut down, the server's audit passed, every block came
     back, and every step took at most one round trip."""
-    with server_in_thread(_server_config(setup)) as server:
+    with server_in_thread(_server_config(setup, trust_hashes)) as server:
         monkeypatch.setenv("KVSERVICE_TARGET", server.handle.target)
         scheduler = build_scheduler(setup, KVServiceScheduler)
         trace = workload.run(scheduler)
@@ -199,6 +208,53 @@ def run_remote(setup: SchedulerSetup, workload: Any, monkeypatch: pytest.MonkeyP
             usage = client.get_usage()
             assert (usage.num_requests, usage.num_used_blocks) == (0, 0)
     return trace
+
+
+# The server takes vLLM's block hashes instead of hashing (--trust-client-block-hashes):
+# hash blocks smaller than blocks, windows, preemption, chunked prefills, both modes.
+CLIENT_HASH_CASES = [
+    case
+    for case in [
+        ("full", "sync"),
+        ("preempting", "overlap"),
+        ("hybrid-full-sliding-window", "sync"),
+        ("chunked-prefill", "overlap"),
+        ("hybrid-full-mamba-align-4x-hash", "sync"),
+    ]
+    if case[0] not in REFUSED
+]
+
+
+@pytest.mark.parametrize(("name", "confirm"), CLIENT_HASH_CASES)
+def test_remote_on_vllms_own_hashes_matches_vllm_step_for_step(
+    name: str, confirm: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    setup = SETUPS[name]
+    monkeypatch.setenv("KVSERVICE_CONFIRM", confirm)
+    monkeypatch.setenv("KVSERVICE_CLIENT_BLOCK_HASHES", "auto")
+    traffic = {"hash_block_size": setup.hash_block, **WORKLOADS.get(name, {})}
+    expected = Workload(3, salts=(None, "tenant-a"), **traffic).run(build_scheduler(setup))
+    workload = Workload(3, salts=(None, "tenant-a"), **traffic)
+    actual = run_remote(setup, workload, monkeypatch, trust_hashes=True)
+    assert first_difference(expected, actual) is None
+
+
+def test_the_server_decides_on_the_engines_hashes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hashes the engine sends are the ones the server caches by: an engine whose
+    every request claims the same chain makes the server find hits its replica does
+    not, and the step stops on the difference."""
+    real = ServerLink._new_hashes
+
+    def same_chain_for_all(link: ServerLink, request: Any, num_tokens: int) -> list[bytes]:
+        start = link._server_hashes[request.request_id]
+        sent = real(link, request, num_tokens)
+        return [hashlib.sha256(b"%d" % i).digest() for i in range(start, start + len(sent))]
+
+    monkeypatch.setattr(ServerLink, "_new_hashes", same_chain_for_all)
+    monkeypatch.setenv("KVSERVICE_CLIENT_BLOCK_HASHES", "auto")
+    setup = SETUPS["full"]
+    with pytest.raises(KVServiceManagerError, match="the scheduler's replica answered"):
+        run_remote(setup, Workload(3, salts=(None, "tenant-a")), monkeypatch, trust_hashes=True)
 
 
 def test_remote_on_a_smaller_server_pool_decides_as_vllm_on_that_pool(

@@ -174,6 +174,12 @@ class ServerLink:
         # Tokens the server has of each request, and its num_computed_tokens.
         self._server_tokens: dict[str, int] = {}
         self._server_computed: dict[str, int] = {}
+        # vLLM's block hashes go with the tokens when the server trusts them (it then
+        # hashes nothing); how many the server has of each request.
+        self._sends_hashes = (
+            settings.client_block_hashes and self.server_config.trusts_client_block_hashes
+        )
+        self._server_hashes: dict[str, int] = {}
         # The last lookup of each waiting request: what its allocation attaches.
         self._lookups: dict[str, ComputedBlocks] = {}
         # The hash blocks of each request that a cache_blocks sent covered: a call
@@ -455,12 +461,34 @@ class ServerLink:
                     for f in request.mm_features or ()
                 ],
                 **self._retention_args(request_id),
+                **self._hashes_args(request),
             )
             known = request.num_prompt_tokens
             self._server_computed[request_id] = 0
         if num_tokens > known:
-            self._link.log.append_tokens(request_id, request._all_token_ids[known:])
+            self._link.log.append_tokens(
+                request_id,
+                request._all_token_ids[known:],
+                self._new_hashes(request, num_tokens) if self._sends_hashes else (),
+            )
         self._server_tokens[request_id] = num_tokens
+
+    def _hashes_args(self, request: Any) -> dict[str, Any]:
+        """A new request's ``block_hashes`` when the server takes vLLM's."""
+        if not self._sends_hashes:
+            return {}
+        self._server_hashes[request.request_id] = 0
+        return {"block_hashes": self._new_hashes(request, request.num_prompt_tokens)}
+
+    def _new_hashes(self, request: Any, num_tokens: int) -> list[bytes]:
+        """vLLM's hashes of ``request``'s blocks that its first ``num_tokens`` tokens
+        complete (lookahead tokens counted) and the server does not have."""
+        lookahead = self.server_config.num_hash_lookahead_tokens
+        num_full = max(0, num_tokens - lookahead) // self.server_config.hash_block_size
+        sent = self._server_hashes[request.request_id]
+        hashes: list[bytes] = request.block_hashes[sent:num_full]
+        self._server_hashes[request.request_id] = sent + len(hashes)
+        return hashes
 
     def retain(
         self, request_id: str, config: RetentionConfig | None, pin_ttl_s: float | None
@@ -603,6 +631,7 @@ class ServerLink:
         self._server_cached.pop(request_id, None)
         if finished:
             del self._server_tokens[request_id], self._server_computed[request_id]
+            self._server_hashes.pop(request_id, None)
         else:
             self._server_computed[request_id] = 0
 

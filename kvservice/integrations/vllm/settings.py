@@ -15,11 +15,17 @@ plus these variables is the whole configuration.
 | ``KVSERVICE_CLIENT_ID`` | name shown in the server's logs and metrics (default ``vllm-<pid>``) |
 | ``KVSERVICE_TIMEOUT`` | seconds a call may take before the scheduler gets an error (30) |
 | ``KVSERVICE_CONFIRM`` | ``sync`` (default) or ``overlap``, below |
+| ``KVSERVICE_CLIENT_BLOCK_HASHES`` | ``auto`` (default) or ``off``, below |
 
 ``KVSERVICE_CONFIRM``: with ``sync`` the server confirms each step before the
 scheduler's output leaves ``schedule()``; with ``overlap``, before the next step is
 planned (the round trip overlaps the forward pass: a step the server then refuses was
 executed, and the engine stops before planning another).
+
+``KVSERVICE_CLIENT_BLOCK_HASHES``: with ``auto`` the engine sends vLLM's block hashes
+with each request's tokens when the server trusts them (``kvservice serve
+--trust-client-block-hashes``, or the tenant's ``trust_client_block_hashes``), and the
+server hashes nothing; with ``off`` the server always hashes the tokens itself.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from pathlib import Path
 DEFAULT_SESSION_TTL_S = 30.0
 DEFAULT_TIMEOUT_S = 30.0
 CONFIRM_MODES = ("sync", "overlap")
+CLIENT_BLOCK_HASHES = ("auto", "off")
 
 
 class SettingsError(ValueError):
@@ -73,6 +80,8 @@ class ConnectionSettings:
     client_id: str = ""
     confirm: str = "sync"
     allow_insecure_token: bool = False
+    # Send vLLM's block hashes when the server trusts them (KVSERVICE_CLIENT_BLOCK_HASHES).
+    client_block_hashes: bool = True
 
     @property
     def tls(self) -> bool:
@@ -90,6 +99,11 @@ class ConnectionSettings:
         confirm = env.get("KVSERVICE_CONFIRM") or "sync"
         if confirm not in CONFIRM_MODES:
             raise SettingsError(f"KVSERVICE_CONFIRM={confirm!r}: use one of {list(CONFIRM_MODES)}")
+        hashes = env.get("KVSERVICE_CLIENT_BLOCK_HASHES") or "auto"
+        if hashes not in CLIENT_BLOCK_HASHES:
+            raise SettingsError(
+                f"KVSERVICE_CLIENT_BLOCK_HASHES={hashes!r}: use one of {list(CLIENT_BLOCK_HASHES)}"
+            )
         root = _read_file(env, "KVSERVICE_TLS_CA")
         if cert is not None and root is None:
             raise SettingsError("KVSERVICE_TLS_CERT needs KVSERVICE_TLS_CA (the server's CA)")
@@ -111,4 +125,5 @@ class ConnectionSettings:
             client_id=env.get("KVSERVICE_CLIENT_ID") or f"vllm-{os.getpid()}",
             confirm=confirm,
             allow_insecure_token=allow_insecure_token,
+            client_block_hashes=hashes == "auto",
         )

@@ -334,6 +334,8 @@ class AddRequestRequest(_message.Message):
     PROMPT_EMBEDS_ROW_BYTES_FIELD_NUMBER: _builtins.int
     RETENTION_FIELD_NUMBER: _builtins.int
     CACHE_CONTROL_TTL_FIELD_NUMBER: _builtins.int
+    CLIENT_HASHED_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique among the requests the server knows; must not be empty."""
     cache_salt: _builtins.str
@@ -382,6 +384,17 @@ class AddRequestRequest(_message.Message):
     replica) the pin is placed at the session's next boundaries and, past the budget,
     dropped rather than refusing the request (a scheduler cannot take a request back).
     """
+    client_hashed: _builtins.bool
+    """The client hashes this request's blocks, the server none (vLLM's own hashes:
+    hashing twice is most of an admission's cost on the server). block_hashes then
+    holds the hashes of the prompt's full blocks, in order (vLLM's
+    request.block_hashes), and each AppendTokens the hashes of the blocks it
+    completes; a block sent without its hash is not cached. Needs a server that
+    trusts the caller's hashes (GetCacheConfigResponse.trusts_client_block_hashes;
+    FAILED_PRECONDITION otherwise): a trusted client can poison only its own tenant's
+    cache, since a named tenant's hashes enter under a key of its own. INVALID_ARGUMENT
+    for a hash not of the pool's length or more hashes than full blocks.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """At least one token, at most max_model_len; each id >= 0. Or send the prompt in
@@ -397,6 +410,10 @@ class AddRequestRequest(_message.Message):
         (FAILED_PRECONDITION otherwise); INVALID_ARGUMENT for a priority outside 0-100, a
         negative duration or a range with end <= start.
         """
+
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """With client_hashed only (INVALID_ARGUMENT otherwise): see client_hashed."""
 
     def __init__(
         self,
@@ -414,10 +431,12 @@ class AddRequestRequest(_message.Message):
         prompt_embeds_row_bytes: _builtins.int = ...,
         retention: Global___Retention | None = ...,
         cache_control_ttl: _builtins.str = ...,
+        client_hashed: _builtins.bool = ...,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["retention", b"retention"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_control_ttl", b"cache_control_ttl", "cache_salt", b"cache_salt", "lora_int_id", b"lora_int_id", "lora_name", b"lora_name", "lora_path", b"lora_path", "mm_features", b"mm_features", "packed_prompt_token_ids", b"packed_prompt_token_ids", "prompt_embeds", b"prompt_embeds", "prompt_embeds_row_bytes", b"prompt_embeds_row_bytes", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "retention", b"retention", "skip_reading_prefix_cache", b"skip_reading_prefix_cache"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "cache_control_ttl", b"cache_control_ttl", "cache_salt", b"cache_salt", "client_hashed", b"client_hashed", "lora_int_id", b"lora_int_id", "lora_name", b"lora_name", "lora_path", b"lora_path", "mm_features", b"mm_features", "packed_prompt_token_ids", b"packed_prompt_token_ids", "prompt_embeds", b"prompt_embeds", "prompt_embeds_row_bytes", b"prompt_embeds_row_bytes", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "retention", b"retention", "skip_reading_prefix_cache", b"skip_reading_prefix_cache"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -522,20 +541,28 @@ class AppendTokensRequest(_message.Message):
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """At least one token; the request may not grow past max_model_len."""
+
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """For a client_hashed request (AddRequestRequest.client_hashed): the hashes of the
+        blocks these tokens complete, in order; INVALID_ARGUMENT for any other request.
+        """
 
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "request_id", b"request_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1218,6 +1245,7 @@ class GetCacheConfigResponse(_message.Message):
     USE_EAGLE_FIELD_NUMBER: _builtins.int
     NUM_HASH_LOOKAHEAD_TOKENS_FIELD_NUMBER: _builtins.int
     EAGLE_GROUP_IDS_FIELD_NUMBER: _builtins.int
+    TRUSTS_CLIENT_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     num_blocks: _builtins.int
     """The pool size, null block (id 0) included."""
     max_model_len: _builtins.int
@@ -1292,6 +1320,11 @@ class GetCacheConfigResponse(_message.Message):
     """vLLM 0.33's lookahead block hashes (--num-hash-lookahead-tokens): each block's
     hash also covers this many tokens after it; BlockStored events carry them.
     """
+    trusts_client_block_hashes: _builtins.bool
+    """Whether the caller's tenant may send client_hashed requests
+    (--trust-client-block-hashes for a server without tokens;
+    trust_client_block_hashes in a tenant's table of the tokens file).
+    """
     @_builtins.property
     def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVCacheGroup]: ...
     @_builtins.property
@@ -1327,10 +1360,11 @@ class GetCacheConfigResponse(_message.Message):
         use_eagle: _builtins.bool = ...,
         num_hash_lookahead_tokens: _builtins.int = ...,
         eagle_group_ids: _abc.Iterable[_builtins.int] | None = ...,
+        trusts_client_block_hashes: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_prefix_cache_retention_interval", b"_prefix_cache_retention_interval", "prefix_cache_retention_interval", b"prefix_cache_retention_interval"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prefix_cache_retention_interval", b"_prefix_cache_retention_interval", "blocks_zeroed_by_server", b"blocks_zeroed_by_server", "eagle_group_ids", b"eagle_group_ids", "enable_caching", b"enable_caching", "eviction_policy", b"eviction_policy", "groups", b"groups", "hash_algo", b"hash_algo", "hash_block_size", b"hash_block_size", "max_in_flight_tokens", b"max_in_flight_tokens", "max_model_len", b"max_model_len", "max_pinned_blocks", b"max_pinned_blocks", "model_name", b"model_name", "needs_kv_cache_zeroing", b"needs_kv_cache_zeroing", "none_hash_seed", b"none_hash_seed", "none_hash_seed_fingerprint", b"none_hash_seed_fingerprint", "none_hash_seed_source", b"none_hash_seed_source", "num_blocks", b"num_blocks", "num_hash_lookahead_tokens", b"num_hash_lookahead_tokens", "prefix_cache_retention_interval", b"prefix_cache_retention_interval", "runtime_device", b"runtime_device", "scheduler_block_size", b"scheduler_block_size", "scheduler_epoch", b"scheduler_epoch", "use_eagle", b"use_eagle", "vocab_size", b"vocab_size", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prefix_cache_retention_interval", b"_prefix_cache_retention_interval", "blocks_zeroed_by_server", b"blocks_zeroed_by_server", "eagle_group_ids", b"eagle_group_ids", "enable_caching", b"enable_caching", "eviction_policy", b"eviction_policy", "groups", b"groups", "hash_algo", b"hash_algo", "hash_block_size", b"hash_block_size", "max_in_flight_tokens", b"max_in_flight_tokens", "max_model_len", b"max_model_len", "max_pinned_blocks", b"max_pinned_blocks", "model_name", b"model_name", "needs_kv_cache_zeroing", b"needs_kv_cache_zeroing", "none_hash_seed", b"none_hash_seed", "none_hash_seed_fingerprint", b"none_hash_seed_fingerprint", "none_hash_seed_source", b"none_hash_seed_source", "num_blocks", b"num_blocks", "num_hash_lookahead_tokens", b"num_hash_lookahead_tokens", "prefix_cache_retention_interval", b"prefix_cache_retention_interval", "runtime_device", b"runtime_device", "scheduler_block_size", b"scheduler_block_size", "scheduler_epoch", b"scheduler_epoch", "trusts_client_block_hashes", b"trusts_client_block_hashes", "use_eagle", b"use_eagle", "vocab_size", b"vocab_size", "watermark_blocks", b"watermark_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__prefix_cache_retention_interval: _TypeAlias = _typing.Literal["prefix_cache_retention_interval"]  # noqa: Y015
     _WhichOneofArgType__prefix_cache_retention_interval: _TypeAlias = _typing.Literal["_prefix_cache_retention_interval", b"_prefix_cache_retention_interval"]  # noqa: Y015

@@ -1,0 +1,117 @@
+"""Block hashes a client sends instead of the server computing them.
+
+A scheduler in front of kvservice (vLLM's) has already hashed every prompt block: its
+requests carry ``block_hashes``. Hashing them again on the server is most of the
+server's admission cost, so a request may come ``client_hashed``: its hashes are the
+ones the client sends with AddRequest and with each AppendTokens, and the server
+computes none for it (blocks the client sends no hash for are simply not cached).
+
+Trusting a hash is trusting that it fingerprints the tokens it comes with. A client
+that lies (claims a hash for other tokens) makes later requests that present the
+same hash read KV cache of other tokens. So the trust is per tenant, opt-in, and never
+reaches past the tenant's own namespace:
+
+* The default tenant (a server without a tokens file) is trusted only with
+  ``--trust-client-block-hashes``. Without tokens every client is the same party,
+  which can already reset or free anything in the pool: this is the co-located
+  engine's deployment, and the hashes stay vLLM's byte for byte (KV events and
+  routers see vLLM's own hashes).
+* A named tenant is trusted with ``trust_client_block_hashes = true`` in its table of
+  the tokens file. Its claimed hash ``h`` is entered as ``BLAKE2b(h, key=tenant)``, a
+  keyed digest no other tenant's client can aim: server-computed hashes of named
+  tenants start from a tenant salt, and another trusted tenant's keys are digests
+  under another key, so reaching a key of another tenant takes a second preimage.
+  A trusted tenant can poison only its own cache; it can neither read nor change any
+  other tenant's.
+* Everyone else gets FAILED_PRECONDITION for ``client_hashed`` and the server hashes
+  as before. Hashes sent without ``client_hashed`` are refused (INVALID_ARGUMENT),
+  never silently ignored.
+
+Every claim is checked before anything changes: the pool's hash length, and no more
+hashes than the request has full hash blocks (lookahead tokens counted as vLLM does).
+
+What the server still hashes itself for a trusted named tenant, PinPrefix by tokens,
+names the blocks of its server-hashed requests, not those of its client_hashed ones
+(the default tenant's are the same hashes); a request's own cache_control_ttl pin
+names its blocks by the hashes it sent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection, Sequence
+
+from kvservice.core.block_hashing import BlockHasher
+from kvservice.core.errors import FailedPreconditionError, InvalidArgumentError
+from kvservice.core.kv_cache_block import BlockHash
+from kvservice.request_table.tenancy import DEFAULT_TENANT
+
+_KEY_DOMAIN = b"kvservice-client-block-hashes\x00"
+
+
+class ClientHashes:
+    """Which tenants' hashes the pool takes, and the keys it enters them under."""
+
+    def __init__(self, hasher: BlockHasher, trusted_tenants: Collection[str] = ()) -> None:
+        self.trusted_tenants = frozenset(trusted_tenants)
+        self._hash_length = len(hasher.none_hash)
+        self._hash_block_size = hasher.hash_block_size
+        self._lookahead = hasher.num_hash_lookahead_tokens
+        # tenant -> the BLAKE2b key of its namespace (the default tenant has none).
+        self._tenant_keys: dict[str, bytes] = {}
+
+    def trusts(self, tenant: str) -> bool:
+        return tenant in self.trusted_tenants
+
+    def check_trusted(self, request_id: str, tenant: str) -> None:
+        """FAILED_PRECONDITION for a ``client_hashed`` request of a tenant not trusted."""
+        if tenant in self.trusted_tenants:
+            return
+        fix = (
+            "start the server with --trust-client-block-hashes"
+            if tenant == DEFAULT_TENANT
+            else f"set trust_client_block_hashes = true in [tenants.{tenant}] of the tokens file"
+        )
+        raise FailedPreconditionError(
+            f"request {request_id!r} is client_hashed, but this server does not trust "
+            f"the caller's block hashes; {fix}, or send the request without block hashes "
+            "(the server then hashes its tokens)"
+        )
+
+    def keys(
+        self,
+        request_id: str,
+        tenant: str,
+        hashes: Sequence[bytes],
+        num_known: int,
+        num_tokens: int,
+    ) -> list[BlockHash]:
+        """The cache keys of ``hashes``, claimed after ``num_known`` earlier ones for a
+        request of ``num_tokens`` tokens; INVALID_ARGUMENT for a hash of the wrong
+        length or more hashes than full blocks."""
+        num_full = max(0, num_tokens - self._lookahead) // self._hash_block_size
+        if num_known + len(hashes) > num_full:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: {num_known + len(hashes)} block hashes for "
+                f"{num_full} full blocks of {self._hash_block_size} tokens (of its "
+                f"{num_tokens} tokens, {self._lookahead} lookahead); send a hash only "
+                "for a block the tokens sent so far complete"
+            )
+        length = self._hash_length
+        for index, block_hash in enumerate(hashes):
+            if len(block_hash) != length:
+                raise InvalidArgumentError(
+                    f"request {request_id!r}: block_hashes[{index}] has {len(block_hash)} "
+                    f"bytes; this pool's hashes have {length}"
+                )
+        if tenant == DEFAULT_TENANT:
+            return list(hashes)
+        key = self._tenant_key(tenant)
+        return [hashlib.blake2b(h, key=key, digest_size=length).digest() for h in hashes]
+
+    def _tenant_key(self, tenant: str) -> bytes:
+        key = self._tenant_keys.get(tenant)
+        if key is None:
+            key = hashlib.blake2b(_KEY_DOMAIN + tenant.encode(), digest_size=64).digest()
+            self._tenant_keys[tenant] = key
+        return key
