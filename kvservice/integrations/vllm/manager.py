@@ -195,7 +195,11 @@ class KVServiceKVCacheManager:
             self.core.block_pool.get_usage,
         )
         core_managers = self.core.coordinator.single_type_managers
-        self._core_managers = core_managers
+        # Only a group whose blocks hold several hash blocks can be hit partway into a
+        # block and queue a copy-on-write copy; an allocation reads only those.
+        self._copying_managers = [
+            manager for manager in core_managers if manager.block_size != self.core.hash_block_size
+        ]
         self.coordinator = CoordinatorView(
             [
                 SingleTypeManagerView(i, manager.block_size, group.kv_cache_spec)
@@ -391,7 +395,8 @@ class KVServiceKVCacheManager:
             if new_computed_blocks is not None
             else None
         )
-        if server is not None:
+        copying = server is not None and self._copying_managers
+        if copying:
             # The copies this allocation queues are the ones the server answers it with.
             pending_before = self._num_pending_copies()
         options = allocation_options(
@@ -419,14 +424,13 @@ class KVServiceKVCacheManager:
                 answer = self._no_block_ids  # most decode steps: one shared answer
             else:
                 answer = _ids(new_blocks.blocks)
-            server.allocated(
-                request, num_new_tokens, hit, options, answer, self._copies_since(pending_before)
-            )
+            copies = self._copies_since(pending_before) if copying else ()
+            server.allocated(request, num_new_tokens, hit, options, answer, copies)
         return None if new_blocks is None else self._blocks(new_blocks.blocks)
 
     def _num_pending_copies(self) -> list[int]:
         """How many copy-on-write copies each group's manager has queued."""
-        return [len(manager.pending_cow_copies) for manager in self._core_managers]
+        return [len(manager.pending_cow_copies) for manager in self._copying_managers]
 
     def _copies_since(self, before: list[int]) -> tuple[tuple[int, int], ...]:
         """The copies (src, dst) queued since ``_num_pending_copies`` answered ``before``."""
@@ -434,7 +438,7 @@ class KVServiceKVCacheManager:
             return ()  # almost every allocation
         return tuple(
             (src.block_id, dst.block_id)
-            for manager, num_before in zip(self._core_managers, before, strict=True)
+            for manager, num_before in zip(self._copying_managers, before, strict=True)
             for src, dst in manager.pending_cow_copies[num_before:]
         )
 

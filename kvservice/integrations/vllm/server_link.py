@@ -483,9 +483,11 @@ class ServerLink:
     def _new_hashes(self, request: Any, num_tokens: int) -> list[bytes]:
         """vLLM's hashes of ``request``'s blocks that its first ``num_tokens`` tokens
         complete (lookahead tokens counted) and the server does not have."""
+        sent = self._server_hashes[request.request_id]
+        if len(request.block_hashes) == sent:
+            return []  # most appends: no block completed
         lookahead = self.server_config.num_hash_lookahead_tokens
         num_full = max(0, num_tokens - lookahead) // self.server_config.hash_block_size
-        sent = self._server_hashes[request.request_id]
         hashes: list[bytes] = request.block_hashes[sent:num_full]
         self._server_hashes[request.request_id] = sent + len(hashes)
         return hashes
