@@ -29,8 +29,15 @@ steps/s, each step taking about max(forward, scheduler work); the fake model's o
 the arrivals and the decision check are left out of the clock. Every kvservice mode's
 scheduler outputs, sampled tokens and stats must equal the ``AsyncScheduler``'s.
 
+With ``--profile`` it instead samples (pyinstrument) the churn workload's steps on
+the built-in manager, in-process and remote, and prints where each step goes: the
+manager's share of ``schedule()`` plus ``update_from_output()`` (the manager's own
+methods, everything they call included, and for the remote mode the wait for the
+server), its methods, and the ratio an in-process manager that cost nothing would
+reach (the floor vLLM's own scheduler code sets).
+
     python -m benchmarks.bench_vllm_scheduler [--rounds 5] [--steps 200] [--forward-ms 0]
-        [--async-scheduling]
+        [--async-scheduling] [--profile]
 """
 
 from __future__ import annotations
@@ -451,6 +458,12 @@ def main(argv: list[str] | None = None) -> int:
         help="run every mode as vLLM does with async scheduling on: AsyncScheduler vs "
         "KVServiceAsyncScheduler, in the engine's batch-queue order (2 steps in flight)",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="sample the churn steps of the built-in manager, in-process and remote, "
+        "and print the manager's share of each step instead of timing",
+    )
     args = parser.parse_args(argv)
     # The same server also on a Unix domain socket: the co-located engine's transport.
     socket_dir = tempfile.mkdtemp(prefix="kvservice-")
@@ -472,6 +485,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _compare(args: argparse.Namespace, server_args: list[str], socket_path: str) -> int:
+    if args.profile:
+        with child_server(server_args) as server:
+            _profile(server.target, server.pid, args.steps)
+        return 0
     with child_server(server_args) as server:
         modes = [
             Mode("vllm built-in", Scheduler, None),
@@ -606,6 +623,77 @@ def _report_async(
             "AsyncScheduler's, in every round"
         )
     return not differ
+
+
+# Where a sampled step's time is the KV cache manager's: vLLM's manager and what it
+# calls, or kvservice's adapter, link, client and core.
+_MANAGER_PATHS = (
+    "vllm/v1/core/kv_cache_manager.py",
+    "vllm/v1/core/kv_cache_coordinator.py",
+    "vllm/v1/core/single_type_kv_cache_manager.py",
+    "vllm/v1/core/block_pool.py",
+    "/kvservice/",
+)
+_STEP_FUNCTIONS = frozenset({"schedule", "update_from_output"})
+
+
+def _profile(target: str, server_pid: int | None, steps: int) -> None:
+    from pyinstrument import Profiler  # noqa: PLC0415 (a dev tool: only this option needs it)
+
+    modes = [
+        Mode("vllm built-in", Scheduler, None),
+        Mode("kvservice in-process", KVServiceScheduler, None),
+        Mode("remote, vLLM hashes", KVServiceScheduler, target, "sync", server_pid, True),
+    ]
+    shares = {}
+    for mode in modes:
+        profiler = Profiler(interval=0.0002)
+        with profiler:
+            _run(mode, "churn", steps, 0, 0.0)
+        session = profiler.last_session
+        assert session is not None
+        step_s, methods = _manager_time(session.root_frame())
+        manager_s = sum(methods.values())
+        shares[mode.name] = manager_s / step_s
+        print(
+            f"\n{mode.name}: {1000 * step_s / steps:.2f} ms a step sampled, the manager "
+            f"{100 * manager_s / step_s:.0f}% of it"
+        )
+        for method, seconds in sorted(methods.items(), key=lambda kv: -kv[1])[:8]:
+            print(f"  {100 * seconds / step_s:5.1f}%  {method}")
+    floor = 1 / (1 - shares["vllm built-in"])
+    print(
+        f"\nan in-process manager costing nothing would make the step {floor:.2f}x the "
+        "built-in manager's (vLLM's own scheduler code is the rest); sampled with the "
+        "profiler on, so shares, not speeds"
+    )
+
+
+def _manager_time(root: Any) -> tuple[float, dict[str, float]]:
+    """Seconds in the scheduler's step functions, and the manager's share of them by
+    the manager's outermost method (everything it calls included)."""
+    methods: dict[str, float] = {}
+    step_s = 0.0
+
+    def manager_frames(frame: Any) -> None:
+        if any(part in (frame.file_path or "") for part in _MANAGER_PATHS):
+            methods[frame.function] = methods.get(frame.function, 0.0) + frame.time
+            return
+        for child in frame.children:
+            manager_frames(child)
+
+    def walk(frame: Any) -> None:
+        nonlocal step_s
+        if frame.function in _STEP_FUNCTIONS and "sched/" in (frame.file_path or ""):
+            step_s += frame.time
+            for child in frame.children:
+                manager_frames(child)
+            return
+        for child in frame.children:
+            walk(child)
+
+    walk(root)
+    return step_s, methods
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ MODES = (
     "vllm built-in",
     "kvservice in-process",
     "kvservice remote",
+    "remote, vLLM hashes",
     "kvservice remote overlap",
+    "overlap, vLLM hashes",
     "kvservice remote unix",
 )
 
@@ -26,6 +28,7 @@ def _restore_kvservice_env(monkeypatch: pytest.MonkeyPatch) -> None:
     # The benchmark points KVSERVICE_TARGET at its child server, which is gone after.
     monkeypatch.delenv("KVSERVICE_TARGET", raising=False)
     monkeypatch.setenv("KVSERVICE_CONFIRM", "sync")
+    monkeypatch.delenv("KVSERVICE_CLIENT_BLOCK_HASHES", raising=False)
 
 
 def _rows(out: str, workload: str) -> None:
@@ -52,6 +55,18 @@ def test_bench_vllm_scheduler_sync_smoke(capsys: pytest.CaptureFixture[str]) -> 
     assert "\ndecode: 256 requests, 2 steps x 1 rounds" in out, out
     _rows(out, "decode")
     assert "async" not in out
+
+
+def test_bench_vllm_scheduler_profile_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    """The profile names each manager's share of the step and its methods."""
+    assert bench_vllm_scheduler.main(["--profile", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    for mode in ("vllm built-in", "kvservice in-process", "remote, vLLM hashes"):
+        assert re.search(
+            rf"^{re.escape(mode)}: [\d.]+ ms a step sampled, the manager \d+%", out, re.M
+        ), out
+    assert re.search(r"^ +[\d.]+% +allocate_slots$", out, re.M), out
+    assert "costing nothing would make the step" in out
 
 
 def test_the_async_report_names_a_mode_that_decided_otherwise(
