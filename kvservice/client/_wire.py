@@ -614,6 +614,44 @@ def _entry_block_ids(msg: pb.AllocateSlotsBatchResponse) -> list[BlockIds]:
     return entries
 
 
+def allocation_run_matches(
+    msg: pb.AllocateSlotsBatchResponse, first: int, answers: Sequence[BlockIds | None]
+) -> bool:
+    """Whether entries ``first`` on of an AllocateSlotsBatchResponse all ran, without
+    copy-on-write copies, and got exactly ``answers`` (new block ids per group; None:
+    no room), read from the columns without decoding an entry."""
+    num_groups, last = msg.num_groups, first + len(answers)
+    if (
+        msg.num_run < last
+        or any(first <= error.index < last for error in msg.errors)
+        or msg.block_copies_to_apply
+        or msg.block_copies_applied
+        or len(msg.num_new_blocks) < last * num_groups
+    ):
+        return False
+    empty = [0] * num_groups
+    counts: list[int] = []
+    ids: list[int] = []
+    no_space: list[int] = []
+    for row, groups in enumerate(answers, first):
+        if groups is None:
+            no_space.append(row)
+            counts.extend(empty)
+        elif len(groups) != num_groups:
+            return False
+        else:
+            for group in groups:
+                counts.append(len(group))
+                ids.extend(group)
+    all_counts = msg.num_new_blocks
+    start = sum(all_counts[: first * num_groups]) if first else 0
+    return (
+        all_counts[first * num_groups : last * num_groups] == counts
+        and msg.new_block_ids[start : start + len(ids)] == ids
+        and [row for row in msg.no_space if first <= row < last] == no_space
+    )
+
+
 class _ExtraColumns:
     """The zeroing and copy columns of an AllocateSlotsBatchResponse, cut per entry
     (each column is empty when no entry has anything in it)."""

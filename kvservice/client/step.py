@@ -421,6 +421,17 @@ class StepResults:
                 raise error_for_number(value.code, value.message)
         return values
 
+    def allocations_match(
+        self, handle: RunHandle[Allocation | None], answers: Sequence[BlockIds | None]
+    ) -> bool:
+        """Whether ``allocate_slots_batch``'s entries all ran, without copy-on-write
+        copies, and got exactly ``answers`` (new block ids per group; None: no room),
+        checked on the columns without decoding an entry (``rows`` gives the detail)."""
+        result = self._results[handle.wire]
+        if result.WhichOneof("result") != _wire.ALLOCATE_SLOTS_BATCH:
+            return False
+        return _wire.allocation_run_matches(result.allocate_slots_batch, handle.row, answers)
+
     def error(self, handle: OpHandle[Any]) -> KVServiceError | None:
         """The operation's error, or None if it succeeded."""
         if handle.row < 0:

@@ -87,6 +87,9 @@ class StepLog:
         self._keep_copy_holds = keep_copy_holds
         # (request id, prompt, StepBuilder.add_request's keyword arguments)
         self._new: list[tuple[str, Sequence[int], dict[str, Any]]] = []
+        # One token each: the decode step's appends, sent as one columnar operation.
+        self._ones: dict[str, int] = {}
+        # Several tokens, or a request's second append of the step.
         self._appends: dict[str, list[int]] = {}
         # A client_hashed request's hashes of the blocks its appends complete.
         self._appended_hashes: dict[str, list[bytes]] = {}
@@ -95,16 +98,34 @@ class StepLog:
         self._run: AllocationRun | None = None
 
     def __bool__(self) -> bool:
-        return bool(self._new or self._appends or self._ops)
+        return bool(self._new or self._ones or self._appends or self._ops)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], **kwargs: Any) -> None:
         """``StepBuilder.add_request(request_id, prompt_token_ids, **kwargs)``."""
         self._new.append((request_id, prompt_token_ids, kwargs))
 
+    def append_token(self, request_id: str, token_id: int) -> None:
+        """``append_tokens(request_id, [token_id])``: a decode step's, recorded as a
+        column entry."""
+        tokens = self._appends.get(request_id)
+        if tokens is not None:
+            tokens.append(token_id)
+        elif request_id in self._ones:
+            self._appends[request_id] = [self._ones.pop(request_id), token_id]
+        else:
+            self._ones[request_id] = token_id
+
     def append_tokens(
         self, request_id: str, token_ids: Sequence[int], block_hashes: Sequence[bytes] = ()
     ) -> None:
-        self._appends.setdefault(request_id, []).extend(token_ids)
+        if len(token_ids) == 1 and not block_hashes:
+            self.append_token(request_id, token_ids[0])
+            return
+        tokens = self._appends.get(request_id)
+        if tokens is None:
+            one = self._ones.pop(request_id, None)
+            tokens = self._appends[request_id] = [] if one is None else [one]
+        tokens.extend(token_ids)
         if block_hashes:
             self._appended_hashes.setdefault(request_id, []).extend(block_hashes)
 
@@ -144,14 +165,13 @@ class StepLog:
         step = StepBuilder(omit_request_state=True, keep_copy_holds=self._keep_copy_holds)
         for request_id, prompt, kwargs in self._new:
             step.add_request(request_id, prompt, **kwargs)
-        appends, hashes = self._appends, self._appended_hashes
-        # One token and no hash: the decode step's columnar batch. An append that
-        # completes a client_hashed request's block travels alone, with its hash.
-        ones = [r for r, tokens in appends.items() if len(tokens) == 1 and r not in hashes]
-        step.append_tokens_batch(ones, [appends[request_id][0] for request_id in ones])
-        for request_id, tokens in appends.items():
-            if len(tokens) > 1 or request_id in hashes:
-                step.append_tokens(request_id, tokens, hashes.get(request_id, ()))
+        # One token each: the decode step's columnar batch. An append of several
+        # tokens, or one that completes a client_hashed request's block (with its
+        # hash), travels alone.
+        step.append_tokens_batch(list(self._ones), list(self._ones.values()))
+        hashes = self._appended_hashes
+        for request_id, tokens in self._appends.items():
+            step.append_tokens(request_id, tokens, hashes.get(request_id, ()))
         expected: list[Expected | AllocationRun] = []
         for op in self._ops:
             if isinstance(op, AllocationRun):

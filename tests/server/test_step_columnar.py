@@ -268,11 +268,27 @@ def test_batch_calls_read_as_their_single_operations(
                     got.rows(handle)
                 assert raised.value.message == errors[0].message
             else:
-                assert got.rows(handle) == [want[h] for h in handles]
+                rows: list[Any] = got.rows(handle)
+                assert rows == [want[h] for h in handles]
+                if any(isinstance(row, Allocation) for row in rows):
+                    assert_columns_match(got, handle, rows)
         assert coalesced.state() == plain.state()
     finally:
         coalesced.finish()
         plain.finish()
+
+
+def assert_columns_match(
+    results: StepResults, run: RunHandle[Allocation | None], rows: list[Allocation | None]
+) -> None:
+    """``allocations_match`` (the remote-step link's check on the columns) agrees with
+    the decoded ``rows``, and sees any one entry answered otherwise."""
+    answers = [None if row is None else row.new_block_ids for row in rows]
+    copies = any(row and (row.block_copies_to_apply or row.block_copies_applied) for row in rows)
+    assert results.allocations_match(run, answers) is not copies
+    for index, answer in enumerate(answers):
+        other = ((10**6,),) if answer is None else None
+        assert not results.allocations_match(run, [*answers[:index], other, *answers[index + 1 :]])
 
 
 def test_a_batch_call_that_the_message_refuses_leaves_the_builder_as_it_was() -> None:
@@ -547,3 +563,24 @@ def test_a_value_the_message_refuses_leaves_the_builder_as_it_was(coalesce: bool
     assert len(builder) == 1
     builder.allocate_slots("a", 1)
     assert len(builder) == 2 and len(builder.to_pb().ops) == 2
+
+
+def test_a_run_joined_mid_batch_is_checked_on_its_own_rows(zeroing: Twin) -> None:
+    """Two plain-allocation runs share one AllocateSlotsBatch: the second's columns
+    start after the first's blocks and no-room row, and each run matches its own
+    answers only."""
+    for rid in "abc":
+        zeroing.client.add_request(rid, tokens(BLOCK))
+    builder = StepBuilder(omit_request_state=True)
+    first = builder.allocate_slots_batch(["a", "b"], [3 * BLOCK, 8 * BLOCK])
+    second = builder.allocate_slots_batch(["c"], [2 * BLOCK])
+    assert (first.wire, second.wire, second.row) == (0, 0, 2)
+    results = zeroing.client.step(builder)
+    a, b = results.rows(first)
+    (c,) = results.rows(second)
+    assert a is not None and b is None and c is not None
+    assert results.allocations_match(first, [a.new_block_ids, None])
+    assert results.allocations_match(second, [c.new_block_ids])
+    assert not results.allocations_match(second, [a.new_block_ids])
+    assert not results.allocations_match(first, [a.new_block_ids, c.new_block_ids])
+    zeroing.finish()

@@ -466,11 +466,11 @@ class ServerLink:
             known = request.num_prompt_tokens
             self._server_computed[request_id] = 0
         if num_tokens > known:
-            self._link.log.append_tokens(
-                request_id,
-                request._all_token_ids[known:],
-                self._new_hashes(request, num_tokens) if self._sends_hashes else (),
-            )
+            hashes = self._new_hashes(request, num_tokens) if self._sends_hashes else ()
+            if num_tokens == known + 1 and not hashes:
+                self._link.log.append_token(request_id, request._all_token_ids[known])
+            else:
+                self._link.log.append_tokens(request_id, request._all_token_ids[known:], hashes)
         self._server_tokens[request_id] = num_tokens
 
     def _hashes_args(self, request: Any) -> dict[str, Any]:
@@ -545,7 +545,8 @@ class ServerLink:
         attached = self._attached_hit(request_id, hit) if hit[0] else None
         self._send_tokens(request)
         # vLLM's defaults (a decode step's plain call) are sent as no options at all.
-        plain = allocation_options == PLAIN_ALLOCATION
+        # allocation_options() gives vLLM's defaults as PLAIN_ALLOCATION itself.
+        plain = allocation_options is PLAIN_ALLOCATION
         num_computed_tokens = request.num_computed_tokens
         server_computed = self._server_computed
         # Async scheduling keeps steps in flight; only windows read that.
