@@ -19,8 +19,15 @@ round (median, lowest-highest). The engines must decide alike: a digest of every
 answer (hits, chunk ids, evictions, refusals) is compared per round, and a difference
 is printed as DECISIONS DIFFER.
 
+With ``--served`` a third engine runs kvservice's manager with its index served by a
+kvservice server (a child process on loopback, ``kvservice_target``): the manager
+above is then the engine's replica, every call is recorded and sent once per
+``--requests-per-step`` requests (one ``OffloadStep``, checked at the next), and the
+server runs and checks each one. Its ops/s are the engine's process CPU as for the
+others; the server's CPU per op is printed apart.
+
 Run: ``python -m benchmarks.bench_offload_index`` (``--chunks 100000,1000000``,
-``--rounds 5``; vLLM must be installed, as for the differential tests).
+``--rounds 5``, ``--served``; vLLM must be installed, as for the differential tests).
 """
 
 from __future__ import annotations
@@ -29,12 +36,14 @@ import argparse
 import gc
 import os
 import random
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvservice.bench.measure import ratio_columns, rotated
+from kvservice.bench.measure import process_cpu_seconds, ratio_columns, rotated
+from kvservice.bench.server import child_server
 
 VLLM_ENV = {
     "VLLM_TARGET_DEVICE": "cpu",
@@ -43,6 +52,7 @@ VLLM_ENV = {
     "VLLM_LOGGING_LEVEL": "ERROR",
 }
 ENGINES = ("vLLM", "kvservice")
+SERVED = "kvservice served"
 POLICIES = ("lru", "arc")
 TOKENS_PER_CHUNK = 16
 STORE_BATCH = 16
@@ -60,11 +70,13 @@ def load_engines() -> dict[str, Any]:
 
     from kvservice.integrations.vllm.offloading import (  # noqa: PLC0415
         KVServiceOffloadingManager,
+        open_link,
     )
 
     return {
         "vLLM": CPUOffloadingManager,
         "kvservice": KVServiceOffloadingManager,
+        "open_link": open_link,
         "ReqContext": ReqContext,
         "HIT": LookupResult.HIT,
     }
@@ -163,6 +175,9 @@ class Engine:
     manager: Any
     hit: Any
     new_context: Callable[[str], Any]
+    # Served: one scheduler step (on_schedule_end, which sends the step) this many
+    # requests; 0: never (an index in the process).
+    requests_per_step: int = 0
     in_flight: list[tuple[int, bool, list[bytes], Any]] = field(default_factory=list)
     num_served: int = 0
     ops_per_s: list[float] = field(default_factory=list)
@@ -183,6 +198,11 @@ class Engine:
             output = self.manager.prepare_store(batch, ctx)
             self.manager.complete_store(output.keys_to_store, ctx)
             self.manager.on_request_finished(ctx)
+            self._step_end(always=True)
+
+    def _step_end(self, always: bool = False) -> None:
+        if self.requests_per_step and (always or self.num_served % self.requests_per_step == 0):
+            self.manager.on_schedule_end(None)
 
     def run(self, plans: Sequence[RequestPlan]) -> Digest:
         """Serve ``plans`` (their contexts made first, untimed); what was answered."""
@@ -192,6 +212,9 @@ class Engine:
         start = time.process_time()
         for plan, ctx in zip(plans, contexts, strict=True):
             self._serve(plan, ctx)
+        self._step_end(always=True)
+        if self.requests_per_step:
+            self.manager.link.confirm()  # the last step's answer, inside the clock
         seconds = time.process_time() - start
         self.ops_per_s.append(self.digest.ops / max(seconds, 1e-9))
         return self.digest
@@ -220,6 +243,7 @@ class Engine:
         digest.requests += 1
         self.num_served += 1
         self._complete(self.num_served - COMPLETION_DELAY)
+        self._step_end()
 
     def _store(self, keys: list[bytes], ctx: Any) -> None:
         digest = self.digest
@@ -261,13 +285,41 @@ class Row:
     ops_per_s: dict[str, list[float]]
     mix: Digest
     same: bool
+    # Served: the server's CPU microseconds per op, per round.
+    server_us_per_op: list[float] = field(default_factory=list)
 
 
-def measure(classes: dict[str, Any], policy: str, num_chunks: int, args: argparse.Namespace) -> Row:
+def _engines(classes: dict[str, Any], policy: str, num_chunks: int, served: Any) -> list[Engine]:
     engines = [
         Engine(name, classes[name](num_chunks, policy), classes["HIT"], classes["ReqContext"])
         for name in ENGINES
     ]
+    if served is not None:
+        manager = classes["kvservice"](num_chunks, policy)
+        manager.link = classes["open_link"](manager, served.target)
+        engines.append(
+            Engine(SERVED, manager, classes["HIT"], classes["ReqContext"], served.requests_per_step)
+        )
+    return engines
+
+
+@dataclass(frozen=True)
+class Served:
+    """The server a served engine's index lives on."""
+
+    target: str
+    pid: int
+    requests_per_step: int
+
+
+def measure(
+    classes: dict[str, Any],
+    policy: str,
+    num_chunks: int,
+    args: argparse.Namespace,
+    served: Served | None = None,
+) -> Row:
+    engines = _engines(classes, policy, num_chunks, served)
     # Keys of their own (a 0xff first byte): none of the stream's.
     fill_keys = [b"\xff" + i.to_bytes(7, "big") + b"\0\0\0\0" for i in range(num_chunks)]
     for engine in engines:
@@ -276,12 +328,24 @@ def measure(classes: dict[str, Any], policy: str, num_chunks: int, args: argpars
     stream = RequestStream(args.seed)
     same = True
     mix = Digest()
+    server_us: list[float] = []
     for r in range(args.rounds):
         plans = [stream.next() for _ in range(args.requests)]
-        digests = {e.name: e.run(plans) for e in rotated(engines, r)}
+        digests = {}
+        for engine in rotated(engines, r):
+            server_cpu = (
+                process_cpu_seconds(served.pid) if engine.name == SERVED and served else None
+            )
+            digests[engine.name] = engine.run(plans)
+            if served is not None and server_cpu is not None:
+                used = (process_cpu_seconds(served.pid) or 0.0) - server_cpu
+                server_us.append(1e6 * used / max(digests[engine.name].ops, 1))
         same &= len({d.decisions() for d in digests.values()}) == 1
         mix = digests["vLLM"]
-    return Row(policy, num_chunks, {e.name: e.ops_per_s for e in engines}, mix, same)
+    for engine in engines:
+        if engine.name == SERVED:
+            engine.manager.shutdown()  # ends the session: the server drops the index
+    return Row(policy, num_chunks, {e.name: e.ops_per_s for e in engines}, mix, same, server_us)
 
 
 def machine_load() -> str:
@@ -292,10 +356,18 @@ def machine_load() -> str:
 def print_row(row: Row) -> None:
     vllm, ours = row.ops_per_s["vLLM"], row.ops_per_s["kvservice"]
     ratios = [o / v for o, v in zip(ours, vllm, strict=True)]
-    print(
+    line = (
         f"{row.policy:<7}{row.num_chunks:>10,}{max(vllm):>13,.0f}{max(ours):>16,.0f}"
         f"{ratio_columns(ratios)}"
     )
+    served = row.ops_per_s.get(SERVED)
+    if served is not None:
+        served_ratios = [o / v for o, v in zip(served, vllm, strict=True)]
+        line += (
+            f"{max(served):>15,.0f}{ratio_columns(served_ratios)}"
+            f"{statistics.median(row.server_us_per_op):>13.2f}"
+        )
+    print(line)
     if not row.same:
         print("  !! DECISIONS DIFFER between the engines")
 
@@ -320,7 +392,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=2000, help="requests per round")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--served",
+        action="store_true",
+        help="also kvservice's index served by a kvservice server (a child process)",
+    )
+    parser.add_argument("--requests-per-step", type=int, default=16)
     args = parser.parse_args(argv)
+    if not args.served:
+        return _main(args, None)
+    with child_server(["--max-step-ops=65536", "--session-ttl-min=1"]) as server:
+        assert server.pid is not None
+        return _main(args, Served(server.target, server.pid, args.requests_per_step))
+
+
+def _main(args: argparse.Namespace, served: Served | None) -> int:
     classes = load_engines()
     from kvservice.core import COMPILED  # noqa: PLC0415
 
@@ -332,14 +418,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "kvservice/vLLM per round: median, lowest-highest"
     )
     print(f"machine: {machine_load()} at start")
-    print(
+    header = (
         f"{'policy':<7}{'chunks':>10}{'vLLM ops/s':>13}{'kvservice ops/s':>16}"
         f"{'ratio':>8}{'spread':>13}"
     )
+    if served is not None:
+        print(
+            f"served: the index on a kvservice server at {served.target}, one OffloadStep "
+            f"per {served.requests_per_step} requests; server CPU us/op apart"
+        )
+        header += f"{'served ops/s':>15}{'ratio':>8}{'spread':>13}{'server us/op':>13}"
+    print(header)
     rows = []
     for num_chunks in (int(n) for n in args.chunks.split(",")):
         for policy in args.policies.split(","):
-            row = measure(classes, policy, num_chunks, args)
+            row = measure(classes, policy, num_chunks, args, served)
             print_row(row)
             rows.append(row)
     for row in rows:

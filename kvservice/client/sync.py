@@ -302,6 +302,14 @@ class KVClient:
             self._stub.Step.future(request, metadata=self._metadata, timeout=self._timeout)
         )
 
+    def start_offload_step(self, request: pb.OffloadStepRequest) -> StartedOffloadStep:
+        """Start one ``OffloadStep`` (a CPU offload tier's step, built by
+        ``kvservice.client.offload_link``) without waiting: ``result()`` waits
+        for it, or raises the call's typed error. Under this client's session only."""
+        return StartedOffloadStep(
+            self._stub.OffloadStep.future(request, metadata=self._metadata, timeout=self._timeout)
+        )
+
     def audit(self) -> AuditReport:
         """Have the server check every invariant of its pool (O(pool size))."""
         return audit_report(self._invoke("Audit", pb.AuditRequest()))
@@ -407,6 +415,22 @@ class StartedStep:
             except grpc.RpcError as err:
                 raise error_from_rpc(err) from None
         return self._results
+
+
+class StartedOffloadStep:
+    """An ``OffloadStep`` call on its way (``KVClient.start_offload_step``)."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Any) -> None:
+        self._future = future
+
+    def result(self) -> pb.OffloadStepResponse:
+        try:
+            response: pb.OffloadStepResponse = self._future.result()
+        except grpc.RpcError as err:
+            raise error_from_rpc(err) from None
+        return response
 
 
 class Session:

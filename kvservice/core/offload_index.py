@@ -753,9 +753,22 @@ class OffloadIndex:
         self._policy.touch(list(keys))
 
     def complete_load(self, keys: Iterable[bytes]) -> None:
+        """The loads of ``keys`` (one per listing) are done. InvalidArgumentError,
+        nothing changed, for a key with fewer loads in flight than listed."""
+        keys = list(keys)
+        loads: dict[bytes, int] = {}
+        for key in keys:
+            loads[key] = loads.get(key, 0) + 1
+        for key, count in loads.items():
+            held = self._policy.get(key)
+            if held is None or held.ref_cnt < count:
+                raise InvalidArgumentError(
+                    f"cannot complete {count} load(s) of offload key {key.hex()}: "
+                    f"{0 if held is None else max(held.ref_cnt, 0)} in flight"
+                )
         for key in keys:
             chunk = self._policy.get(key)
-            assert chunk is not None and chunk.ref_cnt > 0, f"no load of {key.hex()} to complete"
+            assert chunk is not None
             chunk.ref_cnt -= 1
             if chunk.ref_cnt == 0:
                 self._num_evictable += 1
@@ -839,9 +852,9 @@ class OffloadIndex:
             chunk_ids.append(self._free_list.pop())
         return chunk_ids
 
-    def complete_store(self, keys: Iterable[bytes], success: bool = True) -> None:
+    def complete_store(self, keys: Iterable[bytes], success: bool = True) -> list[bytes]:
         """Stores done: the keys become readable (``success``), or are dropped and their
-        chunks freed. Keys not being stored are ignored."""
+        chunks freed. Keys not being stored are ignored; returns the others."""
         done: list[bytes] = []
         for key in keys:
             chunk = self._policy.get(key)
@@ -858,6 +871,7 @@ class OffloadIndex:
             done.append(key)
         if done and self._events is not None:
             self._events.append(IndexEvent(done, removed=not success, metadata_only=not success))
+        return done
 
     # -- the whole tier --
 

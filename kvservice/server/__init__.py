@@ -34,6 +34,7 @@ NOT_COMPILED = (
     "log.py",
     "loop_watch.py",
     "metrics.py",
+    "offload_tiers.py",
     "probes.py",
     "runtime.py",
     "servicer.py",

@@ -49,6 +49,7 @@ from kvservice.server.metrics import (
     MetricsEndpoint,
     RetentionSource,
 )
+from kvservice.server.offload_tiers import OffloadTiers
 from kvservice.server.probes import LoopProbe
 from kvservice.server.runtime import build_runtime, kv_cache_budget
 from kvservice.server.servicer import KVCacheServicer
@@ -181,6 +182,13 @@ class KVCacheServer:
         self.sessions = SessionRegistry(
             self.table, SessionPolicy.of(config), self.metrics, turn=self.turn
         )
+        # The engines' CPU offload tier indexes, each dropped with its session.
+        self.offload_tiers = OffloadTiers(
+            config.max_step_ops,
+            self.events.publish if self.events is not None else None,
+            self.metrics,
+        )
+        self.sessions.end_listeners.append(self.offload_tiers.session_ended)
         self.auditor = Auditor(self.table, self.sessions, self.metrics, turn=self.turn)
         self._operations = OperationCache(config.idempotency_cache_size)
         self._reaper = SessionReaper(self.sessions, turn=self.turn)
@@ -310,6 +318,7 @@ class KVCacheServer:
             auditor=self.auditor,
             turn=self.turn,
             seed_source=hash_seed_source(config),
+            offload_tiers=self.offload_tiers,
         )
         pb_grpc.add_KVCacheServiceServicer_to_server(
             cast("pb_grpc.KVCacheServiceServicer", servicer), server

@@ -68,3 +68,11 @@ class RuntimeUnavailableError(KVCacheError):
     with code 2), never by an RPC."""
 
     status = "FAILED_PRECONDITION"
+
+
+class OffloadTierStoppedError(KVCacheError):
+    """An OffloadStep operation the server's offload index refused or answered otherwise
+    than the engine's replica: the two no longer agree, and the index stops
+    (``offload_tiers``)."""
+
+    status = "FAILED_PRECONDITION"

@@ -142,6 +142,7 @@ class KVCacheMetrics:
         self._declare_lifecycle_series()
         self._declare_loop_series()
         self._declare_security_series()
+        self._declare_offload_series()
         self._export_cache_config(manager)
 
     def _counter(self, name: str, doc: str) -> Counter:
@@ -322,6 +323,61 @@ class KVCacheMetrics:
             (*_LABELS, "tenant"),
             registry=self.registry,
         )
+
+    def _declare_offload_series(self) -> None:
+        """The CPU offload tiers kvservice indexes (``OffloadStep``), every engine's
+        together; declared (at zero) on a server that serves none."""
+        self._offload_stored = self._counter(
+            "kvservice_offload_keys_stored",
+            "Chunks the CPU offload tiers finished storing (vLLM's complete_store).",
+        )
+        self._offload_store_failures = self._counter(
+            "kvservice_offload_store_failures",
+            "Chunks whose store to a CPU offload tier failed (dropped, never readable).",
+        )
+        self._offload_loaded = self._counter(
+            "kvservice_offload_keys_loaded",
+            "Chunks loaded back from the CPU offload tiers (prefix hits in the tier).",
+        )
+        self._offload_evicted = self._counter(
+            "kvservice_offload_keys_evicted",
+            "Chunks the CPU offload tiers evicted to make room for stores.",
+        )
+        self._offload_bytes_stored = self._counter(
+            "kvservice_offload_bytes_stored",
+            "Bytes stored to the CPU offload tiers (chunks stored x the engine's chunk "
+            "size; 0 when the engine does not give it).",
+        )
+        self._offload_bytes_loaded = self._counter(
+            "kvservice_offload_bytes_loaded", "Bytes loaded back from the CPU offload tiers."
+        )
+        self._offload_chunks_used = self._gauge(
+            "kvservice_offload_chunks_used",
+            "Chunks of the CPU offload tiers in use (stored, being stored or read).",
+        )
+        self._offload_chunks = self._gauge(
+            "kvservice_offload_chunks", "Chunks of the CPU offload tiers, in all."
+        )
+        self._offload_tiers = self._gauge(
+            "kvservice_offload_tiers", "CPU offload tiers indexed (one per engine session)."
+        )
+
+    # -- OffloadCounters (``offload_tiers``) ------------------------------------------
+
+    def record_offload_step(
+        self, stored: int, failed: int, loaded: int, evicted: int, chunk_bytes: int
+    ) -> None:
+        self._offload_stored.inc(stored)
+        self._offload_store_failures.inc(failed)
+        self._offload_loaded.inc(loaded)
+        self._offload_evicted.inc(evicted)
+        self._offload_bytes_stored.inc(stored * chunk_bytes)
+        self._offload_bytes_loaded.inc(loaded * chunk_bytes)
+
+    def record_offload_usage(self, chunks_used: int, chunks: int, tiers: int) -> None:
+        self._offload_chunks_used.set(chunks_used)
+        self._offload_chunks.set(chunks)
+        self._offload_tiers.set(tiers)
 
     def record_rate_delay(self, tenant: str, seconds: float) -> None:
         """A stream message of ``tenant`` was held back ``seconds`` to its rate."""

@@ -25,6 +25,7 @@ from kvservice.server.audit import Auditor
 from kvservice.server.caller import Caller
 from kvservice.server.config import HashSeedSource
 from kvservice.server.events import EventLog, SubscriberDroppedError
+from kvservice.server.offload_tiers import OffloadTiers
 from kvservice.server.sessions import SessionPolicy, SessionRegistry
 from kvservice.server.step import StepRunner
 from kvservice.server.turns import Slices, TableTurn
@@ -49,6 +50,7 @@ class KVCacheServicer:
         auditor: Auditor | None = None,
         turn: TableTurn | None = None,
         seed_source: HashSeedSource = HashSeedSource.RANDOM,
+        offload_tiers: OffloadTiers | None = None,
     ) -> None:
         self._table = table
         # The table's turn, shared with everything else that touches it.
@@ -65,6 +67,11 @@ class KVCacheServicer:
         self._events = events
         # Where the hash chain's seed came from (GetCacheConfig reports it).
         self._seed_source = seed_source
+        # The engines' CPU offload tier indexes (OffloadStep), dropped with their session.
+        if offload_tiers is None:
+            offload_tiers = OffloadTiers(max_step_ops)
+            self._sessions.end_listeners.append(offload_tiers.session_ended)
+        self._offload_tiers = offload_tiers
 
     async def _run(
         self, operation: operations.Operation, request: Any, response: Response, caller: Caller
@@ -249,6 +256,16 @@ class KVCacheServicer:
             response = pb.StepStreamResponse()
             await self._steps.run(message.step, response.step, caller)
             yield response
+
+    async def OffloadStep(  # noqa: N802
+        self, request: pb.OffloadStepRequest, context: Context, caller: Caller
+    ) -> pb.OffloadStepResponse:
+        """One scheduler step of the caller's engine's CPU offload tier index: its
+        replica's operations, run in order and each answer checked (``offload_tiers``).
+        FAILED_PRECONDITION without a session, for another config, once the index
+        stopped, and at the first operation refused or answered otherwise (the index
+        stops); INVALID_ARGUMENT for a malformed message (nothing run)."""
+        return self._offload_tiers.step(caller.session_id, request)
 
     async def SubscribeEvents(  # noqa: N802
         self, request: pb.SubscribeEventsRequest, context: Context, caller: Caller

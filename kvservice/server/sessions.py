@@ -298,6 +298,9 @@ class SessionRegistry:
         self._ending: dict[str, SessionEnd] = {}
         # Session churn is logged within a budget; the metrics count every one.
         self._lines = LineBudget()
+        # Called with a session's id once it is gone (what else it owned: its offload
+        # tier's index).
+        self.end_listeners: list[Callable[[str], None]] = []
         table.ownership = self
 
     # -- the RPCs ------------------------------------------------------------------------
@@ -677,6 +680,8 @@ class SessionRegistry:
         self._ending.pop(session.session_id, None)
         # A replica session's held retention changes take effect now.
         self._table.end_replica(session.session_id)
+        for listener in self.end_listeners:
+            listener(session.session_id)
         left = self._sessions_per_tenant.get(session.tenant, 0) - 1
         if left > 0:
             self._sessions_per_tenant[session.tenant] = left

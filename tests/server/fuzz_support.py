@@ -96,6 +96,9 @@ ALLOWED_CODES: dict[str, frozenset[grpc.StatusCode]] = {
     ),
     "UnpinPrefix": frozenset({Code.OK, Code.NOT_FOUND, Code.INVALID_ARGUMENT}),
     "ListPins": frozenset({Code.OK}),
+    # A CPU offload tier's step: a session needed, a config fixed per session, an
+    # operation the index refuses or answers otherwise stops the index.
+    "OffloadStep": frozenset({Code.OK, Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION}),
     # Step-only columnar operations: refused whole only when malformed (no entry,
     # uneven columns); each entry's refusal is in the batch's answer.
     "AppendTokensBatch": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
@@ -414,6 +417,87 @@ MESSAGES["PinPrefix"] = st.builds(
 )
 MESSAGES["UnpinPrefix"] = st.builds(pb.UnpinPrefixRequest, pin_id=request_ids)
 MESSAGES["ListPins"] = st.builds(pb.ListPinsRequest, all_tenants=st.booleans())
+
+# Offload keys: a few well-formed ones (32-byte hash, group 0 or 1), and bad lengths.
+offload_keys = st.one_of(
+    st.sampled_from(
+        [bytes([i]) * 32 + group.to_bytes(4, "big") for i in range(3) for group in (0, 1)]
+    ),
+    st.binary(max_size=80),
+)
+offload_key_lists = st.lists(offload_keys, max_size=4)
+offload_positions = st.lists(st.sampled_from((-2, -1, 0, 16, 32)), max_size=4)
+offload_ids = st.lists(st.sampled_from((-1, 0, 1, 2, 7)), max_size=4)
+offload_times = st.sampled_from((0.0, 1.0, 100.0, -1.0, float("nan"), float("inf")))
+OFFLOAD_OPS = {
+    "new_request": st.builds(
+        pb.OffloadNewRequest,
+        request_id=request_ids,
+        priority=st.sampled_from((-1, 0, 35, 100, 101)),
+    ),
+    "prepare_load": st.builds(
+        pb.OffloadPrepareLoad,
+        request_id=request_ids,
+        keys=offload_key_lists,
+        positions=offload_positions,
+        chunk_ids=offload_ids,
+    ),
+    "prepare_store": st.builds(
+        pb.OffloadPrepareStore,
+        request_id=request_ids,
+        keys=offload_key_lists,
+        positions=offload_positions,
+        no_room=st.booleans(),
+        keys_to_store=offload_key_lists,
+        chunk_ids=offload_ids,
+        evicted_keys=offload_key_lists,
+    ),
+    "touch": st.builds(pb.OffloadKeys, keys=offload_key_lists),
+    "complete_load": st.builds(pb.OffloadKeys, keys=offload_key_lists),
+    "complete_store": st.builds(
+        pb.OffloadCompleteStore, keys=offload_key_lists, success=st.booleans()
+    ),
+    "request_finished": st.builds(
+        pb.OffloadRequestFinished, request_id=request_ids, keys=offload_key_lists
+    ),
+    "pin": st.builds(
+        pb.OffloadPin,
+        pin_id=request_ids,
+        keys=offload_key_lists,
+        ttl_seconds=offload_times,
+        now_seconds=offload_times,
+        refused=st.booleans(),
+    ),
+    "unpin": st.builds(pb.OffloadUnpin, pin_id=request_ids, removed=st.booleans()),
+    "expire_pins": st.builds(
+        pb.OffloadExpirePins, now_seconds=offload_times, num_expired=st.integers(-1, 2)
+    ),
+    "reset": st.just(pb.OffloadReset()),
+}
+
+
+def _offload_op(kind: str, body: Any) -> pb.OffloadOperation:
+    return pb.OffloadOperation(**{kind: body})
+
+
+offload_ops = st.one_of(
+    st.just(pb.OffloadOperation()),
+    *(st.builds(_offload_op, st.just(kind), body) for kind, body in OFFLOAD_OPS.items()),
+)
+MESSAGES["OffloadStep"] = st.builds(
+    pb.OffloadStepRequest,
+    config=st.builds(
+        pb.OffloadTierConfig,
+        num_chunks=st.sampled_from((0, 1, 8, -1, INT64_MAX)),
+        eviction_policy=st.sampled_from(("lru", "arc", "priority", "", "fifo")),
+        store_threshold=st.sampled_from((0, 2, -1)),
+        max_tracker_size=st.sampled_from((0, 1, 64, INT64_MAX)),
+        enable_events=st.booleans(),
+        max_pinned_chunks=st.sampled_from((0, 4, -1, 9)),
+        bytes_per_chunk=st.sampled_from((0, 4096, -1)),
+    ),
+    ops=st.lists(offload_ops, max_size=6),
+)
 
 
 def _step_op(kind: str | None, message: Any) -> pb.StepOperation:

@@ -9,11 +9,18 @@ offload tier's (``medium="CPU"``).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from kvservice.core.kv_events import BlockRemoved, BlockStored, KVCacheEvent
 from kvservice.integrations.vllm import KVServiceScheduler
+from kvservice.integrations.vllm.offloading import KVServiceOffloadingManager
+from tests.server.support import SMALL_POOL
+from tests.servers import ThreadedServer, server_in_thread
 from tests.vllm.offload_harness import EngineOrderOffloadWorkload, OffloadWorkload
 from tests.vllm.scheduler_harness import SchedulerSetup, build_scheduler, first_difference
 from tests.vllm.test_scheduler_differential import run_remote
@@ -198,3 +205,86 @@ def test_kvservice_manager_and_index_decide_as_vllms(
         actual = _run(ours, KVServiceScheduler, 3, engine_order)
     assert first_difference(expected, actual) is None
     assert _totals(expected)["loads"] > 0
+
+
+# The same index served by a kvservice server (OffloadStep): the engine's index is then
+# its replica, checked by the server once a step.
+@contextlib.contextmanager
+def index_server(published: list[KVCacheEvent]) -> Iterator[ThreadedServer]:
+    """A server with KV events on; ``published`` gets every event it publishes."""
+    with server_in_thread(dataclasses.replace(SMALL_POOL, kv_events=True)) as server:
+        events = server.server.events
+        assert events is not None
+        server.call(lambda: events.add_listener(published.extend))
+        yield server
+
+
+def offload_manager(scheduler: Any) -> KVServiceOffloadingManager:
+    manager = scheduler.connector.connector_scheduler.manager
+    assert isinstance(manager, KVServiceOffloadingManager)
+    return manager
+
+
+def server_offload_counts(server: ThreadedServer) -> dict[str, float]:
+    registry = server.server.metrics.registry
+    labels = server.server.metrics.labels
+    names = ("keys_stored_total", "keys_loaded_total", "keys_evicted_total", "tiers")
+    return {
+        name: registry.get_sample_value(f"kvservice_offload_{name}", labels) or 0.0
+        for name in names
+    }
+
+
+@pytest.mark.parametrize(
+    ("name", "kv_manager", "engine_order"),
+    [
+        ("lru", "vllm", False),
+        ("arc", "vllm", True),
+        ("store-threshold", "kvservice", False),
+        ("sync-loads", "kvservice", True),
+        ("hybrid-full-sliding-window", "vllm", False),
+        ("lru", "remote", False),
+    ],
+)
+def test_kvservice_serves_the_index_and_the_engine_decides_as_vllms(
+    name: str, kv_manager: str, engine_order: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kvservice_target``: the index runs on a kvservice server, one OffloadStep a
+    step, under vLLM's own GPU manager or kvservice's (in-process or remote); the
+    engine decides exactly as with vLLM's ``CPUOffloadingManager``, the server agrees
+    with every answer, counts the tier's stores, loads and evictions, publishes its
+    chunks as KV events (medium "CPU"), and drops the index with the session."""
+    stock = SETUPS[name]
+    if engine_order:
+        stock = SchedulerSetup(**{**stock.__dict__, "async_scheduling": True})
+    expected = _run(stock, None, 3, engine_order)
+    published: list[KVCacheEvent] = []
+    with index_server(published) as server:
+        served = (*KVSERVICE_INDEX, ("kvservice_target", server.target))
+        ours = SchedulerSetup(**{**stock.__dict__, "offload_extra": stock.offload_extra + served})
+        workload = _workload(3, ours, engine_order)
+        if kv_manager == "remote":
+            actual = run_remote(ours, workload, monkeypatch)
+        else:
+            scheduler = build_scheduler(
+                ours, KVServiceScheduler if kv_manager == "kvservice" else None
+            )
+            actual = workload.run(scheduler)
+            link = offload_manager(scheduler).link
+            assert link is not None
+            assert 0 < link.round_trips <= len(actual)
+            assert server_offload_counts(server)["tiers"] == 1
+            scheduler.shutdown()
+        counts = server_offload_counts(server)
+    assert first_difference(expected, actual) is None
+    assert _totals(expected)["loads"] > 0
+    # The scheduler's shutdown ended the index's session: the server dropped it.
+    assert counts["tiers"] == 0
+    assert counts["keys_stored_total"] > 0 and counts["keys_loaded_total"] > 0, counts
+    if name in ("lru", "arc"):
+        assert counts["keys_evicted_total"] > 0
+    # The pool of this server is idle: every event is the tier's.
+    kinds = {type(event) for event in published}
+    assert BlockStored in kinds and kinds <= {BlockStored, BlockRemoved}, kinds
+    assert (BlockRemoved in kinds) == (counts["keys_evicted_total"] > 0)
+    assert all(event.medium == "CPU" for event in published)  # type: ignore[union-attr]

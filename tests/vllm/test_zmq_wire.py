@@ -15,6 +15,8 @@ from vllm.distributed import kv_events as vllm_events
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
 from kvservice.core import kv_events as core
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.server.offload_tiers import OffloadTier, StepTally
 from kvservice.server.zmq_events import wire
 from kvservice.server.zmq_events.config import (
     KVEventsConfig,
@@ -192,3 +194,51 @@ def test_config_keys_and_defaults_are_vllms() -> None:
 def test_bind_or_connect_as_vllm(endpoint: str) -> None:
     """vLLM binds wildcard, ipc and inproc endpoints and connects to the others."""
     assert endpoint_is_bound(endpoint) == vllm_events.ZmqEventPublisher._is_bind_endpoint(endpoint)
+
+
+def test_the_offload_tiers_events_decode_as_vllms() -> None:
+    """A CPU offload tier's chunks served by kvservice (``OffloadStep``) go out as
+    vLLM's BlockStored and BlockRemoved with medium "CPU", one event per KV cache
+    group, the hashes without their group suffix, as vLLM's decoder reads them."""
+    tier = OffloadTier(
+        pb.OffloadTierConfig(
+            num_chunks=2, eviction_policy="lru", max_tracker_size=64, enable_events=True
+        )
+    )
+    keys = [HASH + (0).to_bytes(4, "big"), HASH[::-1] + (1).to_bytes(4, "big")]
+    tally = StepTally()
+    for op in (
+        pb.OffloadOperation(new_request=pb.OffloadNewRequest(request_id="r", priority=35)),
+        pb.OffloadOperation(
+            prepare_store=pb.OffloadPrepareStore(
+                request_id="r", keys=keys, keys_to_store=keys, chunk_ids=[0, 1]
+            )
+        ),
+        pb.OffloadOperation(complete_store=pb.OffloadCompleteStore(keys=keys, success=True)),
+        pb.OffloadOperation(reset=pb.OffloadReset()),
+    ):
+        tier.run(op, tally)
+    payload = wire.WireEncoder(False).encode(tier.take_events(), 1.0)
+    decoded = msgspec.msgpack.Decoder(vllm_events.KVEventBatch).decode(payload)
+    assert decoded.events == [
+        vllm_events.BlockStored(
+            block_hashes=[HASH],
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=0,
+            lora_id=None,
+            medium="CPU",
+            lora_name=None,
+            group_idx=0,
+        ),
+        vllm_events.BlockStored(
+            block_hashes=[HASH[::-1]],
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=0,
+            lora_id=None,
+            medium="CPU",
+            lora_name=None,
+            group_idx=1,
+        ),
+    ]

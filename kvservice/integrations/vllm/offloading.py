@@ -24,12 +24,20 @@ they mean for vLLM's own spec)::
         "spec_module_path": "kvservice.integrations.vllm.offloading",
         "cpu_bytes_to_use": 8000000000, "eviction_policy": "priority"}}'
 
+With ``"kvservice_target": "HOST:PORT"`` (or ``unix:PATH``) in the same
+``kv_connector_extra_config`` the index is served by that kvservice server, in a
+session of its own: this index is then the engine's replica, and every call it
+answers goes to the server once a step (``OffloadStep``, at ``on_schedule_end``),
+which checks each answer and publishes the tier's events and metrics
+(``kvservice.client.offload_link``).
+
 Importing this module imports vLLM.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -59,7 +67,9 @@ from vllm.v1.kv_offload.cpu.common import (
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvservice.core.errors import KVCacheError
+from kvservice.client import KVClient
+from kvservice.client.offload_link import UNKNOWN_POSITION, OffloadLink, OffloadTierConfig
+from kvservice.core.errors import KVCacheError, QuotaExceededError
 from kvservice.core.kv_cache_block import DEFAULT_PRIORITY
 from kvservice.core.offload_index import (
     LOOKUP_HIT,
@@ -70,6 +80,7 @@ from kvservice.core.offload_index import (
     RequestAccess,
 )
 from kvservice.integrations.vllm.retention import request_retention
+from kvservice.integrations.vllm.settings import ConnectionSettings
 
 logger = logging.getLogger(__name__)
 
@@ -133,22 +144,29 @@ class KVServiceOffloadingManager(OffloadingManager):  # type: ignore[misc]
         info: CPUOffloadingInfo | None = None,
         max_pinned_fraction: float = DEFAULT_MAX_PINNED_FRACTION,
         clock: Callable[[], float] = time.monotonic,
+        link: OffloadLink | None = None,
     ) -> None:
         check_eviction_policy(eviction_policy)
         if not 0 <= max_pinned_fraction <= 1:
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction}")
         self.medium = Medium.CPU
         self.priorities = eviction_policy == "priority"
+        self.max_tracker_size = max_tracker_size
+        self.enable_events = enable_events
+        self.max_pinned_chunks = int(num_chunks * max_pinned_fraction) if self.priorities else None
         self.index = OffloadIndex(
             num_chunks,
             eviction_policy,
             store_threshold=store_threshold,
             max_tracker_size=max_tracker_size,
             enable_events=enable_events,
-            max_pinned_chunks=int(num_chunks * max_pinned_fraction) if self.priorities else None,
+            max_pinned_chunks=self.max_pinned_chunks,
         )
         self._config_info: ConfigInfoMapping = info.as_config_info() if info is not None else {}
         self._clock = clock
+        # With a kvservice server serving the index: every call is also recorded there
+        # (this index is then the engine's replica of the server's).
+        self.link = link
 
     # -- per request --
 
@@ -157,9 +175,10 @@ class KVServiceOffloadingManager(OffloadingManager):  # type: ignore[misc]
         state: RequestAccess | None = req_context.get_state(RequestAccess)
         if state is not None and self.index.is_current(state):
             return state
-        state = self.index.request_access(
-            req_context.get_offload_key_position, self._retention(req_context).priority
-        )
+        priority = self._retention(req_context).priority
+        state = self.index.request_access(req_context.get_offload_key_position, priority)
+        if self.link is not None:
+            self.link.new_request(req_context.req_id, priority)
         req_context.set_state(state)
         return state
 
@@ -188,6 +207,8 @@ class KVServiceOffloadingManager(OffloadingManager):  # type: ignore[misc]
         if state is None:
             return
         keys = self.index.request_finished(state)
+        if self.link is not None:
+            self.link.request_finished(req_context.req_id, keys)
         ttl_s = self._retention(req_context).pin_ttl_s
         if keys and ttl_s is not None:
             self._pin_request(req_context, keys, ttl_s)
@@ -196,7 +217,7 @@ class KVServiceOffloadingManager(OffloadingManager):  # type: ignore[misc]
         # The pin is named by the prefix's last key: pinning the same prefix again
         # refreshes it rather than stacking a second pin.
         try:
-            self.index.pin(keys[-1].hex(), keys, ttl_s, self._clock())
+            self._pin(keys[-1].hex(), keys, ttl_s)
         except KVCacheError as error:
             logger.warning("request %s: offload pin dropped: %s", req_context.req_id, error)
 
@@ -212,22 +233,40 @@ class KVServiceOffloadingManager(OffloadingManager):  # type: ignore[misc]
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> CPULoadStoreSpec:
         keys = list(keys)
-        return CPULoadStoreSpec(self.index.prepare_load(keys, self._access(req_context)))
+        access = self._access(req_context)
+        chunk_ids = self.index.prepare_load(keys, access)
+        if self.link is not None:
+            self.link.prepare_load(req_context.req_id, keys, _positions(keys, access), chunk_ids)
+        return CPULoadStoreSpec(chunk_ids)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.index.touch(list(keys))
+        keys = list(keys)
+        self.index.touch(keys)
+        if self.link is not None:
+            self.link.touch(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        keys = list(keys)
         self.index.complete_load(keys)
+        if self.link is not None:
+            self.link.complete_load(keys)
 
     # -- stores --
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
-        if self.priorities:
-            self.index.expire_pins(self._clock())
-        plan = self.index.prepare_store(keys, self._access(req_context))
+        self._expire_pins()
+        keys = list(keys)
+        access = self._access(req_context)
+        plan = self.index.prepare_store(keys, access)
+        if self.link is not None:
+            self.link.prepare_store(
+                req_context.req_id,
+                keys,
+                _positions(keys, access),
+                None if plan is None else (plan.keys_to_store, plan.chunk_ids, plan.evicted_keys),
+            )
         if plan is None:
             return None
         return PrepareStoreOutput(
@@ -239,7 +278,10 @@ class KVServiceOffloadingManager(OffloadingManager):  # type: ignore[misc]
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
+        keys = list(keys)
         self.index.complete_store(keys, success)
+        if self.link is not None:
+            self.link.complete_store(keys, success)
 
     # -- pins (priority policy) --
 
@@ -250,20 +292,53 @@ class KVServiceOffloadingManager(OffloadingManager):  # type: ignore[misc]
         the pin's id (default: the last key, in hex). QuotaExceededError past
         ``max_pinned_fraction``; InvalidArgumentError unless the policy is priority."""
         pin_id = pin_id if pin_id is not None else keys[-1].hex()
-        self.index.pin(pin_id, keys, ttl_s, self._clock())
+        self._pin(pin_id, keys, ttl_s)
         return pin_id
 
+    def _pin(self, pin_id: str, keys: Sequence[OffloadKey], ttl_s: float | None) -> None:
+        now = self._clock()
+        try:
+            self.index.pin(pin_id, keys, ttl_s, now)
+        except QuotaExceededError:
+            # Refused, and counted: the server's index must count it too.
+            if self.link is not None:
+                self.link.pin(pin_id, keys, ttl_s, now, refused=True)
+            raise
+        if self.link is not None:
+            self.link.pin(pin_id, keys, ttl_s, now, refused=False)
+
     def unpin(self, pin_id: str) -> bool:
-        return self.index.unpin(pin_id)
+        removed = self.index.unpin(pin_id)
+        if self.link is not None:
+            self.link.unpin(pin_id, removed)
+        return removed
+
+    def _expire_pins(self) -> None:
+        if not self.priorities:
+            return
+        now = self._clock()
+        expired = self.index.expire_pins(now)
+        if self.link is not None:
+            self.link.expire_pins(now, expired)
 
     # -- the whole tier --
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
-        if self.priorities:
-            self.index.expire_pins(self._clock())
+        self._expire_pins()
+        if self.link is not None:
+            # The step's calls go to the server now; checked at the next step's end.
+            self.link.flush()
 
     def reset_cache(self) -> None:
         self.index.reset()
+        if self.link is not None:
+            self.link.reset()
+
+    def shutdown(self) -> None:
+        """vLLM's scheduler shutting down: send what is left to the server serving the
+        index, and end its session (the server drops the index)."""
+        if self.link is not None:
+            self.link.close()
 
     def take_events(self) -> Iterator[OffloadingEvent]:
         # A generator, as vLLM's: the batch is taken at the first next(), and a failed
@@ -300,8 +375,9 @@ class KVServiceOffloadingManager(OffloadingManager):  # type: ignore[misc]
 class KVServiceOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
     """vLLM's ``CPUOffloadingSpec`` (chunk sizing, worker, metrics) whose scheduler side
     is ``KVServiceOffloadingManager``. Reads ``eviction_policy`` (``lru``, ``arc``,
-    ``priority``), ``store_threshold``, ``max_tracker_size`` and ``max_pinned_fraction``
-    from ``kv_connector_extra_config``."""
+    ``priority``), ``store_threshold``, ``max_tracker_size``, ``max_pinned_fraction``
+    and ``kvservice_target`` (a server to serve the index) from
+    ``kv_connector_extra_config``."""
 
     _manager: OffloadingManager | None
 
@@ -320,7 +396,7 @@ class KVServiceOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
-            self._manager = KVServiceOffloadingManager(
+            manager = KVServiceOffloadingManager(
                 num_chunks=self.num_chunks,
                 eviction_policy=self.eviction_policy,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
@@ -329,4 +405,63 @@ class KVServiceOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]
                 info=self.cpu_info,
                 max_pinned_fraction=self.max_pinned_fraction,
             )
+            target = self.extra_config.get("kvservice_target")
+            if target:
+                manager.link = open_link(manager, str(target), self.kv_bytes_per_chunk)
+            self._manager = manager
         return self._manager
+
+
+def _positions(keys: Sequence[bytes], access: RequestAccess) -> list[int]:
+    """Each key's token position in the request, as the server's index asks for them."""
+    position_of = access.position_of
+    return [UNKNOWN_POSITION if (p := position_of(key)) is None else p for key in keys]
+
+
+def tier_config(manager: KVServiceOffloadingManager, bytes_per_chunk: int) -> OffloadTierConfig:
+    """The config of ``manager``'s index, as the server builds its own from it."""
+    index = manager.index
+    return OffloadTierConfig(
+        num_chunks=index.num_chunks,
+        eviction_policy=index.policy_name,
+        store_threshold=index.store_threshold,
+        max_tracker_size=manager.max_tracker_size,
+        enable_events=manager.enable_events,
+        max_pinned_chunks=manager.max_pinned_chunks or 0,
+        bytes_per_chunk=bytes_per_chunk,
+    )
+
+
+def open_link(
+    manager: KVServiceOffloadingManager,
+    target: str,
+    bytes_per_chunk: int = 0,
+    env: Mapping[str, str] | None = None,
+) -> OffloadLink:
+    """A session on the kvservice server at ``target`` serving ``manager``'s index;
+    the other connection settings (token, TLS, lease, timeout) are the scheduler's
+    ``KVSERVICE_*`` variables."""
+    settings = ConnectionSettings.from_env(
+        {**(os.environ if env is None else env), "KVSERVICE_TARGET": target}
+    )
+    client = KVClient(
+        target,
+        client_id=settings.client_id,
+        timeout=settings.timeout_s,
+        token=settings.token,
+        tls=settings.tls,
+        root_certificates=settings.root_certificates,
+        certificate_chain=settings.certificate_chain,
+        private_key=settings.private_key,
+        allow_insecure_token=settings.allow_insecure_token,
+    )
+    try:
+        return OffloadLink.open(
+            client,
+            tier_config(manager, bytes_per_chunk),
+            settings.session_ttl_s,
+            "vllm offload tier",
+        )
+    except BaseException:
+        client.close()
+        raise

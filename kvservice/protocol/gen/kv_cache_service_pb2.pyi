@@ -3342,3 +3342,455 @@ class AuditResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AuditResponse: _TypeAlias = AuditResponse  # noqa: Y015
+
+@_typing.final
+class OffloadTierConfig(_message.Message):
+    """-- the CPU offload tier's index (OffloadStep) ---------------------------------------
+
+    Keys are vLLM's OffloadKey bytes: a block hash followed by its KV cache group (4
+    bytes, big endian). Chunk ids index the engine's own host buffer, so an index is
+    one engine's.
+
+    The index an engine runs: vLLM's OffloadingConnector settings.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_CHUNKS_FIELD_NUMBER: _builtins.int
+    EVICTION_POLICY_FIELD_NUMBER: _builtins.int
+    STORE_THRESHOLD_FIELD_NUMBER: _builtins.int
+    MAX_TRACKER_SIZE_FIELD_NUMBER: _builtins.int
+    ENABLE_EVENTS_FIELD_NUMBER: _builtins.int
+    MAX_PINNED_CHUNKS_FIELD_NUMBER: _builtins.int
+    BYTES_PER_CHUNK_FIELD_NUMBER: _builtins.int
+    num_chunks: _builtins.int
+    """Chunks the tier holds (>= 1)."""
+    eviction_policy: _builtins.str
+    """"lru" or "arc" (vLLM's CPUOffloadingManager's), or "priority" (kvservice's:
+    retention priorities and pins).
+    """
+    store_threshold: _builtins.int
+    """>= 2: a key is stored only on its that-many-th offer (0 or 1: on the first)."""
+    max_tracker_size: _builtins.int
+    """Offers counted for the store threshold, newest first (>= 1)."""
+    enable_events: _builtins.bool
+    """The index's stored and removed chunks become KV events (medium "CPU") on the
+    server's event stream (when the server runs with --kv-events).
+    """
+    max_pinned_chunks: _builtins.int
+    """The chunks pins may hold together (priority only; 0 ..= num_chunks)."""
+    bytes_per_chunk: _builtins.int
+    """Bytes of one chunk in the engine's host buffer (for the tier's byte counters;
+    0: unknown).
+    """
+    def __init__(
+        self,
+        *,
+        num_chunks: _builtins.int = ...,
+        eviction_policy: _builtins.str = ...,
+        store_threshold: _builtins.int = ...,
+        max_tracker_size: _builtins.int = ...,
+        enable_events: _builtins.bool = ...,
+        max_pinned_chunks: _builtins.int = ...,
+        bytes_per_chunk: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_per_chunk", b"bytes_per_chunk", "enable_events", b"enable_events", "eviction_policy", b"eviction_policy", "max_pinned_chunks", b"max_pinned_chunks", "max_tracker_size", b"max_tracker_size", "num_chunks", b"num_chunks", "store_threshold", b"store_threshold"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OffloadTierConfig: _TypeAlias = OffloadTierConfig  # noqa: Y015
+
+@_typing.final
+class OffloadStepRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONFIG_FIELD_NUMBER: _builtins.int
+    OPS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def config(self) -> Global___OffloadTierConfig:
+        """The session's index: builds it on the session's first OffloadStep, and must be
+        equal on every later one.
+        """
+
+    @_builtins.property
+    def ops(self) -> _containers.RepeatedCompositeFieldContainer[Global___OffloadOperation]: ...
+    def __init__(
+        self,
+        *,
+        config: Global___OffloadTierConfig | None = ...,
+        ops: _abc.Iterable[Global___OffloadOperation] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "ops", b"ops"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OffloadStepRequest: _TypeAlias = OffloadStepRequest  # noqa: Y015
+
+@_typing.final
+class OffloadOperation(_message.Message):
+    """One call the engine's replica made on its index, with its answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NEW_REQUEST_FIELD_NUMBER: _builtins.int
+    PREPARE_LOAD_FIELD_NUMBER: _builtins.int
+    PREPARE_STORE_FIELD_NUMBER: _builtins.int
+    TOUCH_FIELD_NUMBER: _builtins.int
+    COMPLETE_LOAD_FIELD_NUMBER: _builtins.int
+    COMPLETE_STORE_FIELD_NUMBER: _builtins.int
+    REQUEST_FINISHED_FIELD_NUMBER: _builtins.int
+    PIN_FIELD_NUMBER: _builtins.int
+    UNPIN_FIELD_NUMBER: _builtins.int
+    EXPIRE_PINS_FIELD_NUMBER: _builtins.int
+    RESET_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def new_request(self) -> Global___OffloadNewRequest: ...
+    @_builtins.property
+    def prepare_load(self) -> Global___OffloadPrepareLoad: ...
+    @_builtins.property
+    def prepare_store(self) -> Global___OffloadPrepareStore: ...
+    @_builtins.property
+    def touch(self) -> Global___OffloadKeys: ...
+    @_builtins.property
+    def complete_load(self) -> Global___OffloadKeys: ...
+    @_builtins.property
+    def complete_store(self) -> Global___OffloadCompleteStore: ...
+    @_builtins.property
+    def request_finished(self) -> Global___OffloadRequestFinished: ...
+    @_builtins.property
+    def pin(self) -> Global___OffloadPin: ...
+    @_builtins.property
+    def unpin(self) -> Global___OffloadUnpin: ...
+    @_builtins.property
+    def expire_pins(self) -> Global___OffloadExpirePins: ...
+    @_builtins.property
+    def reset(self) -> Global___OffloadReset: ...
+    def __init__(
+        self,
+        *,
+        new_request: Global___OffloadNewRequest | None = ...,
+        prepare_load: Global___OffloadPrepareLoad | None = ...,
+        prepare_store: Global___OffloadPrepareStore | None = ...,
+        touch: Global___OffloadKeys | None = ...,
+        complete_load: Global___OffloadKeys | None = ...,
+        complete_store: Global___OffloadCompleteStore | None = ...,
+        request_finished: Global___OffloadRequestFinished | None = ...,
+        pin: Global___OffloadPin | None = ...,
+        unpin: Global___OffloadUnpin | None = ...,
+        expire_pins: Global___OffloadExpirePins | None = ...,
+        reset: Global___OffloadReset | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["complete_load", b"complete_load", "complete_store", b"complete_store", "expire_pins", b"expire_pins", "new_request", b"new_request", "op", b"op", "pin", b"pin", "prepare_load", b"prepare_load", "prepare_store", b"prepare_store", "request_finished", b"request_finished", "reset", b"reset", "touch", b"touch", "unpin", b"unpin"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["complete_load", b"complete_load", "complete_store", b"complete_store", "expire_pins", b"expire_pins", "new_request", b"new_request", "op", b"op", "pin", b"pin", "prepare_load", b"prepare_load", "prepare_store", b"prepare_store", "request_finished", b"request_finished", "reset", b"reset", "touch", b"touch", "unpin", b"unpin"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["new_request", "prepare_load", "prepare_store", "touch", "complete_load", "complete_store", "request_finished", "pin", "unpin", "expire_pins", "reset"]  # noqa: Y015
+    _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
+
+Global___OffloadOperation: _TypeAlias = OffloadOperation  # noqa: Y015
+
+@_typing.final
+class OffloadNewRequest(_message.Message):
+    """A request the tier will see (vLLM's on_new_request); again after a reset."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    priority: _builtins.int
+    """Its chunks' retention priority (priority policy; 0-100)."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        priority: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["priority", b"priority", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OffloadNewRequest: _TypeAlias = OffloadNewRequest  # noqa: Y015
+
+@_typing.final
+class OffloadPrepareLoad(_message.Message):
+    """Hold keys, all stored, for reading: the replica answered chunk_ids."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    POSITIONS_FIELD_NUMBER: _builtins.int
+    CHUNK_IDS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    @_builtins.property
+    def positions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Each key's token position in the request (-1: unknown)."""
+
+    @_builtins.property
+    def chunk_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        positions: _abc.Iterable[_builtins.int] | None = ...,
+        chunk_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_ids", b"chunk_ids", "keys", b"keys", "positions", b"positions", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OffloadPrepareLoad: _TypeAlias = OffloadPrepareLoad  # noqa: Y015
+
+@_typing.final
+class OffloadPrepareStore(_message.Message):
+    """Chunks for the offered keys the tier lacks: the replica answered no_room, or
+    keys_to_store into chunk_ids, evicting evicted_keys.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    POSITIONS_FIELD_NUMBER: _builtins.int
+    NO_ROOM_FIELD_NUMBER: _builtins.int
+    KEYS_TO_STORE_FIELD_NUMBER: _builtins.int
+    CHUNK_IDS_FIELD_NUMBER: _builtins.int
+    EVICTED_KEYS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    no_room: _builtins.bool
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    @_builtins.property
+    def positions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def keys_to_store(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    @_builtins.property
+    def chunk_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def evicted_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        positions: _abc.Iterable[_builtins.int] | None = ...,
+        no_room: _builtins.bool = ...,
+        keys_to_store: _abc.Iterable[_builtins.bytes] | None = ...,
+        chunk_ids: _abc.Iterable[_builtins.int] | None = ...,
+        evicted_keys: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_ids", b"chunk_ids", "evicted_keys", b"evicted_keys", "keys", b"keys", "keys_to_store", b"keys_to_store", "no_room", b"no_room", "positions", b"positions", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OffloadPrepareStore: _TypeAlias = OffloadPrepareStore  # noqa: Y015
+
+@_typing.final
+class OffloadKeys(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OffloadKeys: _TypeAlias = OffloadKeys  # noqa: Y015
+
+@_typing.final
+class OffloadCompleteStore(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    SUCCESS_FIELD_NUMBER: _builtins.int
+    success: _builtins.bool
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        success: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "success", b"success"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OffloadCompleteStore: _TypeAlias = OffloadCompleteStore  # noqa: Y015
+
+@_typing.final
+class OffloadRequestFinished(_message.Message):
+    """The request is done (vLLM's on_request_finished): the replica answered its keys,
+    head to tail.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OffloadRequestFinished: _TypeAlias = OffloadRequestFinished  # noqa: Y015
+
+@_typing.final
+class OffloadPin(_message.Message):
+    """Hold keys from eviction until now_seconds + ttl_seconds (0: until unpinned), on the
+    engine's clock; refused: the replica refused it (past max_pinned_chunks).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PIN_ID_FIELD_NUMBER: _builtins.int
+    KEYS_FIELD_NUMBER: _builtins.int
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    NOW_SECONDS_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
+    pin_id: _builtins.str
+    ttl_seconds: _builtins.float
+    now_seconds: _builtins.float
+    refused: _builtins.bool
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        pin_id: _builtins.str = ...,
+        keys: _abc.Iterable[_builtins.bytes] | None = ...,
+        ttl_seconds: _builtins.float = ...,
+        now_seconds: _builtins.float = ...,
+        refused: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "now_seconds", b"now_seconds", "pin_id", b"pin_id", "refused", b"refused", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OffloadPin: _TypeAlias = OffloadPin  # noqa: Y015
+
+@_typing.final
+class OffloadUnpin(_message.Message):
+    """removed: the replica had a pin of that id."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PIN_ID_FIELD_NUMBER: _builtins.int
+    REMOVED_FIELD_NUMBER: _builtins.int
+    pin_id: _builtins.str
+    removed: _builtins.bool
+    def __init__(
+        self,
+        *,
+        pin_id: _builtins.str = ...,
+        removed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pin_id", b"pin_id", "removed", b"removed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OffloadUnpin: _TypeAlias = OffloadUnpin  # noqa: Y015
+
+@_typing.final
+class OffloadExpirePins(_message.Message):
+    """The pins whose TTL ran out by now_seconds end: the replica ended num_expired."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NOW_SECONDS_FIELD_NUMBER: _builtins.int
+    NUM_EXPIRED_FIELD_NUMBER: _builtins.int
+    now_seconds: _builtins.float
+    num_expired: _builtins.int
+    def __init__(
+        self,
+        *,
+        now_seconds: _builtins.float = ...,
+        num_expired: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["now_seconds", b"now_seconds", "num_expired", b"num_expired"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OffloadExpirePins: _TypeAlias = OffloadExpirePins  # noqa: Y015
+
+@_typing.final
+class OffloadReset(_message.Message):
+    """Drop every chunk (vLLM's reset_cache); requests must be announced again."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OffloadReset: _TypeAlias = OffloadReset  # noqa: Y015
+
+@_typing.final
+class OffloadStepResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_OPS_FIELD_NUMBER: _builtins.int
+    NUM_CHUNKS_USED_FIELD_NUMBER: _builtins.int
+    num_ops: _builtins.int
+    """Operations run (all of them: a refusal is an error status)."""
+    num_chunks_used: _builtins.int
+    """The tier after the step."""
+    def __init__(
+        self,
+        *,
+        num_ops: _builtins.int = ...,
+        num_chunks_used: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_chunks_used", b"num_chunks_used", "num_ops", b"num_ops"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OffloadStepResponse: _TypeAlias = OffloadStepResponse  # noqa: Y015

@@ -160,6 +160,11 @@ class KVCacheServiceStub:
                 request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.ListPinsRequest.SerializeToString,
                 response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.ListPinsResponse.FromString,
                 _registered_method=True)
+        self.OffloadStep = channel.unary_unary(
+                '/kvservice.v1.KVCacheService/OffloadStep',
+                request_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.OffloadStepRequest.SerializeToString,
+                response_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.OffloadStepResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServiceServicer:
@@ -416,6 +421,25 @@ class KVCacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OffloadStep(self, request, context):
+        """The CPU offload tier's index of the caller's engine (vLLM's OffloadingConnector
+        with kvservice's offloading spec pointed at this server): one message per
+        scheduler step carries the operations the engine's replica of the index ran, each
+        with the answer it gave; the server runs them in order on its own index and
+        checks every answer (see OffloadStepRequest). Needs a client session
+        (x-kvservice-session): the index is the session's, built by its first
+        OffloadStep and dropped when the session ends. INVALID_ARGUMENT, nothing run, for
+        a malformed message (a bad config, key, position, TTL or id, over the
+        operations-per-step limit); FAILED_PRECONDITION, nothing run, without a session,
+        for a config other than the session's index's, or once its index has stopped.
+        FAILED_PRECONDITION too, naming the operation and both answers, when an
+        operation is refused or answered otherwise than the replica: the operations
+        before it ran, the index stops, and the engine must stop too.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -543,6 +567,11 @@ def add_KVCacheServiceServicer_to_server(servicer, server):
                     servicer.ListPins,
                     request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.ListPinsRequest.FromString,
                     response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.ListPinsResponse.SerializeToString,
+            ),
+            'OffloadStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.OffloadStep,
+                    request_deserializer=kvservice_dot_v1_dot_kv__cache__service__pb2.OffloadStepRequest.FromString,
+                    response_serializer=kvservice_dot_v1_dot_kv__cache__service__pb2.OffloadStepResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1221,6 +1250,33 @@ class KVCacheService:
             '/kvservice.v1.KVCacheService/ListPins',
             kvservice_dot_v1_dot_kv__cache__service__pb2.ListPinsRequest.SerializeToString,
             kvservice_dot_v1_dot_kv__cache__service__pb2.ListPinsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OffloadStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvservice.v1.KVCacheService/OffloadStep',
+            kvservice_dot_v1_dot_kv__cache__service__pb2.OffloadStepRequest.SerializeToString,
+            kvservice_dot_v1_dot_kv__cache__service__pb2.OffloadStepResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -187,6 +187,21 @@ class KVCacheServiceStub:
     tenant's: for admin tenants (PERMISSION_DENIED for another), and any caller of a
     server without tenants.
     """
+    OffloadStep: _aio.UnaryUnaryMultiCallable[_kv_cache_service_pb2.OffloadStepRequest, _kv_cache_service_pb2.OffloadStepResponse]
+    """The CPU offload tier's index of the caller's engine (vLLM's OffloadingConnector
+    with kvservice's offloading spec pointed at this server): one message per
+    scheduler step carries the operations the engine's replica of the index ran, each
+    with the answer it gave; the server runs them in order on its own index and
+    checks every answer (see OffloadStepRequest). Needs a client session
+    (x-kvservice-session): the index is the session's, built by its first
+    OffloadStep and dropped when the session ends. INVALID_ARGUMENT, nothing run, for
+    a malformed message (a bad config, key, position, TTL or id, over the
+    operations-per-step limit); FAILED_PRECONDITION, nothing run, without a session,
+    for a config other than the session's index's, or once its index has stopped.
+    FAILED_PRECONDITION too, naming the operation and both answers, when an
+    operation is refused or answered otherwise than the replica: the operations
+    before it ran, the index stops, and the engine must stop too.
+    """
 
 class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
     """The scheduler-facing KV cache block manager."""
@@ -481,6 +496,27 @@ class KVCacheServiceServicer(metaclass=_abc_1.ABCMeta):
         """The caller's tenant's pins, and the pool's pinned budget. all_tenants lists every
         tenant's: for admin tenants (PERMISSION_DENIED for another), and any caller of a
         server without tenants.
+        """
+
+    @_abc_1.abstractmethod
+    def OffloadStep(
+        self,
+        request: _kv_cache_service_pb2.OffloadStepRequest,
+        context: _aio.ServicerContext[_kv_cache_service_pb2.OffloadStepRequest, _abc.Awaitable[_kv_cache_service_pb2.OffloadStepResponse]],
+    ) -> _abc.Awaitable[_kv_cache_service_pb2.OffloadStepResponse]:
+        """The CPU offload tier's index of the caller's engine (vLLM's OffloadingConnector
+        with kvservice's offloading spec pointed at this server): one message per
+        scheduler step carries the operations the engine's replica of the index ran, each
+        with the answer it gave; the server runs them in order on its own index and
+        checks every answer (see OffloadStepRequest). Needs a client session
+        (x-kvservice-session): the index is the session's, built by its first
+        OffloadStep and dropped when the session ends. INVALID_ARGUMENT, nothing run, for
+        a malformed message (a bad config, key, position, TTL or id, over the
+        operations-per-step limit); FAILED_PRECONDITION, nothing run, without a session,
+        for a config other than the session's index's, or once its index has stopped.
+        FAILED_PRECONDITION too, naming the operation and both answers, when an
+        operation is refused or answered otherwise than the replica: the operations
+        before it ran, the index stops, and the engine must stop too.
         """
 
 def add_KVCacheServiceServicer_to_server(servicer: KVCacheServiceServicer, server: _aio.Server) -> None: ...
