@@ -67,7 +67,6 @@ from vllm.v1.kv_offload.cpu.common import (
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvservice.client import KVClient
 from kvservice.client.offload_link import UNKNOWN_POSITION, OffloadLink, OffloadTierConfig
 from kvservice.core.errors import KVCacheError, QuotaExceededError
 from kvservice.core.kv_cache_block import DEFAULT_PRIORITY
@@ -444,17 +443,7 @@ def open_link(
     settings = ConnectionSettings.from_env(
         {**(os.environ if env is None else env), "KVSERVICE_TARGET": target}
     )
-    client = KVClient(
-        target,
-        client_id=settings.client_id,
-        timeout=settings.timeout_s,
-        token=settings.token,
-        tls=settings.tls,
-        root_certificates=settings.root_certificates,
-        certificate_chain=settings.certificate_chain,
-        private_key=settings.private_key,
-        allow_insecure_token=settings.allow_insecure_token,
-    )
+    client = settings.connect()
     try:
         return OffloadLink.open(
             client,

@@ -141,20 +141,7 @@ class ServerLink:
         assert settings.target is not None, "a ServerLink needs KVSERVICE_TARGET"
         self.target = settings.target
         self.settings = settings
-        self._client: KVClient = self._call(
-            "connect",
-            lambda: KVClient(
-                self.target,
-                client_id=settings.client_id,
-                timeout=settings.timeout_s,
-                token=settings.token,
-                tls=settings.tls,
-                root_certificates=settings.root_certificates,
-                certificate_chain=settings.certificate_chain,
-                private_key=settings.private_key,
-                allow_insecure_token=settings.allow_insecure_token,
-            ),
-        )
+        self._client: KVClient = self._call("connect", settings.connect)
         self.server_config: CacheConfig = self._call(
             "GetCacheConfig", self._client.get_cache_config
         )

@@ -35,6 +35,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvservice.client import KVClient
+
 DEFAULT_SESSION_TTL_S = 30.0
 DEFAULT_TIMEOUT_S = 30.0
 CONFIRM_MODES = ("sync", "overlap")
@@ -86,6 +88,21 @@ class ConnectionSettings:
     @property
     def tls(self) -> bool:
         return self.root_certificates is not None
+
+    def connect(self) -> KVClient:
+        """A client of the server at ``target``, with these credentials and timeout."""
+        assert self.target is not None, "no KVSERVICE_TARGET to connect to"
+        return KVClient(
+            self.target,
+            client_id=self.client_id,
+            timeout=self.timeout_s,
+            token=self.token,
+            tls=self.tls,
+            root_certificates=self.root_certificates,
+            certificate_chain=self.certificate_chain,
+            private_key=self.private_key,
+            allow_insecure_token=self.allow_insecure_token,
+        )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ConnectionSettings:
