@@ -13,7 +13,10 @@ with the hit, or ``None``), a decode step of one token per running request
 (``allocate_slots(req, 1)``, preempting the newest request when the pool is full),
 and ``free`` when a request finishes or is preempted. Each of those manager calls is one
 op. Every engine must make the same decisions (the same op mix and prefix-hit tokens):
-a difference is printed. Run: ``make bench`` or ``python -m benchmarks.bench_core``.
+a difference is printed. Last, the admission-heavy run's requests are built alone
+(each hashes its prompt, vLLM's way or kvservice's): what no manager call can save,
+and so the ratio to vLLM a manager costing nothing would reach on that workload.
+Run: ``make bench`` or ``python -m benchmarks.bench_core``.
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ if TYPE_CHECKING:
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 8192
 ENGINES = ("vllm", "pure", "compiled")
+# The workload whose requests' cost alone (prompt hashing) is printed apart.
+HASH_FLOOR_WORKLOAD = "admission-heavy"
 ENGINE_TITLES = {"vllm": "vLLM", "pure": "pure", "compiled": "compiled"}
 VLLM_ENV = {
     "VLLM_TARGET_DEVICE": "cpu",
@@ -404,6 +409,25 @@ def measure_build(engine: Engine, spec: WorkloadSpec) -> dict[str, float]:
     return {"seconds": seconds, "rss_mib": rss_added, "traced_mib": traced / 2**20}
 
 
+def measure_requests(engine: Engine, spec: WorkloadSpec, count: int, seed: int) -> float:
+    """CPU seconds to build the first ``count`` requests of ``spec``'s run alone (their
+    prompts hashed, as building one does), best of three: the part of a run no manager
+    call can save."""
+    best = float("inf")
+    for _ in range(3):
+        manager = engine.make_manager(spec)
+        prompts = Prompts(spec, seed, count).prompts
+        new_request = engine.request_factory(manager)
+        gc.collect()
+        gc.freeze()
+        start = time.process_time()
+        for i in range(count):
+            new_request(f"r{i}", prompts[i % len(prompts)])
+        best = min(best, time.process_time() - start)
+        gc.unfreeze()
+    return best
+
+
 def spec_from_json(fields: dict[str, Any]) -> WorkloadSpec:
     pairs = ("prefix_blocks", "suffix_tokens", "decode_tokens")
     return WorkloadSpec(**{**fields, **{k: tuple(fields[k]) for k in pairs}})
@@ -434,6 +458,8 @@ def worker(engine_name: str) -> int:
         spec = spec_from_json(command["workload"])
         if command["cmd"] == "build":
             reply: dict[str, Any] = measure_build(engine, spec)
+        elif command["cmd"] == "requests":
+            reply = {"seconds": measure_requests(engine, spec, command["count"], command["seed"])}
         else:
             mix, seconds = run_workload(engine, spec, command["ops"], command["seed"])
             reply = {"mix": asdict(mix), "ops": mix.ops, "seconds": seconds}
@@ -531,6 +557,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name, w in workers.items()
         }
         cells = {(s.name, e): Cell() for s in specs for e in engines}
+        seconds: dict[tuple[str, str], float] = {}
         for r in range(args.rounds):
             order = engines[r % len(engines) :] + engines[: r % len(engines)]
             for spec in specs:
@@ -546,13 +573,58 @@ def main(argv: Sequence[str] | None = None) -> int:
                     cell = cells[(spec.name, name)]
                     cell.per_round.append(answer["ops"] / answer["seconds"])
                     cell.mix = answer["mix"]
+                    key = (spec.name, name)
+                    seconds[key] = min(seconds.get(key, answer["seconds"]), answer["seconds"])
+        floor_spec = next(s for s in specs if s.name == HASH_FLOOR_WORKLOAD)
+        adds = cells[(floor_spec.name, engines[0])].mix["adds"]
+        requests_s = {
+            name: w.ask(
+                {
+                    "cmd": "requests",
+                    "workload": asdict(floor_spec),
+                    "count": adds,
+                    "seed": args.seed,
+                }
+            )["seconds"]
+            for name, w in workers.items()
+        }
     finally:
         for w in workers.values():
             w.close()
     print_table(specs, engines, cells)
     print_scaling(specs, engines, cells)
     print_builds(specs[-1].num_blocks, engines, builds)
+    print_request_floor(engines, seconds, requests_s, adds)
     return 0
+
+
+def print_request_floor(
+    engines: list[str],
+    seconds: dict[tuple[str, str], float],
+    requests_s: dict[str, float],
+    adds: int,
+) -> None:
+    """What building the admission-heavy run's requests (hashing their prompts) costs
+    alone, next to the whole run, and the ratio to vLLM a manager costing nothing
+    beside it would reach."""
+    parts = []
+    for name in engines:
+        run_s = seconds[(HASH_FLOOR_WORKLOAD, name)]
+        share = requests_s[name] / run_s
+        parts.append(f"{ENGINE_TITLES[name]} {requests_s[name]:.3f} of {run_s:.3f} s ({share:.0%})")
+    line = (
+        f"{HASH_FLOOR_WORKLOAD}: its {adds} requests built alone (prompts hashed), best "
+        f"round against the best run: " + ", ".join(parts)
+    )
+    if "vllm" in engines:
+        vllm_s = seconds[(HASH_FLOOR_WORKLOAD, "vllm")]
+        floors = [
+            f"{ENGINE_TITLES[name]} {vllm_s / requests_s[name]:.1f}x"
+            for name in engines
+            if name != "vllm"
+        ]
+        line += "; a manager costing nothing beside them would reach " + ", ".join(floors)
+    print(line)
 
 
 def print_table(

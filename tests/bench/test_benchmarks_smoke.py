@@ -32,7 +32,13 @@ def test_bench_core_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for row in [spec.name for spec in bench_core.workloads(20_000)]:
         assert f"\n{row} " in out
-    for line in ("median", "cost per op", "building a 20000-block pool"):
+    for line in (
+        "median",
+        "cost per op",
+        "building a 20000-block pool",
+        "admission-heavy: its",
+        "a manager costing nothing beside them would reach",
+    ):
         assert line in out
     assert "DECISIONS DIFFER" not in out
 
