@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvservice.bench.measure import process_cpu_seconds, ratio_columns, rotated
+from kvservice.bench.measure import machine_load, process_cpu_seconds, ratio_columns, rotated
 from kvservice.bench.server import child_server
 
 VLLM_ENV = {
@@ -346,11 +346,6 @@ def measure(
         if engine.name == SERVED:
             engine.manager.shutdown()  # ends the session: the server drops the index
     return Row(policy, num_chunks, {e.name: e.ops_per_s for e in engines}, mix, same, server_us)
-
-
-def machine_load() -> str:
-    one, five, fifteen = os.getloadavg()
-    return f"{os.cpu_count()} CPUs, load average {one:.2f} {five:.2f} {fifteen:.2f} (1/5/15 min)"
 
 
 def print_row(row: Row) -> None:

@@ -70,7 +70,11 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
-from kvservice.bench.measure import process_cpu_seconds, ratio_columns  # noqa: E402
+from kvservice.bench.measure import (  # noqa: E402
+    machine_load,
+    process_cpu_seconds,
+    ratio_columns,
+)
 from kvservice.bench.server import child_server  # noqa: E402
 from kvservice.integrations.vllm import KVServiceScheduler  # noqa: E402
 from kvservice.integrations.vllm.testing import (  # noqa: E402
@@ -478,10 +482,12 @@ def main(argv: list[str] | None = None) -> int:
         # Whether a mode sends vLLM's hashes is the client's choice (Mode.client_hashes).
         "--trust-client-block-hashes",
     ]
+    print(f"machine: {machine_load()} at start")
     try:
         return _compare(args, server_args, socket_path)
     finally:
         shutil.rmtree(socket_dir, ignore_errors=True)
+        print(f"machine: {machine_load()} at end")
 
 
 def _compare(args: argparse.Namespace, server_args: list[str], socket_path: str) -> int:
@@ -549,15 +555,17 @@ def _report(
 ) -> None:
     base = runs[modes[0].name]
     print(f"\n{workload}: {NUM_RUNNING} requests, {args.steps} steps x {args.rounds} rounds")
+    forward_s = args.forward_ms / 1000
     print(
         f"{'manager':<22}{'steps/s':>9}{'ratio':>8}{'spread':>13}"
         f"{'CPU ms/step':>13}{'CPU ratio':>11}{'trips/step':>12}{'server CPU ms/step':>20}"
+        + (f"{'with forward':>14}" if forward_s else "")
     )
     for mode in modes:
         timings = runs[mode.name]
         ratios = [b.seconds / t.seconds for t, b in zip(timings, base, strict=True)]
         cpu_ratios = [b.cpu_seconds / t.cpu_seconds for t, b in zip(timings, base, strict=True)]
-        print(
+        line = (
             f"{mode.name:<22}{statistics.median(t.steps / t.seconds for t in timings):>9.1f}"
             f"{ratio_columns(ratios)}"
             f"{statistics.median(1000 * t.cpu_seconds / t.steps for t in timings):>13.2f}"
@@ -565,10 +573,24 @@ def _report(
             f"{statistics.median(t.round_trips / t.steps for t in timings):>12.2f}"
             f"{statistics.median(1000 * t.server_cpu_seconds / t.steps for t in timings):>20.2f}"
         )
+        if forward_s:
+            # The engine's step is the forward pass and then the scheduler's work.
+            engine = [
+                (b.seconds + b.steps * forward_s) / (t.seconds + t.steps * forward_s)
+                for t, b in zip(timings, base, strict=True)
+            ]
+            line += f"{statistics.median(engine):>13.2f}x"
+        print(line)
     print(
         "ratio: the built-in manager's time over this mode's, within each round (median, "
         "lowest-highest); CPU: the scheduler thread's own CPU time (the remote server's "
         "is not in it)"
+        + (
+            "; with forward: the same ratio for the engine's whole step, the forward pass "
+            "plus the scheduler's work (median)"
+            if forward_s
+            else ""
+        )
     )
 
 

@@ -96,3 +96,9 @@ def ratio_columns(ratios: Sequence[float]) -> str:
     of the benchmarks' tables (8 and 13 characters wide)."""
     spread = f"{min(ratios):.2f}-{max(ratios):.2f}x"
     return f"{statistics.median(ratios):>7.2f}x{spread:>13}"
+
+
+def machine_load() -> str:
+    """The machine's CPUs and load average, for a benchmark's first and last line."""
+    one, five, fifteen = os.getloadavg()
+    return f"{os.cpu_count()} CPUs, load average {one:.2f} {five:.2f} {fifteen:.2f} (1/5/15 min)"

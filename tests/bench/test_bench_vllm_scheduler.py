@@ -54,7 +54,28 @@ def test_bench_vllm_scheduler_sync_smoke(capsys: pytest.CaptureFixture[str]) -> 
     out = capsys.readouterr().out
     assert "\ndecode: 256 requests, 2 steps x 1 rounds" in out, out
     _rows(out, "decode")
-    assert "async" not in out
+    assert "async" not in out and "with forward" not in out
+    assert out.count("load average") == 2, out
+
+
+def test_the_sync_report_gives_the_engine_step_ratio_with_a_forward(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """With --forward-ms the sync table adds the ratio of whole engine steps: 10 ms of
+    forward plus 4 ms of scheduler against 10 plus 6 is 14/16."""
+    timing = bench_vllm_scheduler.Timing
+    base = [timing(steps=10, seconds=0.04, cpu_seconds=0.04)]
+    remote = [timing(steps=10, seconds=0.06, cpu_seconds=0.05)]
+    modes = [
+        bench_vllm_scheduler.Mode("vllm built-in", object, None),
+        bench_vllm_scheduler.Mode("kvservice remote", object, "target"),
+    ]
+    args = argparse.Namespace(forward_ms=10.0, steps=10, rounds=1)
+    runs = {"vllm built-in": base, "kvservice remote": remote}
+    bench_vllm_scheduler._report("churn", modes, runs, args)
+    out = capsys.readouterr().out
+    assert "with forward" in out
+    assert re.search(r"^kvservice remote .* 0\.88x$", out, re.M), out
 
 
 def test_bench_vllm_scheduler_profile_smoke(capsys: pytest.CaptureFixture[str]) -> None:
