@@ -139,6 +139,41 @@ def phase_one(stub: Any) -> None:
     assert admit(stub, "a", list(range(48))).outcome == pb.ALLOCATION_OUTCOME_OK
     stub.FreeRequest(pb.FreeRequestRequest(request_id="a", mode=pb.FREE_MODE_FINISH))
     assert admit(stub, "b", list(range(48))).outcome == pb.ALLOCATION_OUTCOME_OK
+    offload_step(stub)
+
+
+# An engine's CPU offload tier on the server: 8 chunks; 3 stored, 1 of them failing;
+# 1 loaded back (held). Its session stays open, so the tier stays.
+OFFLOAD_CHUNKS = 8
+OFFLOAD_KEYS = [bytes([i]) * 32 + b"\0\0\0\0" for i in range(3)]
+
+
+def offload_step(stub: Any) -> None:
+    session = stub.OpenSession(pb.OpenSessionRequest(ttl_seconds=600)).session_id
+    ops = [
+        pb.OffloadOperation(new_request=pb.OffloadNewRequest(request_id="o", priority=35)),
+        pb.OffloadOperation(
+            prepare_store=pb.OffloadPrepareStore(
+                request_id="o", keys=OFFLOAD_KEYS, keys_to_store=OFFLOAD_KEYS, chunk_ids=[0, 1, 2]
+            )
+        ),
+        pb.OffloadOperation(
+            complete_store=pb.OffloadCompleteStore(keys=OFFLOAD_KEYS[:2], success=True)
+        ),
+        pb.OffloadOperation(
+            complete_store=pb.OffloadCompleteStore(keys=OFFLOAD_KEYS[2:], success=False)
+        ),
+        pb.OffloadOperation(
+            prepare_load=pb.OffloadPrepareLoad(request_id="o", keys=OFFLOAD_KEYS[:1], chunk_ids=[0])
+        ),
+    ]
+    config = pb.OffloadTierConfig(
+        num_chunks=OFFLOAD_CHUNKS, eviction_policy="lru", max_tracker_size=64, bytes_per_chunk=4096
+    )
+    stub.OffloadStep(
+        pb.OffloadStepRequest(config=config, ops=ops),
+        metadata=(("x-kvservice-session", session),),
+    )
 
 
 def phase_two(stub: Any) -> None:
@@ -231,6 +266,8 @@ def _drive(server: ThreadedServer, url: str, stub: Any, process: subprocess.Pope
         ("kvservice_used_blocks", {}),
         ("kvservice_cached_blocks", {}),
         ("kvservice_rpc_duration_seconds_count", {"method": "GetUsage"}),
+        ("kvservice_offload_keys_stored_total", {}),
+        ("kvservice_offload_chunks_used", {}),
     ]
 
     def caught_up() -> bool:
@@ -428,6 +465,35 @@ def check_priority_evictions(stack: Stack, q: PanelQuery, result: list[dict[str,
     assert set(rates) == exported == set()
 
 
+def check_offload_chunks(stack: Stack, q: PanelQuery, result: list[dict[str, Any]]) -> None:
+    """The offload tier of the scenario: 2 chunks in use (one stored and loaded back,
+    one stored; the failed store freed its chunk), of 8, in 1 tier."""
+    name = _one(sorted(promql_metric_names(q.expr)))
+    expected = {
+        "kvservice_offload_chunks_used": 2,
+        "kvservice_offload_chunks": OFFLOAD_CHUNKS,
+        "kvservice_offload_tiers": 1,
+    }
+    assert _one([float(s["value"][1]) for s in result]) == stack.truth.total(name) == expected[name]
+
+
+def check_offload_rates(stack: Stack, q: PanelQuery, result: list[dict[str, Any]]) -> None:
+    """Positive for what the scenario did (stores, a failed store, a load), zero for
+    what it did not (evictions)."""
+    name = _one(sorted(promql_metric_names(q.expr)))
+    rate = _one([float(s["value"][1]) for s in result])
+    assert (
+        stack.truth.total(name)
+        == {
+            "kvservice_offload_keys_stored_total": 2,
+            "kvservice_offload_store_failures_total": 1,
+            "kvservice_offload_keys_loaded_total": 1,
+            "kvservice_offload_keys_evicted_total": 0,
+        }[name]
+    )
+    assert (rate > 0) == (stack.truth.total(name) > 0)
+
+
 CHECKS: dict[str, Callable[[Stack, PanelQuery, list[dict[str, Any]]], None]] = {
     "Max KV cache usage": check_usage,
     "Mean KV cache usage": check_usage,
@@ -449,6 +515,8 @@ CHECKS: dict[str, Callable[[Stack, PanelQuery, list[dict[str, Any]]], None]] = {
     "KV events / s": check_rate,
     "Pinned blocks": check_pinned,
     "Evictions / s by priority": check_priority_evictions,
+    "Offload tier chunks": check_offload_chunks,
+    "Offload tier chunks / s": check_offload_rates,
 }
 
 QUERIES = dashboard_queries()
