@@ -22,8 +22,8 @@ engine dies).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NoReturn
 
 from kvservice.client.errors import KVServiceError
@@ -39,7 +39,7 @@ class OffloadLinkError(RuntimeError):
     engine's replica, or could not be reached: the engine must stop."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class OffloadTierConfig:
     """The index the server builds for this engine (``OffloadTierConfig`` in the proto):
     the replica's own settings."""
@@ -55,15 +55,8 @@ class OffloadTierConfig:
     bytes_per_chunk: int = 0
 
     def to_pb(self) -> pb.OffloadTierConfig:
-        return pb.OffloadTierConfig(
-            num_chunks=self.num_chunks,
-            eviction_policy=self.eviction_policy,
-            store_threshold=self.store_threshold,
-            max_tracker_size=self.max_tracker_size,
-            enable_events=self.enable_events,
-            max_pinned_chunks=self.max_pinned_chunks,
-            bytes_per_chunk=self.bytes_per_chunk,
-        )
+        # The fields are the proto's, name for name.
+        return pb.OffloadTierConfig(**dataclasses.asdict(self))
 
 
 class OffloadLink:

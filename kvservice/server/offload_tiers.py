@@ -56,18 +56,6 @@ class OffloadCounters(Protocol):
     def record_offload_usage(self, chunks_used: int, chunks: int, tiers: int) -> None: ...
 
 
-def _config_key(config: pb.OffloadTierConfig) -> tuple[Any, ...]:
-    return (
-        config.num_chunks,
-        config.eviction_policy,
-        config.store_threshold,
-        config.max_tracker_size,
-        config.enable_events,
-        config.max_pinned_chunks,
-        config.bytes_per_chunk,
-    )
-
-
 def build_index(config: pb.OffloadTierConfig) -> OffloadIndex:
     """The index ``config`` describes; InvalidArgumentError names a bad field."""
     if not 1 <= config.num_chunks <= MAX_CHUNKS:
@@ -142,6 +130,20 @@ def _check_time(where: str, name: str, seconds: float) -> None:
         raise InvalidArgumentError(f"{where}: {name} must be finite and >= 0, got {seconds}")
 
 
+# The operations that name chunks by their keys (``keys``).
+_KEYED = frozenset(
+    {
+        "prepare_load",
+        "prepare_store",
+        "complete_load",
+        "complete_store",
+        "touch",
+        "pin",
+        "request_finished",
+    }
+)
+
+
 def check_operation(index: int, op: pb.OffloadOperation) -> None:
     """INVALID_ARGUMENT for a malformed operation, naming it by its place."""
     kind = op.WhichOneof("op")
@@ -153,7 +155,7 @@ def check_operation(index: int, op: pb.OffloadOperation) -> None:
         _check_id(where, "request_id", body.request_id)
     if kind in ("pin", "unpin"):
         _check_id(where, "pin_id", body.pin_id)
-    if hasattr(body, "keys"):
+    if kind in _KEYED:
         _check_keys(where, body.keys)
     if kind in ("prepare_load", "prepare_store"):
         _check_positions(where, body.keys, body.positions)
@@ -197,7 +199,9 @@ class OffloadTier:
     """One engine's index and the requests its replica announced."""
 
     def __init__(self, config: pb.OffloadTierConfig) -> None:
-        self.config_key = _config_key(config)
+        # A copy: the request that carried it belongs to gRPC.
+        self.config = pb.OffloadTierConfig()
+        self.config.CopyFrom(config)
         self.index = build_index(config)
         self.bytes_per_chunk = config.bytes_per_chunk
         self.requests: dict[str, _Request] = {}
@@ -437,7 +441,7 @@ class OffloadTiers:
             raise FailedPreconditionError(
                 f"this session's offload index stopped at {tier.stopped}; open a new session"
             )
-        if _config_key(request.config) != tier.config_key:
+        if request.config != tier.config:
             raise FailedPreconditionError(
                 "OffloadStep's config differs from the one this session's offload index "
                 "was built with; an index's config never changes (open a new session)"

@@ -222,23 +222,14 @@ def test_the_offload_tiers_events_decode_as_vllms() -> None:
     decoded = msgspec.msgpack.Decoder(vllm_events.KVEventBatch).decode(payload)
     assert decoded.events == [
         vllm_events.BlockStored(
-            block_hashes=[HASH],
+            block_hashes=[block_hash],
             parent_block_hash=None,
             token_ids=[],
             block_size=0,
             lora_id=None,
             medium="CPU",
             lora_name=None,
-            group_idx=0,
-        ),
-        vllm_events.BlockStored(
-            block_hashes=[HASH[::-1]],
-            parent_block_hash=None,
-            token_ids=[],
-            block_size=0,
-            lora_id=None,
-            medium="CPU",
-            lora_name=None,
-            group_idx=1,
-        ),
+            group_idx=group,
+        )
+        for group, block_hash in enumerate((HASH, HASH[::-1]))
     ]

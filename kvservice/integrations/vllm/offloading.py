@@ -36,11 +36,11 @@ Importing this module imports vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -103,7 +103,7 @@ def check_eviction_policy(name: str) -> str:
     return name
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class OffloadRetention:
     """What a request's ``kv_transfer_params`` ask of the priority policy."""
 
@@ -150,16 +150,22 @@ class KVServiceOffloadingManager(OffloadingManager):  # type: ignore[misc]
             raise ValueError(f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction}")
         self.medium = Medium.CPU
         self.priorities = eviction_policy == "priority"
-        self.max_tracker_size = max_tracker_size
-        self.enable_events = enable_events
-        self.max_pinned_chunks = int(num_chunks * max_pinned_fraction) if self.priorities else None
+        # The index's settings, as a server serving it builds its own (``open_link``).
+        self.tier = OffloadTierConfig(
+            num_chunks=num_chunks,
+            eviction_policy=eviction_policy,
+            store_threshold=store_threshold,
+            max_tracker_size=max_tracker_size,
+            enable_events=enable_events,
+            max_pinned_chunks=int(num_chunks * max_pinned_fraction) if self.priorities else 0,
+        )
         self.index = OffloadIndex(
             num_chunks,
             eviction_policy,
             store_threshold=store_threshold,
             max_tracker_size=max_tracker_size,
             enable_events=enable_events,
-            max_pinned_chunks=self.max_pinned_chunks,
+            max_pinned_chunks=self.tier.max_pinned_chunks if self.priorities else None,
         )
         self._config_info: ConfigInfoMapping = info.as_config_info() if info is not None else {}
         self._clock = clock
@@ -417,20 +423,6 @@ def _positions(keys: Sequence[bytes], access: RequestAccess) -> list[int]:
     return [UNKNOWN_POSITION if (p := position_of(key)) is None else p for key in keys]
 
 
-def tier_config(manager: KVServiceOffloadingManager, bytes_per_chunk: int) -> OffloadTierConfig:
-    """The config of ``manager``'s index, as the server builds its own from it."""
-    index = manager.index
-    return OffloadTierConfig(
-        num_chunks=index.num_chunks,
-        eviction_policy=index.policy_name,
-        store_threshold=index.store_threshold,
-        max_tracker_size=manager.max_tracker_size,
-        enable_events=manager.enable_events,
-        max_pinned_chunks=manager.max_pinned_chunks or 0,
-        bytes_per_chunk=bytes_per_chunk,
-    )
-
-
 def open_link(
     manager: KVServiceOffloadingManager,
     target: str,
@@ -447,7 +439,7 @@ def open_link(
     try:
         return OffloadLink.open(
             client,
-            tier_config(manager, bytes_per_chunk),
+            dataclasses.replace(manager.tier, bytes_per_chunk=bytes_per_chunk),
             settings.session_ttl_s,
             "vllm offload tier",
         )
