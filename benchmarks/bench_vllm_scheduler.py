@@ -34,7 +34,10 @@ the built-in manager, in-process and remote, and prints where each step goes: th
 manager's share of ``schedule()`` plus ``update_from_output()`` (the manager's own
 methods, everything they call included, and for the remote mode the wait for the
 server), its methods, and the ratio an in-process manager that cost nothing would
-reach (the floor vLLM's own scheduler code sets).
+reach (the floor vLLM's own scheduler code sets). It then runs the remote mode again,
+unprofiled, with py-spy sampling the server, and prints the server's CPU a step by
+where it went: the transport (gRPC, asyncio, threads: no kvservice frame), the Step
+runner (compiled, so sampled as its caller's line), and kvservice's Python around it.
 
     python -m benchmarks.bench_vllm_scheduler [--rounds 5] [--steps 200] [--forward-ms 0]
         [--async-scheduling] [--profile]
@@ -50,7 +53,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -74,6 +77,10 @@ from kvservice.bench.measure import (  # noqa: E402
     machine_load,
     process_cpu_seconds,
     ratio_columns,
+)
+from kvservice.bench.process_sampler import (  # noqa: E402
+    SamplerUnavailableError,
+    sampled,
 )
 from kvservice.bench.server import child_server  # noqa: E402
 from kvservice.integrations.vllm import KVServiceScheduler  # noqa: E402
@@ -683,12 +690,58 @@ def _profile(target: str, server_pid: int | None, steps: int) -> None:
         )
         for method, seconds in sorted(methods.items(), key=lambda kv: -kv[1])[:8]:
             print(f"  {100 * seconds / step_s:5.1f}%  {method}")
+    # Again without the client's profiler, which would stretch the server's idle time.
+    with _server_sampled(modes[-1], steps):
+        _run(modes[-1], "churn", steps, 0, 0.0)
     floor = 1 / (1 - shares["vllm built-in"])
     print(
         f"\nan in-process manager costing nothing would make the step {floor:.2f}x the "
         "built-in manager's (vLLM's own scheduler code is the rest); sampled with the "
         "profiler on, so shares, not speeds"
     )
+
+
+@contextmanager
+def _server_sampled(mode: Mode, steps: int) -> Iterator[None]:
+    """Sample ``mode``'s server (py-spy) while the block runs and print where the
+    server's CPU went, by the frame each sample was taken in."""
+    assert mode.server_pid is not None
+    cpu_before = process_cpu_seconds(mode.server_pid)
+    try:
+        with sampled(mode.server_pid) as samples:
+            yield
+    except SamplerUnavailableError as error:
+        print(f"\nthe server was not sampled: {error}")
+        return
+    cpu_after = process_cpu_seconds(mode.server_pid)
+    cpu_ms = 0.0
+    if cpu_before is not None and cpu_after is not None:
+        cpu_ms = 1000 * (cpu_after - cpu_before) / steps
+    parts: Counter[str] = Counter()
+    for leaf, count in samples.leaves.items():
+        parts[_server_part(leaf)] += count
+    print(
+        f"\n{mode.name}, its server: {cpu_ms:.2f} ms CPU a step while sampled "
+        f"({samples.total} samples), by the frame sampled:"
+    )
+    for part, count in parts.most_common(8):
+        share = count / max(1, samples.total)
+        print(f"  {100 * share:5.1f}%  {share * cpu_ms:5.2f} ms  {part}")
+
+
+# The servicer's line that calls the Step runner: with the compiled build, no Python
+# frame is under it (mypyc's functions are not sampled), so its samples are the runner's.
+_STEP_CALL = "KVCacheServicer.StepStream ("
+
+
+def _server_part(leaf: str) -> str:
+    """What a server sample's innermost frame stands for."""
+    if "kvservice/" not in leaf:
+        return "gRPC, asyncio and threads (no kvservice frame): the transport"
+    if leaf.startswith(_STEP_CALL):
+        return "the Step runner (decoding, request table, core; compiled: under StepStream)"
+    function, _, where = leaf.partition(" (")
+    return f"{function} ({where.rsplit(':', 1)[0]})"
 
 
 def _manager_time(root: Any) -> tuple[float, dict[str, float]]:

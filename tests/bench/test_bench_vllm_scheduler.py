@@ -88,6 +88,14 @@ def test_bench_vllm_scheduler_profile_smoke(capsys: pytest.CaptureFixture[str]) 
         ), out
     assert re.search(r"^ +[\d.]+% +allocate_slots$", out, re.M), out
     assert "costing nothing would make the step" in out
+    # The server's own CPU, sampled where py-spy may read it (tests/bench/
+    # test_process_sampler.py checks what the sampler finds).
+    assert re.search(
+        r"^remote, vLLM hashes, its server: [\d.]+ ms CPU a step while sampled \(\d+ "
+        r"samples\)|^the server was not sampled: py-spy",
+        out,
+        re.M,
+    ), out
 
 
 def test_the_async_report_names_a_mode_that_decided_otherwise(
