@@ -33,7 +33,8 @@ With ``--profile`` it instead samples (pyinstrument) the churn workload's steps 
 the built-in manager, in-process and remote, and prints where each step goes: the
 manager's share of ``schedule()`` plus ``update_from_output()`` (the manager's own
 methods, everything they call included, and for the remote mode the wait for the
-server), its methods, and the ratio an in-process manager that cost nothing would
+server), its methods, the remote link's parts (recording, building, sending,
+waiting, checking), and the ratio an in-process manager that cost nothing would
 reach (the floor vLLM's own scheduler code sets). It then runs the remote mode again,
 unprofiled, with py-spy sampling the server, and prints the server's CPU a step by
 where it went: the transport (gRPC, asyncio, threads: no kvservice frame), the Step
@@ -690,6 +691,10 @@ def _profile(target: str, server_pid: int | None, steps: int) -> None:
         )
         for method, seconds in sorted(methods.items(), key=lambda kv: -kv[1])[:8]:
             print(f"  {100 * seconds / step_s:5.1f}%  {method}")
+        if mode.target is not None:
+            print("  of which the link to the server:")
+            for part, seconds in _link_time(session.root_frame()).items():
+                print(f"  {100 * seconds / step_s:5.1f}%  {part}")
     # Again without the client's profiler, which would stretch the server's idle time.
     with _server_sampled(modes[-1], steps):
         _run(modes[-1], "churn", steps, 0, 0.0)
@@ -742,6 +747,36 @@ def _server_part(leaf: str) -> str:
         return "the Step runner (decoding, request table, core; compiled: under StepStream)"
     function, _, where = leaf.partition(" (")
     return f"{function} ({where.rsplit(':', 1)[0]})"
+
+
+# The remote link's parts, by the function that does each (kvservice/client and the
+# vLLM integration's server link), in the order a step runs them.
+_LINK_PARTS = {
+    "_send_tokens": "recording new requests and tokens (ServerLink._send_tokens)",
+    "allocate": "recording plain allocations (StepLog.allocate)",
+    "record": "recording other operations (StepLog.record)",
+    "build": "building the Step message (StepLog.build)",
+    "send": "serializing and handing it to gRPC (Session.send)",
+    "_read_through": "waiting for the answer and parsing it (Session._read_through)",
+    "_compare": "checking every answer (StepLink._compare)",
+}
+
+
+def _link_time(root: Any) -> dict[str, float]:
+    """Seconds in each of ``_LINK_PARTS`` (the outermost call of each, everything it
+    calls included)."""
+    seconds = dict.fromkeys(_LINK_PARTS.values(), 0.0)
+
+    def walk(frame: Any) -> None:
+        part = _LINK_PARTS.get(frame.function)
+        if part is not None and "/kvservice/" in (frame.file_path or ""):
+            seconds[part] += frame.time
+            return
+        for child in frame.children:
+            walk(child)
+
+    walk(root)
+    return seconds
 
 
 def _manager_time(root: Any) -> tuple[float, dict[str, float]]:

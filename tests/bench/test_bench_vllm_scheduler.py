@@ -79,7 +79,8 @@ def test_the_sync_report_gives_the_engine_step_ratio_with_a_forward(
 
 
 def test_bench_vllm_scheduler_profile_smoke(capsys: pytest.CaptureFixture[str]) -> None:
-    """The profile names each manager's share of the step and its methods."""
+    """The profile names each manager's share of the step and its methods, the remote
+    link's parts, and where the server's CPU went."""
     assert bench_vllm_scheduler.main(["--profile", "--steps", "3"]) == 0
     out = capsys.readouterr().out
     for mode in ("vllm built-in", "kvservice in-process", "remote, vLLM hashes"):
@@ -88,6 +89,9 @@ def test_bench_vllm_scheduler_profile_smoke(capsys: pytest.CaptureFixture[str]) 
         ), out
     assert re.search(r"^ +[\d.]+% +allocate_slots$", out, re.M), out
     assert "costing nothing would make the step" in out
+    # The remote link's parts, each printed (a 3-step run may not sample every one).
+    for part in bench_vllm_scheduler._LINK_PARTS.values():
+        assert re.search(rf"^ +[\d.]+% +{re.escape(part)}$", out, re.M), (part, out)
     # The server's own CPU, sampled where py-spy may read it (tests/bench/
     # test_process_sampler.py checks what the sampler finds).
     assert re.search(
