@@ -15,7 +15,9 @@ and ``free`` when a request finishes or is preempted. Each of those manager call
 op. Every engine must make the same decisions (the same op mix and prefix-hit tokens):
 a difference is printed. Last, the admission-heavy run's requests are built alone
 (each hashes its prompt, vLLM's way or kvservice's): what no manager call can save,
-and so the ratio to vLLM a manager costing nothing would reach on that workload.
+and so the ratio to vLLM a manager costing nothing would reach on that workload; and
+the blocks they hash, with what ``pickle.dumps`` (vLLM's bytes) and ``sha256`` cost
+alone on them: the floor of hashing, the rest being Python around those two calls.
 Run: ``make bench`` or ``python -m benchmarks.bench_core``.
 """
 
@@ -23,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import importlib
 import json
 import os
+import pickle
 import random
 import statistics
 import subprocess
@@ -126,6 +130,17 @@ class Engine(Protocol):
     def request_factory(self, manager: Any) -> Callable[[str, list[int]], SchedRequest]: ...
 
     def preempt(self, request: SchedRequest) -> None: ...
+
+
+class RecordingEngine(Engine, Protocol):
+    """An engine whose hashing can be watched (``measure_hashing``)."""
+
+    def recording_factory(
+        self, manager: Any, hashed: list[Any]
+    ) -> Callable[[str, list[int]], SchedRequest]:
+        """``request_factory`` whose hash function also appends what it hashes to
+        ``hashed`` (a block: parent hash, token ids, extra keys)."""
+        ...
 
 
 @dataclass
@@ -304,6 +319,13 @@ class KVServiceEngine:
         new_request: Callable[[str, list[int]], SchedRequest] = manager.new_request
         return new_request
 
+    def recording_factory(
+        self, manager: Any, hashed: list[Any]
+    ) -> Callable[[str, list[int]], SchedRequest]:
+        hasher = manager.block_hasher
+        hasher.hash_fn = _recording(hasher.hash_fn, hashed)
+        return self.request_factory(manager)
+
     def preempt(self, request: Any) -> None:
         request.preempt()
 
@@ -336,6 +358,8 @@ class VLLMEngine:
         utils, sha256 = vllm["vllm.v1.core.kv_cache_utils"], vllm["vllm.utils.hashing"].sha256
         utils.init_none_hash(sha256)
         self.hasher = utils.get_request_block_hasher(BLOCK_SIZE, sha256)
+        self.new_hasher = utils.get_request_block_hasher
+        self.sha256 = sha256
         self.request_cls = vllm["vllm.v1.request"].Request
         self.sampling_params = vllm["vllm.sampling_params"].SamplingParams(max_tokens=MAX_MODEL_LEN)
         status = vllm["vllm.v1.request"].RequestStatus
@@ -363,8 +387,11 @@ class VLLMEngine:
             hash_block_size=BLOCK_SIZE,
         )
 
-    def request_factory(self, manager: Any) -> Callable[[str, list[int]], SchedRequest]:
-        request_cls, params, hasher = self.request_cls, self.sampling_params, self.hasher
+    def request_factory(
+        self, manager: Any, hasher: Any = None
+    ) -> Callable[[str, list[int]], SchedRequest]:
+        request_cls, params = self.request_cls, self.sampling_params
+        hasher = self.hasher if hasher is None else hasher
 
         def new_request(request_id: str, prompt: list[int]) -> SchedRequest:
             request: SchedRequest = request_cls(
@@ -373,6 +400,12 @@ class VLLMEngine:
             return request
 
         return new_request
+
+    def recording_factory(
+        self, manager: Any, hashed: list[Any]
+    ) -> Callable[[str, list[int]], SchedRequest]:
+        hasher = self.new_hasher(BLOCK_SIZE, _recording(self.sha256, hashed))
+        return self.request_factory(manager, hasher)
 
     def preempt(self, request: Any) -> None:
         # What vLLM's scheduler does to a request it preempts, after freeing it.
@@ -428,6 +461,39 @@ def measure_requests(engine: Engine, spec: WorkloadSpec, count: int, seed: int) 
     return best
 
 
+def _recording(hash_fn: Callable[[Any], bytes], hashed: list[Any]) -> Callable[[Any], bytes]:
+    def recording(block: Any) -> bytes:
+        hashed.append(block)
+        return hash_fn(block)
+
+    return recording
+
+
+def measure_hashing(
+    engine: RecordingEngine, spec: WorkloadSpec, count: int, seed: int
+) -> dict[str, Any]:
+    """The blocks building the first ``count`` requests of ``spec``'s run hashes (as
+    ``measure_requests`` builds them), and the CPU seconds of their two C calls alone,
+    best of three: ``pickle.dumps`` of each (the bytes vLLM hashes) and ``sha256`` of
+    those bytes. Everything else building a request does is Python around them."""
+    manager = engine.make_manager(spec)
+    hashed: list[Any] = []
+    new_request = engine.recording_factory(manager, hashed)
+    prompts = Prompts(spec, seed, count).prompts
+    for i in range(count):
+        new_request(f"r{i}", prompts[i % len(prompts)])
+    best_pickle = best_sha256 = float("inf")
+    for _ in range(3):
+        start = time.process_time()
+        data = [pickle.dumps(block, protocol=pickle.HIGHEST_PROTOCOL) for block in hashed]
+        best_pickle = min(best_pickle, time.process_time() - start)
+        start = time.process_time()
+        for item in data:
+            hashlib.sha256(item).digest()
+        best_sha256 = min(best_sha256, time.process_time() - start)
+    return {"blocks": len(hashed), "pickle": best_pickle, "sha256": best_sha256}
+
+
 def spec_from_json(fields: dict[str, Any]) -> WorkloadSpec:
     pairs = ("prefix_blocks", "suffix_tokens", "decode_tokens")
     return WorkloadSpec(**{**fields, **{k: tuple(fields[k]) for k in pairs}})
@@ -438,7 +504,7 @@ def worker(engine_name: str) -> int:
     # Replies own the real stdout; anything a library prints goes to stderr.
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    engine: Engine
+    engine: RecordingEngine
     info: dict[str, Any] = {"engine": engine_name}
     if engine_name == "vllm":
         warnings.simplefilter("ignore")  # its optional-dependency warnings
@@ -460,6 +526,8 @@ def worker(engine_name: str) -> int:
             reply: dict[str, Any] = measure_build(engine, spec)
         elif command["cmd"] == "requests":
             reply = {"seconds": measure_requests(engine, spec, command["count"], command["seed"])}
+        elif command["cmd"] == "hashing":
+            reply = measure_hashing(engine, spec, command["count"], command["seed"])
         else:
             mix, seconds = run_workload(engine, spec, command["ops"], command["seed"])
             reply = {"mix": asdict(mix), "ops": mix.ops, "seconds": seconds}
@@ -588,6 +656,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             )["seconds"]
             for name, w in workers.items()
         }
+        hashing = {
+            name: w.ask(
+                {
+                    "cmd": "hashing",
+                    "workload": asdict(floor_spec),
+                    "count": adds,
+                    "seed": args.seed,
+                }
+            )
+            for name, w in workers.items()
+        }
     finally:
         for w in workers.values():
             w.close()
@@ -595,6 +674,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print_scaling(specs, engines, cells)
     print_builds(specs[-1].num_blocks, engines, builds)
     print_request_floor(engines, seconds, requests_s, adds)
+    print_hashing_floor(engines, requests_s, hashing)
     return 0
 
 
@@ -625,6 +705,27 @@ def print_request_floor(
         ]
         line += "; a manager costing nothing beside them would reach " + ", ".join(floors)
     print(line)
+
+
+def print_hashing_floor(
+    engines: list[str], requests_s: dict[str, float], hashing: dict[str, dict[str, Any]]
+) -> None:
+    """Of building those requests, what the hash function and the serialization of
+    its input cost alone: the floor of hashing them, vLLM's bytes being fixed."""
+    parts = []
+    for name in engines:
+        done = hashing[name]
+        c_calls = done["pickle"] + done["sha256"]
+        parts.append(
+            f"{ENGINE_TITLES[name]} {done['blocks']} blocks, pickle {done['pickle']:.3f} s "
+            f"+ sha256 {done['sha256']:.3f} s = {c_calls / requests_s[name]:.0%} of its "
+            f"{requests_s[name]:.3f} s"
+        )
+    print(
+        f"{HASH_FLOOR_WORKLOAD}: the blocks those requests hash (kvservice remembers blocks "
+        "it hashed: same parent, tokens and keys), and the two C calls of each alone, "
+        "best round: " + "; ".join(parts)
+    )
 
 
 def print_table(

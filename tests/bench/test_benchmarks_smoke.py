@@ -4,6 +4,8 @@ that they run and print every row is checked, never a timing."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from benchmarks import bench_core, bench_decode_layers, bench_grpc, bench_retention
@@ -40,6 +42,15 @@ def test_bench_core_smoke(capsys: pytest.CaptureFixture[str]) -> None:
         "a manager costing nothing beside them would reach",
     ):
         assert line in out
+    # Every engine's hashing floor; vLLM hashes every full block, kvservice fewer.
+    floor = re.search(
+        r"vLLM (\d+) blocks, pickle [\d.]+ s \+ sha256 [\d.]+ s = \d+% of its [\d.]+ s; "
+        r"pure (\d+) blocks, .*; compiled (\d+) blocks, ",
+        out,
+    )
+    assert floor is not None, out
+    vllm_blocks, pure_blocks, compiled_blocks = map(int, floor.groups())
+    assert 0 < pure_blocks == compiled_blocks < vllm_blocks, floor.group(0)
     assert "DECISIONS DIFFER" not in out
 
 
