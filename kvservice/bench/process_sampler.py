@@ -71,7 +71,11 @@ def sampled(pid: int, rate_hz: int = 1000) -> Iterator[Samples]:
         finally:
             # py-spy writes its samples on SIGINT (its Control-C).
             sampler.send_signal(signal.SIGINT)
-            sampler.wait(_STOP_TIMEOUT_S)
+            try:
+                sampler.wait(_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                sampler.kill()
+                raise
         if not output.exists():
             raise SamplerUnavailableError(_failure(sampler))
         samples.leaves.update(_leaves(output.read_text(encoding="utf-8")))
