@@ -712,11 +712,15 @@ def _server_sampled(mode: Mode, steps: int) -> Iterator[None]:
     server's CPU went, by the frame each sample was taken in."""
     assert mode.server_pid is not None
     cpu_before = process_cpu_seconds(mode.server_pid)
+    ran = False
     try:
         with sampled(mode.server_pid) as samples:
+            ran = True
             yield
     except SamplerUnavailableError as error:
         print(f"\nthe server was not sampled: {error}")
+        if not ran:
+            yield  # py-spy could not attach: the block runs unsampled
         return
     cpu_after = process_cpu_seconds(mode.server_pid)
     cpu_ms = 0.0

@@ -6,11 +6,14 @@ Never a timing."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
+from collections.abc import Iterator
 
 import pytest
 
 from benchmarks import bench_vllm_scheduler
+from kvservice.bench.process_sampler import SamplerUnavailableError
 
 MODES = (
     "vllm built-in",
@@ -119,5 +122,27 @@ def test_the_async_report_names_a_mode_that_decided_otherwise(
     args = argparse.Namespace(forward_ms=10.0, steps=10, rounds=2)
     assert not bench_vllm_scheduler._report_async("decode", modes, runs, args)
     assert "DECISIONS DIFFER from vLLM's AsyncScheduler: kvservice in-process (round 1)" in (
+        capsys.readouterr().out
+    )
+
+
+def test_a_server_py_spy_cannot_sample_is_reported_and_the_run_goes_on(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where py-spy is missing or may not attach, the remote run still runs, and the
+    profile says why the server was not sampled."""
+
+    @contextlib.contextmanager
+    def refused(pid: int) -> Iterator[None]:
+        raise SamplerUnavailableError(f"py-spy could not sample the process {pid}")
+        yield
+
+    monkeypatch.setattr(bench_vllm_scheduler, "sampled", refused)
+    ran = []
+    mode = bench_vllm_scheduler.Mode("remote", object, "target", server_pid=1)
+    with bench_vllm_scheduler._server_sampled(mode, steps=1):
+        ran.append(True)
+    assert ran == [True]
+    assert "the server was not sampled: py-spy could not sample the process 1" in (
         capsys.readouterr().out
     )
