@@ -84,6 +84,7 @@ from kvservice.bench.process_sampler import (  # noqa: E402
     sampled,
 )
 from kvservice.bench.server import child_server  # noqa: E402
+from kvservice.core import COMPILED as CORE_COMPILED  # noqa: E402 (one build with the server's)
 from kvservice.integrations.vllm import KVServiceScheduler  # noqa: E402
 from kvservice.integrations.vllm.testing import (  # noqa: E402
     SchedulerSetup,
@@ -738,8 +739,9 @@ def _server_sampled(mode: Mode, steps: int) -> Iterator[None]:
         print(f"  {100 * share:5.1f}%  {share * cpu_ms:5.2f} ms  {part}")
 
 
-# The servicer's line that calls the Step runner: with the compiled build, no Python
-# frame is under it (mypyc's functions are not sampled), so its samples are the runner's.
+# The servicer's line that calls the Step runner: with the compiled build (the server
+# imports the same build as this process), no Python frame is under it (mypyc's
+# functions are not sampled), so its samples are the runner's.
 _STEP_CALL = "KVCacheServicer.StepStream ("
 
 
@@ -747,7 +749,7 @@ def _server_part(leaf: str) -> str:
     """What a server sample's innermost frame stands for."""
     if "kvservice/" not in leaf:
         return "gRPC, asyncio and threads (no kvservice frame): the transport"
-    if leaf.startswith(_STEP_CALL):
+    if leaf.startswith(_STEP_CALL) and CORE_COMPILED:
         return "the Step runner (decoding, request table, core; compiled: under StepStream)"
     function, _, where = leaf.partition(" (")
     return f"{function} ({where.rsplit(':', 1)[0]})"
