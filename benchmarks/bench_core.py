@@ -454,11 +454,18 @@ def measure_requests(engine: Engine, spec: WorkloadSpec, count: int, seed: int) 
         gc.collect()
         gc.freeze()
         start = time.process_time()
-        for i in range(count):
-            new_request(f"r{i}", prompts[i % len(prompts)])
+        _build_requests(new_request, prompts, count)
         best = min(best, time.process_time() - start)
         gc.unfreeze()
     return best
+
+
+def _build_requests(
+    new_request: Callable[[str, list[int]], SchedRequest], prompts: list[list[int]], count: int
+) -> None:
+    """The first ``count`` requests of a run, as ``run_workload`` names and builds them."""
+    for i in range(count):
+        new_request(f"r{i}", prompts[i % len(prompts)])
 
 
 def _recording(hash_fn: Callable[[Any], bytes], hashed: list[Any]) -> Callable[[Any], bytes]:
@@ -478,10 +485,9 @@ def measure_hashing(
     those bytes. Everything else building a request does is Python around them."""
     manager = engine.make_manager(spec)
     hashed: list[Any] = []
-    new_request = engine.recording_factory(manager, hashed)
-    prompts = Prompts(spec, seed, count).prompts
-    for i in range(count):
-        new_request(f"r{i}", prompts[i % len(prompts)])
+    _build_requests(
+        engine.recording_factory(manager, hashed), Prompts(spec, seed, count).prompts, count
+    )
     best_pickle = best_sha256 = float("inf")
     for _ in range(3):
         start = time.process_time()
@@ -645,28 +651,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     seconds[key] = min(seconds.get(key, answer["seconds"]), answer["seconds"])
         floor_spec = next(s for s in specs if s.name == HASH_FLOOR_WORKLOAD)
         adds = cells[(floor_spec.name, engines[0])].mix["adds"]
-        requests_s = {
-            name: w.ask(
-                {
-                    "cmd": "requests",
-                    "workload": asdict(floor_spec),
-                    "count": adds,
-                    "seed": args.seed,
-                }
-            )["seconds"]
-            for name, w in workers.items()
-        }
-        hashing = {
-            name: w.ask(
-                {
-                    "cmd": "hashing",
-                    "workload": asdict(floor_spec),
-                    "count": adds,
-                    "seed": args.seed,
-                }
-            )
-            for name, w in workers.items()
-        }
+
+        def ask_each(cmd: str) -> dict[str, dict[str, Any]]:
+            """``cmd`` on the admission-heavy run's first requests, in every worker."""
+            command = {"cmd": cmd, "workload": asdict(floor_spec), "count": adds, "seed": args.seed}
+            return {name: w.ask(command) for name, w in workers.items()}
+
+        requests_s = {name: reply["seconds"] for name, reply in ask_each("requests").items()}
+        hashing = ask_each("hashing")
     finally:
         for w in workers.values():
             w.close()

@@ -755,16 +755,16 @@ def _server_part(leaf: str) -> str:
     return f"{function} ({where.rsplit(':', 1)[0]})"
 
 
-# The remote link's parts, by the function that does each (kvservice/client and the
+# The remote link's parts, by the method that does each (kvservice/client and the
 # vLLM integration's server link), in the order a step runs them.
 _LINK_PARTS = {
-    "_send_tokens": "recording new requests and tokens (ServerLink._send_tokens)",
-    "allocate": "recording plain allocations (StepLog.allocate)",
-    "record": "recording other operations (StepLog.record)",
-    "build": "building the Step message (StepLog.build)",
-    "send": "serializing and handing it to gRPC (Session.send)",
-    "_read_through": "waiting for the answer and parsing it (Session._read_through)",
-    "_compare": "checking every answer (StepLink._compare)",
+    ("ServerLink", "_send_tokens"): "recording new requests and tokens (ServerLink._send_tokens)",
+    ("StepLog", "allocate"): "recording plain allocations (StepLog.allocate)",
+    ("StepLog", "record"): "recording other operations (StepLog.record)",
+    ("StepLog", "build"): "building the Step message (StepLog.build)",
+    ("Session", "send"): "serializing and handing it to gRPC (Session.send)",
+    ("Session", "_read_through"): "waiting for the answer and parsing it (Session._read_through)",
+    ("StepLink", "_compare"): "checking every answer (StepLink._compare)",
 }
 
 
@@ -774,7 +774,7 @@ def _link_time(root: Any) -> dict[str, float]:
     seconds = dict.fromkeys(_LINK_PARTS.values(), 0.0)
 
     def walk(frame: Any) -> None:
-        part = _LINK_PARTS.get(frame.function)
+        part = _LINK_PARTS.get((frame.class_name, frame.function))
         if part is not None and "/kvservice/" in (frame.file_path or ""):
             seconds[part] += frame.time
             return

@@ -203,7 +203,6 @@ class OffloadTier:
         self.config = pb.OffloadTierConfig()
         self.config.CopyFrom(config)
         self.index = build_index(config)
-        self.bytes_per_chunk = config.bytes_per_chunk
         self.requests: dict[str, _Request] = {}
         # Why the index stopped (an operation diverged); None while it runs.
         self.stopped: str | None = None
@@ -454,6 +453,6 @@ class OffloadTiers:
             self._publish(events)
         if self._counters is not None:
             self._counters.record_offload_step(
-                tally.stored, tally.failed, tally.loaded, tally.evicted, tier.bytes_per_chunk
+                tally.stored, tally.failed, tally.loaded, tally.evicted, tier.config.bytes_per_chunk
             )
             self._report_usage()
