@@ -39,6 +39,10 @@ reach (the floor vLLM's own scheduler code sets). It then runs the remote mode a
 unprofiled, with py-spy sampling the server, and prints the server's CPU a step by
 where it went: the transport (gRPC, asyncio, threads: no kvservice frame), the Step
 runner (compiled, so sampled as its caller's line), and kvservice's Python around it.
+Last, unsampled, the scheduler thread's CPU a churn step: in-process, in-process with
+a wait after each ``schedule()`` as long as the server's CPU (a sleep, then a stand-in
+process busy that long: ``kvservice.bench.stand_in``), and remote, so that what
+waiting on another process costs the thread is told apart from the link's own work.
 
     python -m benchmarks.bench_vllm_scheduler [--rounds 5] [--steps 200] [--forward-ms 0]
         [--async-scheduling] [--profile]
@@ -84,6 +88,7 @@ from kvservice.bench.process_sampler import (  # noqa: E402
     sampled,
 )
 from kvservice.bench.server import child_server  # noqa: E402
+from kvservice.bench.stand_in import StandIn  # noqa: E402
 from kvservice.core import COMPILED as CORE_COMPILED  # noqa: E402 (one build with the server's)
 from kvservice.integrations.vllm import KVServiceScheduler  # noqa: E402
 from kvservice.integrations.vllm.testing import (  # noqa: E402
@@ -400,9 +405,12 @@ def _run(
     seed: int,
     forward_s: float,
     async_scheduling: bool = False,
+    wait: Callable[[], None] | None = None,
 ) -> Timing:
+    """One run of ``workload`` on ``mode``; ``wait`` runs at the end of every
+    ``schedule()`` (inside its time), where a remote manager waits for the server."""
     with _connection_env(mode):
-        return _run_mode(mode, workload, steps, seed, forward_s, async_scheduling)
+        return _run_mode(mode, workload, steps, seed, forward_s, async_scheduling, wait)
 
 
 @contextmanager
@@ -434,6 +442,7 @@ def _run_mode(
     seed: int,
     forward_s: float,
     async_scheduling: bool,
+    wait: Callable[[], None] | None = None,
 ) -> Timing:
     if async_scheduling:
         scheduler = build_scheduler(ASYNC_SETUP, mode.scheduler_cls)
@@ -445,10 +454,21 @@ def _run_mode(
         timing.decisions = loop.digest.hexdigest()
     else:
         scheduler = build_scheduler(SETUP, mode.scheduler_cls)
+        if wait is not None:
+            scheduler.schedule = _then(scheduler.schedule, wait)
         timing = WORKLOADS[workload](scheduler, steps, seed, forward_s, mode.server_pid)
     scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
     scheduler.shutdown()
     return timing
+
+
+def _then(call: Callable[[], Any], after: Callable[[], None]) -> Callable[[], Any]:
+    def both() -> Any:
+        result = call()
+        after()
+        return result
+
+    return both
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -699,12 +719,47 @@ def _profile(target: str, server_pid: int | None, steps: int) -> None:
     # Again without the client's profiler, which would stretch the server's idle time.
     with _server_sampled(modes[-1], steps):
         _run(modes[-1], "churn", steps, 0, 0.0)
+    _waiting_cost(modes[1], modes[-1], steps)
     floor = 1 / (1 - shares["vllm built-in"])
     print(
         f"\nan in-process manager costing nothing would make the step {floor:.2f}x the "
         "built-in manager's (vLLM's own scheduler code is the rest); sampled with the "
         "profiler on, so shares, not speeds"
     )
+
+
+def _waiting_cost(in_process: Mode, remote: Mode, steps: int, rounds: int = 3) -> None:
+    """The scheduler thread's CPU a churn step, unsampled: in-process; in-process with
+    a wait after each ``schedule()`` as long as the remote server's CPU a step,
+    sleeping, then while a stand-in process spends that CPU (as the server does while
+    the remote scheduler waits); and remote. The differences tell what waiting on
+    another process costs the waiting thread, apart from the link's own work."""
+    remote_runs = [_run(remote, "churn", steps, round_, 0.0) for round_ in range(rounds)]
+    server_s = statistics.median(t.server_cpu_seconds / t.steps for t in remote_runs)
+    runs: dict[str, list[Timing]] = {}
+    with StandIn() as stand_in:
+        waits: dict[str, Callable[[], None] | None] = {
+            "in-process": None,
+            "in-process, sleeping as long": lambda: time.sleep(server_s),
+            "in-process, a stand-in busy as long": lambda: stand_in.run(server_s),
+        }
+        for round_ in range(rounds):
+            for name, wait in waits.items():
+                runs.setdefault(name, []).append(
+                    _run(in_process, "churn", steps, round_, 0.0, wait=wait)
+                )
+    runs["remote"] = remote_runs
+    cpu_ms = {
+        name: statistics.median(1000 * t.cpu_seconds / t.steps for t in timings)
+        for name, timings in runs.items()
+    }
+    print(
+        f"\nthe scheduler thread's CPU a churn step, unsampled (median of {rounds} runs); "
+        f"the waits after each schedule() last the server's {1000 * server_s:.2f} ms CPU "
+        "a step:"
+    )
+    for name, ms in cpu_ms.items():
+        print(f"  {ms:5.2f} ms  {ms - cpu_ms['in-process']:+5.2f}  {name}")
 
 
 @contextmanager

@@ -83,7 +83,8 @@ def test_the_sync_report_gives_the_engine_step_ratio_with_a_forward(
 
 def test_bench_vllm_scheduler_profile_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     """The profile names each manager's share of the step and its methods, the remote
-    link's parts, and where the server's CPU went."""
+    link's parts, what waiting costs the scheduler thread, and where the server's CPU
+    went."""
     assert bench_vllm_scheduler.main(["--profile", "--steps", "3"]) == 0
     out = capsys.readouterr().out
     for mode in ("vllm built-in", "kvservice in-process", "remote, vLLM hashes"):
@@ -95,6 +96,16 @@ def test_bench_vllm_scheduler_profile_smoke(capsys: pytest.CaptureFixture[str]) 
     # The remote link's parts, each printed (a 3-step run may not sample every one).
     for part in bench_vllm_scheduler._LINK_PARTS.values():
         assert re.search(rf"^ +[\d.]+% +{re.escape(part)}$", out, re.M), (part, out)
+    # What waiting costs the scheduler thread: in-process with and without the waits,
+    # and remote, each with its difference to in-process.
+    assert "the scheduler thread's CPU a churn step, unsampled" in out
+    for name in (
+        "in-process",
+        "in-process, sleeping as long",
+        "in-process, a stand-in busy as long",
+        "remote",
+    ):
+        assert re.search(rf"^ +[\d.]+ ms +[+-][\d.]+  {re.escape(name)}$", out, re.M), (name, out)
     # The server's own CPU, sampled where py-spy may read it (tests/bench/
     # test_process_sampler.py checks what the sampler finds).
     assert re.search(
