@@ -507,6 +507,7 @@ def pin_prefix(
     cache_salt: str | None = None,
     lora_name: str | None = None,
     lora_path: str | None = None,
+    block_hashes: Sequence[bytes] = (),
 ) -> Op[Pin]:
     message = pb.PinPrefixRequest(
         ttl_seconds=ttl_s or 0.0,
@@ -514,6 +515,7 @@ def pin_prefix(
         cache_salt=cache_salt or "",
         lora_name=lora_name or "",
         lora_path=lora_path or "",
+        block_hashes=block_hashes,
     )
     try:
         message.packed_token_ids = pack_token_ids(token_ids)

@@ -363,14 +363,20 @@ class AsyncKVClient:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         lora_path: str | None = None,
+        block_hashes: Sequence[bytes] = (),
     ) -> Pin:
         """Pin the whole blocks of ``token_ids`` for the caller's tenant (for ``ttl_s``
         seconds, restarted by each hit with ``refresh_on_hit``; None: until unpinned).
         Blocks not cached yet join the pin when cached; pinning the same prefix again
         refreshes the pin. ``cache_salt``, ``lora_name`` and ``lora_path`` must be the
-        requests' for the pin to match them. ``ResourceExhaustedError`` past the pool's
-        pinned budget or with pinning off."""
-        op = _wire.pin_prefix(token_ids, ttl_s, refresh_on_hit, cache_salt, lora_name, lora_path)
+        requests' for the pin to match them. ``block_hashes``: a tenant trusted with
+        client block hashes pins the blocks of its ``client_hashed`` requests by their
+        hashes, one per whole block of ``token_ids`` (the server hashes the tokens
+        otherwise). ``ResourceExhaustedError`` past the pool's pinned budget or with
+        pinning off."""
+        op = _wire.pin_prefix(
+            token_ids, ttl_s, refresh_on_hit, cache_salt, lora_name, lora_path, block_hashes
+        )
         return await self._call(op)
 
     async def unpin_prefix(self, pin_id: str) -> None:

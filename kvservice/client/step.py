@@ -259,10 +259,13 @@ class StepBuilder:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         lora_path: str | None = None,
+        block_hashes: Sequence[bytes] = (),
     ) -> OpHandle[Pin]:
         """``KVClient.pin_prefix`` in the step."""
         return self._add(
-            _wire.pin_prefix(token_ids, ttl_s, refresh_on_hit, cache_salt, lora_name, lora_path)
+            _wire.pin_prefix(
+                token_ids, ttl_s, refresh_on_hit, cache_salt, lora_name, lora_path, block_hashes
+            )
         )
 
     def unpin_prefix(self, pin_id: str) -> OpHandle[None]:

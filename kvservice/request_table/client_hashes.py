@@ -30,10 +30,12 @@ reaches past the tenant's own namespace:
 Every claim is checked before anything changes: the pool's hash length, and no more
 hashes than the request has full hash blocks (lookahead tokens counted as vLLM does).
 
-What the server still hashes itself for a trusted named tenant, PinPrefix by tokens,
-names the blocks of its server-hashed requests, not those of its client_hashed ones
-(the default tenant's are the same hashes); a request's own cache_control_ttl pin
-names its blocks by the hashes it sent.
+Pins name blocks by key too. A request's own cache_control_ttl pin names its blocks
+by the hashes it sent. PinPrefix by tokens alone is hashed by the server, so for a
+trusted named tenant it names the blocks of its server-hashed requests, not those of
+its client_hashed ones (the default tenant's are the same hashes); PinPrefix with the
+prefix's block_hashes (``pin_keys``, a trusted tenant only, one per whole block) names
+them in the tenant's namespace, as its client_hashed requests' blocks are keyed.
 """
 
 from __future__ import annotations
@@ -63,8 +65,9 @@ class ClientHashes:
     def trusts(self, tenant: str) -> bool:
         return tenant in self.trusted_tenants
 
-    def check_trusted(self, request_id: str, tenant: str) -> None:
-        """FAILED_PRECONDITION for a ``client_hashed`` request of a tenant not trusted."""
+    def check_trusted(self, claim: str, tenant: str) -> None:
+        """FAILED_PRECONDITION for block hashes a tenant not trusted sends; ``claim``
+        names what carries them ("request 'r1' is client_hashed")."""
         if tenant in self.trusted_tenants:
             return
         fix = (
@@ -73,9 +76,8 @@ class ClientHashes:
             else f"set trust_client_block_hashes = true in [tenants.{tenant}] of the tokens file"
         )
         raise FailedPreconditionError(
-            f"request {request_id!r} is client_hashed, but this server does not trust "
-            f"the caller's block hashes; {fix}, or send the request without block hashes "
-            "(the server then hashes its tokens)"
+            f"{claim}, but this server does not trust the caller's block hashes; {fix}, "
+            "or send no block hashes (the server then hashes the tokens)"
         )
 
     def keys(
@@ -97,12 +99,30 @@ class ClientHashes:
                 f"{num_tokens} tokens, {self._lookahead} lookahead); send a hash only "
                 "for a block the tokens sent so far complete"
             )
+        return self._checked_keys(f"request {request_id!r}", tenant, hashes)
+
+    def pin_keys(self, tenant: str, hashes: Sequence[bytes], num_blocks: int) -> list[BlockHash]:
+        """The cache keys of a pin's claimed ``hashes``: one for each of the
+        ``num_blocks`` whole blocks of its tokens (INVALID_ARGUMENT otherwise, and for
+        a hash of the wrong length); FAILED_PRECONDITION for a tenant not trusted."""
+        self.check_trusted("pin: block_hashes are set", tenant)
+        if len(hashes) != num_blocks:
+            raise InvalidArgumentError(
+                f"pin: {len(hashes)} block_hashes for the {num_blocks} whole blocks of "
+                f"{self._hash_block_size} tokens its tokens fill; send one hash per whole "
+                "block, as the tenant's client_hashed requests do"
+            )
+        return self._checked_keys("pin", tenant, hashes)
+
+    def _checked_keys(self, subject: str, tenant: str, hashes: Sequence[bytes]) -> list[BlockHash]:
+        """The keys of ``hashes`` in ``tenant``'s namespace; INVALID_ARGUMENT for a hash
+        of the wrong length (``subject`` names the claim in the message)."""
         length = self._hash_length
         for index, block_hash in enumerate(hashes):
             if len(block_hash) != length:
                 raise InvalidArgumentError(
-                    f"request {request_id!r}: block_hashes[{index}] has {len(block_hash)} "
-                    f"bytes; this pool's hashes have {length}"
+                    f"{subject}: block_hashes[{index}] has {len(block_hash)} bytes; this "
+                    f"pool's hashes have {length}"
                 )
         if tenant == DEFAULT_TENANT:
             return list(hashes)

@@ -277,7 +277,7 @@ class RequestTable:
                     "client_hashed to have the server take them, or leave them out"
                 )
             return None
-        self.client_hashes.check_trusted(rid, tenant)
+        self.client_hashes.check_trusted(f"request {rid!r} is client_hashed", tenant)
         return self.client_hashes.keys(rid, tenant, new.block_hashes, 0, len(new.prompt_token_ids))
 
     def _pin_prompt(self, request: Request, ttl_s: float, tenant: str) -> None:
@@ -812,24 +812,46 @@ class RequestTable:
             raise InvalidArgumentError(
                 f"pin: ttl_seconds must be positive (or 0: until unpinned), got {args.ttl_s}"
             )
+        probe = self._pin_probe(args, tenant)
         if self.retention_sequence.driver is not None:
-            return self._queue_pin(args, tenant)
+            return self._queue_pin(args, probe, tenant)
         self._tick()
         pin = self._charged_pin(
             tenant,
-            lambda owner: self.manager.pin_prefix(
-                owner,
-                args.token_ids,
-                self._now,
-                ttl_s=args.ttl_s,
-                refresh_on_hit=args.refresh_on_hit,
-                cache_salt=tenant_cache_salt(tenant, args.cache_salt),
-                lora_name=args.lora_name,
-                lora_path=args.lora_path,
+            lambda owner: self.manager.pin_request_prompt(
+                owner, probe, self._now, ttl_s=args.ttl_s, refresh_on_hit=args.refresh_on_hit
             ),
         )
         self._reporter.changed()
         return self._pin_view(pin)
+
+    def _pin_probe(self, args: PinArgs, tenant: str) -> Request:
+        """The request whose prompt's whole blocks a pin names: its tokens hashed by the
+        server or, with ``args.block_hashes``, keyed by the client's hashes as the
+        tenant's client_hashed requests are (``client_hashes``; refused before
+        anything changes)."""
+        probe = self.manager.new_request(
+            f"pin:{pin_owner(tenant)}",
+            args.token_ids,
+            cache_salt=tenant_cache_salt(tenant, args.cache_salt),
+            lora_name=args.lora_name,
+            lora_path=args.lora_path,
+        )
+        if not args.block_hashes:
+            return probe
+        # The server's hashes count the whole blocks the claim must cover.
+        keys = self.client_hashes.pin_keys(tenant, args.block_hashes, len(probe.block_hashes))
+        claimed = Request(
+            probe.request_id,
+            args.token_ids,
+            self.manager.block_hasher,
+            cache_salt=probe.cache_salt,
+            lora_name=args.lora_name,
+            lora_path=args.lora_path,
+            client_hashed=True,
+        )
+        claimed.block_hashes.extend(keys)
+        return claimed
 
     def _check_pin_tokens(self, args: PinArgs) -> None:
         token_ids = args.token_ids
@@ -965,17 +987,10 @@ class RequestTable:
         self._charged_pin(tenant, lambda _: self.manager.apply_retention_event(event))
         self._reporter.changed()
 
-    def _queue_pin(self, args: PinArgs, tenant: str) -> PinView:
-        """A pin for the replica's next boundaries: answered now (as it will be placed,
-        holding nothing yet), placed when the boundary comes."""
+    def _queue_pin(self, args: PinArgs, probe: Request, tenant: str) -> PinView:
+        """A pin of ``probe``'s prompt for the replica's next boundaries: answered now
+        (as it will be placed, holding nothing yet), placed when the boundary comes."""
         owner = pin_owner(tenant)
-        probe = self.manager.new_request(
-            f"pin:{owner}",
-            args.token_ids,
-            cache_salt=tenant_cache_salt(tenant, args.cache_salt),
-            lora_name=args.lora_name,
-            lora_path=args.lora_path,
-        )
         pin_id, num_tokens, keys = self.manager.prepare_pin(owner, probe)
         self._check_pin_budget(len(keys), owner, pin_id)
         now = self._time()

@@ -81,6 +81,10 @@ class PinArgs:
     lora_path: str | None = None
     # The ids came packed (unsigned: none can be negative).
     packed: bool = False
+    # The client's hashes of the prefix's whole blocks (a tenant trusted with client
+    # block hashes: the pin then names its client_hashed requests' blocks); empty: the
+    # server hashes the tokens.
+    block_hashes: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -162,6 +162,7 @@ def pin_args_from_pb(msg: pb.PinPrefixRequest) -> PinArgs:
         lora_name=msg.lora_name or None,
         lora_path=msg.lora_path or None,
         packed=packed,
+        block_hashes=tuple(msg.block_hashes),
     )
 
 

@@ -271,6 +271,104 @@ async def test_each_tenant_is_told_whether_it_is_trusted(tmp_path: Path) -> None
         assert "trust_client_block_hashes = true in [tenants.gamma]" in detail
 
 
+# -- pins by the client's hashes --------------------------------------------------------
+
+
+def _pinning(config: ServerConfig) -> ServerConfig:
+    return dataclasses.replace(config, max_pinned_fraction=0.5)
+
+
+async def pin(
+    stub: Any, prompt: list[int], hashes: list[bytes] | None, tenant: str | None
+) -> pb.Pin:
+    message = pb.PinPrefixRequest(token_ids=prompt)
+    if hashes is not None:
+        message.block_hashes.extend(hashes)
+    answer: pb.PinPrefixResponse = await stub.PinPrefix(message, metadata=metadata(tenant))
+    return answer.pin
+
+
+async def test_a_trusted_tenant_pins_its_client_hashed_blocks_by_their_hashes(
+    tmp_path: Path,
+) -> None:
+    """alpha caches PROMPT under its own claims. A pin by tokens alone names the
+    server's hashes of PROMPT in alpha's namespace, which key none of those blocks; a
+    pin by the same claims holds both. beta pinning alpha's claims holds nothing of
+    alpha's (its claims are keyed in its own namespace)."""
+    config = _pinning(_tenants_config(tmp_path))
+    async with running_server(config) as server, raw_stub(server) as stub:
+        claims = hashes_of(server, PROMPT)[:2]
+        await add(stub, "a1", PROMPT, claims, "alpha")
+        await admit(stub, "a1", "alpha")
+        await finish(stub, "a1", "alpha")
+        assert (await pin(stub, PROMPT, None, "alpha")).num_held_blocks == 0
+        pinned = await pin(stub, PROMPT, claims, "alpha")
+        assert (pinned.num_tokens, pinned.num_held_blocks) == (2 * BLOCK, 2)
+        assert (await pin(stub, PROMPT, claims, "beta")).num_held_blocks == 0
+        # What alpha pinned is what its next client_hashed request hits.
+        await add(stub, "a2", PROMPT, claims, "alpha")
+        assert (await admit(stub, "a2", "alpha"))[0] == 2 * BLOCK
+        assert (await stub.Audit(pb.AuditRequest(), metadata=metadata("gamma"))).ok
+
+
+async def test_the_default_tenants_pin_by_hashes_is_its_pin_by_tokens() -> None:
+    """For the default tenant the claims are vLLM's hashes, which the server computes
+    too: both pins name the same blocks (one pin, refreshed)."""
+    config = _pinning(dataclasses.replace(POOL, trust_client_block_hashes=True))
+    async with running_server(config) as server, raw_stub(server) as stub:
+        await add(stub, "r", PROMPT, hashes_of(server, PROMPT))
+        await admit(stub, "r")
+        await finish(stub, "r")
+        by_tokens = await pin(stub, PROMPT, None, None)
+        by_hashes = await pin(stub, PROMPT, hashes_of(server, PROMPT), None)
+        assert by_hashes.pin_id == by_tokens.pin_id
+        assert by_hashes.num_held_blocks == 2
+        assert len((await stub.ListPins(pb.ListPinsRequest())).pins) == 1
+
+
+REFUSED_PINS: dict[str, tuple[Claim, str | None, grpc.StatusCode, str]] = {
+    "fewer hashes than whole blocks": (
+        lambda h: h[:1],
+        "alpha",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "1 block_hashes for the 2 whole blocks",
+    ),
+    "a hash of the wrong length": (
+        lambda h: [h[0], h[1][:8]],
+        "alpha",
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "block_hashes[1] has 8 bytes",
+    ),
+    "a tenant not trusted": (
+        lambda h: h,
+        "gamma",
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "trust_client_block_hashes = true in [tenants.gamma]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_PINS))
+async def test_a_bad_pin_claim_is_refused_and_pins_nothing(tmp_path: Path, case: str) -> None:
+    claim, tenant, code, words = REFUSED_PINS[case]
+    config = _pinning(_tenants_config(tmp_path))
+    async with running_server(config) as server, raw_stub(server) as stub:
+        await add(stub, "cached", PROMPT, hashes_of(server, PROMPT), "alpha")
+        await admit(stub, "cached", "alpha")
+        await finish(stub, "cached", "alpha")
+        before = await stub.GetUsage(pb.GetUsageRequest(pool_wide=True), metadata=metadata("gamma"))
+        detail = await expect_error(
+            pin(stub, PROMPT, claim(hashes_of(server, PROMPT)[:2]), tenant), code
+        )
+        assert words in detail, detail
+        listed = await stub.ListPins(
+            pb.ListPinsRequest(all_tenants=True), metadata=metadata("gamma")
+        )
+        assert not listed.pins
+        after = await stub.GetUsage(pb.GetUsageRequest(pool_wide=True), metadata=metadata("gamma"))
+        assert after == before
+
+
 def test_the_flag_with_a_tokens_file_is_refused_at_startup(tmp_path: Path) -> None:
     config = dataclasses.replace(_tenants_config(tmp_path), trust_client_block_hashes=True)
     with pytest.raises(SecurityConfigError, match="in the tables of the tenants"):

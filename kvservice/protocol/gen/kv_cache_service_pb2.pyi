@@ -3070,6 +3070,7 @@ class PinPrefixRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _builtins.int
     LORA_NAME_FIELD_NUMBER: _builtins.int
     LORA_PATH_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     packed_token_ids: _builtins.bytes
     ttl_seconds: _builtins.float
     """Seconds the pin lasts; 0: until UnpinPrefix."""
@@ -3081,6 +3082,16 @@ class PinPrefixRequest(_message.Message):
     lora_path: _builtins.str
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """For a tenant the server trusts with client block hashes (see AddRequestRequest.
+        client_hashed): the hashes of the prefix's whole blocks, as its client_hashed
+        requests send them (vLLM's). The pin then names the blocks those requests cache,
+        which a pin by tokens alone (hashed by the server) does not for a named tenant.
+        Exactly one per whole hash block of the tokens (INVALID_ARGUMENT otherwise);
+        FAILED_PRECONDITION for a tenant not trusted. Empty: the server hashes the tokens.
+        """
+
     def __init__(
         self,
         *,
@@ -3091,10 +3102,11 @@ class PinPrefixRequest(_message.Message):
         cache_salt: _builtins.str = ...,
         lora_name: _builtins.str = ...,
         lora_path: _builtins.str = ...,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cache_salt", b"cache_salt", "lora_name", b"lora_name", "lora_path", b"lora_path", "packed_token_ids", b"packed_token_ids", "refresh_on_hit", b"refresh_on_hit", "token_ids", b"token_ids", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "cache_salt", b"cache_salt", "lora_name", b"lora_name", "lora_path", b"lora_path", "packed_token_ids", b"packed_token_ids", "refresh_on_hit", b"refresh_on_hit", "token_ids", b"token_ids", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
