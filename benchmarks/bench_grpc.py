@@ -13,7 +13,11 @@ request bytes; no protobuf, no interceptor, no request table) runs as a second s
 on the same event loop, called with the blocking client (what the latency rows use) and
 with the grpc.aio client; the same subprocess echoes bytes on a plain TCP socket, which
 is what Python and the loopback cost without gRPC. All are measured in the same rounds
-as the service's calls, so the service's own overhead reads as the difference.
+as the service's calls, so the service's own overhead reads as the difference. The
+same subprocess runs the server's compiled ``StepRunner`` behind a length-prefixed TCP
+socket (no gRPC, interceptors or sessions): "StepStream 256 StepBuilder+omit, framed
+TCP" sends the 1-in-flight way's steps there, so what gRPC costs a step reads as the
+difference between the two (its CPU counts this process and that subprocess).
 
 The workload is a seeded scheduler-like sequence, built once as protobuf operations:
 waves of requests are added, looked up, admitted, decoded for a few steps and
@@ -66,7 +70,7 @@ import grpc
 from kvservice.bench.measure import Meter, Sample, median_ratio, rotated
 from kvservice.bench.server import child_server
 from kvservice.client import KVClient, PendingStep
-from kvservice.client.step import OpHandle, StepBuilder
+from kvservice.client.step import OpHandle, StepBuilder, StepResults
 from kvservice.client.types import FreeMode
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
@@ -294,9 +298,10 @@ ECHO_METHOD = "/bench.Echo/Echo"
 
 
 def echo_server(event_loop: str) -> None:
-    """The floors: a grpc.aio server whose one method returns the request's bytes, and
-    a TCP server that writes back what it reads, on one loop. Prints both ports, then
-    serves until terminated."""
+    """The floors: a grpc.aio server whose one method returns the request's bytes, a
+    TCP server that writes back what it reads, and the framed Step server
+    (``framed_steps``), on one loop. Prints the three ports, then serves until
+    terminated."""
 
     async def echo(request: bytes, context: object) -> bytes:
         return request
@@ -304,6 +309,25 @@ def echo_server(event_loop: str) -> None:
     async def echo_tcp(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while data := await reader.read(65536):
             writer.write(data)
+
+    manager = build_manager(config())
+    steps = StepRunner(RequestTable(manager, KVCacheMetrics(manager, "bench", "0")), 4096)
+
+    async def framed_steps(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Steps without gRPC: each frame a ``StepRequest`` (``FRAME_HEADER`` bytes of
+        length, then the message), run by a ``StepRunner`` as the server's StepStream
+        runs them (no interceptors, sessions or metrics of calls), each answer framed
+        alike."""
+        while True:
+            try:
+                size = int.from_bytes(await reader.readexactly(FRAME_HEADER), "little")
+                request = pb.StepRequest.FromString(await reader.readexactly(size))
+            except asyncio.IncompleteReadError:
+                return
+            response = pb.StepResponse()
+            await steps.run(request, response, ANONYMOUS)
+            answer = response.SerializeToString()
+            writer.write(len(answer).to_bytes(FRAME_HEADER, "little") + answer)
 
     async def main() -> None:
         server = grpc.aio.server()
@@ -314,16 +338,29 @@ def echo_server(event_loop: str) -> None:
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         tcp = await asyncio.start_server(echo_tcp, "127.0.0.1", 0)
-        print(port, tcp.sockets[0].getsockname()[1], flush=True)
+        framed = await asyncio.start_server(framed_steps, "127.0.0.1", 0)
+        ports = (port, tcp.sockets[0].getsockname()[1], framed.sockets[0].getsockname()[1])
+        print(*ports, flush=True)
         await server.wait_for_termination()
 
     with asyncio.Runner(loop_factory=loop_factory(event_loop)) as runner:
         runner.run(main())
 
 
+@dataclass(frozen=True, slots=True)
+class EchoProcess:
+    """The ``echo_server`` subprocess: its gRPC target, its TCP echo and framed Step
+    ports, and its pid (whose CPU the framed way counts)."""
+
+    target: str
+    tcp_port: int
+    framed_port: int
+    pid: int
+
+
 @contextmanager
-def echo_process(event_loop: str) -> Iterator[tuple[str, int]]:
-    """``echo_server`` in a subprocess; yields the gRPC target and the TCP port."""
+def echo_process(event_loop: str) -> Iterator[EchoProcess]:
+    """``echo_server`` in a subprocess."""
     process = subprocess.Popen(
         [sys.executable, "-m", "benchmarks.bench_grpc", f"--echo-server={event_loop}"],
         stdout=subprocess.PIPE,
@@ -331,8 +368,8 @@ def echo_process(event_loop: str) -> Iterator[tuple[str, int]]:
     )
     assert process.stdout is not None
     try:
-        grpc_port, tcp_port = process.stdout.readline().split()
-        yield f"127.0.0.1:{grpc_port}", int(tcp_port)
+        grpc_port, tcp_port, framed_port = process.stdout.readline().split()
+        yield EchoProcess(f"127.0.0.1:{grpc_port}", int(tcp_port), int(framed_port), process.pid)
     finally:
         process.terminate()
         process.wait(30)
@@ -524,6 +561,27 @@ def client_stream_ops(
     return sample
 
 
+def framed_stream_ops(meter: Meter, port: int, workload: Workload, size: int) -> Sample:
+    """``client_stream_ops`` with one step in flight, over a length-prefixed TCP socket
+    to the same compiled ``StepRunner`` (``framed_steps``: no gRPC): what the same
+    steps cost the client and the server on a framed wire instead of gRPC's."""
+    adders = _builder_adders(workload)
+    with socket.create_connection(("127.0.0.1", port)) as sock, sock.makefile("rb") as answers:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        meter.start()
+        for first in range(0, len(adders), size):
+            builder = StepBuilder(omit_request_state=True)
+            handles = [add(builder) for add in adders[first : first + size]]
+            message = builder.to_pb(first).SerializeToString()
+            sock.sendall(len(message).to_bytes(FRAME_HEADER, "little") + message)
+            answer_size = int.from_bytes(answers.read(FRAME_HEADER), "little")
+            results = StepResults(pb.StepResponse.FromString(answers.read(answer_size)))
+            for handle in handles:
+                results[handle]
+        sample = meter.stop(len(adders))
+    return sample
+
+
 def _read_all(pending: PendingStep, handles: list[OpHandle[Any]]) -> None:
     results = pending.result()
     for handle in handles:
@@ -612,6 +670,9 @@ def _ratio_cell(ratio: float | None) -> str:
 
 
 BACKEND = "in-process: InProcessBackend"
+FRAMED = "StepStream 256 StepBuilder+omit, framed TCP"
+# A framed message's length: unsigned little-endian, before the message's bytes.
+FRAME_HEADER = 4
 
 
 def _ways(
@@ -621,6 +682,7 @@ def _ways(
     client: KVClient,
     target: str,
     runner: asyncio.Runner,
+    echo: EchoProcess,
 ) -> list[Way]:
     few = max(WAVE, num_requests // 8)
     ways = [
@@ -687,6 +749,13 @@ def _ways(
                 partial(client_stream_ops, meter, client, size=256, in_flight=in_flight),
             )
         )
+    ways.append(
+        Way(
+            FRAMED,
+            num_requests,
+            partial(framed_stream_ops, Meter(echo.pid), echo.framed_port, size=256),
+        )
+    )
     return ways
 
 
@@ -735,14 +804,14 @@ def run(
             )
         )
         target, server_pid = server.target, server.pid
-        echo_target, tcp_port = stack.enter_context(echo_process(event_loop))
+        echoes = stack.enter_context(echo_process(event_loop))
         channel = stack.enter_context(grpc.insecure_channel(target))
-        echo_channel = stack.enter_context(grpc.insecure_channel(echo_target))
+        echo_channel = stack.enter_context(grpc.insecure_channel(echoes.target))
         runner = stack.enter_context(asyncio.Runner(loop_factory=loop_factory(event_loop)))
-        aio_channel = runner.run(_open_aio_channel(echo_target))
+        aio_channel = runner.run(_open_aio_channel(echoes.target))
         stack.callback(lambda: runner.run(aio_channel.close()))
         client = stack.enter_context(KVClient(target))
-        tcp = stack.enter_context(socket.create_connection(("127.0.0.1", tcp_port)))
+        tcp = stack.enter_context(socket.create_connection(("127.0.0.1", echoes.tcp_port)))
         tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         stub = pb_grpc.KVCacheServiceStub(channel)
         stub.GetUsage(pb.GetUsageRequest(), wait_for_ready=True)
@@ -750,7 +819,7 @@ def run(
         echo(b"", wait_for_ready=True)
         floors = Floors(echo, _aio_echo(runner, aio_channel), tcp)
         unary_latency(stub, floors, 200)  # warm-up
-        ways = _ways(Meter(server_pid), num_requests, stub, client, target, runner)
+        ways = _ways(Meter(server_pid), num_requests, stub, client, target, runner, echoes)
         for way in ways:  # warm-up (connections, caches), not reported
             way.measure(workload(WAVE, next(tags)))
         latencies: dict[str, list[float]] = {name: [] for name in LATENCY_ROWS}
