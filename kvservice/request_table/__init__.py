@@ -18,10 +18,10 @@ from kvservice.core.compiled import activate
 
 # The modules mypyc leaves as sources (``kvservice.core.compiled`` reads this line; this
 # file always stays one). errors.py, for the core's errors.py's reason (its ``status``
-# class attributes); tenancy.py, whose ``TenantRequestId`` subclasses ``str``, which
+# class attributes); tenant_keys.py, whose ``TenantRequestId`` subclasses ``str``, which
 # mypyc refuses for a native class ("Inheriting from most builtin types is
 # unimplemented"; its ``native_class=False`` escape needs mypy_extensions at run time).
-NOT_COMPILED = ("errors.py", "tenancy.py")
+NOT_COMPILED = ("errors.py", "tenant_keys.py")
 
 COMPILED: bool = activate("request_table", __path__)
 """Whether this process runs the compiled request table (False: the sources)."""

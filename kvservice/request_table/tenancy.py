@@ -28,10 +28,11 @@ from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.request import Request, RequestStatus
 from kvservice.request_table.errors import LimitExceededError
 from kvservice.request_table.limits import mm_identifier_bytes
+from kvservice.request_table.tenant_keys import SEPARATOR as _SEPARATOR
+from kvservice.request_table.tenant_keys import TenantRequestId
 
 DEFAULT_TENANT = ""
 # Separates the tenant from the request id in a core key; tenant names may not hold it.
-_SEPARATOR = "\x00"
 _SALT_PREFIX = "kvservice-tenant"
 
 
@@ -41,29 +42,6 @@ def check_tenant_name(name: str) -> None:
         raise ValueError("a tenant name must not be empty (the default tenant is implicit)")
     if _SEPARATOR in name:
         raise ValueError(f"tenant name {name!r} must not contain a NUL character")
-
-
-class TenantRequestId(str):
-    """The key of a named tenant's request: NUL, tenant, NUL, id as a string (names
-    hold no NUL, so two tenants never share a key), which the core stores the request
-    under. It shows as the id the client knows (``repr``), so an error the core raises
-    about the request names that id, and it carries its tenant and id."""
-
-    tenant: str
-    request_id: str
-
-    def __new__(cls, tenant: str, request_id: str) -> TenantRequestId:
-        key = super().__new__(cls, f"{_SEPARATOR}{tenant}{_SEPARATOR}{request_id}")
-        key.tenant = tenant
-        key.request_id = request_id
-        return key
-
-    def __repr__(self) -> str:
-        return repr(self.request_id)
-
-    def __reduce__(self) -> tuple[type[TenantRequestId], tuple[str, str]]:
-        # copy and pickle rebuild it from its parts (str's own would pass the key).
-        return TenantRequestId, (self.tenant, self.request_id)
 
 
 def core_request_id(tenant: str, request_id: str) -> str:

@@ -68,7 +68,7 @@ def test_each_compiled_package_declares_its_own_sources() -> None:
     modules stay sources; the core's build module names none of them."""
     assert compiled.compiled_packages() == {
         "core": {"__init__.py", "compiled.py", "errors.py", "invariants.py"},
-        "request_table": {"__init__.py", "errors.py", "tenancy.py"},
+        "request_table": {"__init__.py", "errors.py", "tenant_keys.py"},
         "server": set(SERVER_SOURCES),
     }
 
@@ -225,7 +225,7 @@ def test_a_new_or_removed_module_is_refused(tree: Path) -> None:
 @needs_build
 def test_a_source_left_out_of_the_build_may_change(tree: Path) -> None:
     """A module that stays a source is imported as one: editing it needs no rebuild."""
-    path = package(tree) / "request_table" / "tenancy.py"
+    path = package(tree) / "request_table" / "tenant_keys.py"
     path.write_text(path.read_text() + "\n# edited after the build\n")
     result = import_from(tree)
     assert result.returncode == 0, result.stderr
