@@ -60,7 +60,7 @@ import tempfile
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -407,8 +407,9 @@ def _run(
     async_scheduling: bool = False,
     wait: Callable[[], None] | None = None,
 ) -> Timing:
-    """One run of ``workload`` on ``mode``; ``wait`` runs at the end of every
-    ``schedule()`` (inside its time), where a remote manager waits for the server."""
+    """One run of ``workload`` on ``mode``; ``wait`` (sync scheduling only) runs at the
+    end of every ``schedule()`` (inside its time), where a remote manager waits for the
+    server."""
     with _connection_env(mode):
         return _run_mode(mode, workload, steps, seed, forward_s, async_scheduling, wait)
 
@@ -737,7 +738,7 @@ def _waiting_cost(in_process: Mode, remote: Mode, steps: int, rounds: int = 3) -
     remote_runs = [_run(remote, "churn", steps, round_, 0.0) for round_ in range(rounds)]
     server_s = statistics.median(t.server_cpu_seconds / t.steps for t in remote_runs)
     runs: dict[str, list[Timing]] = {}
-    with StandIn() as stand_in:
+    with closing(StandIn()) as stand_in:
         waits: dict[str, Callable[[], None] | None] = {
             "in-process": None,
             "in-process, sleeping as long": lambda: time.sleep(server_s),

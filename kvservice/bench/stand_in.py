@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from types import TracebackType
 
 # The child: one line in (seconds of CPU), one line out once spent. It writes a byte
 # every cache line and page apart, through a buffer larger than a core's caches.
@@ -33,7 +32,8 @@ DEFAULT_MEMORY_BYTES = 8 << 20
 
 
 class StandIn:
-    """The child process; ``run(seconds)`` returns once it has spent that CPU time."""
+    """The child process; ``run(seconds)`` returns once it has spent that CPU time.
+    ``close`` ends it (``contextlib.closing``)."""
 
     def __init__(self, memory_bytes: int = DEFAULT_MEMORY_BYTES) -> None:
         self._child = subprocess.Popen(
@@ -62,14 +62,3 @@ class StandIn:
         self._child.wait(timeout=30)
         if self._child.stdout is not None:
             self._child.stdout.close()
-
-    def __enter__(self) -> StandIn:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()

@@ -91,7 +91,7 @@ class ClientHashes:
         """The cache keys of ``hashes``, claimed after ``num_known`` earlier ones for a
         request of ``num_tokens`` tokens; INVALID_ARGUMENT for a hash of the wrong
         length or more hashes than full blocks."""
-        num_full = max(0, num_tokens - self._lookahead) // self._hash_block_size
+        num_full = self._num_full_blocks(num_tokens)
         if num_known + len(hashes) > num_full:
             raise InvalidArgumentError(
                 f"request {request_id!r}: {num_known + len(hashes)} block hashes for "
@@ -101,11 +101,13 @@ class ClientHashes:
             )
         return self._checked_keys(f"request {request_id!r}", tenant, hashes)
 
-    def pin_keys(self, tenant: str, hashes: Sequence[bytes], num_blocks: int) -> list[BlockHash]:
-        """The cache keys of a pin's claimed ``hashes``: one for each of the
-        ``num_blocks`` whole blocks of its tokens (INVALID_ARGUMENT otherwise, and for
-        a hash of the wrong length); FAILED_PRECONDITION for a tenant not trusted."""
+    def pin_keys(self, tenant: str, hashes: Sequence[bytes], num_tokens: int) -> list[BlockHash]:
+        """The cache keys of a pin's claimed ``hashes``: one for each whole block of its
+        ``num_tokens`` tokens, as the server would hash them (INVALID_ARGUMENT
+        otherwise, and for a hash of the wrong length); FAILED_PRECONDITION for a
+        tenant not trusted."""
         self.check_trusted("pin: block_hashes are set", tenant)
+        num_blocks = self._num_full_blocks(num_tokens)
         if len(hashes) != num_blocks:
             raise InvalidArgumentError(
                 f"pin: {len(hashes)} block_hashes for the {num_blocks} whole blocks of "
@@ -113,6 +115,11 @@ class ClientHashes:
                 "block, as the tenant's client_hashed requests do"
             )
         return self._checked_keys("pin", tenant, hashes)
+
+    def _num_full_blocks(self, num_tokens: int) -> int:
+        """The blocks ``num_tokens`` tokens complete, as the hasher counts them
+        (lookahead tokens left out, as vLLM does)."""
+        return max(0, num_tokens - self._lookahead) // self._hash_block_size
 
     def _checked_keys(self, subject: str, tenant: str, hashes: Sequence[bytes]) -> list[BlockHash]:
         """The keys of ``hashes`` in ``tenant``'s namespace; INVALID_ARGUMENT for a hash

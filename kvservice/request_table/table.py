@@ -830,22 +830,22 @@ class RequestTable:
         server or, with ``args.block_hashes``, keyed by the client's hashes as the
         tenant's client_hashed requests are (``client_hashes``; refused before
         anything changes)."""
-        probe = self.manager.new_request(
-            f"pin:{pin_owner(tenant)}",
-            args.token_ids,
-            cache_salt=tenant_cache_salt(tenant, args.cache_salt),
-            lora_name=args.lora_name,
-            lora_path=args.lora_path,
-        )
+        probe_id = f"pin:{pin_owner(tenant)}"
+        salt = tenant_cache_salt(tenant, args.cache_salt)
         if not args.block_hashes:
-            return probe
-        # The server's hashes count the whole blocks the claim must cover.
-        keys = self.client_hashes.pin_keys(tenant, args.block_hashes, len(probe.block_hashes))
+            return self.manager.new_request(
+                probe_id,
+                args.token_ids,
+                cache_salt=salt,
+                lora_name=args.lora_name,
+                lora_path=args.lora_path,
+            )
+        keys = self.client_hashes.pin_keys(tenant, args.block_hashes, len(args.token_ids))
         claimed = Request(
-            probe.request_id,
+            probe_id,
             args.token_ids,
             self.manager.block_hasher,
-            cache_salt=probe.cache_salt,
+            cache_salt=salt,
             lora_name=args.lora_name,
             lora_path=args.lora_path,
             client_hashed=True,
