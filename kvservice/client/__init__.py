@@ -36,8 +36,9 @@ from kvservice.client.events import (
     EventStreamItem,
     KVEvent,
 )
-from kvservice.client.step import OpHandle, RunHandle, StepBuilder, StepResults
-from kvservice.client.sync import KVClient, Lease, PendingStep, Session
+from kvservice.client.step import OpHandle, PendingStep, RunHandle, StepBuilder, StepResults
+from kvservice.client.step_socket import SocketSession
+from kvservice.client.sync import KVClient, Lease, Session
 from kvservice.client.types import (
     AdmitOptions,
     AdmitResult,
@@ -117,6 +118,7 @@ __all__ = [
     "RunHandle",
     "ServiceUnavailableError",
     "Session",
+    "SocketSession",
     "StaleHitError",
     "StepBuilder",
     "StepResults",

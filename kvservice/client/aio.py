@@ -22,6 +22,7 @@ from kvservice.client.errors import (
 )
 from kvservice.client.events import EventStreamItem, StreamDecoder
 from kvservice.client.step import StepAnswer, StepBuilder, StepResults
+from kvservice.client.step_socket import SocketCall
 from kvservice.client.types import (
     AdmitOptions,
     AdmitResult,
@@ -470,6 +471,12 @@ class AsyncKVClient:
         """One ``StepStream`` (``async with client.session() as s``); not a server
         session, which ``open_session`` opens."""
         return AsyncSession(self._stub.StepStream(metadata=self._metadata))
+
+    async def socket_session(self, path: str) -> AsyncSession:
+        """One StepStream on the server's step socket at ``path`` (``kvservice serve
+        --step-socket``, same node): ``session()`` without gRPC, under this client's
+        token and session."""
+        return AsyncSession(await SocketCall.connect(path, self._metadata))
 
 
 class AsyncPendingStep(StepAnswer):

@@ -532,3 +532,21 @@ class StepAnswer:
             raise self._error
         assert self._results is not None
         return self._results
+
+
+class PendingStep(StepAnswer):
+    """A step sent on a session and not yet read (``Session.send``): ``result()``
+    waits for its ``StepResults``, or raises the call's typed error, the same on
+    every call."""
+
+    __slots__ = ("_wait",)
+
+    def __init__(self, wait: Callable[[PendingStep], None]) -> None:
+        super().__init__()
+        # Reads answers until this step's is in.
+        self._wait = wait
+
+    def result(self) -> StepResults:
+        if not self._done:
+            self._wait(self)
+        return self._answer()

@@ -7,7 +7,7 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -29,7 +29,8 @@ from kvservice.client.aio import (
 )
 from kvservice.client.errors import KVServiceError, ServiceUnavailableError, error_from_rpc
 from kvservice.client.events import EventStreamItem, StreamDecoder
-from kvservice.client.step import StepAnswer, StepBuilder, StepResults
+from kvservice.client.step import PendingStep, StepBuilder, StepResults
+from kvservice.client.step_socket import SocketSession
 from kvservice.client.types import (
     AdmitOptions,
     AdmitResult,
@@ -376,6 +377,12 @@ class KVClient:
         which ``open_session`` opens."""
         return Session(self._channel, self._metadata)
 
+    def socket_session(self, path: str) -> SocketSession:
+        """One StepStream on the server's step socket at ``path`` (``kvservice serve
+        --step-socket``, same node): ``session()`` without gRPC, under this client's
+        token and session."""
+        return SocketSession(path, self._metadata, self._timeout)
+
 
 _CLOSE = None  # put on the outbound queue to half-close the stream
 _STEP_STREAM = "/kvservice.v1.KVCacheService/StepStream"
@@ -385,24 +392,6 @@ _STEP_STREAM = "/kvservice.v1.KVCacheService/StepStream"
 # the previous message (HTTP/2 flow control), so the wait stays within one GIL switch
 # interval.
 _HANDOFF_WAIT_S = 0.005
-
-
-class PendingStep(StepAnswer):
-    """A step sent on a session and not yet read (``Session.send``): ``result()``
-    waits for its ``StepResults``, or raises the call's typed error, the same on
-    every call."""
-
-    __slots__ = ("_wait",)
-
-    def __init__(self, wait: Callable[[PendingStep], None]) -> None:
-        super().__init__()
-        # Reads answers until this step's is in.
-        self._wait = wait
-
-    def result(self) -> StepResults:
-        if not self._done:
-            self._wait(self)
-        return self._answer()
 
 
 class StartedStep:

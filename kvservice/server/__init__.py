@@ -40,6 +40,7 @@ NOT_COMPILED = (
     "servicer.py",
     "sessions.py",
     "settings.py",
+    "step_socket.py",
     "tls.py",
     "turns.py",
 )

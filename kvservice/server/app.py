@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import os
 import signal
-import stat
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -59,7 +57,13 @@ from kvservice.server.sessions import (
     SessionReaper,
     SessionRegistry,
 )
-from kvservice.server.tls import SecurityConfigError, check_bind, server_credentials
+from kvservice.server.step_socket import StepSocket
+from kvservice.server.tls import (
+    SecurityConfigError,
+    check_bind,
+    check_step_socket,
+    server_credentials,
+)
 from kvservice.server.turns import TableTurn
 from kvservice.server.zmq_events.publisher import ZmqEventPublisher
 
@@ -83,6 +87,15 @@ def _channel_options(config: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ]
+
+
+def _step_stream_handler(servicer: KVCacheServicer) -> Any:
+    """The servicer's StepStream as the generated code registers it with gRPC."""
+    return grpc.stream_stream_rpc_method_handler(
+        servicer.StepStream,
+        request_deserializer=pb.StepStreamRequest.FromString,
+        response_serializer=pb.StepStreamResponse.SerializeToString,
+    )
 
 
 # Seconds grpc is given, after the drain, to send the statuses of calls that ended.
@@ -143,6 +156,7 @@ class KVCacheServer:
         )
         self._credentials = server_credentials(config)
         check_bind(config, has_tokens=self.tokens is not None)
+        check_step_socket(config, has_tokens=self.tokens is not None)
         trusted_hash_tenants = self._trusted_hash_tenants()
         kv_cache_config = build_kv_cache_config(config, kv_cache_budget(config))
         manager = build_manager(config, kv_cache_config)
@@ -225,6 +239,7 @@ class KVCacheServer:
         )
         self._health = health.aio.HealthServicer()
         self._server: Any = None
+        self._step_socket: StepSocket | None = None
         self._metrics_endpoint: MetricsEndpoint | None = None
         self._handle: ServerHandle | None = None
         self._drain = Drain()
@@ -338,6 +353,15 @@ class KVCacheServer:
             raise binding.BindError(f"gRPC cannot listen on {address}: {err}") from None
         if config.unix_socket:
             self._listen_on_unix_socket(server, config.unix_socket)
+        if config.step_socket:
+            self._step_socket = StepSocket(
+                config.step_socket,
+                interceptors,
+                _step_stream_handler(servicer),
+                config.max_message_bytes,
+                on_connect=self.metrics.step_socket_connections.inc,
+            )
+            await self._step_socket.start()
         if self.kv_event_publisher is not None:
             # Before the first call, whose events it must not miss.
             self.kv_event_publisher.start()
@@ -366,13 +390,7 @@ class KVCacheServer:
     def _listen_on_unix_socket(self, server: Any, path: str) -> None:
         """Serve on ``path`` too (``unix:PATH``), replacing a socket file a previous
         server left (gRPC would refuse to bind it); anything else there is an error."""
-        if os.path.exists(path):
-            if not stat.S_ISSOCK(os.stat(path).st_mode):
-                raise binding.BindError(
-                    f"--unix-socket {path}: the path exists and is not a socket; choose "
-                    "another path"
-                )
-            os.unlink(path)
+        binding.remove_stale_socket(path, "--unix-socket")
         target = f"unix:{path}"
         try:
             if self._credentials is not None:
@@ -436,6 +454,10 @@ class KVCacheServer:
             # test, under load).
             await self._server.stop(_STATUS_FLUSH_S)
             self._server = None
+        if self._step_socket is not None:
+            # After the drain, as gRPC: the streams left past the grace are cancelled.
+            await self._step_socket.stop()
+            self._step_socket = None
         # Sessions still being ended (their last frees), then the watches.
         await self.turn.drain()
         await self.stalls.stop()
@@ -487,6 +509,7 @@ async def serve(config: ServerConfig) -> None:
         address=handle.target,
         port=handle.port,
         unix_socket=f"unix:{config.unix_socket}" if config.unix_socket else None,
+        step_socket=config.step_socket or None,
         metrics_url=handle.metrics_url,
         # The pool's, not the setting's: a memory budget may have sized it.
         num_blocks=server.table.manager.kv_cache_config.num_blocks,

@@ -8,7 +8,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import ipaddress
+import os
 import socket
+import stat
 
 from kvservice.core.errors import KVCacheError
 
@@ -59,6 +61,18 @@ def check_bindable(host: str, port: int, flags: str) -> None:
             sock.listen()
         except OSError as err:
             raise BindError(f"cannot listen on {where}: {_reason(err)}; check {flags}") from None
+
+
+def remove_stale_socket(path: str, flag: str) -> None:
+    """Remove a socket file at ``path`` (a previous server's: binding it again would
+    fail); ``BindError`` naming ``flag`` for anything else there."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise BindError(f"{flag} {path}: the path exists and is not a socket; choose another path")
+    os.unlink(path)
 
 
 def _reason(err: OSError) -> str:

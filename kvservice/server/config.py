@@ -47,6 +47,9 @@ class ServerConfig:
     # Also serve gRPC on this Unix domain socket (clients' target ``unix:PATH``): a
     # co-located engine skips the TCP stack. "": none.
     unix_socket: str = ""
+    # Also serve StepStream on this Unix domain socket without gRPC (``step_socket``):
+    # length-prefixed frames, the same interceptors and handler. "": none.
+    step_socket: str = ""
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = DEFAULT_METRICS_PORT
     num_blocks: int = 4096

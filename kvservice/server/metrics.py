@@ -217,6 +217,11 @@ class KVCacheMetrics:
             registry=self.registry,
         )
         self._rpc_instruments: dict[str, RpcInstruments] = {}
+        self.step_socket_connections = self._counter(
+            "kvservice_step_socket_connections",
+            "Connections accepted on the step socket (--step-socket); each is one "
+            "StepStream, counted in the RPC series as one over gRPC (method StepStream).",
+        )
 
     def _declare_lifecycle_series(self) -> None:
         """Sessions, idempotent retries and the self-check (``sessions``,

@@ -69,6 +69,13 @@ OPTIONS: tuple[Option, ...] = (
         "unix_socket",
     ),
     Option(
+        "step_socket",
+        str,
+        "also serve StepStream on this Unix domain socket path without gRPC (framed "
+        "messages, mode 0600), for an engine on the same node: its KVSERVICE_STEP_SOCKET",
+        "step_socket",
+    ),
+    Option(
         "metrics",
         bool,
         "serve HTTP /metrics (Prometheus), /health and /ready on metrics_host:metrics_port",

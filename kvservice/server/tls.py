@@ -150,3 +150,17 @@ def check_bind(config: ServerConfig, has_tokens: bool) -> None:
         missing=missing,
         detail=f"anyone who can reach this address can use the pool ({ALLOW_INSECURE_BIND_FLAG})",
     )
+
+
+def check_step_socket(config: ServerConfig, has_tokens: bool) -> None:
+    """Refuse a step socket where it would be a way around client certificates: it
+    has no TLS, so on a server that authenticates clients by certificate alone
+    (``tls_client_ca_file`` without ``auth_tokens_file``) only the socket file's mode
+    would stand between a local process and the pool."""
+    if config.step_socket and config.tls_client_ca_file is not None and not has_tokens:
+        raise SecurityConfigError(
+            f"--step-socket {config.step_socket} has no TLS, so it would let a client in "
+            "without the certificate tls_client_ca_file requires: set auth_tokens_file "
+            "too (the step socket's hello then carries a token), or serve steps over "
+            "gRPC (--unix-socket keeps TLS)"
+        )

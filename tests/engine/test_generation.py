@@ -11,6 +11,8 @@ block is back.
 
 from __future__ import annotations
 
+import re
+import urllib.request
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -114,3 +116,25 @@ def test_a_larger_vllm_cache_runs_on_the_servers_pool(
     actual = run_engine(tiny_model, workload(0), larger, SCHEDULER_CLS)
     assert actual.outcome() == stock(0).outcome()
     check_returned(server.target)
+
+
+def test_the_step_socket_generates_the_stock_tokens(
+    tiny_model: Path, stock: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's steps on the server's step socket (KVSERVICE_STEP_SOCKET), framed
+    without gRPC: the same tokens, one connection per engine."""
+    step_socket = str(tmp_path / "steps.sock")
+    args = [*server_args(SETUP), f"--step-socket={step_socket}"]
+    with child_server(args, metrics=True) as socket_server:
+        monkeypatch.setenv("KVSERVICE_TARGET", socket_server.target)
+        monkeypatch.setenv("KVSERVICE_STEP_SOCKET", step_socket)
+        actual = run_engine(tiny_model, workload(1), SETUP, SCHEDULER_CLS)
+        assert actual.outcome() == stock(1).outcome()
+        check_returned(socket_server.target)
+        assert socket_server.metrics_url is not None
+        with urllib.request.urlopen(socket_server.metrics_url) as response:
+            exposition = response.read().decode()
+        connections = re.search(
+            r"^kvservice_step_socket_connections_total\{.*\} (\S+)$", exposition, re.M
+        )
+        assert connections is not None and float(connections.group(1)) == 1.0

@@ -11,7 +11,9 @@ step (remotely: the server keeps them until the replica releases them).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -191,18 +193,27 @@ def run_remote(
     workload: Any,
     monkeypatch: pytest.MonkeyPatch,
     trust_hashes: bool = False,
+    step_socket: str = "",
 ) -> Any:
     """``workload`` on ``KVServiceScheduler`` against a server with ``setup``'s pool:
     its trace, once the scheduler shut down, the server's audit passed, every block came
-    back, and every step took at most one round trip."""
-    with server_in_thread(_server_config(setup, trust_hashes)) as server:
+    back, and every step took at most one round trip. ``step_socket``: the steps go on
+    a step socket at that path (``KVSERVICE_STEP_SOCKET``)."""
+    config = dataclasses.replace(_server_config(setup, trust_hashes), step_socket=step_socket)
+    with server_in_thread(config) as server:
         monkeypatch.setenv("KVSERVICE_TARGET", server.handle.target)
+        monkeypatch.setenv("KVSERVICE_STEP_SOCKET", step_socket)
         scheduler = build_scheduler(setup, KVServiceScheduler)
         trace = workload.run(scheduler)
         server_link = scheduler.kv_cache_manager.server
         assert server_link is not None
         assert server_link.round_trips <= len(trace)
         scheduler.shutdown()
+        connections = server.server.metrics.registry.get_sample_value(
+            "kvservice_step_socket_connections_total",
+            {"model_name": config.model_name, "engine": str(config.engine)},
+        )
+        assert connections == (1 if step_socket else 0)
         with KVClient(server.handle.target) as client:
             assert client.audit().ok
             usage = client.get_usage()
@@ -236,6 +247,35 @@ def test_remote_on_vllms_own_hashes_matches_vllm_step_for_step(
     expected = Workload(3, salts=(None, "tenant-a"), **traffic).run(build_scheduler(setup))
     workload = Workload(3, salts=(None, "tenant-a"), **traffic)
     actual = run_remote(setup, workload, monkeypatch, trust_hashes=True)
+    assert first_difference(expected, actual) is None
+
+
+# The steps on the server's step socket (KVSERVICE_STEP_SOCKET), not gRPC: both modes,
+# windows, Mamba's partial hits, and the engine's own hashes.
+STEP_SOCKET_CASES = [
+    case
+    for case in [
+        ("full", "sync", False),
+        ("preempting", "overlap", False),
+        ("hybrid-full-sliding-window", "sync", True),
+        ("hybrid-full-mamba-align-4x-hash", "overlap", False),
+    ]
+    if case[0] not in REFUSED
+]
+
+
+@pytest.mark.parametrize(("name", "confirm", "trust_hashes"), STEP_SOCKET_CASES)
+def test_remote_on_the_step_socket_matches_vllm_step_for_step(
+    name: str, confirm: str, trust_hashes: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    setup = SETUPS[name]
+    monkeypatch.setenv("KVSERVICE_CONFIRM", confirm)
+    monkeypatch.setenv("KVSERVICE_CLIENT_BLOCK_HASHES", "auto")
+    traffic = {"hash_block_size": setup.hash_block, **WORKLOADS.get(name, {})}
+    expected = Workload(3, salts=(None, "tenant-a"), **traffic).run(build_scheduler(setup))
+    workload = Workload(3, salts=(None, "tenant-a"), **traffic)
+    socket_path = str(tmp_path / "steps.sock")
+    actual = run_remote(setup, workload, monkeypatch, trust_hashes, step_socket=socket_path)
     assert first_difference(expected, actual) is None
 
 

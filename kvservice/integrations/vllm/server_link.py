@@ -45,6 +45,7 @@ from kvservice.client import (
     Lease,
     MultiModalFeature,
     Session,
+    SocketSession,
 )
 from kvservice.client.step_link import RemoteStepError, StepLink
 from kvservice.client.step_log import ANY_ANSWER
@@ -225,7 +226,12 @@ class ServerLink:
             "ResetPrefixCache", lambda: self._client.reset_prefix_cache(fresh_pool=True)
         ):
             raise KVServiceManagerError(f"kvservice at {self.target} refused to reset its pool")
-        self._session: Session = self._call("StepStream", self._client.session)
+        self._session: Session | SocketSession = self._call("StepStream", self._open_steps)
+
+    def _open_steps(self) -> Session | SocketSession:
+        """The engine's StepStream: on the server's step socket when one is set."""
+        path = self.settings.step_socket
+        return self._client.socket_session(path) if path else self._client.session()
 
     def _apply_retention(self, changes: list[RetentionChange]) -> None:
         """The server's retention decisions, due now, to the replica (in the core's

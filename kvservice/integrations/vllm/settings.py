@@ -16,6 +16,7 @@ plus these variables is the whole configuration.
 | ``KVSERVICE_TIMEOUT`` | seconds a call may take before the scheduler gets an error (30) |
 | ``KVSERVICE_CONFIRM`` | ``sync`` (default) or ``overlap``, below |
 | ``KVSERVICE_CLIENT_BLOCK_HASHES`` | ``auto`` (default) or ``off``, below |
+| ``KVSERVICE_STEP_SOCKET`` | the server's ``--step-socket`` path (same node): steps skip gRPC |
 
 ``KVSERVICE_CONFIRM``: with ``sync`` the server confirms each step before the
 scheduler's output leaves ``schedule()``; with ``overlap``, before the next step is
@@ -26,6 +27,11 @@ executed, and the engine stops before planning another).
 with each request's tokens when the server trusts them (``kvservice serve
 --trust-client-block-hashes``, or the tenant's ``trust_client_block_hashes``), and the
 server hashes nothing; with ``off`` the server always hashes the tokens itself.
+
+``KVSERVICE_STEP_SOCKET``: the engine's steps (its StepStream) go on the server's step
+socket, framed without gRPC, while every other call still goes to ``KVSERVICE_TARGET``
+(``kvservice serve --step-socket PATH``; the engine must run on the server's node, as
+the server's user).
 """
 
 from __future__ import annotations
@@ -84,6 +90,8 @@ class ConnectionSettings:
     allow_insecure_token: bool = False
     # Send vLLM's block hashes when the server trusts them (KVSERVICE_CLIENT_BLOCK_HASHES).
     client_block_hashes: bool = True
+    # The server's step socket (KVSERVICE_STEP_SOCKET); "": steps go over gRPC.
+    step_socket: str = ""
 
     @property
     def tls(self) -> bool:
@@ -143,4 +151,5 @@ class ConnectionSettings:
             confirm=confirm,
             allow_insecure_token=allow_insecure_token,
             client_block_hashes=hashes == "auto",
+            step_socket=env.get("KVSERVICE_STEP_SOCKET") or "",
         )

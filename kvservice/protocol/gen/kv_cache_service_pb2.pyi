@@ -2501,6 +2501,84 @@ class StepStreamResponse(_message.Message):
 Global___StepStreamResponse: _TypeAlias = StepStreamResponse  # noqa: Y015
 
 @_typing.final
+class StepSocketHello(_message.Message):
+    """The step socket (kvservice serve --step-socket PATH): StepStream without gRPC, for
+    an engine on the same node. Each frame is a 4-byte big-endian payload length, a
+    1-byte kind, then the payload (kvservice.protocol.step_socket). The client sends a
+    hello (this message, kind 1) first, then StepStreamRequests (kind 2) and an empty
+    end frame (kind 3) to half-close; the server answers each request with a
+    StepStreamResponse (kind 2) and ends with a StepSocketStatus (kind 4).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    METADATA_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def metadata(self) -> _containers.RepeatedCompositeFieldContainer[Global___StepSocketMetadata]:
+        """The call metadata a StepStream carries over gRPC: authorization,
+        x-kvservice-session, x-client-id, x-request-id.
+        """
+
+    def __init__(
+        self,
+        *,
+        metadata: _abc.Iterable[Global___StepSocketMetadata] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["metadata", b"metadata"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepSocketHello: _TypeAlias = StepSocketHello  # noqa: Y015
+
+@_typing.final
+class StepSocketMetadata(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    value: _builtins.str
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        value: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepSocketMetadata: _TypeAlias = StepSocketMetadata  # noqa: Y015
+
+@_typing.final
+class StepSocketStatus(_message.Message):
+    """The stream's end: a gRPC status code (0: OK) and its message."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    DETAILS_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    details: _builtins.str
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        details: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "details", b"details"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StepSocketStatus: _TypeAlias = StepSocketStatus  # noqa: Y015
+
+@_typing.final
 class SubscribeEventsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
