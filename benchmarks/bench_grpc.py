@@ -14,10 +14,10 @@ on the same event loop, called with the blocking client (what the latency rows u
 with the grpc.aio client; the same subprocess echoes bytes on a plain TCP socket, which
 is what Python and the loopback cost without gRPC. All are measured in the same rounds
 as the service's calls, so the service's own overhead reads as the difference. The
-same subprocess runs the server's compiled ``StepRunner`` behind a length-prefixed TCP
-socket (no gRPC, interceptors or sessions): "StepStream 256 StepBuilder+omit, framed
-TCP" sends the 1-in-flight way's steps there, so what gRPC costs a step reads as the
-difference between the two (its CPU counts this process and that subprocess).
+server also serves its step socket (``--step-socket``: StepStream framed on a Unix
+socket, through the same interceptors, sessions and metrics, without gRPC):
+"StepStream 256 StepBuilder+omit, step socket" sends the 1-in-flight way's steps
+there, so what gRPC costs a step reads as the difference between the two.
 
 The workload is a seeded scheduler-like sequence, built once as protobuf operations:
 waves of requests are added, looked up, admitted, decoded for a few steps and
@@ -53,11 +53,13 @@ import argparse
 import asyncio
 import collections
 import cProfile
+import os
 import pstats
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -70,7 +72,7 @@ import grpc
 from kvservice.bench.measure import Meter, Sample, median_ratio, rotated
 from kvservice.bench.server import child_server
 from kvservice.client import KVClient, PendingStep
-from kvservice.client.step import OpHandle, StepBuilder, StepResults
+from kvservice.client.step import OpHandle, StepBuilder
 from kvservice.client.types import FreeMode
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
@@ -298,10 +300,9 @@ ECHO_METHOD = "/bench.Echo/Echo"
 
 
 def echo_server(event_loop: str) -> None:
-    """The floors: a grpc.aio server whose one method returns the request's bytes, a
-    TCP server that writes back what it reads, and the framed Step server
-    (``framed_steps``), on one loop. Prints the three ports, then serves until
-    terminated."""
+    """The floors: a grpc.aio server whose one method returns the request's bytes and
+    a TCP server that writes back what it reads, on one loop. Prints the two ports,
+    then serves until terminated."""
 
     async def echo(request: bytes, context: object) -> bytes:
         return request
@@ -309,25 +310,6 @@ def echo_server(event_loop: str) -> None:
     async def echo_tcp(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while data := await reader.read(65536):
             writer.write(data)
-
-    manager = build_manager(config())
-    steps = StepRunner(RequestTable(manager, KVCacheMetrics(manager, "bench", "0")), 4096)
-
-    async def framed_steps(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Steps without gRPC: each frame a ``StepRequest`` (``FRAME_HEADER`` bytes of
-        length, then the message), run by a ``StepRunner`` as the server's StepStream
-        runs them (no interceptors, sessions or metrics of calls), each answer framed
-        alike."""
-        while True:
-            try:
-                size = int.from_bytes(await reader.readexactly(FRAME_HEADER), "little")
-                request = pb.StepRequest.FromString(await reader.readexactly(size))
-            except asyncio.IncompleteReadError:
-                return
-            response = pb.StepResponse()
-            await steps.run(request, response, ANONYMOUS)
-            answer = response.SerializeToString()
-            writer.write(len(answer).to_bytes(FRAME_HEADER, "little") + answer)
 
     async def main() -> None:
         server = grpc.aio.server()
@@ -338,9 +320,7 @@ def echo_server(event_loop: str) -> None:
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         tcp = await asyncio.start_server(echo_tcp, "127.0.0.1", 0)
-        framed = await asyncio.start_server(framed_steps, "127.0.0.1", 0)
-        ports = (port, tcp.sockets[0].getsockname()[1], framed.sockets[0].getsockname()[1])
-        print(*ports, flush=True)
+        print(port, tcp.sockets[0].getsockname()[1], flush=True)
         await server.wait_for_termination()
 
     with asyncio.Runner(loop_factory=loop_factory(event_loop)) as runner:
@@ -349,13 +329,10 @@ def echo_server(event_loop: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class EchoProcess:
-    """The ``echo_server`` subprocess: its gRPC target, its TCP echo and framed Step
-    ports, and its pid (whose CPU the framed way counts)."""
+    """The ``echo_server`` subprocess: its gRPC target and its TCP echo port."""
 
     target: str
     tcp_port: int
-    framed_port: int
-    pid: int
 
 
 @contextmanager
@@ -368,8 +345,8 @@ def echo_process(event_loop: str) -> Iterator[EchoProcess]:
     )
     assert process.stdout is not None
     try:
-        grpc_port, tcp_port, framed_port = process.stdout.readline().split()
-        yield EchoProcess(f"127.0.0.1:{grpc_port}", int(tcp_port), int(framed_port), process.pid)
+        grpc_port, tcp_port = process.stdout.readline().split()
+        yield EchoProcess(f"127.0.0.1:{grpc_port}", int(tcp_port))
     finally:
         process.terminate()
         process.wait(30)
@@ -538,15 +515,22 @@ def client_step_ops(
 
 
 def client_stream_ops(
-    meter: Meter, client: KVClient, workload: Workload, size: int, in_flight: int
+    meter: Meter,
+    client: KVClient,
+    workload: Workload,
+    size: int,
+    in_flight: int,
+    step_socket: str = "",
 ) -> Sample:
     """``client_step_ops`` (coalescing, omit_state) over one blocking ``Session``
     with up to ``in_flight`` steps sent and unread: ``Session.send`` each step as soon
     as it is built, and read the oldest once that many are out, so the client builds
     and decodes while the server runs earlier steps (1: ping-pong). Steps depend on
-    earlier ones (add, then allocate); the stream runs them in order."""
+    earlier ones (add, then allocate); the stream runs them in order. ``step_socket``:
+    the stream goes on the server's step socket at that path instead of gRPC."""
     adders = _builder_adders(workload)
-    with client.session() as session:
+    opened = client.socket_session(step_socket) if step_socket else client.session()
+    with opened as session:
         meter.start()
         out: collections.deque[tuple[PendingStep, list[OpHandle[Any]]]] = collections.deque()
         for first in range(0, len(adders), size):
@@ -557,27 +541,6 @@ def client_stream_ops(
                 _read_all(*out.popleft())
         while out:
             _read_all(*out.popleft())
-        sample = meter.stop(len(adders))
-    return sample
-
-
-def framed_stream_ops(meter: Meter, port: int, workload: Workload, size: int) -> Sample:
-    """``client_stream_ops`` with one step in flight, over a length-prefixed TCP socket
-    to the same compiled ``StepRunner`` (``framed_steps``: no gRPC): what the same
-    steps cost the client and the server on a framed wire instead of gRPC's."""
-    adders = _builder_adders(workload)
-    with socket.create_connection(("127.0.0.1", port)) as sock, sock.makefile("rb") as answers:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        meter.start()
-        for first in range(0, len(adders), size):
-            builder = StepBuilder(omit_request_state=True)
-            handles = [add(builder) for add in adders[first : first + size]]
-            message = builder.to_pb(first).SerializeToString()
-            sock.sendall(len(message).to_bytes(FRAME_HEADER, "little") + message)
-            answer_size = int.from_bytes(answers.read(FRAME_HEADER), "little")
-            results = StepResults(pb.StepResponse.FromString(answers.read(answer_size)))
-            for handle in handles:
-                results[handle]
         sample = meter.stop(len(adders))
     return sample
 
@@ -670,9 +633,7 @@ def _ratio_cell(ratio: float | None) -> str:
 
 
 BACKEND = "in-process: InProcessBackend"
-FRAMED = "StepStream 256 StepBuilder+omit, framed TCP"
-# A framed message's length: unsigned little-endian, before the message's bytes.
-FRAME_HEADER = 4
+STEP_SOCKET = "StepStream 256 StepBuilder+omit, step socket"
 
 
 def _ways(
@@ -682,7 +643,7 @@ def _ways(
     client: KVClient,
     target: str,
     runner: asyncio.Runner,
-    echo: EchoProcess,
+    step_socket: str,
 ) -> list[Way]:
     few = max(WAVE, num_requests // 8)
     ways = [
@@ -751,9 +712,11 @@ def _ways(
         )
     ways.append(
         Way(
-            FRAMED,
+            STEP_SOCKET,
             num_requests,
-            partial(framed_stream_ops, Meter(echo.pid), echo.framed_port, size=256),
+            partial(
+                client_stream_ops, meter, client, size=256, in_flight=1, step_socket=step_socket
+            ),
         )
     )
     return ways
@@ -793,6 +756,7 @@ def run(
     tags = (f"w{i}" for i in range(1_000_000))
     with ExitStack() as stack:
         cfg = config()
+        step_socket = os.path.join(stack.enter_context(tempfile.TemporaryDirectory()), "s.sock")
         server = stack.enter_context(
             child_server(
                 [
@@ -800,6 +764,7 @@ def run(
                     f"--max-model-len={cfg.max_model_len}",
                     "--shutdown-grace=0",
                     f"--event-loop={event_loop}",
+                    f"--step-socket={step_socket}",
                 ]
             )
         )
@@ -819,7 +784,7 @@ def run(
         echo(b"", wait_for_ready=True)
         floors = Floors(echo, _aio_echo(runner, aio_channel), tcp)
         unary_latency(stub, floors, 200)  # warm-up
-        ways = _ways(Meter(server_pid), num_requests, stub, client, target, runner, echoes)
+        ways = _ways(Meter(server_pid), num_requests, stub, client, target, runner, step_socket)
         for way in ways:  # warm-up (connections, caches), not reported
             way.measure(workload(WAVE, next(tags)))
         latencies: dict[str, list[float]] = {name: [] for name in LATENCY_ROWS}

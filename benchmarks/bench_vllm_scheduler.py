@@ -7,6 +7,10 @@ server on loopback (a child process), confirming each step before its output or,
 same seeded workload, and times ``schedule()`` plus ``update_from_output()`` (the fake
 model's output is built outside the timer):
 
+The remote modes run over loopback TCP, over the server's Unix domain socket (gRPC,
+``unix``), and over its step socket (``--step-socket``: the steps framed without gRPC,
+everything else over TCP; the ``socket`` rows).
+
 - ``decode``: 256 running requests, each step one token per request.
 - ``churn``: short answers and steady arrivals, so most steps admit and finish requests
   (prefix lookups, hashing, frees) while about 256 run.
@@ -30,12 +34,13 @@ the arrivals and the decision check are left out of the clock. Every kvservice m
 scheduler outputs, sampled tokens and stats must equal the ``AsyncScheduler``'s.
 
 With ``--profile`` it instead samples (pyinstrument) the churn workload's steps on
-the built-in manager, in-process and remote, and prints where each step goes: the
+the built-in manager, in-process and remote (over gRPC and over the step socket, both
+on vLLM's hashes), and prints where each step goes: the
 manager's share of ``schedule()`` plus ``update_from_output()`` (the manager's own
 methods, everything they call included, and for the remote mode the wait for the
 server), its methods, the remote link's parts (recording, building, sending,
 waiting, checking), and the ratio an in-process manager that cost nothing would
-reach (the floor vLLM's own scheduler code sets). It then runs the remote mode again,
+reach (the floor vLLM's own scheduler code sets). It then runs each remote mode again,
 unprofiled, with py-spy sampling the server, and prints the server's CPU a step by
 where it went: the transport (gRPC, asyncio, threads: no kvservice frame), the Step
 runner (compiled, so sampled as its caller's line), and kvservice's Python around it.
@@ -119,6 +124,8 @@ class Mode:
     server_pid: int | None = None
     # Send vLLM's block hashes (the server trusts them and hashes nothing).
     client_hashes: bool = False
+    # The server's step socket (KVSERVICE_STEP_SOCKET): steps framed, without gRPC.
+    step_socket: str = ""
 
 
 def _token(request_id: str, position: int) -> int:
@@ -418,7 +425,12 @@ def _run(
 def _connection_env(mode: Mode) -> Iterator[None]:
     """``mode``'s KVSERVICE_* connection variables for the run, the caller's after it
     (a test process runs more than this benchmark)."""
-    names = ("KVSERVICE_TARGET", "KVSERVICE_CONFIRM", "KVSERVICE_CLIENT_BLOCK_HASHES")
+    names = (
+        "KVSERVICE_TARGET",
+        "KVSERVICE_CONFIRM",
+        "KVSERVICE_CLIENT_BLOCK_HASHES",
+        "KVSERVICE_STEP_SOCKET",
+    )
     saved = {name: os.environ.get(name) for name in names}
     if mode.target is None:
         os.environ.pop("KVSERVICE_TARGET", None)
@@ -426,6 +438,7 @@ def _connection_env(mode: Mode) -> Iterator[None]:
         os.environ["KVSERVICE_TARGET"] = mode.target
     os.environ["KVSERVICE_CONFIRM"] = mode.confirm
     os.environ["KVSERVICE_CLIENT_BLOCK_HASHES"] = "auto" if mode.client_hashes else "off"
+    os.environ["KVSERVICE_STEP_SOCKET"] = mode.step_socket
     try:
         yield
     finally:
@@ -499,11 +512,13 @@ def main(argv: list[str] | None = None) -> int:
         "and print the manager's share of each step instead of timing",
     )
     args = parser.parse_args(argv)
-    # The same server also on a Unix domain socket: the co-located engine's transport.
+    # The same server also on a Unix domain socket (gRPC) and a step socket (framed):
+    # the co-located engine's transports.
     socket_dir = tempfile.mkdtemp(prefix="kvservice-")
     socket_path = os.path.join(socket_dir, "kvservice.sock")
     server_args = [
         f"--unix-socket={socket_path}",
+        f"--step-socket={_step_socket(socket_path)}",
         f"--num-blocks={SETUP.num_blocks}",
         f"--block-size={SETUP.block_size}",
         f"--max-model-len={SETUP.max_model_len}",
@@ -520,10 +535,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"machine: {machine_load()} at end")
 
 
+def _step_socket(socket_path: str) -> str:
+    return socket_path.removesuffix(".sock") + "-steps.sock"
+
+
 def _compare(args: argparse.Namespace, server_args: list[str], socket_path: str) -> int:
     if args.profile:
         with child_server(server_args) as server:
-            _profile(server.target, server.pid, args.steps)
+            _profile(server.target, server.pid, args.steps, _step_socket(socket_path))
         return 0
     with child_server(server_args) as server:
         modes = [
@@ -555,6 +574,35 @@ def _compare(args: argparse.Namespace, server_args: list[str], socket_path: str)
                 f"unix:{socket_path}",
                 "sync",
                 server.pid,
+            ),
+        ]
+        step_socket = _step_socket(socket_path)
+        modes += [
+            Mode(
+                "step socket",
+                KVServiceScheduler,
+                server.target,
+                "sync",
+                server.pid,
+                step_socket=step_socket,
+            ),
+            Mode(
+                "socket, vLLM hashes",
+                KVServiceScheduler,
+                server.target,
+                "sync",
+                server.pid,
+                client_hashes=True,
+                step_socket=step_socket,
+            ),
+            Mode(
+                "socket overlap, hashes",
+                KVServiceScheduler,
+                server.target,
+                "overlap",
+                server.pid,
+                client_hashes=True,
+                step_socket=step_socket,
             ),
         ]
         if args.async_scheduling:
@@ -689,13 +737,22 @@ _MANAGER_PATHS = (
 _STEP_FUNCTIONS = frozenset({"schedule", "update_from_output"})
 
 
-def _profile(target: str, server_pid: int | None, steps: int) -> None:
+def _profile(target: str, server_pid: int | None, steps: int, step_socket: str) -> None:
     from pyinstrument import Profiler  # noqa: PLC0415 (a dev tool: only this option needs it)
 
     modes = [
         Mode("vllm built-in", Scheduler, None),
         Mode("kvservice in-process", KVServiceScheduler, None),
         Mode("remote, vLLM hashes", KVServiceScheduler, target, "sync", server_pid, True),
+        Mode(
+            "socket, vLLM hashes",
+            KVServiceScheduler,
+            target,
+            "sync",
+            server_pid,
+            True,
+            step_socket=step_socket,
+        ),
     ]
     shares = {}
     for mode in modes:
@@ -718,9 +775,10 @@ def _profile(target: str, server_pid: int | None, steps: int) -> None:
             for part, seconds in _link_time(session.root_frame()).items():
                 print(f"  {100 * seconds / step_s:5.1f}%  {part}")
     # Again without the client's profiler, which would stretch the server's idle time.
-    with _server_sampled(modes[-1], steps):
-        _run(modes[-1], "churn", steps, 0, 0.0)
-    _waiting_cost(modes[1], modes[-1], steps)
+    for remote in modes[2:]:
+        with _server_sampled(remote, steps):
+            _run(remote, "churn", steps, 0, 0.0)
+    _waiting_cost(modes[1], modes[2:], steps)
     floor = 1 / (1 - shares["vllm built-in"])
     print(
         f"\nan in-process manager costing nothing would make the step {floor:.2f}x the "
@@ -729,14 +787,20 @@ def _profile(target: str, server_pid: int | None, steps: int) -> None:
     )
 
 
-def _waiting_cost(in_process: Mode, remote: Mode, steps: int, rounds: int = 3) -> None:
+def _waiting_cost(in_process: Mode, remotes: list[Mode], steps: int, rounds: int = 3) -> None:
     """The scheduler thread's CPU a churn step, unsampled: in-process; in-process with
-    a wait after each ``schedule()`` as long as the remote server's CPU a step,
-    sleeping, then while a stand-in process spends that CPU (as the server does while
-    the remote scheduler waits); and remote. The differences tell what waiting on
-    another process costs the waiting thread, apart from the link's own work."""
-    remote_runs = [_run(remote, "churn", steps, round_, 0.0) for round_ in range(rounds)]
-    server_s = statistics.median(t.server_cpu_seconds / t.steps for t in remote_runs)
+    a wait after each ``schedule()`` as long as the last remote mode's server CPU a
+    step, sleeping, then while a stand-in process spends that CPU (as the server does
+    while the remote scheduler waits); and each remote mode. The differences tell what
+    waiting on another process costs the waiting thread, apart from the link's own
+    work."""
+    remote_runs = {
+        remote.name: [_run(remote, "churn", steps, round_, 0.0) for round_ in range(rounds)]
+        for remote in remotes
+    }
+    server_s = statistics.median(
+        t.server_cpu_seconds / t.steps for t in remote_runs[remotes[-1].name]
+    )
     runs: dict[str, list[Timing]] = {}
     with closing(StandIn()) as stand_in:
         waits: dict[str, Callable[[], None] | None] = {
@@ -749,7 +813,7 @@ def _waiting_cost(in_process: Mode, remote: Mode, steps: int, rounds: int = 3) -
                 runs.setdefault(name, []).append(
                     _run(in_process, "churn", steps, round_, 0.0, wait=wait)
                 )
-    runs["remote"] = remote_runs
+    runs.update(remote_runs)
     cpu_ms = {
         name: statistics.median(1000 * t.cpu_seconds / t.steps for t in timings)
         for name, timings in runs.items()
@@ -757,7 +821,7 @@ def _waiting_cost(in_process: Mode, remote: Mode, steps: int, rounds: int = 3) -
     print(
         f"\nthe scheduler thread's CPU a churn step, unsampled (median of {rounds} runs); "
         f"the waits after each schedule() last the server's {1000 * server_s:.2f} ms CPU "
-        "a step:"
+        f"a step ({remotes[-1].name}):"
     )
     for name, ms in cpu_ms.items():
         print(f"  {ms:5.2f} ms  {ms - cpu_ms['in-process']:+5.2f}  {name}")
@@ -820,6 +884,10 @@ _LINK_PARTS = {
     ("StepLog", "build"): "building the Step message (StepLog.build)",
     ("Session", "send"): "serializing and handing it to gRPC (Session.send)",
     ("Session", "_read_through"): "waiting for the answer and parsing it (Session._read_through)",
+    ("SocketSession", "send"): "serializing and writing it (SocketSession.send)",
+    ("SocketSession", "_read_through"): (
+        "waiting for the answer and parsing it (SocketSession._read_through)"
+    ),
     ("StepLink", "_compare"): "checking every answer (StepLink._compare)",
 }
 

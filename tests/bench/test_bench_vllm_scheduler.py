@@ -23,6 +23,9 @@ MODES = (
     "kvservice remote overlap",
     "overlap, vLLM hashes",
     "kvservice remote unix",
+    "step socket",
+    "socket, vLLM hashes",
+    "socket overlap, hashes",
 )
 
 
@@ -87,7 +90,12 @@ def test_bench_vllm_scheduler_profile_smoke(capsys: pytest.CaptureFixture[str]) 
     went."""
     assert bench_vllm_scheduler.main(["--profile", "--steps", "3"]) == 0
     out = capsys.readouterr().out
-    for mode in ("vllm built-in", "kvservice in-process", "remote, vLLM hashes"):
+    for mode in (
+        "vllm built-in",
+        "kvservice in-process",
+        "remote, vLLM hashes",
+        "socket, vLLM hashes",
+    ):
         assert re.search(
             rf"^{re.escape(mode)}: [\d.]+ ms a step sampled, the manager \d+%", out, re.M
         ), out
@@ -103,17 +111,19 @@ def test_bench_vllm_scheduler_profile_smoke(capsys: pytest.CaptureFixture[str]) 
         "in-process",
         "in-process, sleeping as long",
         "in-process, a stand-in busy as long",
-        "remote",
+        "remote, vLLM hashes",
+        "socket, vLLM hashes",
     ):
         assert re.search(rf"^ +[\d.]+ ms +[+-][\d.]+  {re.escape(name)}$", out, re.M), (name, out)
     # The server's own CPU, sampled where py-spy may read it (tests/bench/
     # test_process_sampler.py checks what the sampler finds).
-    assert re.search(
-        r"^remote, vLLM hashes, its server: [\d.]+ ms CPU a step while sampled \(\d+ "
-        r"samples\)|^the server was not sampled: py-spy",
-        out,
-        re.M,
-    ), out
+    for mode in ("remote, vLLM hashes", "socket, vLLM hashes"):
+        assert re.search(
+            rf"^{mode}, its server: [\d.]+ ms CPU a step while sampled \(\d+ "
+            r"samples\)|^the server was not sampled: py-spy",
+            out,
+            re.M,
+        ), out
 
 
 def test_the_async_report_names_a_mode_that_decided_otherwise(

@@ -23,9 +23,9 @@ def test_bench_grpc_smoke(capsys: pytest.CaptureFixture[str]) -> None:
         "Step, 256 ops per call, columnar",
         "StepStream 256 StepBuilder+omit, 1 in flight",
         "StepStream 256 StepBuilder+omit, 2 in flight",
-        # The same steps on a framed socket: every result is read (a failed operation
-        # would raise).
-        bench_grpc.FRAMED,
+        # The same steps on the server's step socket: every result is read (a failed
+        # operation would raise).
+        bench_grpc.STEP_SOCKET,
     ):
         assert row in out
 
