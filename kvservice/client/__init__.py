@@ -36,7 +36,14 @@ from kvservice.client.events import (
     EventStreamItem,
     KVEvent,
 )
-from kvservice.client.step import OpHandle, PendingStep, RunHandle, StepBuilder, StepResults
+from kvservice.client.step import (
+    OpHandle,
+    PendingStep,
+    RunHandle,
+    StepBuilder,
+    StepResults,
+    StepSession,
+)
 from kvservice.client.step_socket import SocketSession
 from kvservice.client.sync import KVClient, Lease, Session
 from kvservice.client.types import (
@@ -122,6 +129,7 @@ __all__ = [
     "StaleHitError",
     "StepBuilder",
     "StepResults",
+    "StepSession",
     "SubscriberDroppedError",
     "TokenRangeRetention",
     "UnauthenticatedError",

@@ -22,8 +22,10 @@ after a failure under ``stop_on_error``); only the encoding changes.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Generic, NamedTuple, TypeVar
+from types import TracebackType
+from typing import Any, Generic, NamedTuple, Self, TypeVar
 
 from kvservice.client import _wire
 from kvservice.client.errors import KVServiceError, error_for_number
@@ -550,3 +552,41 @@ class PendingStep(StepAnswer):
         if not self._done:
             self._wait(self)
         return self._answer()
+
+
+class StepSession(abc.ABC):
+    """A blocking stream of steps: ``Session`` over gRPC, ``SocketSession`` on a step
+    socket. Steps run in the order sent, each answered in order; ``with`` closes the
+    stream, or cancels it when the block raised."""
+
+    @abc.abstractmethod
+    def send(self, builder: StepBuilder, *, stop_on_error: bool = False) -> PendingStep:
+        """Send one step without waiting for its results: the server runs it while
+        this thread goes on; ``result()`` waits for this one's answer."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Read the answers still unread, half-close, and wait for the server to end
+        the stream."""
+
+    @abc.abstractmethod
+    def cancel(self) -> None:
+        """Drop the stream at once."""
+
+    def step(self, builder: StepBuilder, *, stop_on_error: bool = False) -> StepResults:
+        """Send one step and wait for its results."""
+        return self.send(builder, stop_on_error=stop_on_error).result()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self.cancel()

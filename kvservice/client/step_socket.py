@@ -15,13 +15,12 @@ import collections
 import contextlib
 import itertools
 import socket
-from types import TracebackType
 from typing import Any
 
 import grpc
 
 from kvservice.client.errors import KVServiceError, ServiceUnavailableError, error_for
-from kvservice.client.step import PendingStep, StepBuilder, StepResults
+from kvservice.client.step import PendingStep, StepBuilder, StepResults, StepSession
 from kvservice.protocol import step_socket as wire
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 
@@ -43,7 +42,7 @@ def _unreachable(path: str, err: OSError) -> ServiceUnavailableError:
     )
 
 
-class SocketSession:
+class SocketSession(StepSession):
     """One StepStream on a step socket; see ``Session`` (the same methods). The
     metadata (token, session, client id) travels in the connection's hello.
 
@@ -74,24 +73,6 @@ class SocketSession:
         self._finished = False
         self._error: KVServiceError | None = None
         self._write(_hello(metadata))
-
-    def __enter__(self) -> SocketSession:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is None:
-            self.close()
-        else:
-            self.cancel()
-
-    def step(self, builder: StepBuilder, *, stop_on_error: bool = False) -> StepResults:
-        """Send one step and wait for its results."""
-        return self.send(builder, stop_on_error=stop_on_error).result()
 
     def send(self, builder: StepBuilder, *, stop_on_error: bool = False) -> PendingStep:
         """Send one step without waiting for its results; ``result()`` waits for them.

@@ -29,7 +29,7 @@ from kvservice.client.aio import (
 )
 from kvservice.client.errors import KVServiceError, ServiceUnavailableError, error_from_rpc
 from kvservice.client.events import EventStreamItem, StreamDecoder
-from kvservice.client.step import PendingStep, StepBuilder, StepResults
+from kvservice.client.step import PendingStep, StepBuilder, StepResults, StepSession
 from kvservice.client.step_socket import SocketSession
 from kvservice.client.types import (
     AdmitOptions,
@@ -428,7 +428,7 @@ class StartedOffloadStep:
         return response
 
 
-class Session:
+class Session(StepSession):
     """One long-lived ``StepStream`` on the blocking API; see ``AsyncSession``. (A
     server session, the lease that owns requests, is a ``Lease``.)
 
@@ -455,24 +455,6 @@ class Session:
         while (message := self._outbound.get()) is not _CLOSE:
             self._taken.set()
             yield message
-
-    def __enter__(self) -> Session:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is None:
-            self.close()
-        else:
-            self.cancel()
-
-    def step(self, builder: StepBuilder, *, stop_on_error: bool = False) -> StepResults:
-        """Send one step and wait for its results."""
-        return self.send(builder, stop_on_error=stop_on_error).result()
 
     def send(self, builder: StepBuilder, *, stop_on_error: bool = False) -> PendingStep:
         """Send one step without waiting for its results: the server runs it while

@@ -180,11 +180,20 @@ REMOTE_CASES = [
 def test_remote_matches_vllm_step_for_step(
     name: str, confirm: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    setup = SETUPS[name]
     monkeypatch.setenv("KVSERVICE_CONFIRM", confirm)
+    assert_remote_matches_vllm(name, monkeypatch)
+
+
+def assert_remote_matches_vllm(
+    name: str, monkeypatch: pytest.MonkeyPatch, trust_hashes: bool = False, step_socket: str = ""
+) -> None:
+    """Setup ``name``'s workload decides remotely (``run_remote``) as on vLLM's own
+    manager, step for step."""
+    setup = SETUPS[name]
     traffic = {"hash_block_size": setup.hash_block, **WORKLOADS.get(name, {})}
     expected = Workload(3, salts=(None, "tenant-a"), **traffic).run(build_scheduler(setup))
-    actual = run_remote(setup, Workload(3, salts=(None, "tenant-a"), **traffic), monkeypatch)
+    workload = Workload(3, salts=(None, "tenant-a"), **traffic)
+    actual = run_remote(setup, workload, monkeypatch, trust_hashes, step_socket)
     assert first_difference(expected, actual) is None
 
 
@@ -240,14 +249,9 @@ CLIENT_HASH_CASES = [
 def test_remote_on_vllms_own_hashes_matches_vllm_step_for_step(
     name: str, confirm: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    setup = SETUPS[name]
     monkeypatch.setenv("KVSERVICE_CONFIRM", confirm)
     monkeypatch.setenv("KVSERVICE_CLIENT_BLOCK_HASHES", "auto")
-    traffic = {"hash_block_size": setup.hash_block, **WORKLOADS.get(name, {})}
-    expected = Workload(3, salts=(None, "tenant-a"), **traffic).run(build_scheduler(setup))
-    workload = Workload(3, salts=(None, "tenant-a"), **traffic)
-    actual = run_remote(setup, workload, monkeypatch, trust_hashes=True)
-    assert first_difference(expected, actual) is None
+    assert_remote_matches_vllm(name, monkeypatch, trust_hashes=True)
 
 
 # The steps on the server's step socket (KVSERVICE_STEP_SOCKET), not gRPC: both modes,
@@ -268,15 +272,10 @@ STEP_SOCKET_CASES = [
 def test_remote_on_the_step_socket_matches_vllm_step_for_step(
     name: str, confirm: str, trust_hashes: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    setup = SETUPS[name]
     monkeypatch.setenv("KVSERVICE_CONFIRM", confirm)
     monkeypatch.setenv("KVSERVICE_CLIENT_BLOCK_HASHES", "auto")
-    traffic = {"hash_block_size": setup.hash_block, **WORKLOADS.get(name, {})}
-    expected = Workload(3, salts=(None, "tenant-a"), **traffic).run(build_scheduler(setup))
-    workload = Workload(3, salts=(None, "tenant-a"), **traffic)
-    socket_path = str(tmp_path / "steps.sock")
-    actual = run_remote(setup, workload, monkeypatch, trust_hashes, step_socket=socket_path)
-    assert first_difference(expected, actual) is None
+    step_socket = str(tmp_path / "steps.sock")
+    assert_remote_matches_vllm(name, monkeypatch, trust_hashes, step_socket)
 
 
 def test_the_server_decides_on_the_engines_hashes(monkeypatch: pytest.MonkeyPatch) -> None:

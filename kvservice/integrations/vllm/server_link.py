@@ -44,8 +44,7 @@ from kvservice.client import (
     KVServiceError,
     Lease,
     MultiModalFeature,
-    Session,
-    SocketSession,
+    StepSession,
 )
 from kvservice.client.step_link import RemoteStepError, StepLink
 from kvservice.client.step_log import ANY_ANSWER
@@ -226,9 +225,9 @@ class ServerLink:
             "ResetPrefixCache", lambda: self._client.reset_prefix_cache(fresh_pool=True)
         ):
             raise KVServiceManagerError(f"kvservice at {self.target} refused to reset its pool")
-        self._session: Session | SocketSession = self._call("StepStream", self._open_steps)
+        self._session: StepSession = self._call("StepStream", self._open_steps)
 
-    def _open_steps(self) -> Session | SocketSession:
+    def _open_steps(self) -> StepSession:
         """The engine's StepStream: on the server's step socket when one is set."""
         path = self.settings.step_socket
         return self._client.socket_session(path) if path else self._client.session()
