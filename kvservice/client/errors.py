@@ -97,9 +97,15 @@ def error_for(code: grpc.StatusCode, message: str) -> KVServiceError:
     return _BY_CODE.get(code, KVServiceError)(code, message)
 
 
+def status_code(number: int) -> grpc.StatusCode:
+    """The status code of a number (as a step result or a step socket status carries
+    it); UNKNOWN for a number gRPC does not define."""
+    return _CODES_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
+
 def error_for_number(number: int, message: str) -> KVServiceError:
     """The typed error for a status code number (as a step result carries it)."""
-    return error_for(_CODES_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN), message)
+    return error_for(status_code(number), message)
 
 
 # What gRPC says when client and server disagree about TLS, and what to do about it.

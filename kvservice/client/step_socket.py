@@ -19,12 +19,16 @@ from typing import Any
 
 import grpc
 
-from kvservice.client.errors import KVServiceError, ServiceUnavailableError, error_for
+from kvservice.client.errors import (
+    KVServiceError,
+    ServiceUnavailableError,
+    error_for,
+    error_for_number,
+    status_code,
+)
 from kvservice.client.step import PendingStep, StepBuilder, StepResults, StepSession
 from kvservice.protocol import step_socket as wire
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
-
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def _hello(metadata: tuple[tuple[str, str], ...]) -> bytes:
@@ -138,8 +142,7 @@ class SocketSession(StepSession):
             return pb.StepStreamResponse.FromString(payload)
         elif kind == wire.STATUS:
             status = pb.StepSocketStatus.FromString(payload)
-            code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
-            self._finish(None if code == grpc.StatusCode.OK else error_for(code, status.details))
+            self._finish(error_for_number(status.code, status.details) if status.code else None)
         else:
             self._finish(error_for(grpc.StatusCode.INTERNAL, f"unknown frame kind {kind}"))
         return None
@@ -219,7 +222,7 @@ class SocketCall:
                 return pb.StepStreamResponse.FromString(payload)
             if kind == wire.STATUS:
                 status = pb.StepSocketStatus.FromString(payload)
-                self._end(_CODES.get(status.code, grpc.StatusCode.UNKNOWN), status.details)
+                self._end(status_code(status.code), status.details)
             else:
                 self._end(grpc.StatusCode.INTERNAL, f"unknown frame kind {kind}")
         return grpc.aio.EOF

@@ -52,7 +52,8 @@ from kvservice.server.log import LineBudget, clip
 
 log = structlog.get_logger("kvservice.step_socket")
 
-STEP_STREAM_METHOD = "/kvservice.v1.KVCacheService/StepStream"
+_SERVICE = pb.DESCRIPTOR.services_by_name["KVCacheService"].full_name
+STEP_STREAM_METHOD = f"/{_SERVICE}/StepStream"
 # How long a connection may take to say hello before it is refused.
 HELLO_TIMEOUT_S = 10.0
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
