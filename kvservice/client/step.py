@@ -554,6 +554,14 @@ class PendingStep(StepAnswer):
         return self._answer()
 
 
+# How long a session's ``send`` waits for its sending thread (gRPC's, or a step
+# socket's writer) to take a message. Only a hint (the message is queued either way):
+# the thread takes it as soon as it gets the GIL this wait releases, and waiting longer
+# would not help while it is still sending the previous message, so the wait stays
+# within one GIL switch interval.
+HANDOFF_WAIT_S = 0.005
+
+
 class StepSession(abc.ABC):
     """A blocking stream of steps: ``Session`` over gRPC, ``SocketSession`` on a step
     socket. Steps run in the order sent, each answered in order; ``with`` closes the

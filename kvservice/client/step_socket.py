@@ -4,8 +4,9 @@ config, pins) still goes over the client's gRPC channel.
 
 The framing is ``kvservice.protocol.step_socket``'s. ``SocketSession`` has the
 blocking ``Session``'s methods: the calling thread writes each step and reads each
-answer itself (no sending thread, no queue, no HTTP/2). The asyncio client's
-``AsyncSession`` runs on a ``SocketCall``, which stands for grpc.aio's stream call.
+answer itself (no HTTP/2), or, with ``write_thread``, hands each step to a writing
+thread of the session's own. The asyncio client's ``AsyncSession`` runs on a
+``SocketCall``, which stands for grpc.aio's stream call.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import queue
 import socket
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -26,7 +30,13 @@ from kvservice.client.errors import (
     error_for_number,
     status_code,
 )
-from kvservice.client.step import PendingStep, StepBuilder, StepResults, StepSession
+from kvservice.client.step import (
+    HANDOFF_WAIT_S,
+    PendingStep,
+    StepBuilder,
+    StepResults,
+    StepSession,
+)
 from kvservice.protocol import step_socket as wire
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 
@@ -46,12 +56,50 @@ def _unreachable(path: str, err: OSError) -> ServiceUnavailableError:
     )
 
 
+class _Writer:
+    """A thread that writes the frames handed to it (``put``), in order, with
+    ``write``."""
+
+    def __init__(self, write: Callable[[bytes], None], name: str) -> None:
+        self._write = write
+        self._frames: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._taken = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, data: bytes) -> None:
+        self._taken.clear()
+        self._frames.put(data)
+        # Wait (GIL released) until the thread has taken the frame: a caller that goes
+        # on computing would otherwise hold the GIL, and the frame would leave only
+        # when the caller next blocks, up to a switch interval later.
+        self._taken.wait(HANDOFF_WAIT_S)
+
+    def stop(self) -> None:
+        """Write what was put, then end the thread."""
+        self._frames.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (data := self._frames.get()) is not None:
+            self._taken.set()
+            self._write(data)
+
+
 class SocketSession(StepSession):
     """One StepStream on a step socket; see ``Session`` (the same methods). The
     metadata (token, session, client id) travels in the connection's hello.
 
     Not thread safe: one thread drives a session. ``timeout``: seconds any one read or
     write may wait (None: no limit) before the step fails DEADLINE_EXCEEDED.
+
+    ``write_thread``: the steps are written by a thread of the session's own, for a
+    caller that goes on working while the server runs its step (the vLLM link's
+    ``KVSERVICE_CONFIRM=overlap``).
+    Measured (``python -m benchmarks.bench_vllm_scheduler --forward-ms 10``, row
+    ``socket overlap, hashes``): the caller's own write of a step to a server idle
+    through a forward pass took about 1 ms; a caller that waits for the answer at once
+    gains nothing from the thread and pays its hand-off.
     """
 
     def __init__(
@@ -59,6 +107,8 @@ class SocketSession(StepSession):
         path: str,
         metadata: tuple[tuple[str, str], ...],
         timeout: float | None = None,
+        *,
+        write_thread: bool = False,
     ) -> None:
         self.path = path
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -77,6 +127,9 @@ class SocketSession(StepSession):
         self._finished = False
         self._error: KVServiceError | None = None
         self._write(_hello(metadata))
+        self._writer = (
+            _Writer(self._write, f"kvservice-step-socket-{path}") if write_thread else None
+        )
 
     def send(self, builder: StepBuilder, *, stop_on_error: bool = False) -> PendingStep:
         """Send one step without waiting for its results; ``result()`` waits for them.
@@ -85,7 +138,7 @@ class SocketSession(StepSession):
         pending = PendingStep(self._read_through)
         self._unread.append(pending)
         if not self._finished:
-            self._write(wire.frame(wire.MESSAGE, message.SerializeToString()))
+            self._send(wire.frame(wire.MESSAGE, message.SerializeToString()))
         return pending
 
     def close(self) -> None:
@@ -96,7 +149,7 @@ class SocketSession(StepSession):
             if self._unread:
                 self._read_through(self._unread[-1])
             if not self._finished:
-                self._write(wire.frame(wire.END))
+                self._send(wire.frame(wire.END))
             while not self._finished:
                 if self._read_answer() is not None:
                     self._finish(error_for(grpc.StatusCode.INTERNAL, "an answer after the end"))
@@ -147,7 +200,15 @@ class SocketSession(StepSession):
             self._finish(error_for(grpc.StatusCode.INTERNAL, f"unknown frame kind {kind}"))
         return None
 
+    def _send(self, data: bytes) -> None:
+        if self._writer is not None:
+            self._writer.put(data)
+        else:
+            self._write(data)
+
     def _write(self, data: bytes) -> None:
+        if self._finished:
+            return  # a write timed out (a frame may be cut short), or the stream ended
         try:
             self._sock.sendall(data)
         except TimeoutError:
@@ -173,6 +234,11 @@ class SocketSession(StepSession):
         )
 
     def _shut(self) -> None:
+        if self._writer is not None:
+            # A write blocked on a server that stopped reading fails at once.
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+            self._writer.stop()
         self._reader.close()
         self._sock.close()
 

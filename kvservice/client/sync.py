@@ -29,7 +29,13 @@ from kvservice.client.aio import (
 )
 from kvservice.client.errors import KVServiceError, ServiceUnavailableError, error_from_rpc
 from kvservice.client.events import EventStreamItem, StreamDecoder
-from kvservice.client.step import PendingStep, StepBuilder, StepResults, StepSession
+from kvservice.client.step import (
+    HANDOFF_WAIT_S,
+    PendingStep,
+    StepBuilder,
+    StepResults,
+    StepSession,
+)
 from kvservice.client.step_socket import SocketSession
 from kvservice.client.types import (
     AdmitOptions,
@@ -377,21 +383,15 @@ class KVClient:
         which ``open_session`` opens."""
         return Session(self._channel, self._metadata)
 
-    def socket_session(self, path: str) -> SocketSession:
+    def socket_session(self, path: str, *, write_thread: bool = False) -> SocketSession:
         """One StepStream on the server's step socket at ``path`` (``kvservice serve
         --step-socket``, same node): ``session()`` without gRPC, under this client's
-        token and session."""
-        return SocketSession(path, self._metadata, self._timeout)
+        token and session. ``write_thread``: see ``SocketSession``."""
+        return SocketSession(path, self._metadata, self._timeout, write_thread=write_thread)
 
 
 _CLOSE = None  # put on the outbound queue to half-close the stream
 _STEP_STREAM = "/kvservice.v1.KVCacheService/StepStream"
-# How long ``Session.send`` waits for gRPC's sending thread to take a message. Only a
-# hint (the message is queued either way): the thread takes it as soon as it gets the
-# GIL this wait releases, and waiting longer would not help while it is still sending
-# the previous message (HTTP/2 flow control), so the wait stays within one GIL switch
-# interval.
-_HANDOFF_WAIT_S = 0.005
 
 
 class StartedStep:
@@ -467,7 +467,7 @@ class Session(StepSession):
         # thread that goes on computing would otherwise hold the GIL, and the message
         # would leave only when this thread next blocks, up to a switch interval later.
         if not self._responses.done():
-            self._taken.wait(_HANDOFF_WAIT_S)
+            self._taken.wait(HANDOFF_WAIT_S)
         pending = PendingStep(self._read_through)
         self._unread.append(pending)
         return pending

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import socket
 import stat
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -96,11 +97,19 @@ def _metric(server: ThreadedServer, name: str, **labels: str) -> float:
     return 0.0 if value is None else value
 
 
-def test_steps_answer_as_they_do_over_grpc(tmp_path: Path) -> None:
+def _writers() -> list[threading.Thread]:
+    """The step sockets' writing threads alive."""
+    return [t for t in threading.enumerate() if t.name.startswith("kvservice-step-socket")]
+
+
+@pytest.mark.parametrize("write_thread", [False, True])
+def test_steps_answer_as_they_do_over_grpc(tmp_path: Path, write_thread: bool) -> None:
     config = _config(tmp_path)
     with server_in_thread(config) as server, KVClient(server.target) as client:
-        with client.socket_session(config.step_socket) as steps:
+        with client.socket_session(config.step_socket, write_thread=write_thread) as steps:
+            assert len(_writers()) == write_thread
             over_socket = _scheduler_steps(steps.send)
+        assert not _writers()
         usage = client.get_usage()
         server.call(server.server.audit)
     with server_in_thread(config) as server, KVClient(server.target) as client:
@@ -113,10 +122,11 @@ def test_steps_answer_as_they_do_over_grpc(tmp_path: Path) -> None:
     assert usage.num_requests == 1  # c
 
 
-def test_steps_sent_ahead_are_answered_in_order(tmp_path: Path) -> None:
+@pytest.mark.parametrize("write_thread", [False, True])
+def test_steps_sent_ahead_are_answered_in_order(tmp_path: Path, write_thread: bool) -> None:
     config = _config(tmp_path)
     with server_in_thread(config) as server, KVClient(server.target) as client:
-        with client.socket_session(config.step_socket) as steps:
+        with client.socket_session(config.step_socket, write_thread=write_thread) as steps:
             sent = []
             for i in range(20):
                 builder = StepBuilder()
@@ -129,7 +139,8 @@ def test_steps_sent_ahead_are_answered_in_order(tmp_path: Path) -> None:
         assert _metric(server, "kvservice_step_socket_connections_total") == 1
 
 
-def test_a_dropped_connection_ends_its_session(tmp_path: Path) -> None:
+@pytest.mark.parametrize("write_thread", [False, True])
+def test_a_dropped_connection_ends_its_session(tmp_path: Path, write_thread: bool) -> None:
     """As a cancelled gRPC stream: the session ends at once, its requests freed."""
     config = _config(tmp_path)
     with (
@@ -138,13 +149,14 @@ def test_a_dropped_connection_ends_its_session(tmp_path: Path) -> None:
         KVClient(server.target) as observer,
     ):
         lease = client.open_session(600)
-        steps = client.socket_session(config.step_socket)
+        steps = client.socket_session(config.step_socket, write_thread=write_thread)
         builder = StepBuilder()
         builder.add_request("s", list(range(32)))
         allocation = builder.allocate_slots("s", 32)
         assert steps.step(builder)[allocation] is not None
         assert observer.get_usage().num_used_blocks == 2
         steps.cancel()
+        assert not _writers()
         _wait_until(lambda: observer.get_usage().num_requests == 0, "the session's end")
         expired = _metric(server, "kvservice_session_expirations_total", reason="stream_broken")
         assert expired == 1
@@ -165,6 +177,26 @@ def test_a_clean_close_keeps_its_session(tmp_path: Path) -> None:
         assert server.server.sessions.num_owned_requests == 1
         assert _metric(server, "kvservice_session_expirations_total", reason="stream_broken") == 0
         lease.stop_renewing()
+
+
+def test_a_writer_blocked_on_a_server_that_stopped_reading_is_cancelled(
+    tmp_path: Path,
+) -> None:
+    """A step larger than the socket's buffers, to a peer that never reads: the
+    writing thread blocks in the write, and ``cancel`` still returns and ends it."""
+    path = str(tmp_path / "deaf.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(path)
+        listener.listen(1)
+        steps = SocketSession(path, (), write_thread=True)
+        peer, _ = listener.accept()
+        with peer:
+            builder = StepBuilder()
+            builder.add_request("huge", [1] * 4_000_000)  # a 16 MB frame
+            steps.send(builder)
+            assert len(_writers()) == 1
+            steps.cancel()
+            assert not _writers()
 
 
 def test_the_hello_carries_the_token(tmp_path: Path) -> None:

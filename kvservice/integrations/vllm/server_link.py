@@ -228,9 +228,12 @@ class ServerLink:
         self._session: StepSession = self._call("StepStream", self._open_steps)
 
     def _open_steps(self) -> StepSession:
-        """The engine's StepStream: on the server's step socket when one is set."""
+        """The engine's StepStream: on the server's step socket when one is set (with
+        ``overlap``, written by a thread of its own while the scheduler goes on)."""
         path = self.settings.step_socket
-        return self._client.socket_session(path) if path else self._client.session()
+        if not path:
+            return self._client.session()
+        return self._client.socket_session(path, write_thread=self.settings.confirm == "overlap")
 
     def _apply_retention(self, changes: list[RetentionChange]) -> None:
         """The server's retention decisions, due now, to the replica (in the core's
