@@ -95,11 +95,12 @@ class SocketSession(StepSession):
 
     ``write_thread``: the steps are written by a thread of the session's own, for a
     caller that goes on working while the server runs its step (the vLLM link's
-    ``KVSERVICE_CONFIRM=overlap``).
-    Measured (``python -m benchmarks.bench_vllm_scheduler --forward-ms 10``, row
-    ``socket overlap, hashes``): the caller's own write of a step to a server idle
-    through a forward pass took about 1 ms; a caller that waits for the answer at once
-    gains nothing from the thread and pays its hand-off.
+    ``KVSERVICE_CONFIRM=overlap``): written by the caller, a step to a server that had
+    idled through a forward pass held the caller in the write, and the row
+    ``socket overlap, hashes`` of ``python -m benchmarks.bench_vllm_scheduler
+    --forward-ms 10`` fell below gRPC's overlap (with the thread it is level or above).
+    A caller that waits for the answer at once has nothing to overlap the write with.
+    ``close`` or ``cancel`` ends the thread.
     """
 
     def __init__(
