@@ -10,7 +10,10 @@ once (``engine_driver.EngineWorkload``). Only the scheduler's KV cache manager c
 - ``kvservice remote sync``: the same against a ``kvservice serve`` child process on
   loopback (its pool sized as the engine's), each step confirmed before it runs;
 - ``kvservice remote overlap``: ``KVSERVICE_CONFIRM=overlap``, confirmed before the next
-  step, so the round trip overlaps the forward pass.
+  step, so the round trip overlaps the forward pass;
+- ``kvservice socket sync`` and ``kvservice socket overlap``: the same two with the
+  steps on the server's step socket (``KVSERVICE_STEP_SOCKET``: framed, without gRPC),
+  the engine's co-located transport.
 
 Each round runs every mode once on a fresh engine (built untimed), the modes' order
 rotating from round to round; one server serves all the remote runs (an engine's
@@ -84,6 +87,7 @@ class Mode:
     name: str
     scheduler_cls: str | None
     confirm: str | None = None  # remote modes: KVSERVICE_CONFIRM
+    step_socket: bool = False  # remote modes: steps on the server's step socket
 
 
 def modes() -> list[Mode]:
@@ -92,6 +96,8 @@ def modes() -> list[Mode]:
         Mode("kvservice in-process", SCHEDULER_CLS),
         Mode("kvservice remote sync", SCHEDULER_CLS, "sync"),
         Mode("kvservice remote overlap", SCHEDULER_CLS, "overlap"),
+        Mode("kvservice socket sync", SCHEDULER_CLS, "sync", step_socket=True),
+        Mode("kvservice socket overlap", SCHEDULER_CLS, "overlap", step_socket=True),
     ]
 
 
@@ -190,13 +196,20 @@ def _cpu_seconds(pids: list[int]) -> float:
 
 
 def measure(
-    model: Path, load: EngineWorkload, mode: Mode, target: str, server_pid: int | None
+    model: Path,
+    load: EngineWorkload,
+    mode: Mode,
+    target: str,
+    server_pid: int | None,
+    step_socket: str | None = None,
 ) -> Measured:
-    """Run ``load`` on a fresh engine in ``mode``; only the drive is timed."""
+    """Run ``load`` on a fresh engine in ``mode``; only the drive is timed.
+    ``step_socket``: the server's, for the modes that use it."""
     remote = mode.confirm is not None
     env = {
         "KVSERVICE_TARGET": target if remote else None,
         "KVSERVICE_CONFIRM": mode.confirm if remote else None,
+        "KVSERVICE_STEP_SOCKET": step_socket if mode.step_socket else None,
     }
     pids = [os.getpid()] + ([server_pid] if remote and server_pid is not None else [])
     run = EngineRun()
@@ -272,14 +285,16 @@ def main(argv: list[str] | None = None) -> int:
     requests = args.requests or (QUICK_REQUESTS if args.quick else 64)
     load = workload(requests, args.quick, args.seed)
     all_modes = modes()
-    server_args = [
-        f"--block-size={SETUP.block_size}",
-        f"--num-blocks={SETUP.num_blocks}",
-        f"--max-model-len={SETUP.max_model_len}",
-    ]
     runs: dict[str, list[Measured]] = {mode.name: [] for mode in all_modes}
     with tempfile.TemporaryDirectory(prefix="kvservice-tiny-llama-") as directory:
         model = build_tiny_llama(Path(directory))
+        step_socket = str(Path(directory, "steps.sock"))
+        server_args = [
+            f"--block-size={SETUP.block_size}",
+            f"--num-blocks={SETUP.num_blocks}",
+            f"--max-model-len={SETUP.max_model_len}",
+            f"--step-socket={step_socket}",
+        ]
         with child_server(server_args) as server:
             if not args.quick:
                 # The first engine of a process pays one-time costs: untimed.
@@ -288,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             for round_index in range(rounds):
                 order = rotated(all_modes, round_index)
                 measured = {
-                    mode.name: measure(model, load, mode, server.target, server.pid)
+                    mode.name: measure(model, load, mode, server.target, server.pid, step_socket)
                     for mode in order
                 }
                 if reference is None:
