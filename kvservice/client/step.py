@@ -23,6 +23,8 @@ after a failure under ``stop_on_error``); only the encoding changes.
 from __future__ import annotations
 
 import abc
+import queue
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import Any, Generic, NamedTuple, Self, TypeVar
@@ -554,12 +556,36 @@ class PendingStep(StepAnswer):
         return self._answer()
 
 
-# How long a session's ``send`` waits for its sending thread (gRPC's, or a step
-# socket's writer) to take a message. Only a hint (the message is queued either way):
-# the thread takes it as soon as it gets the GIL this wait releases, and waiting longer
-# would not help while it is still sending the previous message, so the wait stays
-# within one GIL switch interval.
+# How long ``Handoff.put`` waits for the sending thread to take a message. Only a hint
+# (the message is queued either way): the thread takes it as soon as it gets the GIL
+# this wait releases, and waiting longer would not help while it is still sending the
+# previous message, so the wait stays within one GIL switch interval.
 HANDOFF_WAIT_S = 0.005
+
+
+class Handoff(Generic[T]):
+    """Messages from the thread that drives a session to the thread that sends them
+    (gRPC's, for ``Session``; a step socket's writer), in order."""
+
+    def __init__(self) -> None:
+        self._items: queue.SimpleQueue[T] = queue.SimpleQueue()
+        self._taken = threading.Event()
+
+    def put(self, item: T, *, wait: bool = True) -> None:
+        """Queue ``item``; with ``wait``, wait (GIL released) until the sending thread
+        has taken it: a caller that goes on computing would otherwise hold the GIL, and
+        the message would leave only when the caller next blocks, up to a switch
+        interval later."""
+        self._taken.clear()
+        self._items.put(item)
+        if wait:
+            self._taken.wait(HANDOFF_WAIT_S)
+
+    def get(self) -> T:
+        """The next item (the sending thread's side), waiting for one."""
+        item = self._items.get()
+        self._taken.set()
+        return item
 
 
 class StepSession(abc.ABC):

@@ -15,7 +15,6 @@ import asyncio
 import collections
 import contextlib
 import itertools
-import queue
 import socket
 import threading
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from kvservice.client.errors import (
     status_code,
 )
 from kvservice.client.step import (
-    HANDOFF_WAIT_S,
+    Handoff,
     PendingStep,
     StepBuilder,
     StepResults,
@@ -62,27 +61,20 @@ class _Writer:
 
     def __init__(self, write: Callable[[bytes], None], name: str) -> None:
         self._write = write
-        self._frames: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._taken = threading.Event()
+        self._frames: Handoff[bytes | None] = Handoff()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def put(self, data: bytes) -> None:
-        self._taken.clear()
         self._frames.put(data)
-        # Wait (GIL released) until the thread has taken the frame: a caller that goes
-        # on computing would otherwise hold the GIL, and the frame would leave only
-        # when the caller next blocks, up to a switch interval later.
-        self._taken.wait(HANDOFF_WAIT_S)
 
     def stop(self) -> None:
         """Write what was put, then end the thread."""
-        self._frames.put(None)
+        self._frames.put(None, wait=False)
         self._thread.join()
 
     def _run(self) -> None:
         while (data := self._frames.get()) is not None:
-            self._taken.set()
             self._write(data)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import queue
 import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
@@ -30,7 +29,7 @@ from kvservice.client.aio import (
 from kvservice.client.errors import KVServiceError, ServiceUnavailableError, error_from_rpc
 from kvservice.client.events import EventStreamItem, StreamDecoder
 from kvservice.client.step import (
-    HANDOFF_WAIT_S,
+    Handoff,
     PendingStep,
     StepBuilder,
     StepResults,
@@ -438,8 +437,7 @@ class Session(StepSession):
     def __init__(self, channel: grpc.Channel, metadata: tuple[tuple[str, str], ...]) -> None:
         # Messages travel serialized: this thread encodes them, so gRPC's sending
         # thread (which pulls them from ``_messages``) has little to do with the GIL.
-        self._outbound: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._taken = threading.Event()
+        self._outbound: Handoff[bytes | None] = Handoff()
         call = channel.stream_stream(
             _STEP_STREAM,
             request_serializer=None,
@@ -453,7 +451,6 @@ class Session(StepSession):
 
     def _messages(self) -> Iterator[bytes]:
         while (message := self._outbound.get()) is not _CLOSE:
-            self._taken.set()
             yield message
 
     def send(self, builder: StepBuilder, *, stop_on_error: bool = False) -> PendingStep:
@@ -461,13 +458,8 @@ class Session(StepSession):
         this thread goes on (a scheduler builds its next operations meanwhile). Steps
         run in the order sent; ``result()`` waits for this one's answer."""
         message = builder.to_stream_pb(next(self._step_ids), stop_on_error)
-        self._taken.clear()
-        self._outbound.put(message.SerializeToString())
-        # Wait (GIL released) until gRPC's sending thread has taken the message: a
-        # thread that goes on computing would otherwise hold the GIL, and the message
-        # would leave only when this thread next blocks, up to a switch interval later.
-        if not self._responses.done():
-            self._taken.wait(HANDOFF_WAIT_S)
+        # No wait once the call is over: gRPC's thread takes nothing more.
+        self._outbound.put(message.SerializeToString(), wait=not self._responses.done())
         pending = PendingStep(self._read_through)
         self._unread.append(pending)
         return pending
@@ -490,7 +482,7 @@ class Session(StepSession):
         ``PendingStep``), half-close, and wait for the server to end the stream."""
         if self._unread:
             self._read_through(self._unread[-1])
-        self._outbound.put(_CLOSE)
+        self._outbound.put(_CLOSE, wait=False)
         try:
             for _ in self._responses:
                 pass
@@ -499,7 +491,7 @@ class Session(StepSession):
 
     def cancel(self) -> None:
         """Drop the stream at once."""
-        self._outbound.put(_CLOSE)
+        self._outbound.put(_CLOSE, wait=False)
         self._responses.cancel()
 
 
