@@ -545,6 +545,8 @@ def get_cache_config() -> Op[CacheConfig]:
 
 APPEND_TOKENS_BATCH = "append_tokens_batch"
 ALLOCATE_SLOTS_BATCH = "allocate_slots_batch"
+FREE_BATCH = "free_batch"
+LOOKUP_ALLOCATE_BATCH = "lookup_allocate_batch"
 # What a step answers for an operation skipped under stop_on_error (the server's words).
 NOT_RUN_MESSAGE = "not run: an earlier operation failed (stop_on_error)"
 _CANCELLED = 1  # grpc.StatusCode.CANCELLED
@@ -654,6 +656,95 @@ def allocation_run_matches(
     )
 
 
+def batchable(options: AllocateOptions) -> bool:
+    """Whether a ``LookupAllocateBatch`` can carry an allocation with ``options``
+    (the connectors' and the computed-token count's travel in single operations)."""
+    return not (
+        options.num_external_computed_tokens
+        or options.delay_cache_blocks
+        or options.num_computed_tokens is not None
+        or options.num_in_flight_tokens
+    )
+
+
+def set_lookup_allocate_options(message: pb.LookupAllocateBatch, options: AllocateOptions) -> None:
+    message.num_lookahead_tokens = options.num_lookahead_tokens
+    message.num_encoder_tokens = options.num_encoder_tokens
+    message.full_sequence_must_fit = options.full_sequence_must_fit
+    message.reserved_blocks = options.reserved_blocks
+    message.has_scheduled_reqs = options.has_scheduled_reqs
+
+
+def free_modes(modes: Sequence[FreeMode]) -> list[int]:
+    """A FreeBatch's modes column."""
+    return [_FREE_MODE[mode] for mode in modes]
+
+
+def _free_rows(msg: pb.FreeBatchResponse) -> list[Any]:
+    # A freed entry answers nothing: None, or its error.
+    rows: list[Any] = [None] * msg.num_requests
+    for index, error in batch_errors(msg).items():
+        rows[index] = error
+    return rows
+
+
+def _entry_hits(msg: pb.LookupAllocateBatchResponse) -> list[ComputedBlocks]:
+    """Each run entry's lookup answer (an empty one for a refused lookup)."""
+    num_groups = msg.allocations.num_groups
+    counts = list(msg.num_hit_blocks)
+    ids = list(msg.hit_block_ids)
+    hits: list[ComputedBlocks] = []
+    pos = 0
+    for index, (tokens, boundary) in enumerate(
+        zip(msg.num_computed_tokens, msg.shared_prefix_boundary, strict=True)
+    ):
+        groups = []
+        for count in counts[index * num_groups : (index + 1) * num_groups]:
+            groups.append(tuple(ids[pos : pos + count]))
+            pos += count
+        hits.append(ComputedBlocks(tuple(groups), tokens, boundary))
+    return hits
+
+
+def _lookup_allocation_rows(msg: pb.LookupAllocateBatchResponse) -> list[Any]:
+    """Each entry as (its lookup's answer, its allocation or None for no room), or its
+    error."""
+    rows: list[Any] = [None] * msg.num_requests
+    for index, error in batch_errors(msg).items():
+        rows[index] = error
+    allocations = msg.allocations
+    no_space = set(allocations.no_space)
+    extras = _ExtraColumns(allocations)
+    states = allocations.requests
+    hits = _entry_hits(msg)
+    for index, new_block_ids in enumerate(_entry_block_ids(allocations)):
+        if rows[index] is not None:
+            continue
+        allocation = None
+        if index not in no_space:
+            request = request_state(states[index]) if states else None
+            allocation = extras.allocation(index, new_block_ids, request)
+        rows[index] = (hits[index], allocation)
+    return rows
+
+
+def lookup_allocation_run_matches(
+    msg: pb.LookupAllocateBatchResponse,
+    first: int,
+    hits: Sequence[ComputedBlocks],
+    answers: Sequence[BlockIds | None],
+) -> bool:
+    """Whether entries ``first`` on of a LookupAllocateBatchResponse all ran, without
+    copy-on-write copies, their lookups answering ``hits`` and their allocations
+    ``answers`` (as ``allocation_run_matches``)."""
+    last = first + len(hits)
+    if msg.num_run < last or any(first <= error.index < last for error in msg.errors):
+        return False
+    if not allocation_run_matches(msg.allocations, first, answers):
+        return False
+    return _entry_hits(msg)[first:last] == list(hits)
+
+
 class _ExtraColumns:
     """The zeroing and copy columns of an AllocateSlotsBatchResponse, cut per entry
     (each column is empty when no entry has anything in it)."""
@@ -706,6 +797,8 @@ def _pairs(flat: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
 BATCH_ROWS: dict[str, Callable[[Any], list[Any]]] = {
     APPEND_TOKENS_BATCH: _append_rows,
     ALLOCATE_SLOTS_BATCH: _allocation_rows,
+    FREE_BATCH: _free_rows,
+    LOOKUP_ALLOCATE_BATCH: _lookup_allocation_rows,
 }
 
 

@@ -83,6 +83,9 @@ class RunHandle(NamedTuple, Generic[T]):
     num_entries: int
 
 
+_PLAIN_OPTIONS = AllocateOptions()
+
+
 def _same(value: Any) -> Any:
     # A batch entry is decoded with its whole batch (``_wire.BATCH_ROWS``).
     return value
@@ -131,6 +134,8 @@ class StepBuilder:
         self._open_ids: Any = None  # its request_ids column
         self._open_wire = 0
         self._open_rows = 0
+        # The options of an open lookup_allocate_batch, which its entries share.
+        self._open_options = _PLAIN_OPTIONS
 
     def __len__(self) -> int:
         """Operations added (a columnar message counts each of its entries)."""
@@ -319,6 +324,55 @@ class StepBuilder:
             _wire.ALLOCATE_SLOTS_BATCH, "num_new_tokens", request_ids, num_new_tokens
         )
 
+    def lookup_allocate_batch(
+        self,
+        request_ids: Sequence[str],
+        num_new_tokens: Sequence[int],
+        options: AllocateOptions | None = None,
+    ) -> RunHandle[tuple[ComputedBlocks, Allocation | None]]:
+        """For every i, in order: ``get_computed_blocks(request_ids[i])``, then
+        ``allocate_slots(request_ids[i], num_new_tokens[i], hit=<that answer>,
+        options=options)``, how vLLM's scheduler schedules a waiting request, as
+        entries of one columnar operation (or of the open one, when it has the same
+        options). Each entry reads (the lookup's answer, the allocation or None for no
+        room), or the error that refused its lookup or its allocation. ``options``
+        may not set a connector's arguments or ``num_computed_tokens`` (ValueError):
+        those allocations are single ones."""
+        options = options or _PLAIN_OPTIONS
+        if not _wire.batchable(options):
+            raise ValueError(f"lookup_allocate_batch cannot carry {options}: allocate singly")
+        kind = _wire.LOOKUP_ALLOCATE_BATCH
+        if self._open_kind == kind and self._open_options != options:
+            self._open_kind = None  # other options: a batch of its own
+        opens = self._open_kind != kind
+        run = self._entries(kind, "num_new_tokens", request_ids, num_new_tokens)
+        if opens and run.num_entries:
+            batch = self._request.ops[run.wire].lookup_allocate_batch
+            _wire.set_lookup_allocate_options(batch, options)
+            self._open_options = options
+        return run
+
+    def free_batch(
+        self,
+        request_ids: Sequence[str],
+        modes: Sequence[FreeMode],
+        keep_blocks: Sequence[bool] = (),
+    ) -> RunHandle[None]:
+        """``free(request_ids[i], modes[i], keep_blocks[i])`` for every i (no
+        ``keep_blocks``: none keeps its blocks), in order, as entries of one columnar
+        operation (or of the open one). An entry reads None (nothing is answered about
+        a freed request), or its error."""
+        if keep_blocks and len(keep_blocks) != len(request_ids):
+            raise ValueError(f"{len(request_ids)} request ids but {len(keep_blocks)} keep_blocks")
+        run = self._entries(_wire.FREE_BATCH, "modes", request_ids, _wire.free_modes(modes))
+        if run.num_entries:
+            # The column is empty until an entry keeps its blocks, then one per entry.
+            keep = self._request.ops[run.wire].free_batch.keep_blocks
+            if keep or any(keep_blocks):
+                keep.extend([False] * (run.row - len(keep)))
+                keep.extend(keep_blocks or [False] * run.num_entries)
+        return run
+
     def get_computed_blocks(
         self, request_id: str, max_cache_hit_length: int | None = None
     ) -> OpHandle[ComputedBlocks]:
@@ -438,6 +492,21 @@ class StepResults:
         if result.WhichOneof("result") != _wire.ALLOCATE_SLOTS_BATCH:
             return False
         return _wire.allocation_run_matches(result.allocate_slots_batch, handle.row, answers)
+
+    def lookups_allocations_match(
+        self,
+        handle: RunHandle[tuple[ComputedBlocks, Allocation | None]],
+        hits: Sequence[ComputedBlocks],
+        answers: Sequence[BlockIds | None],
+    ) -> bool:
+        """``allocations_match`` for ``lookup_allocate_batch``'s entries, whose lookups
+        must also have answered ``hits``."""
+        result = self._results[handle.wire]
+        if result.WhichOneof("result") != _wire.LOOKUP_ALLOCATE_BATCH:
+            return False
+        return _wire.lookup_allocation_run_matches(
+            result.lookup_allocate_batch, handle.row, hits, answers
+        )
 
     def error(self, handle: OpHandle[Any]) -> KVServiceError | None:
         """The operation's error, or None if it succeeded."""

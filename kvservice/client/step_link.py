@@ -28,7 +28,15 @@ from typing import Any, NoReturn, Protocol
 
 from kvservice.client.errors import KVServiceError
 from kvservice.client.step import StepBuilder, StepResults
-from kvservice.client.step_log import ANY_ANSWER, AllocationRun, Copies, Expected, StepLog
+from kvservice.client.step_log import (
+    ANY_ANSWER,
+    AllocationRun,
+    Copies,
+    Expected,
+    LookupAllocationRun,
+    Run,
+    StepLog,
+)
 from kvservice.client.types import Allocation, RetentionChange
 
 
@@ -96,7 +104,7 @@ class StepLink:
         self.log = StepLog(keep_copy_holds)
         # The step sent last and not yet checked, its expected answers, its size and
         # its number.
-        self._unconfirmed: tuple[SentStep, list[Expected | AllocationRun], int, int] | None = None
+        self._unconfirmed: tuple[SentStep, list[Expected | Run], int, int] | None = None
         self._failure: RemoteStepError | None = None
         self.round_trips = 0
 
@@ -162,12 +170,16 @@ class StepLink:
 
     # -- checking -------------------------------------------------------------------------
 
-    def _compare(self, results: StepResults, expected: list[Expected | AllocationRun]) -> None:
+    def _compare(self, results: StepResults, expected: list[Expected | Run]) -> None:
         if not results.ok:
             self._fail_refused(results, expected)
         for item in expected:
             if isinstance(item, AllocationRun):
                 self._compare_run(results, item)
+            elif isinstance(item, LookupAllocationRun):
+                self._compare_lookup_run(results, item)
+            elif not isinstance(item, Expected):
+                continue  # frees answer nothing; a refused one failed the step above
             elif item.answer is not ANY_ANSWER:
                 difference = self._difference(
                     item.view(results[item.handle]), item.answer, item.copies
@@ -191,6 +203,20 @@ class StepLink:
             if difference:
                 self._fail_answer(run.label(row), difference)
 
+    def _compare_lookup_run(self, results: StepResults, run: LookupAllocationRun) -> None:
+        """``_compare_run`` for admissions: each lookup's answer, then its allocation's."""
+        assert run.handle is not None
+        if not any(run.copies) and results.lookups_allocations_match(
+            run.handle, run.hits, run.answers
+        ):
+            return
+        for row, (hit, allocation) in enumerate(results.rows(run.handle)):
+            difference = self._difference(hit, run.hits[row], ())
+            if not difference:
+                difference = self._difference(allocation, run.answers[row], run.copies[row])
+            if difference:
+                self._fail_answer(run.label(row), difference)
+
     @staticmethod
     def _difference(answer: Any, expected: Any, expected_copies: Copies) -> str:
         """How the server's ``answer`` differs from the replica's (empty: it does not)."""
@@ -209,9 +235,7 @@ class StepLink:
     def _fail_answer(self, label: str, difference: str) -> NoReturn:
         self.fail(f"kvservice at {self.target} answered {label} with {difference}")
 
-    def _fail_refused(
-        self, results: StepResults, expected: list[Expected | AllocationRun]
-    ) -> NoReturn:
+    def _fail_refused(self, results: StepResults, expected: list[Expected | Run]) -> NoReturn:
         """Name the operation the server refused first (under ``stop_on_error``, the
         later ones were not run)."""
         errors = results.errors
@@ -220,7 +244,7 @@ class StepLink:
         index = min(errors)
         error = errors[index]
         for item in expected:
-            if isinstance(item, AllocationRun):
+            if not isinstance(item, Expected):
                 assert item.handle is not None
                 row = index - item.handle.index
                 if 0 <= row < item.handle.num_entries:

@@ -10,18 +10,29 @@ lookups and allocations. New requests and token appends touch no block, and each
 request's own come before its first use, so they go first: every new request, then
 every append (the one-token appends of a decode step travel as one columnar
 operation, and so do the plain allocations after them, instead of alternating).
+The other runs a scheduler step makes travel as columnar operations too: the frees
+of the requests it finished, and the admissions of waiting requests (each a lookup
+and the allocation that attaches its hit).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+from kvservice.client._wire import batchable
 from kvservice.client.step import OpHandle, RunHandle, StepBuilder
-from kvservice.client.types import Allocation, BlockIds
+from kvservice.client.types import (
+    AllocateOptions,
+    Allocation,
+    BlockIds,
+    ComputedBlocks,
+    FreeMode,
+)
 
 Copies = tuple[tuple[int, int], ...]
+RunT = TypeVar("RunT", bound="AllocationRun | LookupAllocationRun | FreeRun")
 
 
 def _same(answer: Any) -> Any:
@@ -70,10 +81,62 @@ class AllocationRun:
     def label(self, row: int) -> str:
         return f"allocate_slots({self.request_ids[row]!r}, {self.num_new_tokens[row]})"
 
+    def add_to(self, step: StepBuilder) -> None:
+        self.handle = step.allocate_slots_batch(self.request_ids, self.num_new_tokens)
+
+
+@dataclass(slots=True)
+class LookupAllocationRun:
+    """Consecutive admissions of waiting requests, each a lookup and the plain
+    allocation that attaches its hit (vLLM's scheduler schedules a waiting request so):
+    one ``lookup_allocate_batch`` entry each, checked in bulk."""
+
+    # The options every allocation of the run shares (None: vLLM's defaults).
+    options: AllocateOptions | None = None
+    request_ids: list[str] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    # The replica's lookups, its allocations' answers (None: no room) and copies.
+    hits: list[ComputedBlocks] = field(default_factory=list)
+    answers: list[BlockIds | None] = field(default_factory=list)
+    copies: list[Copies] = field(default_factory=list)
+    handle: RunHandle[tuple[ComputedBlocks, Allocation | None]] | None = None
+
+    def label(self, row: int) -> str:
+        request_id = self.request_ids[row]
+        return (
+            f"get_computed_blocks({request_id!r}) then allocate_slots({request_id!r}, "
+            f"{self.num_new_tokens[row]}) attaching its hit"
+        )
+
+    def add_to(self, step: StepBuilder) -> None:
+        self.handle = step.lookup_allocate_batch(
+            self.request_ids, self.num_new_tokens, self.options
+        )
+
+
+@dataclass(slots=True)
+class FreeRun:
+    """Consecutive frees (a step's finished and preempted requests): one
+    ``free_batch`` entry each, which answers nothing but a refusal."""
+
+    request_ids: list[str] = field(default_factory=list)
+    modes: list[FreeMode] = field(default_factory=list)
+    keep_blocks: list[bool] = field(default_factory=list)
+    handle: RunHandle[None] | None = None
+
+    def label(self, row: int) -> str:
+        return f"free({self.request_ids[row]!r}, {self.modes[row]!r}, {self.keep_blocks[row]!r})"
+
+    def add_to(self, step: StepBuilder) -> None:
+        self.handle = step.free_batch(self.request_ids, self.modes, self.keep_blocks)
+
+
+# A recorded run of entries of one columnar operation.
+Run = AllocationRun | LookupAllocationRun | FreeRun
 
 # A recorded operation: (StepBuilder method, its arguments, the replica's answer, its
-# copies, the view of the server's answer), or a run of plain allocations.
-_Op = tuple[str, tuple[Any, ...], Any, Copies, Callable[[Any], Any]] | AllocationRun
+# copies, the view of the server's answer), or a run.
+_Op = tuple[str, tuple[Any, ...], Any, Copies, Callable[[Any], Any]] | Run
 
 
 class StepLog:
@@ -94,8 +157,11 @@ class StepLog:
         # A client_hashed request's hashes of the blocks its appends complete.
         self._appended_hashes: dict[str, list[bytes]] = {}
         self._ops: list[_Op] = []
-        # The last of _ops while it is a run that the next plain allocation joins.
-        self._run: AllocationRun | None = None
+        # The last of _ops while it is a run that the next operation of its kind joins.
+        self._run: Run | None = None
+        # The hit of the last of _ops while it is a lookup that an allocation may
+        # join (into a LookupAllocationRun), and its request.
+        self._lookup: tuple[str, ComputedBlocks] | None = None
 
     def __bool__(self) -> bool:
         return bool(self._new or self._ones or self._appends or self._ops)
@@ -142,6 +208,13 @@ class StepLog:
         an allocation whose copy-on-write copies must be ``copies``."""
         self._ops.append((method, args, answer, copies, view))
         self._run = None
+        self._lookup = None
+
+    def lookup(self, request_id: str, hit: ComputedBlocks) -> None:
+        """``get_computed_blocks(request_id)`` (no cap) answered ``hit``; the
+        allocation that attaches it, recorded next, joins it (``allocate``)."""
+        self.record("get_computed_blocks", (request_id,), hit)
+        self._lookup = (request_id, hit)
 
     def allocate(
         self,
@@ -149,18 +222,75 @@ class StepLog:
         num_new_tokens: int,
         answer: BlockIds | None,
         copies: Copies = (),
+        hit: ComputedBlocks | None = None,
+        options: AllocateOptions | None = None,
     ) -> None:
-        """A plain ``allocate_slots`` (no hit, no options) that answered ``answer``."""
+        """An ``allocate_slots`` that attaches ``hit`` (None: no hit) with ``options``
+        (None: vLLM's defaults) and answered ``answer``. Right after the lookup that
+        answered ``hit`` (or one that hit nothing, when it attaches none), the two
+        travel as one ``lookup_allocate_batch`` entry; a plain allocation (no hit, no
+        options) as an ``allocate_slots_batch`` entry; any other on its own."""
+        lookup = self._lookup
+        if (
+            lookup is not None
+            and lookup[0] == request_id
+            and (options is None or batchable(options))
+            and (lookup[1] == hit if hit is not None else not lookup[1].num_computed_tokens)
+        ):
+            self._join_lookup(request_id, num_new_tokens, lookup[1], options, answer, copies)
+            return
+        if hit is not None or options is not None:
+            args = (request_id, num_new_tokens, hit, options)
+            self.record("allocate_slots", args, answer, copies)
+            return
         run = self._run
-        if run is None:
-            run = self._run = AllocationRun()
-            self._ops.append(run)
+        if not isinstance(run, AllocationRun):
+            run = self._open(AllocationRun())
         run.request_ids.append(request_id)
         run.num_new_tokens.append(num_new_tokens)
         run.answers.append(answer)
         run.copies.append(copies)
 
-    def build(self) -> tuple[StepBuilder, list[Expected | AllocationRun]]:
+    def _join_lookup(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        hit: ComputedBlocks,
+        options: AllocateOptions | None,
+        answer: BlockIds | None,
+        copies: Copies,
+    ) -> None:
+        """Replace the last operation, the lookup, with an entry of a
+        LookupAllocationRun (the one before it, when it is one with these options)."""
+        self._ops.pop()
+        run = self._ops[-1] if self._ops else None
+        if not isinstance(run, LookupAllocationRun) or run.options != options:
+            run = LookupAllocationRun(options)
+        run = self._open(run)
+        run.request_ids.append(request_id)
+        run.num_new_tokens.append(num_new_tokens)
+        run.hits.append(hit)
+        run.answers.append(answer)
+        run.copies.append(copies)
+
+    def free(self, request_id: str, mode: FreeMode, keep_blocks: bool = False) -> None:
+        """``free(request_id, mode, keep_blocks)``, which answers nothing to check."""
+        run = self._run
+        if not isinstance(run, FreeRun):
+            run = self._open(FreeRun())
+        run.request_ids.append(request_id)
+        run.modes.append(mode)
+        run.keep_blocks.append(keep_blocks)
+
+    def _open(self, run: RunT) -> RunT:
+        """``run`` as the last operation, which the next operation of its kind joins."""
+        if not self._ops or self._ops[-1] is not run:
+            self._ops.append(run)
+        self._run = run
+        self._lookup = None
+        return run
+
+    def build(self) -> tuple[StepBuilder, list[Expected | Run]]:
         """The step to send, and what each recorded operation must answer."""
         step = StepBuilder(omit_request_state=True, keep_copy_holds=self._keep_copy_holds)
         for request_id, prompt, kwargs in self._new:
@@ -172,10 +302,10 @@ class StepLog:
         hashes = self._appended_hashes
         for request_id, tokens in self._appends.items():
             step.append_tokens(request_id, tokens, hashes.get(request_id, ()))
-        expected: list[Expected | AllocationRun] = []
+        expected: list[Expected | Run] = []
         for op in self._ops:
-            if isinstance(op, AllocationRun):
-                op.handle = step.allocate_slots_batch(op.request_ids, op.num_new_tokens)
+            if not isinstance(op, tuple):
+                op.add_to(step)
                 expected.append(op)
             else:
                 method, args, answer, copies, view = op

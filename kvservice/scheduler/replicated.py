@@ -199,7 +199,7 @@ class ReplicatedBackend(InProcessBackend):
     def get_computed_blocks(self, request_id: str) -> ComputedBlocks:
         self.link.check_alive()
         hit = super().get_computed_blocks(request_id)
-        self.link.log.record("get_computed_blocks", (request_id,), hit)
+        self.link.log.lookup(request_id, hit)
         return hit
 
     def allocate_slots(
@@ -217,11 +217,7 @@ class ReplicatedBackend(InProcessBackend):
         ids = self._new_ids(allocation)
         copies = tuple(allocation.block_copies_to_apply)
         options = client_options(num_lookahead_tokens, full_sequence_must_fit)
-        if hit is None and options is None:
-            self.link.log.allocate(request_id, num_new_tokens, ids, copies)
-        else:
-            args = (request_id, num_new_tokens, hit, options)
-            self.link.log.record("allocate_slots", args, ids, copies)
+        self.link.log.allocate(request_id, num_new_tokens, ids, copies, hit, options)
         return ids
 
     def admit(
@@ -242,7 +238,7 @@ class ReplicatedBackend(InProcessBackend):
         self.link.check_alive()
         super().free(request_id, preempt)
         mode = FreeMode.PREEMPT if preempt else FreeMode.FINISH
-        self.link.log.record("free", (request_id, mode), ANY_ANSWER)
+        self.link.log.free(request_id, mode)
 
     def end_step(self) -> None:
         """The step's decisions are made: send them (one message)."""

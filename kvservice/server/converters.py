@@ -221,6 +221,17 @@ def _allocation_options(
     )
 
 
+def lookup_allocate_options(msg: pb.LookupAllocateBatch) -> AllocationOptions:
+    """The options every entry of a ``LookupAllocateBatch`` allocates with."""
+    return allocation_options(
+        num_lookahead_tokens=msg.num_lookahead_tokens,
+        num_encoder_tokens=msg.num_encoder_tokens,
+        full_sequence_must_fit=msg.full_sequence_must_fit,
+        reserved_blocks=msg.reserved_blocks,
+        has_scheduled_reqs=msg.has_scheduled_reqs if msg.HasField("has_scheduled_reqs") else True,
+    )
+
+
 def free_mode_from_pb(mode: pb.FreeMode.ValueType) -> FreeMode:
     try:
         return _FREE_MODE_FROM_PB[mode]
@@ -385,6 +396,43 @@ class AllocationColumns:
             per_entry[index] = len(vals) // width
             values.extend(vals)
         counts.extend(per_entry)
+
+
+class HitColumns:
+    """The lookups of a ``LookupAllocateBatch`` gathered into plain lists, one entry
+    at a time, and written into its response once (``fill``), as
+    ``AllocationColumns`` gathers its allocations. The layout is the proto's."""
+
+    __slots__ = ("_empty", "_num_groups", "block_ids", "boundaries", "counts", "tokens")
+
+    def __init__(self, num_groups: int) -> None:
+        self._num_groups = num_groups
+        self._empty = [0] * num_groups
+        self.tokens: list[int] = []
+        self.boundaries: list[int] = []
+        self.counts: list[int] = []
+        self.block_ids: list[int] = []
+
+    def add_nothing(self) -> None:
+        """An entry whose lookup was refused."""
+        self.tokens.append(0)
+        self.boundaries.append(0)
+        self.counts.extend(self._empty)
+
+    def add(self, hit: ComputedBlocks) -> None:
+        self.tokens.append(hit.num_computed_tokens)
+        self.boundaries.append(hit.shared_prefix_boundary)
+        for ids in hit.block_ids:
+            self.counts.append(len(ids))
+            if ids:
+                self.block_ids.extend(ids)
+
+    def fill(self, out: pb.LookupAllocateBatchResponse) -> None:
+        out.num_computed_tokens.extend(self.tokens)
+        out.shared_prefix_boundary.extend(self.boundaries)
+        out.num_hit_blocks.extend(self.counts)
+        if self.block_ids:
+            out.hit_block_ids.extend(self.block_ids)
 
 
 def _flat_pairs(pairs: Sequence[tuple[int, int]]) -> list[int]:

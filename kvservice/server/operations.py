@@ -17,12 +17,13 @@ from typing import Any, Protocol
 
 import structlog
 
+from kvservice.core.allocation_options import AllocationOptions
 from kvservice.core.errors import InvalidArgumentError, KVCacheError
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.request_table import admission
 from kvservice.request_table.table import RequestTable
 from kvservice.request_table.tenancy import DEFAULT_TENANT
-from kvservice.request_table.types import AllocateArgs
+from kvservice.request_table.types import AllocateArgs, Allocation
 from kvservice.server import converters
 from kvservice.server.caller import Caller
 from kvservice.server.errors import PermissionDeniedError, status_code_of, status_message_of
@@ -297,7 +298,7 @@ STEP_OPERATIONS: dict[str, Operation] = {
 }
 
 
-# -- columnar operations (AppendTokensBatch, AllocateSlotsBatch) ----------------------
+# -- columnar operations (AppendTokensBatch, AllocateSlotsBatch, FreeBatch...) ---------
 
 
 class BatchOperation(Protocol):
@@ -435,6 +436,119 @@ async def allocate_slots_batch(
     return first_code
 
 
+async def free_batch(
+    table: RequestTable,
+    msg: pb.FreeBatch,
+    out: pb.FreeBatchResponse,
+    caller: Caller,
+    stop_on_error: bool,
+    with_state: bool,
+    slices: Slices,
+    /,
+) -> int:
+    """``free_request`` per entry, answering only the refused ones (a step's frees
+    read nothing back)."""
+    ids = list(msg.request_ids)
+    modes = list(msg.modes)
+    _check_columns("free_batch", len(ids), "modes", len(modes))
+    keep = list(msg.keep_blocks)
+    if keep:
+        _check_columns("free_batch", len(ids), "keep_blocks", len(keep))
+    else:
+        keep = [False] * len(ids)
+    out.num_requests = len(ids)
+    tenant = caller.tenant
+    first_code = 0
+    index = -1
+    for index, (rid, mode, keep_blocks) in enumerate(zip(ids, modes, keep, strict=True)):
+        if slices.due():
+            await slices.pause()
+        try:
+            table.free(rid, converters.free_mode_from_pb(mode), tenant, keep_blocks)
+        except Exception as err:
+            code = _entry_error(out.errors, index, err)
+            first_code = first_code or code
+            if stop_on_error:
+                break
+    out.num_run = index + 1
+    return first_code
+
+
+async def lookup_allocate_batch(
+    table: RequestTable,
+    msg: pb.LookupAllocateBatch,
+    out: pb.LookupAllocateBatchResponse,
+    caller: Caller,
+    stop_on_error: bool,
+    with_state: bool,
+    slices: Slices,
+    /,
+) -> int:
+    """``get_computed_blocks`` then ``allocate_slots`` attaching its hit, per entry
+    (see the proto), answered column by column."""
+    ids = list(msg.request_ids)
+    nums = list(msg.num_new_tokens)
+    _check_columns("lookup_allocate_batch", len(ids), "num_new_tokens", len(nums))
+    out.num_requests = len(ids)
+    allocations = out.allocations
+    num_groups = table.manager.num_kv_cache_groups
+    hits = converters.HitColumns(num_groups)
+    columns = converters.AllocationColumns(num_groups)
+    options = converters.lookup_allocate_options(msg)
+    tenant = caller.tenant
+    states = allocations.requests if with_state else None
+    first_code = 0
+    index = -1
+    for index, (rid, num) in enumerate(zip(ids, nums, strict=True)):
+        if slices.due():
+            await slices.pause()
+        try:
+            allocation = _lookup_allocate(table, rid, num, options, tenant, hits)
+        except Exception as err:
+            code = _entry_error(out.errors, index, err)
+            first_code = first_code or code
+            columns.add_nothing()
+            if states is not None:
+                states.add()
+            if stop_on_error:
+                break
+            continue
+        if allocation.new_block_ids is None:
+            allocations.no_space.append(index)
+            columns.add_nothing()
+        else:
+            columns.add(allocation)
+        if states is not None:
+            converters.fill_request_state(states.add(), allocation.request)
+    out.num_run = allocations.num_run = index + 1
+    allocations.num_requests = len(ids)
+    hits.fill(out)
+    columns.fill(allocations)
+    return first_code
+
+
+def _lookup_allocate(
+    table: RequestTable,
+    request_id: str,
+    num_new_tokens: int,
+    options: AllocationOptions,
+    tenant: str,
+    hits: converters.HitColumns,
+) -> Allocation:
+    """A ``LookupAllocateBatch`` entry: the lookup (its answer added to ``hits``, an
+    empty one when it is refused), then the allocation that attaches its hit."""
+    try:
+        hit = table.get_computed_blocks(request_id, tenant)
+    except Exception:
+        hits.add_nothing()
+        raise
+    hits.add(hit)
+    # What a client's AllocateSlots attaching this hit sends: no blocks for a miss.
+    block_ids = hit.block_ids if hit.num_computed_tokens else ()
+    args = AllocateArgs(num_new_tokens, hit.num_computed_tokens, block_ids, options)
+    return table.allocate_slots(request_id, args, tenant)
+
+
 # -- Admit ---------------------------------------------------------------------------
 
 # Admissions run between two looks at the clock (each a lookup, an allocation and its
@@ -511,6 +625,8 @@ async def admit(
 BATCH_OPERATIONS: dict[str, BatchOperation] = {
     "append_tokens_batch": append_tokens_batch,
     "allocate_slots_batch": allocate_slots_batch,
+    "free_batch": free_batch,
+    "lookup_allocate_batch": lookup_allocate_batch,
 }
 # The operations a Step awaits, since they pause between their entries; the others
 # (``STEP_OPERATIONS``) run whole.

@@ -103,6 +103,8 @@ ALLOWED_CODES: dict[str, frozenset[grpc.StatusCode]] = {
     # uneven columns); each entry's refusal is in the batch's answer.
     "AppendTokensBatch": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
     "AllocateSlotsBatch": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
+    "FreeBatch": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
+    "LookupAllocateBatch": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
     # Step-only, for KV connectors: a block the caller holds no request of, a request
     # past its computed tokens.
     "EvictBlocks": frozenset({Code.OK, Code.FAILED_PRECONDITION}),
@@ -115,8 +117,14 @@ STEP_OP_RPC = {
     for op in pb.StepOperation.DESCRIPTOR.fields
     if op.message_type is not None
 }
-# A columnar operation -> the unary RPC each of its entries answers as.
-BATCH_ENTRY_RPC = {"AppendTokensBatch": "AppendTokens", "AllocateSlotsBatch": "AllocateSlots"}
+# A columnar operation -> the statuses each of its entries may answer (its single
+# operation's; a LookupAllocateBatch entry is a lookup, then an allocation).
+BATCH_ENTRY_CODES = {
+    "AppendTokensBatch": ALLOWED_CODES["AppendTokens"],
+    "AllocateSlotsBatch": ALLOWED_CODES["AllocateSlots"],
+    "FreeBatch": ALLOWED_CODES["FreeRequest"],
+    "LookupAllocateBatch": ALLOWED_CODES["GetComputedBlocks"] | ALLOWED_CODES["AllocateSlots"],
+}
 # The step operations with a unary twin, and the step-only ones.
 UNARY_STEP_OPS = sorted(k for k, rpc in STEP_OP_RPC.items() if rpc in SERVICE.methods_by_name)
 BATCH_STEP_OPS = sorted(k for k, rpc in STEP_OP_RPC.items() if rpc not in SERVICE.methods_by_name)
@@ -519,6 +527,11 @@ def _batch(draw: st.DrawFn, message: Any, column: str, values: st.SearchStrategy
     )
 
 
+def _with_column(message: Any, column: str, values: list[Any]) -> Any:
+    getattr(message, column).extend(values)
+    return message
+
+
 # Step-only messages (the columnar operations and the KV connectors' evict and skip):
 # not in MESSAGES, whose keys are RPCs.
 STEP_ONLY_MESSAGES: dict[str, st.SearchStrategy[Any]] = {
@@ -528,6 +541,14 @@ STEP_ONLY_MESSAGES: dict[str, st.SearchStrategy[Any]] = {
         st.one_of(st.integers(0, 50_000), st.sampled_from(EDGE_INTS)),
     ),
     "AllocateSlotsBatch": _batch(pb.AllocateSlotsBatch, "num_new_tokens", counts),
+    # Modes past the enum's values; keep_blocks empty, one per entry, or uneven.
+    "FreeBatch": st.builds(
+        _with_column,
+        _batch(pb.FreeBatch, "modes", st.sampled_from((0, 1, 2, 2, 7))),
+        st.just("keep_blocks"),
+        st.one_of(st.just([]), st.lists(st.booleans(), max_size=7)),
+    ),
+    "LookupAllocateBatch": _batch(pb.LookupAllocateBatch, "num_new_tokens", counts),
     "EvictBlocks": st.builds(
         pb.EvictBlocksRequest,
         block_ids=st.lists(st.one_of(st.integers(0, 12), st.sampled_from(EDGE_INTS)), max_size=4),

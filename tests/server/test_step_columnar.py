@@ -584,3 +584,245 @@ def test_a_run_joined_mid_batch_is_checked_on_its_own_rows(zeroing: Twin) -> Non
     assert not results.allocations_match(second, [a.new_block_ids])
     assert not results.allocations_match(first, [a.new_block_ids, c.new_block_ids])
     zeroing.finish()
+
+
+# -- the admissions and frees of a scheduler step (LookupAllocateBatch, FreeBatch) ----
+
+
+def entry_handles(run: RunHandle[Any]) -> list[OpHandle[Any]]:
+    """A handle per entry of ``run``, reading each entry alone."""
+    return [
+        OpHandle(run.index + i, lambda value: value, run.wire, run.row + i)
+        for i in range(run.num_entries)
+    ]
+
+
+def single_step(twin: Twin, add: Any, omit: bool) -> tuple[Any, ...]:
+    """``add(builder)``'s one operation sent as a step of its own: its outcome."""
+    builder = StepBuilder(omit_request_state=omit, coalesce=False)
+    handle = add(builder)
+    return outcome(twin.client.step(builder), handle)
+
+
+def lookup_then_allocate(
+    twin: Twin, request_id: str, num: int, omit: bool, options: AllocateOptions | None = None
+) -> tuple[Any, ...]:
+    """What a scheduler does for a waiting request, one step each: the lookup, then
+    the allocation that attaches the hit it answered; (the hit, the allocation)."""
+    looked = single_step(twin, lambda b: b.get_computed_blocks(request_id), omit)
+    if looked[0] != "ok":
+        return looked
+    hit = looked[1]
+    allocated = single_step(twin, lambda b: b.allocate_slots(request_id, num, hit, options), omit)
+    if allocated[0] != "ok":
+        return allocated
+    return ("ok", (hit, allocated[1]))
+
+
+def warm_up(twin: Twin, plan: list[Op]) -> None:
+    """Add ``plan``'s requests, admit each whole and finish it: their full blocks stay
+    cached, for the same prompts added again to hit."""
+    send(twin, plan, False, omit=True, stop_on_error=False)
+    for _, rid, prompt in plan:
+        lookup_then_allocate(twin, rid, len(PROMPTS[prompt]), True)
+        single_step(twin, lambda b, rid=rid: b.free(rid, FreeMode.FINISH), True)
+
+
+admissions = st.lists(
+    st.tuples(ids, st.sampled_from((1, BLOCK, 2 * BLOCK + 3, 3 * BLOCK, 8 * BLOCK, 0, -2))),
+    min_size=1,
+    max_size=6,
+)
+
+
+# vLLM's admissions: its defaults, the full prompt reserved (its default
+# scheduler_reserve_full_isl), the first admission of an idle scheduler, lookahead.
+admission_options = st.sampled_from(
+    (
+        None,
+        AllocateOptions(full_sequence_must_fit=True),
+        AllocateOptions(full_sequence_must_fit=True, has_scheduled_reqs=False),
+        AllocateOptions(num_lookahead_tokens=3, reserved_blocks=2),
+        AllocateOptions(num_lookahead_tokens=-1),
+    )
+)
+
+
+@fuzz_settings(30)
+@given(
+    first=prelude,
+    entries=admissions,
+    options=admission_options,
+    warm=st.booleans(),
+    omit=st.booleans(),
+    stop_on_error=st.booleans(),
+)
+def test_an_admission_entry_answers_as_a_lookup_then_its_allocation(
+    twins: tuple[Twin, Twin],
+    first: list[Op],
+    entries: list[tuple[str, int]],
+    options: AllocateOptions | None,
+    warm: bool,
+    omit: bool,
+    stop_on_error: bool,
+) -> None:
+    """``lookup_allocate_batch`` against the same admissions made the way a scheduler
+    makes them one by one (a lookup, then the allocation attaching its answer): with
+    prefix hits or without, on every pool, each entry reads the same (hit,
+    allocation), NO_SPACE or error (the lookup's, as for a request already running,
+    or the allocation's), entries after a refusal under stop_on_error read NotRunError,
+    the columns check agrees with the rows, and the pools end identical. The
+    batch's options reach every entry's allocation (bad ones refuse every entry)."""
+    coalesced, plain = twins
+    try:
+        for server in twins:
+            if warm:
+                warm_up(server, first)
+            send(server, first, False, omit=True, stop_on_error=False)
+        builder = StepBuilder(omit_request_state=omit)
+        request_ids, nums = [r for r, _ in entries], [n for _, n in entries]
+        run = builder.lookup_allocate_batch(request_ids, nums, options)
+        results = coalesced.client.step(builder, stop_on_error=stop_on_error)
+        got = [outcome(results, handle) for handle in entry_handles(run)]
+        want: list[tuple[Any, ...]] = []
+        for rid, num in entries:
+            want.append(lookup_then_allocate(plain, rid, num, omit, options))
+            if stop_on_error and want[-1][0] != "ok":
+                break
+        assert got[: len(want)] == want
+        assert all(read[1] is NotRunError for read in got[len(want) :])
+        if all(read[0] == "ok" for read in got):
+            hits = [hit for _, (hit, _) in got]
+            answers = [None if a is None else a.new_block_ids for _, (_, a) in got]
+            copies = any(a and a.block_copies_to_apply for _, (_, a) in got)
+            assert results.lookups_allocations_match(run, hits, answers) is not copies
+            other_hit = dataclasses.replace(hits[-1], num_computed_tokens=10**6)
+            assert not results.lookups_allocations_match(run, [*hits[:-1], other_hit], answers)
+        assert coalesced.state() == plain.state()
+    finally:
+        coalesced.finish()
+        plain.finish()
+
+
+frees = st.lists(st.tuples(ids, st.booleans(), st.booleans()), min_size=1, max_size=6)
+
+
+@fuzz_settings(30)
+@given(first=prelude, running=st.lists(ids, max_size=4), entries=frees, stop_on_error=st.booleans())
+def test_a_free_entry_answers_as_a_single_free(
+    twins: tuple[Twin, Twin],
+    first: list[Op],
+    running: list[str],
+    entries: list[tuple[str, bool, bool]],
+    stop_on_error: bool,
+) -> None:
+    """``free_batch`` against the same frees sent one operation each: finishing and
+    preempting waiting, running and unknown requests, keeping their blocks or not
+    (refused without a session), each entry reads None or the single free's error,
+    and the pools end identical."""
+    coalesced, plain = twins
+    try:
+        for server in twins:
+            send(server, first, False, omit=True, stop_on_error=False)
+            send(
+                server,
+                [("allocate", r, BLOCK) for r in running],
+                False,
+                omit=True,
+                stop_on_error=False,
+            )
+        modes = [FreeMode.PREEMPT if preempt else FreeMode.FINISH for _, preempt, _ in entries]
+        builder = StepBuilder()
+        run = builder.free_batch([r for r, _, _ in entries], modes, [k for _, _, k in entries])
+        single = StepBuilder(coalesce=False)
+        handles = [
+            single.free(r, mode, keep) for (r, _, keep), mode in zip(entries, modes, strict=True)
+        ]
+        got = coalesced.client.step(builder, stop_on_error=stop_on_error)
+        want = plain.client.step(single, stop_on_error=stop_on_error)
+        for mine, theirs in zip(entry_handles(run), handles, strict=True):
+            read, expected = outcome(got, mine), outcome(want, theirs)
+            assert read == (expected if expected[0] == "error" else ("ok", None))
+        assert {i: e.message for i, e in got.errors.items()} == {
+            i: e.message for i, e in want.errors.items()
+        }
+        assert coalesced.state() == plain.state()
+    finally:
+        coalesced.finish()
+        plain.finish()
+
+
+def frees_of(request_ids: list[str], modes: list[int], keep: list[bool]) -> pb.StepOperation:
+    batch = pb.FreeBatch(request_ids=request_ids, keep_blocks=keep)
+    batch.modes.extend(modes)  # type: ignore[arg-type]  # also values past the enum
+    return pb.StepOperation(free_batch=batch)
+
+
+def admissions_of(request_ids: list[str], num_new_tokens: list[int]) -> pb.StepOperation:
+    batch = pb.LookupAllocateBatch(request_ids=request_ids, num_new_tokens=num_new_tokens)
+    return pb.StepOperation(lookup_allocate_batch=batch)
+
+
+@pytest.mark.parametrize(
+    ("operation", "message"),
+    [
+        (frees_of([], [], []), "free_batch: request_ids must hold at least one request"),
+        (frees_of(["a", "b"], [2], []), "modes has 1 values for 2 request_ids"),
+        (frees_of(["a", "b"], [2, 2], [True]), "keep_blocks has 1 values for 2 request_ids"),
+        (admissions_of(["a"], [1, 1]), "num_new_tokens has 2 values for 1 request_ids"),
+        (admissions_of([], []), "lookup_allocate_batch: request_ids must hold at least one"),
+    ],
+)
+def test_a_malformed_admission_or_free_batch_is_refused_whole(
+    zeroing: Twin, operation: pb.StepOperation, message: str
+) -> None:
+    test_a_malformed_batch_is_refused_whole_and_changes_nothing(zeroing, operation, message)
+
+
+def test_an_admission_batch_answers_hits_and_blocks_in_columns(zeroing: Twin) -> None:
+    """a's prompt cached, then b (a's prompt again) and c (another) admitted in one
+    batch: b's lookup hits a's full blocks and its allocation attaches them, c misses;
+    the columns hold b's hit, then each entry's new blocks, to zero under its own
+    entry, and a third entry for a request already running is refused by its lookup."""
+    prompt = tokens(2 * BLOCK + 3)
+    zeroing.client.add_request("a", prompt)
+    assert lookup_then_allocate(zeroing, "a", len(prompt), True)[0] == "ok"
+    zeroing.client.free("a", FreeMode.FINISH)
+    zeroing.client.add_request("b", prompt)
+    zeroing.client.add_request("c", tokens(BLOCK, start=500))
+    response = step(zeroing, admissions_of(["b", "c", "b"], [3, BLOCK, 1]))
+    batch = response.results[0].lookup_allocate_batch
+    assert (batch.num_requests, batch.num_run) == (3, 3)
+    assert [(e.index, e.code) for e in batch.errors] == [(2, 9)]  # FAILED_PRECONDITION
+    assert list(batch.num_computed_tokens) == [2 * BLOCK, 0, 0]
+    assert list(batch.num_hit_blocks) == [2, 0, 0]
+    columns = batch.allocations
+    assert (columns.num_requests, columns.num_run, list(columns.errors)) == (3, 3, [])
+    assert list(columns.num_new_blocks) == [1, 1, 0]
+    assert list(columns.num_block_ids_to_zero) == [1, 1, 0]
+    assert zeroing.client.get_request("b").num_computed_tokens == 2 * BLOCK + 3
+    zeroing.finish()
+
+
+def test_admissions_with_other_options_travel_in_a_batch_of_their_own() -> None:
+    """Entries join the open batch only with its options; a connector's arguments or
+    a computed-token count cannot travel in one (ValueError, the builder unchanged)."""
+    builder = StepBuilder()
+    reserve = AllocateOptions(full_sequence_must_fit=True)
+    first = builder.lookup_allocate_batch(["a"], [4], reserve)
+    second = builder.lookup_allocate_batch(["b"], [4], reserve)
+    third = builder.lookup_allocate_batch(["c"], [4])
+    assert (first.wire, second.wire, second.row, third.wire) == (0, 0, 1, 1)
+    ops = builder.to_pb().ops
+    assert ops[0].lookup_allocate_batch.full_sequence_must_fit
+    assert not ops[1].lookup_allocate_batch.full_sequence_must_fit
+    before = builder.to_pb().SerializeToString()
+    for options in (
+        AllocateOptions(num_external_computed_tokens=16),
+        AllocateOptions(delay_cache_blocks=True),
+        AllocateOptions(num_computed_tokens=3),
+        AllocateOptions(num_in_flight_tokens=1),
+    ):
+        with pytest.raises(ValueError, match="allocate singly"):
+            builder.lookup_allocate_batch(["d"], [4], options)
+    assert builder.to_pb().SerializeToString() == before

@@ -1,9 +1,10 @@
 """``StepLog``, the remote-step link's record of a step: what it sends for the
-appends it recorded, whatever order they came in."""
+appends, admissions and frees it recorded, whatever order they came in."""
 
 from __future__ import annotations
 
-from kvservice.client.step_log import StepLog
+from kvservice.client.step_log import ANY_ANSWER, StepLog
+from kvservice.client.types import AllocateOptions, ComputedBlocks, FreeMode
 
 
 def sent_appends(log: StepLog) -> tuple[list[tuple[str, int]], list[tuple[str, list[int], int]]]:
@@ -52,3 +53,94 @@ def test_an_append_that_carries_a_hash_travels_alone() -> None:
     assert sent_appends(log) == ([("b", 2)], [("a", [1], 1)])
     assert log
     assert not StepLog()
+
+
+HIT = ComputedBlocks(((3, 4),), 32, 32)
+MISS = ComputedBlocks(((),), 0, 0)
+
+
+def sent_ops(log: StepLog) -> list[tuple[str, list[str]]]:
+    """The step's message operations: (kind, the request ids it names)."""
+    step, _ = log.build()
+    sent: list[tuple[str, list[str]]] = []
+    for op in step.to_pb().ops:
+        kind = op.WhichOneof("op")
+        assert kind is not None
+        body = getattr(op, kind)
+        names = list(body.request_ids) if hasattr(body, "request_ids") else [body.request_id]
+        sent.append((kind, names))
+    return sent
+
+
+def test_admissions_travel_as_one_column_of_lookups_and_allocations() -> None:
+    """Each waiting request's lookup and the allocation right after it that attaches
+    its hit (or none, for a miss) join one lookup_allocate_batch, in order; the plain
+    allocations of running requests before them keep their own column."""
+    log = StepLog()
+    log.allocate("run", 1, ((),))
+    log.lookup("a", HIT)
+    log.allocate("a", 8, ((5,),), hit=HIT)
+    log.lookup("b", MISS)
+    log.allocate("b", 40, None)
+    assert sent_ops(log) == [
+        ("allocate_slots_batch", ["run"]),
+        ("lookup_allocate_batch", ["a", "b"]),
+    ]
+
+
+def test_a_lookup_whose_allocation_does_not_attach_it_travels_alone() -> None:
+    """A lookup with no allocation after it, one followed by another request's
+    allocation, a hit the allocation attaches otherwise, and a hit left unattached:
+    each lookup and allocation is sent as itself."""
+    log = StepLog()
+    log.lookup("a", HIT)  # never allocated (no budget left, say)
+    log.lookup("b", HIT)
+    log.allocate("c", 1, ((),))
+    log.lookup("d", HIT)
+    log.allocate("d", 8, ((5,),), hit=ComputedBlocks(((3,),), 16, 16))
+    log.lookup("e", HIT)
+    log.allocate("e", 8, ((6,),))
+    assert [kind for kind, _ in sent_ops(log)] == [
+        "get_computed_blocks",
+        "get_computed_blocks",
+        "allocate_slots_batch",
+        "get_computed_blocks",
+        "allocate_slots",
+        "get_computed_blocks",
+        "allocate_slots_batch",
+    ]
+
+
+def test_frees_travel_as_one_column_keeping_blocks_where_asked() -> None:
+    log = StepLog()
+    log.free("a", FreeMode.FINISH)
+    log.free("b", FreeMode.PREEMPT, keep_blocks=True)
+    log.record("new_step_starts", (), ANY_ANSWER)
+    log.free("c", FreeMode.FINISH)
+    step, _ = log.build()
+    first, boundary, last = step.to_pb().ops
+    assert list(first.free_batch.request_ids) == ["a", "b"]
+    assert list(first.free_batch.keep_blocks) == [False, True]
+    assert boundary.WhichOneof("op") == "new_step_starts"
+    assert list(last.free_batch.request_ids) == ["c"]
+    assert list(last.free_batch.keep_blocks) == []
+
+
+def test_admissions_join_a_column_only_with_the_same_options() -> None:
+    """vLLM admits with options (its default reserves the full prompt): entries with
+    the same options share a batch, other options open another, and options a batch
+    cannot carry (a connector's external tokens) send the lookup and the allocation
+    as themselves."""
+    reserve = AllocateOptions(full_sequence_must_fit=True)
+    log = StepLog()
+    for request_id, options in (("a", reserve), ("b", reserve), ("c", None)):
+        log.lookup(request_id, MISS)
+        log.allocate(request_id, 8, ((5,),), options=options)
+    log.lookup("d", MISS)
+    log.allocate("d", 8, ((6,),), options=AllocateOptions(num_external_computed_tokens=16))
+    assert sent_ops(log) == [
+        ("lookup_allocate_batch", ["a", "b"]),
+        ("lookup_allocate_batch", ["c"]),
+        ("get_computed_blocks", ["d"]),
+        ("allocate_slots", ["d"]),
+    ]

@@ -287,6 +287,29 @@ def test_another_writer_is_named_at_the_decode_allocation_it_diverts(
                 scheduler.update_from_output(output, model_runner_output(scheduler, output))
 
 
+def test_another_writer_is_named_at_the_admission_it_diverts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A waiting request's lookup and allocation travel together and are checked in
+    bulk; a prefix another client cached makes the server's lookup hit where the
+    replica's missed, and that admission is named, with both answers."""
+    with remote(monkeypatch) as server:
+        scheduler = build_scheduler(SETUP, KVServiceScheduler)
+        _admit(scheduler)
+        prompt = tuple(range(1000, 1064))
+        with KVClient(server.handle.target) as intruder:
+            intruder.add_request("intruder", list(prompt))
+            assert intruder.allocate_slots("intruder", len(prompt)) is not None
+        scheduler.add_request(RequestSpec("late", (*prompt, 7), max_tokens=4).build(16))
+        with pytest.raises(
+            KVServiceManagerError,
+            match=r"answered get_computed_blocks\('late'\) then allocate_slots\('late', 65\) "
+            r"attaching its hit with ComputedBlocks\(block_ids=\(\(\d+, \d+, \d+, \d+\),\), "
+            r"num_computed_tokens=64.*; the scheduler's replica answered ComputedBlocks\(",
+        ):
+            scheduler.schedule()
+
+
 def test_a_second_engine_on_a_held_pool_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVSERVICE_SESSION_TTL", "0.5")
     with remote(monkeypatch):

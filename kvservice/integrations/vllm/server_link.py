@@ -519,10 +519,12 @@ class ServerLink:
         hit = ComputedBlocks(block_ids, num_tokens, shared_prefix_boundary)
         self._send_tokens(request)
         self._lookups[request.request_id] = hit
-        args: tuple[Any, ...] = (request.request_id,)
-        if max_cache_hit_length is not None:
+        if max_cache_hit_length is None:
+            # The allocation that attaches it, recorded next, travels with it.
+            self._link.log.lookup(request.request_id, hit)
+        else:
             args = (request.request_id, max_cache_hit_length)
-        self._link.log.record("get_computed_blocks", args, hit)
+            self._link.log.record("get_computed_blocks", args, hit)
 
     def allocated(
         self,
@@ -542,37 +544,24 @@ class ServerLink:
         # vLLM's defaults (a decode step's plain call) are sent as no options at all.
         # allocation_options() gives vLLM's defaults as PLAIN_ALLOCATION itself.
         plain = allocation_options is PLAIN_ALLOCATION
+        options = None if plain else AllocateOptions(*allocation_options.as_tuple())
         num_computed_tokens = request.num_computed_tokens
         server_computed = self._server_computed
-        # Async scheduling keeps steps in flight; only windows read that.
-        in_flight = request.num_in_flight_tokens if self._windowed else 0
-        if (
-            attached is None
-            and plain
-            and not in_flight
-            and num_computed_tokens == server_computed[request_id]
-        ):
-            # Most allocations: a running request's, one columnar entry of the step.
-            self._link.log.allocate(request_id, num_new_tokens, answer, copies)
-            if answer is not None:
-                server_computed[request_id] = computed_after_allocation(
-                    num_computed_tokens, 0, 0, num_new_tokens
-                )
-            return
-        options = None if plain else AllocateOptions(*allocation_options.as_tuple())
         # The server counts computed tokens as the scheduler does; send the count only
         # where the scheduler moved it otherwise (rejected draft tokens).
         if num_computed_tokens != server_computed[request_id]:
             options = dataclasses.replace(
                 options or AllocateOptions(), num_computed_tokens=num_computed_tokens
             )
+        # Async scheduling keeps steps in flight; only windows read that.
+        in_flight = request.num_in_flight_tokens if self._windowed else 0
         if in_flight:
             options = dataclasses.replace(
                 options or AllocateOptions(), num_in_flight_tokens=in_flight
             )
-        self._link.log.record(
-            "allocate_slots", (request_id, num_new_tokens, attached, options), answer, copies
-        )
+        # A running request's plain allocation joins the step's column of them, a
+        # waiting one's joins its lookup (StepLog.allocate).
+        self._link.log.allocate(request_id, num_new_tokens, answer, copies, attached, options)
         if answer is not None:
             server_computed[request_id] = computed_after_allocation(
                 num_computed_tokens,
@@ -624,7 +613,7 @@ class ServerLink:
             return  # never reached the server: nothing to free there
         finished = request.is_finished()
         mode = FreeMode.FINISH if finished else FreeMode.PREEMPT
-        self._link.log.record("free", (request_id, mode, keep_blocks), ANY_ANSWER)
+        self._link.log.free(request_id, mode, keep_blocks)
         self._lookups.pop(request_id, None)
         self._server_cached.pop(request_id, None)
         if finished:

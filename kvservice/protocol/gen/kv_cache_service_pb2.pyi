@@ -1593,6 +1593,8 @@ class StepOperation(_message.Message):
     LIST_PINS_FIELD_NUMBER: _builtins.int
     EVICT_BLOCKS_FIELD_NUMBER: _builtins.int
     REMOVE_SKIPPED_BLOCKS_FIELD_NUMBER: _builtins.int
+    FREE_BATCH_FIELD_NUMBER: _builtins.int
+    LOOKUP_ALLOCATE_BATCH_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def add_request(self) -> Global___AddRequestRequest: ...
     @_builtins.property
@@ -1633,6 +1635,10 @@ class StepOperation(_message.Message):
     def evict_blocks(self) -> Global___EvictBlocksRequest: ...
     @_builtins.property
     def remove_skipped_blocks(self) -> Global___RemoveSkippedBlocksRequest: ...
+    @_builtins.property
+    def free_batch(self) -> Global___FreeBatch: ...
+    @_builtins.property
+    def lookup_allocate_batch(self) -> Global___LookupAllocateBatch: ...
     def __init__(
         self,
         *,
@@ -1656,12 +1662,14 @@ class StepOperation(_message.Message):
         list_pins: Global___ListPinsRequest | None = ...,
         evict_blocks: Global___EvictBlocksRequest | None = ...,
         remove_skipped_blocks: Global___RemoveSkippedBlocksRequest | None = ...,
+        free_batch: Global___FreeBatch | None = ...,
+        lookup_allocate_batch: Global___LookupAllocateBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "evict_blocks", b"evict_blocks", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "new_step_starts", b"new_step_starts", "op", b"op", "pin_prefix", b"pin_prefix", "probe", b"probe", "remove_skipped_blocks", b"remove_skipped_blocks", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "evict_blocks", b"evict_blocks", "free_batch", b"free_batch", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "lookup_allocate_batch", b"lookup_allocate_batch", "new_step_starts", b"new_step_starts", "op", b"op", "pin_prefix", b"pin_prefix", "probe", b"probe", "remove_skipped_blocks", b"remove_skipped_blocks", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "evict_blocks", b"evict_blocks", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "new_step_starts", b"new_step_starts", "op", b"op", "pin_prefix", b"pin_prefix", "probe", b"probe", "remove_skipped_blocks", b"remove_skipped_blocks", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "evict_blocks", b"evict_blocks", "free_batch", b"free_batch", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "lookup_allocate_batch", b"lookup_allocate_batch", "new_step_starts", b"new_step_starts", "op", b"op", "pin_prefix", b"pin_prefix", "probe", b"probe", "remove_skipped_blocks", b"remove_skipped_blocks", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "new_step_starts", "free_retained_blocks", "cache_blocks", "pin_prefix", "unpin_prefix", "list_pins", "evict_blocks", "remove_skipped_blocks"]  # noqa: Y015
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "new_step_starts", "free_retained_blocks", "cache_blocks", "pin_prefix", "unpin_prefix", "list_pins", "evict_blocks", "remove_skipped_blocks", "free_batch", "lookup_allocate_batch"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 
@@ -1669,9 +1677,10 @@ Global___StepOperation: _TypeAlias = StepOperation  # noqa: Y015
 
 @_typing.final
 class AppendTokensBatch(_message.Message):
-    """Columnar operations: a run of the commonest per-request operations of a decode step
-    in one message, with no message per request on either side. Step-only (there is no
-    unary RPC for them).
+    """Columnar operations: a run of the commonest per-request operations of a scheduler
+    step in one message (a decode step's appends and allocations, the frees of finished
+    requests, the admissions of waiting ones), with no message per request on either
+    side. Step-only (there is no unary RPC for them).
 
     Each entry (index i: request_ids[i] with the i-th value of the other columns) runs
     exactly as the single operation would (AppendTokens with one token, AllocateSlots
@@ -1694,7 +1703,8 @@ class AppendTokensBatch(_message.Message):
 
     With StepRequest.omit_request_state off, a batch answers the request state after
     each entry that ran without error (`requests`, one per entry before num_run, an
-    empty RequestState for a refused entry); with it on, none.
+    empty RequestState for a refused entry); with it on, none. A FreeBatch answers
+    none either way; a LookupAllocateBatch answers them in allocations.requests.
 
     One token appended to each of request_ids (the decode step's sampled tokens).
     """
@@ -1928,6 +1938,192 @@ class AllocateSlotsBatchResponse(_message.Message):
 Global___AllocateSlotsBatchResponse: _TypeAlias = AllocateSlotsBatchResponse  # noqa: Y015
 
 @_typing.final
+class FreeBatch(_message.Message):
+    """A FreeRequest for each of request_ids: the requests a scheduler step finished or
+    preempted, freed in order. Answers no request state or free-block count per entry
+    (FreeRequestResponse does): only the entries that were refused.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    MODES_FIELD_NUMBER: _builtins.int
+    KEEP_BLOCKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def modes(self) -> _containers.RepeatedScalarFieldContainer[Global___FreeMode.ValueType]:
+        """modes[i] for request_ids[i]; as many as request_ids."""
+
+    @_builtins.property
+    def keep_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """Empty (no entry keeps its blocks), or keep_blocks[i] for request_ids[i]."""
+
+    def __init__(
+        self,
+        *,
+        request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        modes: _abc.Iterable[Global___FreeMode.ValueType] | None = ...,
+        keep_blocks: _abc.Iterable[_builtins.bool] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep_blocks", b"keep_blocks", "modes", b"modes", "request_ids", b"request_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FreeBatch: _TypeAlias = FreeBatch  # noqa: Y015
+
+@_typing.final
+class FreeBatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_REQUESTS_FIELD_NUMBER: _builtins.int
+    NUM_RUN_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    num_requests: _builtins.int
+    """As AppendTokensBatchResponse's."""
+    num_run: _builtins.int
+    @_builtins.property
+    def errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchEntryError]: ...
+    def __init__(
+        self,
+        *,
+        num_requests: _builtins.int = ...,
+        num_run: _builtins.int = ...,
+        errors: _abc.Iterable[Global___BatchEntryError] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["errors", b"errors", "num_requests", b"num_requests", "num_run", b"num_run"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FreeBatchResponse: _TypeAlias = FreeBatchResponse  # noqa: Y015
+
+@_typing.final
+class LookupAllocateBatch(_message.Message):
+    """How vLLM's scheduler schedules a waiting request, for each of request_ids in order:
+    a GetComputedBlocks (no max_cache_hit_length), then an AllocateSlots of
+    num_new_tokens[i] tokens that attaches that lookup's hit (its block ids and
+    num_computed_tokens; nothing when it hit nothing) with the batch's options below,
+    which every entry shares (a scheduler's differ from one admission to the next only
+    rarely: has_scheduled_reqs, a cross-attention request's encoder tokens; those
+    travel in another batch). An entry is those two single operations:
+    a lookup refused refuses the entry before its allocation runs; an allocation
+    refused after its lookup leaves the lookup's own effects (the prefix cache stats,
+    the hit remembered for the request) as two single operations would. Each entry
+    counts as one operation against the operations-per-step limit.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    NUM_NEW_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _builtins.int
+    NUM_ENCODER_TOKENS_FIELD_NUMBER: _builtins.int
+    FULL_SEQUENCE_MUST_FIT_FIELD_NUMBER: _builtins.int
+    RESERVED_BLOCKS_FIELD_NUMBER: _builtins.int
+    HAS_SCHEDULED_REQS_FIELD_NUMBER: _builtins.int
+    num_lookahead_tokens: _builtins.int
+    """Every entry's allocation options, as AllocateSlotsRequest's fields of the same
+    names (a KV connector's external tokens and delayed caching, and a count of
+    computed tokens to set, are only for single AllocateSlots).
+    """
+    num_encoder_tokens: _builtins.int
+    full_sequence_must_fit: _builtins.bool
+    reserved_blocks: _builtins.int
+    has_scheduled_reqs: _builtins.bool
+    @_builtins.property
+    def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def num_new_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """num_new_tokens[i] for request_ids[i]; as many as request_ids."""
+
+    def __init__(
+        self,
+        *,
+        request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        num_new_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        num_lookahead_tokens: _builtins.int = ...,
+        num_encoder_tokens: _builtins.int = ...,
+        full_sequence_must_fit: _builtins.bool = ...,
+        reserved_blocks: _builtins.int = ...,
+        has_scheduled_reqs: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_has_scheduled_reqs", b"_has_scheduled_reqs", "has_scheduled_reqs", b"has_scheduled_reqs"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_has_scheduled_reqs", b"_has_scheduled_reqs", "full_sequence_must_fit", b"full_sequence_must_fit", "has_scheduled_reqs", b"has_scheduled_reqs", "num_encoder_tokens", b"num_encoder_tokens", "num_lookahead_tokens", b"num_lookahead_tokens", "num_new_tokens", b"num_new_tokens", "request_ids", b"request_ids", "reserved_blocks", b"reserved_blocks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__has_scheduled_reqs: _TypeAlias = _typing.Literal["has_scheduled_reqs"]  # noqa: Y015
+    _WhichOneofArgType__has_scheduled_reqs: _TypeAlias = _typing.Literal["_has_scheduled_reqs", b"_has_scheduled_reqs"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__has_scheduled_reqs) -> _WhichOneofReturnType__has_scheduled_reqs | None: ...
+
+Global___LookupAllocateBatch: _TypeAlias = LookupAllocateBatch  # noqa: Y015
+
+@_typing.final
+class LookupAllocateBatchResponse(_message.Message):
+    """The answers of a LookupAllocateBatch. For the entries before num_run, in entry
+    order, each lookup's answer (GetComputedBlocksResponse's fields; 0 and no blocks for
+    an entry whose lookup was refused):
+
+      num_computed_tokens, shared_prefix_boundary    one value per entry
+      num_hit_blocks    allocations.num_groups counts per entry (entry i, group g at
+                        i * num_groups + g)
+      hit_block_ids     every entry's hit blocks, group after group, concatenated
+
+    and each allocation's in `allocations`, laid out as an AllocateSlotsBatch's answer
+    (an entry refused, or without room, has no blocks there). `allocations` holds the
+    columns only: its num_requests and num_run are this message's, and its errors are
+    empty (an entry's refusal, its lookup's or its allocation's, is in errors here).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_REQUESTS_FIELD_NUMBER: _builtins.int
+    NUM_RUN_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
+    SHARED_PREFIX_BOUNDARY_FIELD_NUMBER: _builtins.int
+    NUM_HIT_BLOCKS_FIELD_NUMBER: _builtins.int
+    HIT_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    ALLOCATIONS_FIELD_NUMBER: _builtins.int
+    num_requests: _builtins.int
+    """As AppendTokensBatchResponse's."""
+    num_run: _builtins.int
+    @_builtins.property
+    def errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchEntryError]: ...
+    @_builtins.property
+    def num_computed_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def shared_prefix_boundary(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def num_hit_blocks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def hit_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def allocations(self) -> Global___AllocateSlotsBatchResponse: ...
+    def __init__(
+        self,
+        *,
+        num_requests: _builtins.int = ...,
+        num_run: _builtins.int = ...,
+        errors: _abc.Iterable[Global___BatchEntryError] | None = ...,
+        num_computed_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        shared_prefix_boundary: _abc.Iterable[_builtins.int] | None = ...,
+        num_hit_blocks: _abc.Iterable[_builtins.int] | None = ...,
+        hit_block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        allocations: Global___AllocateSlotsBatchResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["allocations", b"allocations"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocations", b"allocations", "errors", b"errors", "hit_block_ids", b"hit_block_ids", "num_computed_tokens", b"num_computed_tokens", "num_hit_blocks", b"num_hit_blocks", "num_requests", b"num_requests", "num_run", b"num_run", "shared_prefix_boundary", b"shared_prefix_boundary"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LookupAllocateBatchResponse: _TypeAlias = LookupAllocateBatchResponse  # noqa: Y015
+
+@_typing.final
 class OperationError(_message.Message):
     """Why an operation of a step failed: the status the unary RPC would have ended with."""
 
@@ -1981,6 +2177,8 @@ class StepResult(_message.Message):
     LIST_PINS_FIELD_NUMBER: _builtins.int
     EVICT_BLOCKS_FIELD_NUMBER: _builtins.int
     REMOVE_SKIPPED_BLOCKS_FIELD_NUMBER: _builtins.int
+    FREE_BATCH_FIELD_NUMBER: _builtins.int
+    LOOKUP_ALLOCATE_BATCH_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def add_request(self) -> Global___AddRequestResponse: ...
     @_builtins.property
@@ -2029,6 +2227,10 @@ class StepResult(_message.Message):
     def evict_blocks(self) -> Global___EvictBlocksResponse: ...
     @_builtins.property
     def remove_skipped_blocks(self) -> Global___RemoveSkippedBlocksResponse: ...
+    @_builtins.property
+    def free_batch(self) -> Global___FreeBatchResponse: ...
+    @_builtins.property
+    def lookup_allocate_batch(self) -> Global___LookupAllocateBatchResponse: ...
     def __init__(
         self,
         *,
@@ -2053,12 +2255,14 @@ class StepResult(_message.Message):
         list_pins: Global___ListPinsResponse | None = ...,
         evict_blocks: Global___EvictBlocksResponse | None = ...,
         remove_skipped_blocks: Global___RemoveSkippedBlocksResponse | None = ...,
+        free_batch: Global___FreeBatchResponse | None = ...,
+        lookup_allocate_batch: Global___LookupAllocateBatchResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "error", b"error", "evict_blocks", b"evict_blocks", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "new_step_starts", b"new_step_starts", "pin_prefix", b"pin_prefix", "probe", b"probe", "remove_skipped_blocks", b"remove_skipped_blocks", "result", b"result", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "error", b"error", "evict_blocks", b"evict_blocks", "free_batch", b"free_batch", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "lookup_allocate_batch", b"lookup_allocate_batch", "new_step_starts", b"new_step_starts", "pin_prefix", b"pin_prefix", "probe", b"probe", "remove_skipped_blocks", b"remove_skipped_blocks", "result", b"result", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "error", b"error", "evict_blocks", b"evict_blocks", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "new_step_starts", b"new_step_starts", "pin_prefix", b"pin_prefix", "probe", b"probe", "remove_skipped_blocks", b"remove_skipped_blocks", "result", b"result", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "error", b"error", "evict_blocks", b"evict_blocks", "free_batch", b"free_batch", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "lookup_allocate_batch", b"lookup_allocate_batch", "new_step_starts", b"new_step_starts", "pin_prefix", b"pin_prefix", "probe", b"probe", "remove_skipped_blocks", b"remove_skipped_blocks", "result", b"result", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "new_step_starts", "free_retained_blocks", "error", "cache_blocks", "pin_prefix", "unpin_prefix", "list_pins", "evict_blocks", "remove_skipped_blocks"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "new_step_starts", "free_retained_blocks", "error", "cache_blocks", "pin_prefix", "unpin_prefix", "list_pins", "evict_blocks", "remove_skipped_blocks", "free_batch", "lookup_allocate_batch"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
