@@ -87,9 +87,9 @@ class AllocationRun:
 
 @dataclass(slots=True)
 class LookupAllocationRun:
-    """Consecutive admissions of waiting requests, each a lookup and the plain
-    allocation that attaches its hit (vLLM's scheduler schedules a waiting request so):
-    one ``lookup_allocate_batch`` entry each, checked in bulk."""
+    """Consecutive admissions of waiting requests with the same options, each a
+    lookup and the allocation that attaches its hit (vLLM's scheduler schedules a
+    waiting request so): one ``lookup_allocate_batch`` entry each, checked in bulk."""
 
     # The options every allocation of the run shares (None: vLLM's defaults).
     options: AllocateOptions | None = None

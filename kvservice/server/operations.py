@@ -416,24 +416,48 @@ async def allocate_slots_batch(
         try:
             allocation = table.allocate_slots(rid, AllocateArgs(num), tenant)
         except Exception as err:
-            code = _entry_error(out.errors, index, err)
+            code = _refused(out.errors, index, err, columns, states)
             first_code = first_code or code
-            columns.add_nothing()
-            if states is not None:
-                states.add()
             if stop_on_error:
                 break
             continue
-        if allocation.new_block_ids is None:
-            out.no_space.append(index)
-            columns.add_nothing()
-        else:
-            columns.add(allocation)
-        if states is not None:
-            converters.fill_request_state(states.add(), allocation.request)
+        _allocated(out.no_space, index, allocation, columns, states)
     out.num_run = index + 1
     columns.fill(out)
     return first_code
+
+
+def _refused(
+    errors: Any,
+    index: int,
+    err: Exception,
+    columns: converters.AllocationColumns,
+    states: Any,
+) -> int:
+    """An allocation entry refused: its error, no blocks, an empty state (when the
+    states are answered); its status code number."""
+    code = _entry_error(errors, index, err)
+    columns.add_nothing()
+    if states is not None:
+        states.add()
+    return code
+
+
+def _allocated(
+    no_space: Any,
+    index: int,
+    allocation: Allocation,
+    columns: converters.AllocationColumns,
+    states: Any,
+) -> None:
+    """An allocation entry answered: its blocks, or NO_SPACE; its state when wanted."""
+    if allocation.new_block_ids is None:
+        no_space.append(index)
+        columns.add_nothing()
+    else:
+        columns.add(allocation)
+    if states is not None:
+        converters.fill_request_state(states.add(), allocation.request)
 
 
 async def free_batch(
@@ -505,21 +529,12 @@ async def lookup_allocate_batch(
         try:
             allocation = _lookup_allocate(table, rid, num, options, tenant, hits)
         except Exception as err:
-            code = _entry_error(out.errors, index, err)
+            code = _refused(out.errors, index, err, columns, states)
             first_code = first_code or code
-            columns.add_nothing()
-            if states is not None:
-                states.add()
             if stop_on_error:
                 break
             continue
-        if allocation.new_block_ids is None:
-            allocations.no_space.append(index)
-            columns.add_nothing()
-        else:
-            columns.add(allocation)
-        if states is not None:
-            converters.fill_request_state(states.add(), allocation.request)
+        _allocated(allocations.no_space, index, allocation, columns, states)
     out.num_run = allocations.num_run = index + 1
     allocations.num_requests = len(ids)
     hits.fill(out)
