@@ -547,6 +547,7 @@ APPEND_TOKENS_BATCH = "append_tokens_batch"
 ALLOCATE_SLOTS_BATCH = "allocate_slots_batch"
 FREE_BATCH = "free_batch"
 LOOKUP_ALLOCATE_BATCH = "lookup_allocate_batch"
+ADD_REQUEST_BATCH = "add_request_batch"
 # What a step answers for an operation skipped under stop_on_error (the server's words).
 NOT_RUN_MESSAGE = "not run: an earlier operation failed (stop_on_error)"
 _CANCELLED = 1  # grpc.StatusCode.CANCELLED
@@ -675,13 +676,31 @@ def set_lookup_allocate_options(message: pb.LookupAllocateBatch, options: Alloca
     message.has_scheduled_reqs = options.has_scheduled_reqs
 
 
+def pack_prompts(prompts: Sequence[Sequence[int]]) -> bytes:
+    """An AddRequestBatch's packed prompts column; ValueError naming the first prompt
+    with an id that does not pack (which a single add_request sends unpacked, for the
+    server to name)."""
+    try:
+        return b"".join([pack_token_ids(prompt) for prompt in prompts])
+    except (OverflowError, TypeError):
+        for index, prompt in enumerate(prompts):
+            try:
+                pack_token_ids(prompt)
+            except (OverflowError, TypeError) as err:
+                raise ValueError(
+                    f"prompt {index} of the batch holds a token id outside [0, 2**32) or not "
+                    f"an int ({err}): add that request singly"
+                ) from None
+        raise
+
+
 def free_modes(modes: Sequence[FreeMode]) -> list[int]:
     """A FreeBatch's modes column."""
     return [_FREE_MODE[mode] for mode in modes]
 
 
-def _free_rows(msg: pb.FreeBatchResponse) -> list[Any]:
-    # A freed entry answers nothing: None, or its error.
+def _refusal_rows(msg: pb.FreeBatchResponse | pb.AddRequestBatchResponse) -> list[Any]:
+    # A freed or added entry answers nothing: None, or its error.
     rows: list[Any] = [None] * msg.num_requests
     for index, error in batch_errors(msg).items():
         rows[index] = error
@@ -797,8 +816,9 @@ def _pairs(flat: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
 BATCH_ROWS: dict[str, Callable[[Any], list[Any]]] = {
     APPEND_TOKENS_BATCH: _append_rows,
     ALLOCATE_SLOTS_BATCH: _allocation_rows,
-    FREE_BATCH: _free_rows,
+    FREE_BATCH: _refusal_rows,
     LOOKUP_ALLOCATE_BATCH: _lookup_allocation_rows,
+    ADD_REQUEST_BATCH: _refusal_rows,
 }
 
 

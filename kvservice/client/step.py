@@ -134,8 +134,10 @@ class StepBuilder:
         self._open_ids: Any = None  # its request_ids column
         self._open_wire = 0
         self._open_rows = 0
-        # The options of an open lookup_allocate_batch, which its entries share.
-        self._open_options = _PLAIN_OPTIONS
+        # The fields of the open columnar operation that every entry shares (a
+        # lookup_allocate_batch's options, an add_request_batch's client_hashed): an
+        # entry with others opens a batch of its own.
+        self._open_shared: object = _PLAIN_OPTIONS
 
     def __len__(self) -> int:
         """Operations added (a columnar message counts each of its entries)."""
@@ -189,13 +191,23 @@ class StepBuilder:
             self._open_values.extend(values)
             self._open_ids.extend(request_ids)
         except Exception:
-            del self._open_values[row:], self._open_ids[row:]
-            self._close_if_empty()
+            self._drop_rows(row)
             raise
         self._open_rows = row + count
         index = self._num_ops
         self._num_ops = index + count
         return RunHandle(index, self._open_wire, row, count)
+
+    def _drop_rows(self, row: int) -> None:
+        """Take the open columnar operation's entries from ``row`` on out of the
+        builder (a call whose values the message refused), and the operation with them
+        when it is left empty."""
+        added = self._open_rows - row
+        if added > 0:
+            self._num_ops -= added
+            self._open_rows = row
+        del self._open_values[row:], self._open_ids[row:]
+        self._close_if_empty()
 
     def _open(self, kind: str, column: str) -> None:
         """Open a columnar operation of ``kind``, with no entry yet."""
@@ -342,15 +354,20 @@ class StepBuilder:
         if not _wire.batchable(options):
             raise ValueError(f"lookup_allocate_batch cannot carry {options}: allocate singly")
         kind = _wire.LOOKUP_ALLOCATE_BATCH
-        if self._open_kind == kind and self._open_options != options:
-            self._open_kind = None  # other options: a batch of its own
-        opens = self._open_kind != kind
+        opens = self._opens(kind, options)
         run = self._entries(kind, "num_new_tokens", request_ids, num_new_tokens)
         if opens and run.num_entries:
             batch = self._request.ops[run.wire].lookup_allocate_batch
             _wire.set_lookup_allocate_options(batch, options)
-            self._open_options = options
+            self._open_shared = options
         return run
+
+    def _opens(self, kind: str, shared: object) -> bool:
+        """Whether the next entries of ``kind`` open a batch: none is open, or the open
+        one's shared fields are not ``shared``."""
+        if self._open_kind == kind and self._open_shared != shared:
+            self._open_kind = None
+        return self._open_kind != kind
 
     def free_batch(
         self,
@@ -371,6 +388,48 @@ class StepBuilder:
             if keep or any(keep_blocks):
                 keep.extend([False] * (run.row - len(keep)))
                 keep.extend(keep_blocks or [False] * run.num_entries)
+        return run
+
+    def add_request_batch(
+        self,
+        request_ids: Sequence[str],
+        prompts: Sequence[Sequence[int]],
+        block_hashes: Sequence[Sequence[bytes]] | None = None,
+    ) -> RunHandle[None]:
+        """``add_request(request_ids[i], prompts[i], block_hashes=block_hashes[i])``
+        for every i (``block_hashes`` None: the server hashes every prompt), in order,
+        as entries of one columnar operation (or of the open one, when its entries
+        are client_hashed alike). For plain requests: one with any other argument is a
+        single ``add_request``. An entry reads None (a new request's state is its
+        prompt), or its error. ValueError, adding nothing, for uneven columns or a
+        token id that does not pack into 4 unsigned bytes."""
+        count = len(request_ids)
+        if len(prompts) != count or (block_hashes is not None and len(block_hashes) != count):
+            raise ValueError(
+                f"{count} request ids but {len(prompts)} prompts"
+                + ("" if block_hashes is None else f" and {len(block_hashes)} block_hashes")
+            )
+        packed = _wire.pack_prompts(prompts)
+        hashed = block_hashes is not None
+        opens = self._opens(_wire.ADD_REQUEST_BATCH, hashed)
+        counts = [len(prompt) for prompt in prompts]
+        run = self._entries(_wire.ADD_REQUEST_BATCH, "num_prompt_tokens", request_ids, counts)
+        if not run.num_entries:
+            return run
+        batch = self._request.ops[run.wire].add_request_batch
+        if block_hashes is not None:
+            num_hashes = len(batch.block_hashes)
+            try:
+                batch.block_hashes.extend([h for hashes in block_hashes for h in hashes])
+            except Exception:
+                del batch.block_hashes[num_hashes:]
+                self._drop_rows(run.row)
+                raise
+            batch.num_block_hashes.extend([len(hashes) for hashes in block_hashes])
+            batch.client_hashed = True
+        batch.packed_prompt_token_ids += packed
+        if opens:
+            self._open_shared = hashed
         return run
 
     def get_computed_blocks(

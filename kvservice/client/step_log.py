@@ -10,9 +10,10 @@ lookups and allocations. New requests and token appends touch no block, and each
 request's own come before its first use, so they go first: every new request, then
 every append (the one-token appends of a decode step travel as one columnar
 operation, and so do the plain allocations after them, instead of alternating).
-The other runs a scheduler step makes travel as columnar operations too: the frees
-of the requests it finished, and the admissions of waiting requests (each a lookup
-and the allocation that attaches its hit).
+The other runs a scheduler step makes travel as columnar operations too: the new
+requests that carry nothing but a prompt (and vLLM's hashes), the frees of the
+requests it finished, and the admissions of waiting requests (each a lookup and the
+allocation that attaches its hit).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from kvservice.client.types import (
 )
 
 Copies = tuple[tuple[int, int], ...]
-RunT = TypeVar("RunT", bound="AllocationRun | LookupAllocationRun | FreeRun")
+RunT = TypeVar("RunT", bound="Run")
 
 
 def _same(answer: Any) -> Any:
@@ -131,8 +132,39 @@ class FreeRun:
         self.handle = step.free_batch(self.request_ids, self.modes, self.keep_blocks)
 
 
+@dataclass(slots=True)
+class AddRequestRun:
+    """New requests with nothing but a prompt (and vLLM's hashes, or none of them
+    with any): one ``add_request_batch`` entry each, which answers nothing but a
+    refusal."""
+
+    # Whether the requests carry their block hashes (client_hashed).
+    hashed: bool
+    request_ids: list[str] = field(default_factory=list)
+    prompts: list[Sequence[int]] = field(default_factory=list)
+    block_hashes: list[Sequence[bytes]] = field(default_factory=list)
+    handle: RunHandle[None] | None = None
+
+    def label(self, row: int) -> str:
+        return f"add_request({self.request_ids[row]!r}, <{len(self.prompts[row])} tokens>)"
+
+    def add_to(self, step: StepBuilder) -> bool:
+        """Add the run as a batch (True), or, when a prompt holds an id that does not
+        pack, as single requests that send it for the server to name (False)."""
+        hashes = self.block_hashes if self.hashed else None
+        try:
+            self.handle = step.add_request_batch(self.request_ids, self.prompts, hashes)
+        except ValueError:
+            for row, request_id in enumerate(self.request_ids):
+                step.add_request(
+                    request_id, self.prompts[row], block_hashes=hashes[row] if hashes else None
+                )
+            return False
+        return True
+
+
 # A recorded run of entries of one columnar operation.
-Run = AllocationRun | LookupAllocationRun | FreeRun
+Run = AllocationRun | LookupAllocationRun | FreeRun | AddRequestRun
 
 # A recorded operation: (StepBuilder method, its arguments, the replica's answer, its
 # copies, the view of the server's answer), or a run.
@@ -148,8 +180,9 @@ class StepLog:
 
     def __init__(self, keep_copy_holds: bool = False) -> None:
         self._keep_copy_holds = keep_copy_holds
-        # (request id, prompt, StepBuilder.add_request's keyword arguments)
-        self._new: list[tuple[str, Sequence[int], dict[str, Any]]] = []
+        # The new requests: runs of plain ones, and (request id, prompt,
+        # StepBuilder.add_request's keyword arguments) for the others.
+        self._new: list[AddRequestRun | tuple[str, Sequence[int], dict[str, Any]]] = []
         # One token each: the decode step's appends, sent as one columnar operation.
         self._ones: dict[str, int] = {}
         # Several tokens, or a request's second append of the step.
@@ -167,8 +200,23 @@ class StepLog:
         return bool(self._new or self._ones or self._appends or self._ops)
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], **kwargs: Any) -> None:
-        """``StepBuilder.add_request(request_id, prompt_token_ids, **kwargs)``."""
-        self._new.append((request_id, prompt_token_ids, kwargs))
+        """``StepBuilder.add_request(request_id, prompt_token_ids, **kwargs)``: a plain
+        request (no argument but ``block_hashes`` set) as an ``add_request_batch``
+        entry, any other on its own."""
+        hashes = kwargs.get("block_hashes")
+        if kwargs.get("cache_control_ttl") is not None or any(
+            value for name, value in kwargs.items() if name != "block_hashes"
+        ):
+            self._new.append((request_id, prompt_token_ids, kwargs))
+            return
+        hashed = hashes is not None
+        run = self._new[-1] if self._new else None
+        if not isinstance(run, AddRequestRun) or run.hashed != hashed:
+            run = AddRequestRun(hashed)
+            self._new.append(run)
+        run.request_ids.append(request_id)
+        run.prompts.append(prompt_token_ids)
+        run.block_hashes.append(hashes or ())
 
     def append_token(self, request_id: str, token_id: int) -> None:
         """``append_tokens(request_id, [token_id])``: a decode step's, recorded as a
@@ -293,8 +341,14 @@ class StepLog:
     def build(self) -> tuple[StepBuilder, list[Expected | Run]]:
         """The step to send, and what each recorded operation must answer."""
         step = StepBuilder(omit_request_state=True, keep_copy_holds=self._keep_copy_holds)
-        for request_id, prompt, kwargs in self._new:
-            step.add_request(request_id, prompt, **kwargs)
+        expected: list[Expected | Run] = []
+        for new in self._new:
+            if isinstance(new, AddRequestRun):
+                if new.add_to(step):
+                    expected.append(new)
+            else:
+                request_id, prompt, kwargs = new
+                step.add_request(request_id, prompt, **kwargs)
         # One token each: the decode step's columnar batch. An append of several
         # tokens, or one that completes a client_hashed request's block (with its
         # hash), travels alone.
@@ -302,7 +356,6 @@ class StepLog:
         hashes = self._appended_hashes
         for request_id, tokens in self._appends.items():
             step.append_tokens(request_id, tokens, hashes.get(request_id, ()))
-        expected: list[Expected | Run] = []
         for op in self._ops:
             if not isinstance(op, tuple):
                 op.add_to(step)

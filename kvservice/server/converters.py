@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from kvservice.core.allocation_options import AllocationOptions, allocation_options
 from kvservice.core.block_hashing import MultiModalFeature
@@ -62,6 +62,8 @@ _KIND_TO_PB = {
     KVCacheSpecKind.CROSS_ATTENTION: pb.KV_CACHE_SPEC_KIND_CROSS_ATTENTION,
     KVCacheSpecKind.MAMBA: pb.KV_CACHE_SPEC_KIND_MAMBA,
 }
+T = TypeVar("T")
+
 _FREE_MODE_FROM_PB = {
     pb.FREE_MODE_PREEMPT: FreeMode.PREEMPT,
     pb.FREE_MODE_FINISH: FreeMode.FINISH,
@@ -98,6 +100,71 @@ def new_request_from_pb(msg: pb.AddRequestRequest) -> NewRequest:
         block_hashes=tuple(msg.block_hashes) if msg.block_hashes else (),
         client_hashed=msg.client_hashed,
     )
+
+
+def new_requests_from_batch(msg: pb.AddRequestBatch) -> list[NewRequest]:
+    """An ``AddRequestBatch``'s requests, entry by entry (each what the
+    ``AddRequestRequest`` of its id, packed prompt and hashes converts to);
+    ``InvalidArgumentError`` for a batch whose counts do not cut its concatenated
+    columns (the request ids' column is the caller's to check)."""
+    num_ids = len(msg.request_ids)
+    packed = msg.packed_prompt_token_ids
+    if len(packed) % PACKED_TOKEN_ID_SIZE:
+        raise InvalidArgumentError(
+            f"add_request_batch: packed_prompt_token_ids holds {len(packed)} bytes, not a "
+            f"multiple of {PACKED_TOKEN_ID_SIZE} (one unsigned little-endian "
+            f"{PACKED_TOKEN_ID_SIZE}-byte int per token id)"
+        )
+    prompts = _cut_column(
+        unpack_token_ids(packed),
+        msg.num_prompt_tokens,
+        num_ids,
+        "num_prompt_tokens",
+        "packed prompt ids",
+    )
+    hashed = msg.client_hashed
+    if hashed:
+        hashes = _cut_column(
+            list(msg.block_hashes), msg.num_block_hashes, num_ids, "num_block_hashes", "hashes"
+        )
+    elif msg.block_hashes or msg.num_block_hashes:
+        raise InvalidArgumentError(
+            "add_request_batch: block_hashes and num_block_hashes are for a client_hashed "
+            "batch only"
+        )
+    return [
+        NewRequest(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            # An empty prompt is named as AddRequest names it (no packed bytes).
+            packed=bool(prompt),
+            block_hashes=tuple(hashes[index]) if hashed else (),
+            client_hashed=hashed,
+        )
+        for index, (request_id, prompt) in enumerate(zip(msg.request_ids, prompts, strict=True))
+    ]
+
+
+def _cut_column(
+    values: list[T], counts: Sequence[int], num_ids: int, column: str, what: str
+) -> list[list[T]]:
+    """``values`` cut into one list per entry, ``counts[i]`` values for entry i."""
+    if len(counts) != num_ids:
+        raise InvalidArgumentError(
+            f"add_request_batch: {column} has {len(counts)} values for {num_ids} request_ids "
+            f"(one each)"
+        )
+    if any(count < 0 for count in counts) or sum(counts) != len(values):
+        raise InvalidArgumentError(
+            f"add_request_batch: {column} must be counts >= 0 that add up to the "
+            f"{len(values)} {what} sent, got {list(counts)}"
+        )
+    cut: list[list[T]] = []
+    pos = 0
+    for count in counts:
+        cut.append(values[pos : pos + count])
+        pos += count
+    return cut
 
 
 def retention_from_pb(msg: pb.AddRequestRequest) -> RetentionConfig:

@@ -12,7 +12,7 @@ no single call holds up the loop (health checks) for longer than a slice.
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 import structlog
@@ -480,22 +480,67 @@ async def free_batch(
         _check_columns("free_batch", len(ids), "keep_blocks", len(keep))
     else:
         keep = [False] * len(ids)
-    out.num_requests = len(ids)
     tenant = caller.tenant
+
+    def free(index: int) -> None:
+        table.free(ids[index], converters.free_mode_from_pb(modes[index]), tenant, keep[index])
+
+    out.num_requests = len(ids)
+    out.num_run, first_code = await _each_entry(len(ids), free, out.errors, stop_on_error, slices)
+    return first_code
+
+
+async def add_request_batch(
+    table: RequestTable,
+    msg: pb.AddRequestBatch,
+    out: pb.AddRequestBatchResponse,
+    caller: Caller,
+    stop_on_error: bool,
+    with_state: bool,
+    slices: Slices,
+    /,
+) -> int:
+    """``add_request`` per entry (a plain request: a packed prompt and, client_hashed,
+    its hashes), answering only the refused ones (the client sent the new state)."""
+    num_ids = len(msg.request_ids)
+    _check_columns("add_request_batch", num_ids, "num_prompt_tokens", len(msg.num_prompt_tokens))
+    new = converters.new_requests_from_batch(msg)
+    tenant, session_id = caller.tenant, caller.session_id
+
+    def add(index: int) -> None:
+        request = new[index]
+        table.check_request_size(request.request_id, 0, tenant)
+        table.add_request(request, tenant, session_id)
+
+    out.num_requests = len(new)
+    out.num_run, first_code = await _each_entry(len(new), add, out.errors, stop_on_error, slices)
+    return first_code
+
+
+async def _each_entry(
+    count: int,
+    run_entry: Callable[[int], object],
+    errors: Any,
+    stop_on_error: bool,
+    slices: Slices,
+) -> tuple[int, int]:
+    """Run entries 0 to ``count - 1`` of a batch that answers only its refusals, in
+    order, pausing when a slice is done; a refused entry is recorded in ``errors``,
+    and under ``stop_on_error`` ends the batch. (Entries run, the status code number
+    of the first refused one or 0.)"""
     first_code = 0
     index = -1
-    for index, (rid, mode, keep_blocks) in enumerate(zip(ids, modes, keep, strict=True)):
+    for index in range(count):
         if slices.due():
             await slices.pause()
         try:
-            table.free(rid, converters.free_mode_from_pb(mode), tenant, keep_blocks)
+            run_entry(index)
         except Exception as err:
-            code = _entry_error(out.errors, index, err)
+            code = _entry_error(errors, index, err)
             first_code = first_code or code
             if stop_on_error:
                 break
-    out.num_run = index + 1
-    return first_code
+    return index + 1, first_code
 
 
 async def lookup_allocate_batch(
@@ -642,6 +687,7 @@ BATCH_OPERATIONS: dict[str, BatchOperation] = {
     "allocate_slots_batch": allocate_slots_batch,
     "free_batch": free_batch,
     "lookup_allocate_batch": lookup_allocate_batch,
+    "add_request_batch": add_request_batch,
 }
 # The operations a Step awaits, since they pause between their entries; the others
 # (``STEP_OPERATIONS``) run whole.

@@ -42,9 +42,10 @@ Failure semantics (the ``Step`` and ``StepStream`` contract):
   step's lookups, allocations and ``admit`` (which runs inside a step and starts none).
 
 Columnar operations (``append_tokens_batch``, ``allocate_slots_batch``, ``free_batch``,
-``lookup_allocate_batch``) carry a run of one-token appends, plain allocations, frees or
-admissions (a lookup, then the allocation attaching its hit) in one message and answer
-them column by column, with no protobuf message per entry. Each entry runs exactly as its single
+``lookup_allocate_batch``, ``add_request_batch``) carry a run of one-token appends, plain
+allocations, frees, admissions (a lookup, then the allocation attaching its hit) or
+plain new requests in one message and answer them column by column, with no protobuf
+message per entry. Each entry runs exactly as its single
 operation would, in order: a refused entry answers its own status in the batch's
 ``errors`` and changes nothing, and the later entries still run (NO_SPACE is an
 answer, as always). Under ``stop_on_error`` a refused entry is a failure: the batch

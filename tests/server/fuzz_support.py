@@ -18,6 +18,7 @@ import grpc
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+from kvservice.protocol import pack_token_ids
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.request_table.table import RequestTable
@@ -105,6 +106,7 @@ ALLOWED_CODES: dict[str, frozenset[grpc.StatusCode]] = {
     "AllocateSlotsBatch": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
     "FreeBatch": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
     "LookupAllocateBatch": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
+    "AddRequestBatch": frozenset({Code.OK, Code.INVALID_ARGUMENT}),
     # Step-only, for KV connectors: a block the caller holds no request of, a request
     # past its computed tokens.
     "EvictBlocks": frozenset({Code.OK, Code.FAILED_PRECONDITION}),
@@ -124,6 +126,7 @@ BATCH_ENTRY_CODES = {
     "AllocateSlotsBatch": ALLOWED_CODES["AllocateSlots"],
     "FreeBatch": ALLOWED_CODES["FreeRequest"],
     "LookupAllocateBatch": ALLOWED_CODES["GetComputedBlocks"] | ALLOWED_CODES["AllocateSlots"],
+    "AddRequestBatch": ALLOWED_CODES["AddRequest"],
 }
 # The step operations with a unary twin, and the step-only ones.
 UNARY_STEP_OPS = sorted(k for k, rpc in STEP_OP_RPC.items() if rpc in SERVICE.methods_by_name)
@@ -527,6 +530,40 @@ def _batch(draw: st.DrawFn, message: Any, column: str, values: st.SearchStrategy
     )
 
 
+@st.composite
+def _new_requests(draw: st.DrawFn) -> pb.AddRequestBatch:
+    """An AddRequestBatch: prompt counts that usually cut its packed ids (at times
+    not, or a stray byte), hashed or not, with hash counts that add up or not."""
+    ids = draw(st.lists(request_ids, max_size=6))
+    prompts = draw(
+        st.lists(
+            st.lists(st.one_of(st.integers(0, 50_000), st.just(2**32 - 1)), max_size=40),
+            min_size=len(ids),
+            max_size=len(ids),
+        )
+    )
+    counts = [len(prompt) for prompt in prompts]
+    packed = b"".join(pack_token_ids(prompt) for prompt in prompts)
+    shape = draw(st.sampled_from(("even", "even", "even", "counts", "stray")))
+    if shape == "counts":
+        counts = draw(st.lists(st.integers(-2, 50), max_size=7))
+    elif shape == "stray":
+        packed += b"\x01"
+    batch = pb.AddRequestBatch(
+        request_ids=ids, packed_prompt_token_ids=packed, num_prompt_tokens=counts
+    )
+    if draw(st.booleans()):
+        batch.client_hashed = draw(st.booleans())
+        num_hashes = draw(st.lists(st.integers(0, 3), max_size=7))
+        batch.num_block_hashes.extend(num_hashes)
+        total = sum(num_hashes)
+        hashes = st.one_of(st.binary(min_size=32, max_size=32), st.binary(max_size=40))
+        batch.block_hashes.extend(
+            draw(st.lists(hashes, min_size=max(0, total - 1), max_size=total + 1))
+        )
+    return batch
+
+
 def _with_column(message: Any, column: str, values: list[Any]) -> Any:
     getattr(message, column).extend(values)
     return message
@@ -549,6 +586,7 @@ STEP_ONLY_MESSAGES: dict[str, st.SearchStrategy[Any]] = {
         st.one_of(st.just([]), st.lists(st.booleans(), max_size=7)),
     ),
     "LookupAllocateBatch": _batch(pb.LookupAllocateBatch, "num_new_tokens", counts),
+    "AddRequestBatch": _new_requests(),
     "EvictBlocks": st.builds(
         pb.EvictBlocksRequest,
         block_ids=st.lists(st.one_of(st.integers(0, 12), st.sampled_from(EDGE_INTS)), max_size=4),

@@ -1,14 +1,16 @@
-"""The columnar Step operations (AppendTokensBatch, AllocateSlotsBatch) and the
-builder that coalesces into them: whatever the sequence, a coalescing and a
-non-coalescing ``StepBuilder`` read the same result through every handle and leave the
-same pool behind; a batch malformed as a whole is refused and changes nothing; NO_SPACE
-and refusals mid-batch answer per entry, as single operations do."""
+"""The columnar Step operations (AppendTokensBatch, AllocateSlotsBatch, FreeBatch,
+LookupAllocateBatch, AddRequestBatch) and the builder that coalesces into them:
+whatever the sequence, a coalescing and a non-coalescing ``StepBuilder`` read the
+same result through every handle and leave the same pool behind; a batch malformed
+as a whole is refused and changes nothing; NO_SPACE and refusals mid-batch answer per
+entry, as single operations do."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -28,6 +30,8 @@ from kvservice.client import (
     StepBuilder,
     StepResults,
 )
+from kvservice.core.request import Request
+from kvservice.protocol import pack_token_ids
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
 from kvservice.server.config import ServerConfig
@@ -826,3 +830,168 @@ def test_admissions_with_other_options_travel_in_a_batch_of_their_own() -> None:
         with pytest.raises(ValueError, match="allocate singly"):
             builder.lookup_allocate_batch(["d"], [4], options)
     assert builder.to_pb().SerializeToString() == before
+
+
+# -- AddRequestBatch ----------------------------------------------------------------------
+
+TRUSTING_POOL = dataclasses.replace(PLAIN_POOL, trust_client_block_hashes=True)
+# An empty prompt and one past max_model_len are refused per entry.
+ADD_PROMPTS: tuple[list[int], ...] = (*PROMPTS, [], tokens(PLAIN_POOL.max_model_len + 1))
+
+
+@pytest.fixture(scope="module", params=[TRUSTING_POOL, ZEROING_POOL], ids=["trusting", "not"])
+def add_twins(request: pytest.FixtureRequest) -> Iterator[tuple[Twin, Twin]]:
+    """Two identical servers, trusting client hashes or not (every client_hashed
+    request then refused)."""
+    with twin(request.param) as coalesced, twin(request.param) as plain:
+        yield coalesced, plain
+
+
+def claimed_hashes(twin: Twin, prompt: list[int], kind: str | None) -> list[bytes] | None:
+    """The hashes a client sends with ``prompt``: none (the server hashes), the
+    server's own (all, or all but the last), or ones it refuses (a hash of another
+    length, one more than the prompt's full blocks)."""
+    if kind is None:
+        return None
+    hasher = twin.server.server.table.manager.block_hasher
+    own = list(Request("probe", prompt, hasher).block_hashes) if prompt else []
+    return {
+        "own": own,
+        "short": own[:-1],
+        "bad": [b"x" * 3, *own][: max(1, len(own))],
+        "many": [*own, b"h" * 32],
+    }[kind]
+
+
+def request_hashes(twin: Twin) -> dict[str, tuple[bytes, ...]]:
+    table = twin.server.server.table
+    return twin.server.call(
+        lambda: {rid: tuple(r.block_hashes) for rid, r in table._requests.items()}
+    )
+
+
+new_requests = st.lists(
+    st.tuples(
+        st.sampled_from((*IDS, "")),
+        st.integers(0, len(ADD_PROMPTS) - 1),
+        st.sampled_from((None, None, "own", "short", "bad", "many")),
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+@fuzz_settings(30)
+@given(first=prelude, entries=new_requests, stop_on_error=st.booleans())
+def test_a_new_request_entry_answers_as_a_single_add_request(
+    add_twins: tuple[Twin, Twin],
+    first: list[Op],
+    entries: list[tuple[str, int, str | None]],
+    stop_on_error: bool,
+) -> None:
+    """``add_request_batch`` against the same requests sent as single AddRequests: new
+    ids, ids already known or repeated in the batch, an empty id, empty and too long
+    prompts, hashes the server takes or refuses (or every client_hashed one, on a
+    server that does not trust them), under stop_on_error or not. Each entry reads
+    None or the single AddRequest's error, with its message; the requests hold the
+    same hashes and the pools end identical. An entry hashed otherwise than the one
+    before it opens a batch of its own."""
+    coalesced, plain = add_twins
+    try:
+        for server in add_twins:
+            send(server, first, False, omit=True, stop_on_error=False)
+        builder = StepBuilder()
+        single = StepBuilder(coalesce=False)
+        runs, handles = [], []
+        for rid, prompt_index, hashes_kind in entries:
+            prompt = ADD_PROMPTS[prompt_index]
+            hashes = claimed_hashes(coalesced, prompt, hashes_kind)
+            batch_hashes = None if hashes is None else [hashes]
+            runs.append(builder.add_request_batch([rid], [prompt], batch_hashes))
+            handles.append(single.add_request(rid, prompt, block_hashes=hashes))
+        changes = sum((a[2] is None) != (b[2] is None) for a, b in itertools.pairwise(entries))
+        assert len(builder.to_pb().ops) == changes + 1
+        got = coalesced.client.step(builder, stop_on_error=stop_on_error)
+        want = plain.client.step(single, stop_on_error=stop_on_error)
+        for run, theirs in zip(runs, handles, strict=True):
+            (mine,) = entry_handles(run)
+            read, expected = outcome(got, mine), outcome(want, theirs)
+            assert read == (expected if expected[0] == "error" else ("ok", None))
+        assert {i: e.message for i, e in got.errors.items()} == {
+            i: e.message for i, e in want.errors.items()
+        }
+        assert request_hashes(coalesced) == request_hashes(plain)
+        assert coalesced.state() == plain.state()
+    finally:
+        coalesced.finish()
+        plain.finish()
+
+
+def new_requests_of(
+    request_ids: list[str],
+    packed: bytes,
+    counts: list[int],
+    hashes: Sequence[bytes] = (),
+    num_hashes: Sequence[int] = (),
+    client_hashed: bool = False,
+) -> pb.StepOperation:
+    batch = pb.AddRequestBatch(
+        request_ids=request_ids,
+        packed_prompt_token_ids=packed,
+        num_prompt_tokens=counts,
+        client_hashed=client_hashed,
+        block_hashes=hashes,
+        num_block_hashes=num_hashes,
+    )
+    return pb.StepOperation(add_request_batch=batch)
+
+
+EIGHT = pack_token_ids(range(8))
+
+
+@pytest.mark.parametrize(
+    ("operation", "message"),
+    [
+        (new_requests_of([], b"", []), "add_request_batch: request_ids must hold at least one"),
+        (new_requests_of(["x"], EIGHT, [4, 4]), "num_prompt_tokens has 2 values for 1"),
+        (new_requests_of(["x"], EIGHT + b"1", [8]), "holds 33 bytes, not a multiple of 4"),
+        (new_requests_of(["x", "y"], EIGHT, [4, 3]), "add up to the 8 packed prompt ids"),
+        (new_requests_of(["x", "y"], EIGHT, [9, -1]), "must be counts >= 0"),
+        (
+            new_requests_of(["x"], EIGHT, [8], [b"h" * 32], [1]),
+            "block_hashes and num_block_hashes are for a client_hashed batch only",
+        ),
+        (
+            new_requests_of(["x", "y"], EIGHT, [4, 4], [b"h" * 32], [1], client_hashed=True),
+            "num_block_hashes has 1 values for 2 request_ids",
+        ),
+        (
+            new_requests_of(["x"], EIGHT, [8], [b"h" * 32], [2], client_hashed=True),
+            "add up to the 1 hashes",
+        ),
+    ],
+)
+def test_a_malformed_new_request_batch_is_refused_whole(
+    zeroing: Twin, operation: pb.StepOperation, message: str
+) -> None:
+    test_a_malformed_batch_is_refused_whole_and_changes_nothing(zeroing, operation, message)
+
+
+def test_a_new_request_batch_the_builder_cannot_pack_leaves_it_as_it_was() -> None:
+    """An id outside 4 unsigned bytes, a hash that is not bytes or uneven columns:
+    ValueError or TypeError, and the builder sends what it held before (here, an
+    open batch the failed call would have joined)."""
+    builder = StepBuilder()
+    builder.add_request_batch(["a"], [[1, 2]])
+    hashed = builder.add_request_batch(["b"], [[3]], [[]])
+    before = builder.to_pb().SerializeToString()
+    with pytest.raises(ValueError, match="prompt 1 of the batch holds a token id outside"):
+        builder.add_request_batch(["c", "d"], [[1], [2**32]], [[], []])
+    with pytest.raises(TypeError):
+        builder.add_request_batch(["c"], [[1]], [["not bytes"]])  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="1 request ids but 2 prompts"):
+        builder.add_request_batch(["c"], [[1], [2]])
+    assert builder.to_pb().SerializeToString() == before
+    assert len(builder) == 2
+    joined = builder.add_request_batch(["e"], [[4]], [[]])
+    assert (joined.wire, joined.row) == (hashed.wire, hashed.row + 1)

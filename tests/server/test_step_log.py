@@ -144,3 +144,41 @@ def test_admissions_join_a_column_only_with_the_same_options() -> None:
         ("get_computed_blocks", ["d"]),
         ("allocate_slots", ["d"]),
     ]
+
+
+def test_plain_new_requests_travel_as_one_column_in_order() -> None:
+    """New requests with nothing but a prompt share an add_request_batch, those with
+    vLLM's hashes one of their own; a request with any other argument (a salt) travels
+    alone, in its place; every new request goes before the step's other operations."""
+    log = StepLog()
+    log.free("done", FreeMode.FINISH)
+    log.add_request("a", [1, 2, 3], cache_salt=None, lora_name=None, mm_features=[])
+    log.add_request("b", [4])
+    log.add_request("salted", [5], cache_salt="s")
+    log.add_request("c", [6])
+    log.add_request("hashed", [7] * 16, block_hashes=[b"h" * 32])
+    log.add_request("short", [8], block_hashes=[])
+    step, expected = log.build()
+    assert sent_ops(log) == [
+        ("add_request_batch", ["a", "b"]),
+        ("add_request", ["salted"]),
+        ("add_request_batch", ["c"]),
+        ("add_request_batch", ["hashed", "short"]),
+        ("free_batch", ["done"]),
+    ]
+    ops = step.to_pb().ops
+    first, hashed = ops[0].add_request_batch, ops[3].add_request_batch
+    assert list(first.num_prompt_tokens) == [3, 1] and not first.client_hashed
+    assert list(hashed.num_block_hashes) == [1, 0] and hashed.client_hashed
+    assert [type(item).__name__ for item in expected[:3]] == ["AddRequestRun"] * 3
+
+
+def test_a_prompt_that_does_not_pack_sends_its_run_as_single_requests() -> None:
+    """A token id outside 4 unsigned bytes cannot travel packed: the run goes as
+    single AddRequests, which send it as given for the server to name."""
+    log = StepLog()
+    log.add_request("a", [1])
+    log.add_request("b", [-1])
+    assert sent_ops(log) == [("add_request", ["a"]), ("add_request", ["b"])]
+    _, expected = log.build()
+    assert expected == []

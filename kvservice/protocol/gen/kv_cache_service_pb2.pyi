@@ -1595,6 +1595,7 @@ class StepOperation(_message.Message):
     REMOVE_SKIPPED_BLOCKS_FIELD_NUMBER: _builtins.int
     FREE_BATCH_FIELD_NUMBER: _builtins.int
     LOOKUP_ALLOCATE_BATCH_FIELD_NUMBER: _builtins.int
+    ADD_REQUEST_BATCH_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def add_request(self) -> Global___AddRequestRequest: ...
     @_builtins.property
@@ -1639,6 +1640,8 @@ class StepOperation(_message.Message):
     def free_batch(self) -> Global___FreeBatch: ...
     @_builtins.property
     def lookup_allocate_batch(self) -> Global___LookupAllocateBatch: ...
+    @_builtins.property
+    def add_request_batch(self) -> Global___AddRequestBatch: ...
     def __init__(
         self,
         *,
@@ -1664,12 +1667,13 @@ class StepOperation(_message.Message):
         remove_skipped_blocks: Global___RemoveSkippedBlocksRequest | None = ...,
         free_batch: Global___FreeBatch | None = ...,
         lookup_allocate_batch: Global___LookupAllocateBatch | None = ...,
+        add_request_batch: Global___AddRequestBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "evict_blocks", b"evict_blocks", "free_batch", b"free_batch", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "lookup_allocate_batch", b"lookup_allocate_batch", "new_step_starts", b"new_step_starts", "op", b"op", "pin_prefix", b"pin_prefix", "probe", b"probe", "remove_skipped_blocks", b"remove_skipped_blocks", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "add_request_batch", b"add_request_batch", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "evict_blocks", b"evict_blocks", "free_batch", b"free_batch", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "lookup_allocate_batch", b"lookup_allocate_batch", "new_step_starts", b"new_step_starts", "op", b"op", "pin_prefix", b"pin_prefix", "probe", b"probe", "remove_skipped_blocks", b"remove_skipped_blocks", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "evict_blocks", b"evict_blocks", "free_batch", b"free_batch", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "lookup_allocate_batch", b"lookup_allocate_batch", "new_step_starts", b"new_step_starts", "op", b"op", "pin_prefix", b"pin_prefix", "probe", b"probe", "remove_skipped_blocks", b"remove_skipped_blocks", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "add_request_batch", b"add_request_batch", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "evict_blocks", b"evict_blocks", "free_batch", b"free_batch", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "lookup_allocate_batch", b"lookup_allocate_batch", "new_step_starts", b"new_step_starts", "op", b"op", "pin_prefix", b"pin_prefix", "probe", b"probe", "remove_skipped_blocks", b"remove_skipped_blocks", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "new_step_starts", "free_retained_blocks", "cache_blocks", "pin_prefix", "unpin_prefix", "list_pins", "evict_blocks", "remove_skipped_blocks", "free_batch", "lookup_allocate_batch"]  # noqa: Y015
+    _WhichOneofReturnType_op: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "new_step_starts", "free_retained_blocks", "cache_blocks", "pin_prefix", "unpin_prefix", "list_pins", "evict_blocks", "remove_skipped_blocks", "free_batch", "lookup_allocate_batch", "add_request_batch"]  # noqa: Y015
     _WhichOneofArgType_op: _TypeAlias = _typing.Literal["op", b"op"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_op) -> _WhichOneofReturnType_op | None: ...
 
@@ -1679,8 +1683,8 @@ Global___StepOperation: _TypeAlias = StepOperation  # noqa: Y015
 class AppendTokensBatch(_message.Message):
     """Columnar operations: a run of the commonest per-request operations of a scheduler
     step in one message (a decode step's appends and allocations, the frees of finished
-    requests, the admissions of waiting ones), with no message per request on either
-    side. Step-only (there is no unary RPC for them).
+    requests, the new requests and the admissions of waiting ones), with no message per
+    request on either side. Step-only (there is no unary RPC for them).
 
     Each entry (index i: request_ids[i] with the i-th value of the other columns) runs
     exactly as the single operation would (AppendTokens with one token, AllocateSlots
@@ -1698,13 +1702,15 @@ class AppendTokensBatch(_message.Message):
         changed nothing) and the later entries still run, as single operations do.
 
     The batch itself is refused (StepResult.error INVALID_ARGUMENT, nothing run) only
-    when malformed as a whole: no entry, or columns of different lengths. Each entry
+    when malformed as a whole: no entry, columns of different lengths (or, for the
+    concatenated columns, counts that do not add up to their values). Each entry
     counts as one operation against the server's operations-per-step limit.
 
     With StepRequest.omit_request_state off, a batch answers the request state after
     each entry that ran without error (`requests`, one per entry before num_run, an
-    empty RequestState for a refused entry); with it on, none. A FreeBatch answers
-    none either way; a LookupAllocateBatch answers them in allocations.requests.
+    empty RequestState for a refused entry); with it on, none. A FreeBatch and an
+    AddRequestBatch answer none either way; a LookupAllocateBatch answers them in
+    allocations.requests.
 
     One token appended to each of request_ids (the decode step's sampled tokens).
     """
@@ -2124,6 +2130,92 @@ class LookupAllocateBatchResponse(_message.Message):
 Global___LookupAllocateBatchResponse: _TypeAlias = LookupAllocateBatchResponse  # noqa: Y015
 
 @_typing.final
+class AddRequestBatch(_message.Message):
+    """An AddRequest for each of request_ids, in order: the requests a scheduler step
+    received, with nothing but a prompt (and, client_hashed, its block hashes). A
+    request with a salt, a LoRA adapter, multimodal items, prompt embeddings, retention
+    or skip_reading_prefix_cache is a single AddRequest. Each entry is the
+    AddRequestRequest with request_id, its prompt packed, and (client_hashed) its
+    block_hashes; it answers nothing but a refusal (a new request's state is the
+    prompt the client sent: AddRequestResponse has it).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    PACKED_PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    CLIENT_HASHED_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    NUM_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    packed_prompt_token_ids: _builtins.bytes
+    """Every entry's prompt, packed as AddRequestRequest.packed_prompt_token_ids and
+    concatenated: entry i's is the next num_prompt_tokens[i] ids.
+    """
+    client_hashed: _builtins.bool
+    """Every entry is client_hashed (AddRequestRequest.client_hashed), or none is."""
+    @_builtins.property
+    def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def num_prompt_tokens(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """As many as request_ids, each >= 0 (an empty prompt refuses its entry alone), and
+        summing to the packed ids.
+        """
+
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """With client_hashed: every entry's block hashes, concatenated; entry i's are the
+        next num_block_hashes[i]. Without it both are empty.
+        """
+
+    @_builtins.property
+    def num_block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        packed_prompt_token_ids: _builtins.bytes = ...,
+        num_prompt_tokens: _abc.Iterable[_builtins.int] | None = ...,
+        client_hashed: _builtins.bool = ...,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        num_block_hashes: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "client_hashed", b"client_hashed", "num_block_hashes", b"num_block_hashes", "num_prompt_tokens", b"num_prompt_tokens", "packed_prompt_token_ids", b"packed_prompt_token_ids", "request_ids", b"request_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AddRequestBatch: _TypeAlias = AddRequestBatch  # noqa: Y015
+
+@_typing.final
+class AddRequestBatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_REQUESTS_FIELD_NUMBER: _builtins.int
+    NUM_RUN_FIELD_NUMBER: _builtins.int
+    ERRORS_FIELD_NUMBER: _builtins.int
+    num_requests: _builtins.int
+    """As AppendTokensBatchResponse's."""
+    num_run: _builtins.int
+    @_builtins.property
+    def errors(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchEntryError]: ...
+    def __init__(
+        self,
+        *,
+        num_requests: _builtins.int = ...,
+        num_run: _builtins.int = ...,
+        errors: _abc.Iterable[Global___BatchEntryError] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["errors", b"errors", "num_requests", b"num_requests", "num_run", b"num_run"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AddRequestBatchResponse: _TypeAlias = AddRequestBatchResponse  # noqa: Y015
+
+@_typing.final
 class OperationError(_message.Message):
     """Why an operation of a step failed: the status the unary RPC would have ended with."""
 
@@ -2179,6 +2271,7 @@ class StepResult(_message.Message):
     REMOVE_SKIPPED_BLOCKS_FIELD_NUMBER: _builtins.int
     FREE_BATCH_FIELD_NUMBER: _builtins.int
     LOOKUP_ALLOCATE_BATCH_FIELD_NUMBER: _builtins.int
+    ADD_REQUEST_BATCH_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def add_request(self) -> Global___AddRequestResponse: ...
     @_builtins.property
@@ -2231,6 +2324,8 @@ class StepResult(_message.Message):
     def free_batch(self) -> Global___FreeBatchResponse: ...
     @_builtins.property
     def lookup_allocate_batch(self) -> Global___LookupAllocateBatchResponse: ...
+    @_builtins.property
+    def add_request_batch(self) -> Global___AddRequestBatchResponse: ...
     def __init__(
         self,
         *,
@@ -2257,12 +2352,13 @@ class StepResult(_message.Message):
         remove_skipped_blocks: Global___RemoveSkippedBlocksResponse | None = ...,
         free_batch: Global___FreeBatchResponse | None = ...,
         lookup_allocate_batch: Global___LookupAllocateBatchResponse | None = ...,
+        add_request_batch: Global___AddRequestBatchResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "error", b"error", "evict_blocks", b"evict_blocks", "free_batch", b"free_batch", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "lookup_allocate_batch", b"lookup_allocate_batch", "new_step_starts", b"new_step_starts", "pin_prefix", b"pin_prefix", "probe", b"probe", "remove_skipped_blocks", b"remove_skipped_blocks", "result", b"result", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "add_request_batch", b"add_request_batch", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "error", b"error", "evict_blocks", b"evict_blocks", "free_batch", b"free_batch", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "lookup_allocate_batch", b"lookup_allocate_batch", "new_step_starts", b"new_step_starts", "pin_prefix", b"pin_prefix", "probe", b"probe", "remove_skipped_blocks", b"remove_skipped_blocks", "result", b"result", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "error", b"error", "evict_blocks", b"evict_blocks", "free_batch", b"free_batch", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "lookup_allocate_batch", b"lookup_allocate_batch", "new_step_starts", b"new_step_starts", "pin_prefix", b"pin_prefix", "probe", b"probe", "remove_skipped_blocks", b"remove_skipped_blocks", "result", b"result", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["add_request", b"add_request", "add_request_batch", b"add_request_batch", "admit", b"admit", "allocate_slots", b"allocate_slots", "allocate_slots_batch", b"allocate_slots_batch", "append_tokens", b"append_tokens", "append_tokens_batch", b"append_tokens_batch", "cache_blocks", b"cache_blocks", "error", b"error", "evict_blocks", b"evict_blocks", "free_batch", b"free_batch", "free_request", b"free_request", "free_retained_blocks", b"free_retained_blocks", "get_block_ids", b"get_block_ids", "get_computed_blocks", b"get_computed_blocks", "get_request", b"get_request", "get_usage", b"get_usage", "list_pins", b"list_pins", "lookup_allocate_batch", b"lookup_allocate_batch", "new_step_starts", b"new_step_starts", "pin_prefix", b"pin_prefix", "probe", b"probe", "remove_skipped_blocks", b"remove_skipped_blocks", "result", b"result", "unpin_prefix", b"unpin_prefix"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "new_step_starts", "free_retained_blocks", "error", "cache_blocks", "pin_prefix", "unpin_prefix", "list_pins", "evict_blocks", "remove_skipped_blocks", "free_batch", "lookup_allocate_batch"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["add_request", "append_tokens", "get_computed_blocks", "allocate_slots", "free_request", "probe", "get_request", "get_block_ids", "get_usage", "admit", "append_tokens_batch", "allocate_slots_batch", "new_step_starts", "free_retained_blocks", "error", "cache_blocks", "pin_prefix", "unpin_prefix", "list_pins", "evict_blocks", "remove_skipped_blocks", "free_batch", "lookup_allocate_batch", "add_request_batch"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 
