@@ -559,3 +559,38 @@ def test_a_sliding_window_pool_too_small_names_max_in_flight_tokens() -> None:
     assert "--max-in-flight-tokens" in message and "--num-blocks" in message, message
     # Lowering it as told is enough here: a window plus 16 tokens in flight.
     build_kv_cache_config(dataclasses.replace(config, max_in_flight_tokens=16))
+
+
+def test_a_slice_ends_on_cpu_time_and_reads_it_only_when_it_could_be_spent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a busy machine the clock runs ahead of the thread's CPU time (here 4 times
+    as fast): the slice is due exactly when SLICE_S of CPU time is spent, not when the
+    clock passes it; and once the clock has passed its deadline, the CPU time (a
+    system call) is read again only when it could have reached its own, not on every
+    check (12 reads here, against the 38 checks after the clock passed its deadline)."""
+    clock = {"wall": 0.0, "cpu": 0.0}
+    reads: list[float] = []
+
+    class FakeTime:
+        @staticmethod
+        def perf_counter() -> float:
+            return clock["wall"]
+
+        @staticmethod
+        def thread_time() -> float:
+            reads.append(clock["cpu"])
+            return clock["cpu"]
+
+    monkeypatch.setattr(turns, "time", FakeTime)
+    monkeypatch.setattr(turns, "SLICE_S", 0.005)
+    slices = turns.Slices()
+    tick = 0.0001
+    checks_after_clock = 0
+    while not slices.due():
+        assert clock["cpu"] < turns.SLICE_S
+        checks_after_clock += clock["wall"] >= turns.SLICE_S
+        clock["wall"] += 4 * tick
+        clock["cpu"] += tick
+    assert clock["cpu"] == pytest.approx(turns.SLICE_S)
+    assert len(reads) <= checks_after_clock // 2
