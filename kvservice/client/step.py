@@ -319,12 +319,39 @@ class StepBuilder:
         return self._add(_wire.append_tokens(request_id, token_ids, block_hashes))
 
     def append_tokens_batch(
-        self, request_ids: Sequence[str], token_ids: Sequence[int]
+        self,
+        request_ids: Sequence[str],
+        token_ids: Sequence[int],
+        block_hashes: Sequence[Sequence[bytes]] | None = None,
     ) -> RunHandle[RequestState]:
         """One token for each request, in order: ``append_tokens(request_ids[i],
-        [token_ids[i]])`` for every i, as entries of one columnar operation (or of
-        the open one), without a handle per entry."""
-        return self._entries(_wire.APPEND_TOKENS_BATCH, "token_ids", request_ids, token_ids)
+        [token_ids[i]], block_hashes[i])`` for every i (``block_hashes`` None: none
+        carries a hash), as entries of one columnar operation (or of the open one),
+        without a handle per entry."""
+        if block_hashes is not None and len(block_hashes) != len(request_ids):
+            raise ValueError(f"{len(request_ids)} request ids but {len(block_hashes)} block_hashes")
+        run = self._entries(_wire.APPEND_TOKENS_BATCH, "token_ids", request_ids, token_ids)
+        if run.num_entries and block_hashes is not None and any(block_hashes):
+            batch = self._request.ops[run.wire].append_tokens_batch
+            self._add_hashes(run, batch, block_hashes)
+        return run
+
+    def _add_hashes(
+        self, run: RunHandle[Any], batch: Any, block_hashes: Sequence[Sequence[bytes]]
+    ) -> None:
+        """``run``'s block hashes into its batch's concatenated column, with a count per
+        entry (0 for the batch's entries before it that had none to send); ``run``'s
+        entries taken out of the builder again when the message refuses a hash."""
+        num_hashes = len(batch.block_hashes)
+        try:
+            batch.block_hashes.extend([h for hashes in block_hashes for h in hashes])
+        except Exception:
+            del batch.block_hashes[num_hashes:]
+            self._drop_rows(run.row)
+            raise
+        counts = batch.num_block_hashes
+        counts.extend([0] * (run.row - len(counts)))
+        counts.extend([len(hashes) for hashes in block_hashes])
 
     def allocate_slots_batch(
         self, request_ids: Sequence[str], num_new_tokens: Sequence[int]
@@ -418,14 +445,7 @@ class StepBuilder:
             return run
         batch = self._request.ops[run.wire].add_request_batch
         if block_hashes is not None:
-            num_hashes = len(batch.block_hashes)
-            try:
-                batch.block_hashes.extend([h for hashes in block_hashes for h in hashes])
-            except Exception:
-                del batch.block_hashes[num_hashes:]
-                self._drop_rows(run.row)
-                raise
-            batch.num_block_hashes.extend([len(hashes) for hashes in block_hashes])
+            self._add_hashes(run, batch, block_hashes)
             batch.client_hashed = True
         batch.packed_prompt_token_ids += packed
         if opens:

@@ -232,9 +232,15 @@ class StepLog:
     def append_tokens(
         self, request_id: str, token_ids: Sequence[int], block_hashes: Sequence[bytes] = ()
     ) -> None:
-        if len(token_ids) == 1 and not block_hashes:
-            self.append_token(request_id, token_ids[0])
-            return
+        if len(token_ids) == 1:
+            if not block_hashes:
+                self.append_token(request_id, token_ids[0])
+                return
+            if request_id not in self._ones and request_id not in self._appends:
+                # A decode token that completes a block: a column entry with its hash.
+                self._ones[request_id] = token_ids[0]
+                self._appended_hashes[request_id] = list(block_hashes)
+                return
         tokens = self._appends.get(request_id)
         if tokens is None:
             one = self._ones.pop(request_id, None)
@@ -349,11 +355,13 @@ class StepLog:
             else:
                 request_id, prompt, kwargs = new
                 step.add_request(request_id, prompt, **kwargs)
-        # One token each: the decode step's columnar batch. An append of several
-        # tokens, or one that completes a client_hashed request's block (with its
-        # hash), travels alone.
-        step.append_tokens_batch(list(self._ones), list(self._ones.values()))
+        # One token each (with the hash of the block it completes, for a client_hashed
+        # request): the decode step's columnar batch. An append of several tokens
+        # travels alone.
         hashes = self._appended_hashes
+        ones = self._ones
+        column_hashes = [hashes.get(r, ()) for r in ones] if hashes else None
+        step.append_tokens_batch(list(ones), list(ones.values()), column_hashes)
         for request_id, tokens in self._appends.items():
             step.append_tokens(request_id, tokens, hashes.get(request_id, ()))
         for op in self._ops:

@@ -115,7 +115,8 @@ def new_requests_from_batch(msg: pb.AddRequestBatch) -> list[NewRequest]:
             f"multiple of {PACKED_TOKEN_ID_SIZE} (one unsigned little-endian "
             f"{PACKED_TOKEN_ID_SIZE}-byte int per token id)"
         )
-    prompts = _cut_column(
+    prompts = cut_column(
+        "add_request_batch",
         unpack_token_ids(packed),
         msg.num_prompt_tokens,
         num_ids,
@@ -124,8 +125,13 @@ def new_requests_from_batch(msg: pb.AddRequestBatch) -> list[NewRequest]:
     )
     hashed = msg.client_hashed
     if hashed:
-        hashes = _cut_column(
-            list(msg.block_hashes), msg.num_block_hashes, num_ids, "num_block_hashes", "hashes"
+        hashes = cut_column(
+            "add_request_batch",
+            list(msg.block_hashes),
+            msg.num_block_hashes,
+            num_ids,
+            "num_block_hashes",
+            "hashes",
         )
     elif msg.block_hashes or msg.num_block_hashes:
         raise InvalidArgumentError(
@@ -145,19 +151,20 @@ def new_requests_from_batch(msg: pb.AddRequestBatch) -> list[NewRequest]:
     ]
 
 
-def _cut_column(
-    values: list[T], counts: Sequence[int], num_ids: int, column: str, what: str
+def cut_column(
+    kind: str, values: list[T], counts: Sequence[int], num_ids: int, column: str, what: str
 ) -> list[list[T]]:
-    """``values`` cut into one list per entry, ``counts[i]`` values for entry i."""
+    """A batch's concatenated ``values`` cut into one list per entry, ``counts[i]``
+    values for entry i; ``InvalidArgumentError`` naming ``kind``'s ``column`` unless
+    there is a count per entry and they add up to the values."""
     if len(counts) != num_ids:
         raise InvalidArgumentError(
-            f"add_request_batch: {column} has {len(counts)} values for {num_ids} request_ids "
-            f"(one each)"
+            f"{kind}: {column} has {len(counts)} values for {num_ids} request_ids (one each)"
         )
     if any(count < 0 for count in counts) or sum(counts) != len(values):
         raise InvalidArgumentError(
-            f"add_request_batch: {column} must be counts >= 0 that add up to the "
-            f"{len(values)} {what} sent, got {list(counts)}"
+            f"{kind}: {column} must be counts >= 0 that add up to the {len(values)} {what} "
+            f"sent, got {list(counts)}"
         )
     cut: list[list[T]] = []
     pos = 0
@@ -165,6 +172,26 @@ def _cut_column(
         cut.append(values[pos : pos + count])
         pos += count
     return cut
+
+
+def appended_hashes(msg: pb.AppendTokensBatch) -> list[list[bytes]] | None:
+    """An ``AppendTokensBatch``'s hashes per entry (none for the entries past its
+    counts), or None when no entry carries any."""
+    counts = list(msg.num_block_hashes)
+    if not counts and not msg.block_hashes:
+        return None
+    num_ids = len(msg.request_ids)
+    if len(counts) > num_ids:
+        raise InvalidArgumentError(
+            f"append_tokens_batch: num_block_hashes has {len(counts)} values for {num_ids} "
+            f"request_ids (at most one each)"
+        )
+    column = "num_block_hashes"
+    hashes = cut_column(
+        "append_tokens_batch", list(msg.block_hashes), counts, len(counts), column, "hashes"
+    )
+    hashes.extend([] for _ in range(num_ids - len(counts)))
+    return hashes
 
 
 def retention_from_pb(msg: pb.AddRequestRequest) -> RetentionConfig:

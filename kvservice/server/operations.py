@@ -360,11 +360,13 @@ async def append_tokens_batch(
     slices: Slices,
     /,
 ) -> int:
-    """One token appended per entry: ``append_tokens`` in a loop, with no message per
-    entry (unless the request states are wanted)."""
+    """One token appended per entry (with the hashes of the blocks it completes, for a
+    client_hashed request): ``append_tokens`` in a loop, with no message per entry
+    (unless the request states are wanted)."""
     ids = list(msg.request_ids)
     tokens = list(msg.token_ids)
     _check_columns("append_tokens_batch", len(ids), "token_ids", len(tokens))
+    hashes = converters.appended_hashes(msg)
     out.num_requests = len(ids)
     tenant = caller.tenant
     states = out.requests if with_state else None
@@ -374,7 +376,10 @@ async def append_tokens_batch(
         if slices.due():
             await slices.pause()
         try:
-            request = table.append_tokens(rid, [token], tenant)
+            if hashes is None:
+                request = table.append_tokens(rid, [token], tenant)
+            else:
+                request = table.append_tokens(rid, [token], tenant, hashes[index])
         except Exception as err:
             code = _entry_error(out.errors, index, err)
             first_code = first_code or code

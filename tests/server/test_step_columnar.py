@@ -368,6 +368,12 @@ def test_a_malformed_batch_is_refused_whole_and_changes_nothing(
 ) -> None:
     """No entry, or uneven columns: INVALID_ARGUMENT for the operation, naming the
     column and the counts, and no entry ran (the valid ones included)."""
+    assert_refused_whole(zeroing, operation, message)
+
+
+def assert_refused_whole(zeroing: Twin, operation: pb.StepOperation, message: str) -> None:
+    """``operation``, sent with requests a and b known, is refused as a whole
+    (INVALID_ARGUMENT, ``message`` in its words) and changes nothing."""
     zeroing.client.add_request("a", tokens(BLOCK))
     zeroing.client.add_request("b", tokens(BLOCK))
     before = zeroing.state()
@@ -780,7 +786,7 @@ def admissions_of(request_ids: list[str], num_new_tokens: list[int]) -> pb.StepO
 def test_a_malformed_admission_or_free_batch_is_refused_whole(
     zeroing: Twin, operation: pb.StepOperation, message: str
 ) -> None:
-    test_a_malformed_batch_is_refused_whole_and_changes_nothing(zeroing, operation, message)
+    assert_refused_whole(zeroing, operation, message)
 
 
 def test_an_admission_batch_answers_hits_and_blocks_in_columns(zeroing: Twin) -> None:
@@ -974,7 +980,7 @@ EIGHT = pack_token_ids(range(8))
 def test_a_malformed_new_request_batch_is_refused_whole(
     zeroing: Twin, operation: pb.StepOperation, message: str
 ) -> None:
-    test_a_malformed_batch_is_refused_whole_and_changes_nothing(zeroing, operation, message)
+    assert_refused_whole(zeroing, operation, message)
 
 
 def test_a_new_request_batch_the_builder_cannot_pack_leaves_it_as_it_was() -> None:
@@ -995,3 +1001,82 @@ def test_a_new_request_batch_the_builder_cannot_pack_leaves_it_as_it_was() -> No
     assert len(builder) == 2
     joined = builder.add_request_batch(["e"], [[4]], [[]])
     assert (joined.wire, joined.row) == (hashed.wire, hashed.row + 1)
+
+
+# -- AppendTokensBatch with hashes ----------------------------------------------------------
+
+hashed_appends = st.lists(
+    st.tuples(
+        st.sampled_from(("a", "b", "c", "unknown")),
+        st.integers(0, 50),
+        st.sampled_from((None, "one", "one", "bad", "two")),
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@fuzz_settings(30)
+@given(entries=hashed_appends, omit=st.booleans(), stop_on_error=st.booleans())
+def test_a_hashed_append_entry_answers_as_a_single_append(
+    add_twins: tuple[Twin, Twin],
+    entries: list[tuple[str, int, str | None]],
+    omit: bool,
+    stop_on_error: bool,
+) -> None:
+    """``append_tokens_batch`` with hashes against the same appends sent one operation
+    each: client_hashed requests one token short of a full block, each entry's token
+    with no hash, the hash of the block it completes, one of another length, or one
+    too many (the second append of a request completes no block). Each entry reads
+    what its single append reads, the requests hold the same hashes and the pools end
+    identical (on a server that does not trust hashes, no request was added)."""
+    coalesced, plain = add_twins
+    try:
+        for server in add_twins:
+            prelude_step = StepBuilder(coalesce=False)
+            for index, rid in enumerate("abc"):
+                prelude_step.add_request(rid, tokens(BLOCK - 1, start=100 * index), block_hashes=[])
+            server.client.step(prelude_step)
+        hasher = coalesced.server.server.table.manager.block_hasher
+        size = len(Request("probe", tokens(BLOCK), hasher).block_hashes[0])
+        hashes = [
+            {None: [], "one": [bytes([t]) * size], "bad": [b"x"], "two": [bytes([t]) * size] * 2}[
+                kind
+            ]
+            for _, t, kind in entries
+        ]
+        builder = StepBuilder(omit_request_state=omit)
+        run = builder.append_tokens_batch(
+            [r for r, _, _ in entries], [t for _, t, _ in entries], hashes
+        )
+        single = StepBuilder(omit_request_state=omit, coalesce=False)
+        handles = [
+            single.append_tokens(r, [t], h) for (r, t, _), h in zip(entries, hashes, strict=True)
+        ]
+        got = coalesced.client.step(builder, stop_on_error=stop_on_error)
+        want = plain.client.step(single, stop_on_error=stop_on_error)
+        for mine, theirs in zip(entry_handles(run), handles, strict=True):
+            assert outcome(got, mine) == outcome(want, theirs)
+        assert request_hashes(coalesced) == request_hashes(plain)
+        assert coalesced.state() == plain.state()
+    finally:
+        coalesced.finish()
+        plain.finish()
+
+
+@pytest.mark.parametrize(
+    ("counts", "hashes", "message"),
+    [
+        ([1, 0, 0], [b"h" * 32], "num_block_hashes has 3 values for 2 request_ids (at most one"),
+        ([1], [], "num_block_hashes must be counts >= 0 that add up to the 0 hashes sent"),
+        ([], [b"h" * 32], "add up to the 1 hashes sent, got []"),
+        ([-1, 1], [], "must be counts >= 0"),
+    ],
+)
+def test_an_append_batch_whose_hash_counts_do_not_cut_its_hashes_is_refused_whole(
+    zeroing: Twin, counts: list[int], hashes: list[bytes], message: str
+) -> None:
+    operation = appends(["a", "b"], [1, 2])
+    operation.append_tokens_batch.num_block_hashes.extend(counts)
+    operation.append_tokens_batch.block_hashes.extend(hashes)
+    assert_refused_whole(zeroing, operation, message)

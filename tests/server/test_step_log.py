@@ -46,11 +46,20 @@ def test_a_second_append_of_the_step_joins_the_first_in_order() -> None:
     assert sorted(single) == [("a", [1, 3], 0), ("b", [2, 4, 5], 0), ("c", [6, 7], 1)]
 
 
-def test_an_append_that_carries_a_hash_travels_alone() -> None:
+def test_a_one_token_append_that_carries_a_hash_joins_the_column_with_it() -> None:
+    """A decode token that completes a client_hashed request's block travels in the
+    column, its hash in the column's hashes (counted per entry: none for the entries
+    before it); a request's several tokens with a hash still travel alone."""
     log = StepLog()
-    log.append_tokens("a", [1], [b"h" * 32])
     log.append_token("b", 2)
-    assert sent_appends(log) == ([("b", 2)], [("a", [1], 1)])
+    log.append_tokens("a", [1], [b"h" * 32])
+    log.append_tokens("c", [3, 4], [b"i" * 32])
+    log.append_token("d", 5)
+    assert sent_appends(log) == ([("b", 2), ("a", 1), ("d", 5)], [("c", [3, 4], 1)])
+    step, _ = log.build()
+    column = step.to_pb().ops[0].append_tokens_batch
+    assert list(column.num_block_hashes) == [0, 1, 0]
+    assert list(column.block_hashes) == [b"h" * 32]
     assert log
     assert not StepLog()
 

@@ -1719,21 +1719,36 @@ class AppendTokensBatch(_message.Message):
 
     REQUEST_IDS_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    NUM_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def request_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """token_ids[i] goes to request_ids[i]; as many as request_ids."""
 
+    @_builtins.property
+    def num_block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The hashes of the blocks an entry's token completes, for a client_hashed request
+        (AppendTokensRequest.block_hashes): entry i's are the next num_block_hashes[i] of
+        block_hashes. The entries past the end of num_block_hashes carry none, so a batch
+        without hashes leaves both empty. At most one count per entry, adding up to the
+        hashes sent.
+        """
+
+    @_builtins.property
+    def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     def __init__(
         self,
         *,
         request_ids: _abc.Iterable[_builtins.str] | None = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        num_block_hashes: _abc.Iterable[_builtins.int] | None = ...,
+        block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_ids", b"request_ids", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "num_block_hashes", b"num_block_hashes", "request_ids", b"request_ids", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
