@@ -179,7 +179,7 @@ class StepLink:
             elif isinstance(item, LookupAllocationRun):
                 self._compare_lookup_run(results, item)
             elif not isinstance(item, Expected):
-                continue  # frees answer nothing; a refused one failed the step above
+                continue  # frees and new requests answer nothing; a refusal failed above
             elif item.answer is not ANY_ANSWER:
                 difference = self._difference(
                     item.view(results[item.handle]), item.answer, item.copies

@@ -488,3 +488,19 @@ def test_an_eagle_drafter_on_some_groups_names_them_at_startup(
 def test_bad_eagle_groups_are_refused(override: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         build_kv_cache_config(dataclasses.replace(POOL, **override))
+
+
+def test_a_new_request_the_server_refuses_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """New requests travel in a column (AddRequestBatch); one the server refuses (here
+    another client took its id first) stops the scheduler, naming the request and the
+    server's words."""
+    with remote(monkeypatch) as server:
+        scheduler = build_scheduler(SETUP, KVServiceScheduler)
+        _admit(scheduler)
+        with KVClient(server.handle.target) as intruder:
+            intruder.add_request("late", [1, 2, 3])
+        scheduler.add_request(RequestSpec("late", tuple(range(40)), max_tokens=4).build(16))
+        with pytest.raises(
+            KVServiceManagerError, match=r"refused add_request\('late', <40 tokens>\): .*'late'"
+        ):
+            scheduler.schedule()
