@@ -2148,10 +2148,10 @@ Global___LookupAllocateBatchResponse: _TypeAlias = LookupAllocateBatchResponse  
 class AddRequestBatch(_message.Message):
     """An AddRequest for each of request_ids, in order: the requests a scheduler step
     received, with nothing but a prompt (and, client_hashed, its block hashes). A
-    request with a salt, a LoRA adapter, multimodal items, prompt embeddings, retention
-    or skip_reading_prefix_cache is a single AddRequest. Each entry is the
-    AddRequestRequest with request_id, its prompt packed, and (client_hashed) its
-    block_hashes; it answers nothing but a refusal (a new request's state is the
+    request with a salt, a LoRA adapter, multimodal items, prompt embeddings, retention,
+    a cache_control_ttl or skip_reading_prefix_cache is a single AddRequest. Each entry
+    is the AddRequestRequest with request_id, its prompt packed, and (client_hashed)
+    its block_hashes; it answers nothing but a refusal (a new request's state is the
     prompt the client sent: AddRequestResponse has it).
     """
 
