@@ -48,6 +48,9 @@ Last, unsampled, the scheduler thread's CPU a churn step: in-process, in-process
 a wait after each ``schedule()`` as long as the server's CPU (a sleep, then a stand-in
 process busy that long: ``kvservice.bench.stand_in``), and remote, so that what
 waiting on another process costs the thread is told apart from the link's own work.
+With ``perf`` installed, the step socket's server is sampled natively too (its C and
+compiled frames, ``kvservice.bench.native_sampler``): its CPU by Step operation, and
+the share of it that ran Python called from the compiled runner.
 
     python -m benchmarks.bench_vllm_scheduler [--rounds 5] [--steps 200] [--forward-ms 0]
         [--async-scheduling] [--profile]
@@ -87,6 +90,12 @@ from kvservice.bench.measure import (  # noqa: E402
     machine_load,
     process_cpu_seconds,
     ratio_columns,
+)
+from kvservice.bench.native_sampler import (  # noqa: E402
+    Stack,
+    compiled_name,
+    interpreted_under,
+    native_sampled,
 )
 from kvservice.bench.process_sampler import (  # noqa: E402
     SamplerUnavailableError,
@@ -778,6 +787,7 @@ def _profile(target: str, server_pid: int | None, steps: int, step_socket: str) 
     for remote in modes[2:]:
         with _server_sampled(remote, steps):
             _run(remote, "churn", steps, 0, 0.0)
+    _server_natively(modes[-1], steps)
     _waiting_cost(modes[1], modes[2:], steps)
     floor = 1 / (1 - shares["vllm built-in"])
     print(
@@ -857,6 +867,67 @@ def _server_sampled(mode: Mode, steps: int) -> Iterator[None]:
     for part, count in parts.most_common(8):
         share = count / max(1, samples.total)
         print(f"  {100 * share:5.1f}%  {share * cpu_ms:5.2f} ms  {part}")
+
+
+def _server_natively(mode: Mode, steps: int) -> None:
+    """Sample ``mode``'s server with ``perf`` (native frames: the compiled Step
+    runner's own functions) while it runs churn steps, and print its CPU by the Step
+    operation each sample was in, then the share spent in Python code that the
+    compiled runner called (interpreted: what compiling more would take), by the
+    compiled function that called it."""
+    assert mode.server_pid is not None
+    cpu_before = process_cpu_seconds(mode.server_pid)
+    try:
+        with native_sampled(mode.server_pid) as samples:
+            _run(mode, "churn", steps, 0, 0.0)
+    except SamplerUnavailableError as error:
+        print(f"\nthe server was not sampled natively: {error}")
+        return
+    cpu_after = process_cpu_seconds(mode.server_pid)
+    cpu_ms = 0.0
+    if cpu_before is not None and cpu_after is not None:
+        cpu_ms = 1000 * (cpu_after - cpu_before) / steps
+    parts: Counter[str] = Counter()
+    interpreted: Counter[str] = Counter()
+    for stack, count in samples.stacks.items():
+        part, runner = _native_part(stack)
+        parts[part] += count
+        caller = None if runner is None else interpreted_under(stack, runner)
+        if caller is not None:
+            interpreted[caller] += count
+    total = max(1, samples.total)
+    print(
+        f"\n{mode.name}, its server: {cpu_ms:.2f} ms CPU a step while sampled by perf "
+        f"({samples.total} samples), by the Step operation sampled:"
+    )
+    for part, count in parts.most_common():
+        print(f"  {100 * count / total:5.1f}%  {cpu_ms * count / total:5.2f} ms  {part}")
+    share = sum(interpreted.values()) / total
+    print(
+        f"  of the server's CPU, {100 * share:.1f}% ({cpu_ms * share:.2f} ms a step) ran "
+        "Python that the compiled runner called, by the compiled caller:"
+    )
+    for caller, count in interpreted.most_common(6):
+        print(f"  {100 * count / total:5.1f}%  {caller}")
+
+
+_RUNNER = "StepRunner"
+_OPERATION_MODULE = "operations."
+
+
+def _native_part(stack: Stack) -> tuple[str, int | None]:
+    """What a native sample stands for (its outermost public Step operation, the
+    runner between operations, or what runs outside the runner) and the index of the
+    runner's outermost frame in ``stack`` (None outside it)."""
+    names = [compiled_name(function) or "" for function in stack]
+    runner = next((i for i in reversed(range(len(names))) if _RUNNER in names[i]), None)
+    if runner is None:
+        return "outside the Step runner: transport, asyncio, StallWatch", None
+    for name in reversed(names[:runner]):
+        operation = name.removeprefix(_OPERATION_MODULE)
+        if operation != name and not operation.startswith("_"):
+            return operation.split("_gen.", 1)[0], runner
+    return "the Step runner between operations (decoding, answers)", runner
 
 
 # The servicer's line that calls the Step runner: with the compiled build (the server

@@ -124,6 +124,14 @@ def test_bench_vllm_scheduler_profile_smoke(capsys: pytest.CaptureFixture[str]) 
             out,
             re.M,
         ), out
+    # And natively, where perf may (tests/bench/test_native_sampler.py).
+    assert re.search(
+        r"^socket, vLLM hashes, its server: [\d.]+ ms CPU a step while sampled by perf "
+        r"\(\d+ samples\), by the Step operation sampled:$"
+        r"|^the server was not sampled natively: perf",
+        out,
+        re.M,
+    ), out
 
 
 def test_the_async_report_names_a_mode_that_decided_otherwise(
