@@ -12,7 +12,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from kvservice.core.allocation_options import PLAIN_ALLOCATION, AllocationOptions
 from kvservice.core.block_hashing import MultiModalFeature
@@ -113,25 +112,76 @@ class PinnedBudget:
     max_pinned_blocks: int
 
 
-class AllocateArgs(NamedTuple):
+class AllocateArgs:
     """The arguments of ``allocate_slots``, with the hit named by its block ids (the
     blocks themselves stay in the table) and an optional ``num_computed_tokens`` to
-    set first.
+    set first. Nothing changes one after it is built.
 
-    A named tuple: immutable and hashable as a frozen dataclass is, and built in a
-    sixth of the time, which every allocation pays (one per entry of a decode step;
-    bench_decode_layers step layer: 21% faster than a frozen dataclass, 3 runs, spread
-    under 3%).
+    A plain class, neither a named tuple nor a dataclass: one is built per allocation
+    (every entry of a decode step), and compiled by mypyc a plain class's ``__init__``
+    is native, while a named tuple's ``__new__`` and a dataclass's ``__init__`` are
+    Python that the standard library generates at import, run interpreted on every
+    call (``benchmarks/bench_vllm_scheduler --profile``: the server's interpreted
+    frames under the Step runner).
     """
 
-    num_new_tokens: int
-    num_new_computed_tokens: int = 0
-    new_computed_block_ids: BlockIds = ()
-    options: AllocationOptions = PLAIN_ALLOCATION
-    num_computed_tokens: int | None = None
-    # Of the computed tokens, those whose step has not run (vLLM's async scheduling):
-    # windows release blocks only below the rest. For this call only.
-    num_in_flight_tokens: int = 0
+    __slots__ = (
+        "new_computed_block_ids",
+        "num_computed_tokens",
+        "num_in_flight_tokens",
+        "num_new_computed_tokens",
+        "num_new_tokens",
+        "options",
+    )
+
+    def __init__(
+        self,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_block_ids: BlockIds = (),
+        options: AllocationOptions = PLAIN_ALLOCATION,
+        num_computed_tokens: int | None = None,
+        num_in_flight_tokens: int = 0,
+    ) -> None:
+        self.num_new_tokens = num_new_tokens
+        self.num_new_computed_tokens = num_new_computed_tokens
+        self.new_computed_block_ids = new_computed_block_ids
+        self.options = options
+        self.num_computed_tokens = num_computed_tokens
+        # Of the computed tokens, those whose step has not run (vLLM's async
+        # scheduling): windows release blocks only below the rest. For this call only.
+        self.num_in_flight_tokens = num_in_flight_tokens
+
+    # Compared and hashed by value, as the named tuple it replaces was.
+    def _values(self) -> tuple[int, int, BlockIds, AllocationOptions, int | None, int]:
+        return (
+            self.num_new_tokens,
+            self.num_new_computed_tokens,
+            self.new_computed_block_ids,
+            self.options,
+            self.num_computed_tokens,
+            self.num_in_flight_tokens,
+        )
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AllocateArgs) and self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        named = zip(_ALLOCATE_ARGS_FIELDS, self._values(), strict=True)
+        return "AllocateArgs(" + ", ".join(f"{name}={value!r}" for name, value in named) + ")"
+
+
+_ALLOCATE_ARGS_FIELDS = (
+    "num_new_tokens",
+    "num_new_computed_tokens",
+    "new_computed_block_ids",
+    "options",
+    "num_computed_tokens",
+    "num_in_flight_tokens",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,11 +193,6 @@ class ComputedBlocks:
     shared_prefix_boundary: int
 
 
-# Not frozen: one is built per allocation, and a frozen dataclass's __init__ (an
-# object.__setattr__ per field) costs several times a plain one's. Nothing mutates
-# one after it is built. (bench_decode_layers table layer: 40% slower frozen; 3 runs,
-# spread under 6%.)
-@dataclass(slots=True)
 class Allocation:
     """An AllocateSlots answer; ``new_block_ids`` is None when there was no room.
 
@@ -157,14 +202,36 @@ class Allocation:
     sent. Copy-on-write copies ``(src, dst)`` of a partial prefix hit likewise:
     ``block_copies_to_apply`` (the worker applies them after zeroing, before the
     model writes) or ``block_copies_applied`` (the runtime did, after zeroing).
+    Nothing changes one after it is built.
+
+    A plain class, as ``AllocateArgs`` is and for the same reason: one is built per
+    allocation.
     """
 
-    request: Request
-    new_block_ids: BlockIdsPerGroup | None
-    block_ids_to_zero: Sequence[int] = ()
-    block_ids_zeroed: Sequence[int] = ()
-    block_copies_to_apply: Sequence[tuple[int, int]] = ()
-    block_copies_applied: Sequence[tuple[int, int]] = ()
+    __slots__ = (
+        "block_copies_applied",
+        "block_copies_to_apply",
+        "block_ids_to_zero",
+        "block_ids_zeroed",
+        "new_block_ids",
+        "request",
+    )
+
+    def __init__(
+        self,
+        request: Request,
+        new_block_ids: BlockIdsPerGroup | None,
+        block_ids_to_zero: Sequence[int] = (),
+        block_ids_zeroed: Sequence[int] = (),
+        block_copies_to_apply: Sequence[tuple[int, int]] = (),
+        block_copies_applied: Sequence[tuple[int, int]] = (),
+    ) -> None:
+        self.request = request
+        self.new_block_ids = new_block_ids
+        self.block_ids_to_zero = block_ids_to_zero
+        self.block_ids_zeroed = block_ids_zeroed
+        self.block_copies_to_apply = block_copies_to_apply
+        self.block_copies_applied = block_copies_applied
 
 
 @dataclass(frozen=True, slots=True)
