@@ -40,7 +40,7 @@ from kvservice.server.events import EventLog
 from kvservice.server.idempotency import IdempotencyLayer, OperationCache
 from kvservice.server.interceptors import BoundaryInterceptor, RpcLayer
 from kvservice.server.log import unfiltered_logger
-from kvservice.server.loop_watch import FullCollections, GcWatch, StallWatch
+from kvservice.server.loop_watch import STALL_INTERVAL_S, FullCollections, GcWatch, StallWatch
 from kvservice.server.metrics import (
     ClientTracker,
     KVCacheMetrics,
@@ -223,7 +223,14 @@ class KVCacheServer:
         )
         # How long the loop is held up (``loop_watch``): reported in the metrics, and
         # the longest figures kept for tests and benchmarks.
-        self.stalls = StallWatch(observe=self.metrics.record_loop_stall)
+        if config.loop_stall_interval_s < 0:
+            raise InvalidArgumentError(
+                f"loop_stall_interval must be >= 0 (0: no stall watch), got "
+                f"{config.loop_stall_interval_s}"
+            )
+        self.stalls = StallWatch(
+            config.loop_stall_interval_s or STALL_INTERVAL_S, self.metrics.record_loop_stall
+        )
         self.collections = GcWatch(
             observe=self.metrics.record_gc_pause, inside=lambda: self.turn.taken
         )
@@ -377,7 +384,8 @@ class KVCacheServer:
         self._reaper.start()
         if self._self_check is not None:
             self._self_check.start()
-        self.stalls.start()
+        if config.loop_stall_interval_s:
+            self.stalls.start()
         self.collections.start()
         if self._full_collections is not None:
             self._full_collections.start()

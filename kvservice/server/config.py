@@ -21,6 +21,7 @@ from kvservice.core.kv_cache_interface import (
 from kvservice.core.kv_cache_manager import KVCacheManager
 from kvservice.core.kv_cache_sizing import check_enough_kv_cache_memory, kv_cache_config_from_memory
 from kvservice.request_table.limits import RequestLimits
+from kvservice.server.loop_watch import STALL_INTERVAL_S
 from kvservice.server.zmq_events.config import KVEventsConfig
 
 _LIMITS = RequestLimits()
@@ -166,6 +167,10 @@ class ServerConfig:
     # itself in the table's turn (never inside a Step's slices) instead of Python
     # (``loop_watch.FullCollections``); 0 leaves them to Python. Process-wide.
     gc_full_collection_interval_s: float = 60.0
+    # Seconds between the stall watch's wakes (``loop_watch.StallWatch``): the
+    # resolution of kvservice_event_loop_stall_seconds, at a wake of the server each;
+    # 0 turns the watch off.
+    loop_stall_interval_s: float = STALL_INTERVAL_S
     # Operation ids remembered for idempotent retries (``idempotency``).
     idempotency_cache_size: int = 10_000
     # Security (``tls``, ``auth``): PEM files for TLS; a client CA turns on mutual TLS.

@@ -4,7 +4,8 @@ garbage-collector pauses.
 ``StallWatch`` is a task that sleeps ``interval_s`` at a time and records how late it
 wakes: the loop could not run it while something else held it (a call's work, a
 collection, a long callback), so its lateness is that stall, to within the interval.
-It costs one wakeup per interval (100 a second by default, a few microseconds each).
+It costs a wake of the server per interval (100 a second by default;
+``--loop-stall-interval`` sets it, 0 turns the watch off).
 
 ``GcWatch`` times every collection of the cyclic garbage collector through
 ``gc.callbacks``: a collection runs inside whatever allocation triggered it, so it

@@ -279,9 +279,9 @@ class KVCacheMetrics:
         """How long the event loop is held up (``loop_watch``)."""
         self._loop_stall = Histogram(
             "kvservice_event_loop_stall_seconds",
-            "How late a timer the server sets every 10 ms runs: the time the event loop "
-            "was held by something else (a call's work between two pauses, a garbage "
-            "collection). Health checks wait this long.",
+            "How late a timer the server sets every --loop-stall-interval (10 ms unless "
+            "set) runs: the time the event loop was held by something else (a call's work "
+            "between two pauses, a garbage collection). Health checks wait this long.",
             _LABELS,
             buckets=RPC_DURATION_BUCKETS,
             registry=self.registry,

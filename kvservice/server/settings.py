@@ -398,6 +398,14 @@ OPTIONS: tuple[Option, ...] = (
         "gc_full_collection_interval_s",
     ),
     Option(
+        "loop_stall_interval",
+        float,
+        "seconds between the event-loop stall watch's wakes: the resolution of "
+        "kvservice_event_loop_stall_seconds, at a wake of the server each; 0 turns the "
+        "watch off",
+        "loop_stall_interval_s",
+    ),
+    Option(
         "idempotency_cache_size",
         int,
         "operation ids remembered for idempotent retries (x-kvservice-operation-id)",

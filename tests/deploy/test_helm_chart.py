@@ -224,6 +224,8 @@ def test_container_args_are_kvservice_serve_flags() -> None:
         "--log-level": "info",
         "--shutdown-grace": "5",
         "--gc-full-collection-interval": "60",
+        # The server's own default.
+        "--loop-stall-interval": str(ServerConfig().loop_stall_interval_s),
         "--eviction-policy": "lru",
         "--max-pinned-fraction": "0",
         "--none-hash-seed": "shared",

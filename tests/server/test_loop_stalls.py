@@ -551,6 +551,29 @@ def test_gc_full_collection_interval_is_a_setting(tmp_path: Path) -> None:
         KVCacheServer(dataclasses.replace(SMALL_POOL, gc_full_collection_interval_s=-1.0))
 
 
+def test_loop_stall_interval_is_a_setting() -> None:
+    flag = load_settings({"loop_stall_interval": 0.05}, {})
+    assert flag.server.loop_stall_interval_s == 0.05
+    env = load_settings({}, {"KVSERVICE_LOOP_STALL_INTERVAL": "0"})
+    assert env.server.loop_stall_interval_s == 0.0
+    assert ServerConfig().loop_stall_interval_s == loop_watch.STALL_INTERVAL_S
+    with pytest.raises(InvalidArgumentError, match="loop_stall_interval must be >= 0"):
+        KVCacheServer(dataclasses.replace(SMALL_POOL, loop_stall_interval_s=-0.01))
+
+
+async def test_the_stall_watch_wakes_at_the_interval_set_and_not_at_all_at_0() -> None:
+    """A server whose watch is off exports no stall observation (and wakes for none);
+    one set to 0.05 s ticks at that pace."""
+    async with running_server(dataclasses.replace(POOL, loop_stall_interval_s=0.0)) as off:
+        await asyncio.sleep(0.1)
+        assert off.stalls.num_ticks == 0
+        assert metric(off, "kvservice_event_loop_stall_seconds_count") == 0
+    async with running_server(dataclasses.replace(POOL, loop_stall_interval_s=0.05)) as slow:
+        assert slow.stalls.interval_s == 0.05
+        await wait_until(lambda: slow.stalls.num_ticks >= 2, "two ticks of the stall watch")
+        assert metric(slow, "kvservice_event_loop_stall_seconds_count") >= 2
+
+
 def test_a_sliding_window_pool_too_small_names_max_in_flight_tokens() -> None:
     config = dataclasses.replace(SMALL_POOL, num_blocks=16, max_model_len=128, sliding_window=64)
     with pytest.raises(InvalidArgumentError) as info:
