@@ -20,14 +20,20 @@ full collections: the setup before issue 27), ``tuned`` (frozen, and the server'
 default ``--gc-full-collection-interval``: full collections only every 60 s, in the
 table's turn, none during the measured call).
 
+``--idle-cost`` instead measures what the server's own stall watch costs: idle
+``kvservice serve`` processes, one per ``--loop-stall-interval`` (the default 0.01 s,
+0.001 s, and 0: the watch off), each process's CPU over the same seconds, in turns,
+printed as CPU milliseconds a second (median over rounds).
+
 Run: ``python -m benchmarks.bench_loop_stalls [--slices on|off] [--gc python|frozen|tuned]
-[--scenario NAME ...] [--rounds N]``.
+[--scenario NAME ...] [--rounds N] [--idle-cost]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import statistics
 import sys
@@ -39,6 +45,8 @@ from dataclasses import dataclass, replace
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvservice.bench.measure import process_cpu_seconds
+from kvservice.bench.server import child_server
 from kvservice.protocol import SESSION_KEY
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.protocol.gen import kv_cache_service_pb2_grpc as pb_grpc
@@ -302,6 +310,39 @@ async def main_async(args: argparse.Namespace) -> None:
         print(f"{scenario:<12}" + "".join(f"{c:>13}" for c in columns), flush=True)
 
 
+IDLE_INTERVALS_S = (0.01, 0.001, 0.0)
+IDLE_SECONDS = 2.0
+
+
+def idle_cost(rounds: int) -> None:
+    """Idle servers' CPU a second, one server per stall-watch interval, measured over
+    the same windows in turns."""
+    with contextlib.ExitStack() as stack:
+        pids = {}
+        for interval in IDLE_INTERVALS_S:
+            server = stack.enter_context(child_server([f"--loop-stall-interval={interval}"]))
+            assert server.pid is not None  # started here
+            pids[interval] = server.pid
+        time.sleep(IDLE_SECONDS)  # past start-up's own work
+        per_second: dict[float, list[float]] = {interval: [] for interval in pids}
+        for _ in range(rounds):
+            before = {interval: process_cpu_seconds(pid) for interval, pid in pids.items()}
+            time.sleep(IDLE_SECONDS)
+            for interval, pid in pids.items():
+                start, end = before[interval], process_cpu_seconds(pid)
+                if start is not None and end is not None:
+                    per_second[interval].append(1000 * (end - start) / IDLE_SECONDS)
+    print(f"idle servers, {rounds} windows of {IDLE_SECONDS:g} s (median, lowest-highest):")
+    for interval, figures in per_second.items():
+        if not figures:
+            print(f"  --loop-stall-interval={interval:g}: CPU not readable here")
+            continue
+        print(
+            f"  --loop-stall-interval={interval:g}: {statistics.median(figures):.1f} ms CPU "
+            f"a second ({min(figures):.1f}-{max(figures):.1f})"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--slices", choices=("on", "off"), default="on")
@@ -309,10 +350,14 @@ def main() -> None:
     parser.add_argument("--scenario", action="append", choices=SCENARIOS)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--gc-thresholds", help="experiments: gc.set_threshold(g0,g1,g2)")
+    parser.add_argument("--idle-cost", action="store_true", help="the stall watch's CPU")
     parser.add_argument("--client", metavar="TARGET", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:
         client(args.client, args.scenario[0])
+        return
+    if args.idle_cost:
+        idle_cost(max(args.rounds, 5))
         return
     configure_logging("warning")
     asyncio.run(main_async(args))

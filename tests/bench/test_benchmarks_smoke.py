@@ -8,7 +8,13 @@ import re
 
 import pytest
 
-from benchmarks import bench_core, bench_decode_layers, bench_grpc, bench_retention
+from benchmarks import (
+    bench_core,
+    bench_decode_layers,
+    bench_grpc,
+    bench_loop_stalls,
+    bench_retention,
+)
 from kvservice.bench.measure import Sample
 
 
@@ -85,3 +91,18 @@ def test_a_round_that_measured_no_cpu_is_left_out_of_the_cpu_ratio() -> None:
     throughputs.add("idle", Sample(ops=100, wall_s=1.0, cpu_s=0.0))
     throughputs.add("idle", Sample(ops=100, wall_s=1.0, cpu_s=0.0))
     assert throughputs.cpu_ratio("idle", "base") is None
+
+
+def test_bench_loop_stalls_idle_cost_smoke(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An idle server per stall-watch interval, each one's CPU a second printed."""
+    monkeypatch.setattr(bench_loop_stalls, "IDLE_SECONDS", 0.2)
+    bench_loop_stalls.idle_cost(rounds=1)
+    out = capsys.readouterr().out
+    for interval in bench_loop_stalls.IDLE_INTERVALS_S:
+        assert re.search(
+            rf"^  --loop-stall-interval={interval:g}: ([\d.]+ ms CPU a second|CPU not readable)",
+            out,
+            re.M,
+        ), out
