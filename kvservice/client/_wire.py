@@ -607,15 +607,21 @@ def _entry_block_ids(msg: pb.AllocateSlotsBatchResponse) -> list[BlockIds]:
     ids = list(msg.new_block_ids)
     if num_groups == 1 and not ids:
         return [_NO_BLOCKS] * num_run  # a decode step that takes no block
-    counts = list(msg.num_new_blocks)
+    entries = _per_group(ids, list(msg.num_new_blocks), num_groups, num_run)
+    return [_NO_BLOCKS if groups == _NO_BLOCKS else groups for groups in entries]
+
+
+def _per_group(ids: list[int], counts: list[int], num_groups: int, num: int) -> list[BlockIds]:
+    """The first ``num`` entries' block ids per group, cut from the concatenated
+    ``ids`` by ``counts`` (``num_groups`` counts an entry, in order)."""
     entries: list[BlockIds] = []
     pos = 0
-    for index in range(num_run):
+    for index in range(num):
         groups = []
         for count in counts[index * num_groups : (index + 1) * num_groups]:
             groups.append(tuple(ids[pos : pos + count]))
             pos += count
-        entries.append(_NO_BLOCKS if groups == [()] else tuple(groups))
+        entries.append(tuple(groups))
     return entries
 
 
@@ -709,20 +715,16 @@ def _refusal_rows(msg: pb.FreeBatchResponse | pb.AddRequestBatchResponse) -> lis
 
 def _entry_hits(msg: pb.LookupAllocateBatchResponse) -> list[ComputedBlocks]:
     """Each run entry's lookup answer (an empty one for a refused lookup)."""
-    num_groups = msg.allocations.num_groups
-    counts = list(msg.num_hit_blocks)
-    ids = list(msg.hit_block_ids)
-    hits: list[ComputedBlocks] = []
-    pos = 0
-    for index, (tokens, boundary) in enumerate(
-        zip(msg.num_computed_tokens, msg.shared_prefix_boundary, strict=True)
-    ):
-        groups = []
-        for count in counts[index * num_groups : (index + 1) * num_groups]:
-            groups.append(tuple(ids[pos : pos + count]))
-            pos += count
-        hits.append(ComputedBlocks(tuple(groups), tokens, boundary))
-    return hits
+    tokens = msg.num_computed_tokens
+    per_group = _per_group(
+        list(msg.hit_block_ids), list(msg.num_hit_blocks), msg.allocations.num_groups, len(tokens)
+    )
+    return [
+        ComputedBlocks(groups, num_tokens, boundary)
+        for groups, num_tokens, boundary in zip(
+            per_group, tokens, msg.shared_prefix_boundary, strict=True
+        )
+    ]
 
 
 def _lookup_allocation_rows(msg: pb.LookupAllocateBatchResponse) -> list[Any]:

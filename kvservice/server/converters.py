@@ -108,16 +108,9 @@ def new_requests_from_batch(msg: pb.AddRequestBatch) -> list[NewRequest]:
     ``InvalidArgumentError`` for a batch whose counts do not cut its concatenated
     columns (the request ids' column is the caller's to check)."""
     num_ids = len(msg.request_ids)
-    packed = msg.packed_prompt_token_ids
-    if len(packed) % PACKED_TOKEN_ID_SIZE:
-        raise InvalidArgumentError(
-            f"add_request_batch: packed_prompt_token_ids holds {len(packed)} bytes, not a "
-            f"multiple of {PACKED_TOKEN_ID_SIZE} (one unsigned little-endian "
-            f"{PACKED_TOKEN_ID_SIZE}-byte int per token id)"
-        )
     prompts = cut_column(
         "add_request_batch",
-        unpack_token_ids(packed),
+        _unpacked(msg.packed_prompt_token_ids, "add_request_batch: packed_prompt_token_ids"),
         msg.num_prompt_tokens,
         num_ids,
         "num_prompt_tokens",
@@ -241,15 +234,12 @@ def pin_args_from_pb(msg: pb.PinPrefixRequest) -> PinArgs:
                 f"pin: both token_ids ({len(msg.token_ids)} ids) and packed_token_ids "
                 f"({len(msg.packed_token_ids)} bytes) are set; send the prefix in one of them"
             )
-        if len(msg.packed_token_ids) % PACKED_TOKEN_ID_SIZE:
-            raise InvalidArgumentError(
-                f"pin: packed_token_ids holds {len(msg.packed_token_ids)} bytes, not a "
-                f"multiple of {PACKED_TOKEN_ID_SIZE} (one unsigned little-endian "
-                f"{PACKED_TOKEN_ID_SIZE}-byte int per token id)"
-            )
+        token_ids = _unpacked(msg.packed_token_ids, "pin: packed_token_ids")
+    else:
+        token_ids = msg.token_ids[:]
     _check_seconds(msg.ttl_seconds, "pin: ttl_seconds")
     return PinArgs(
-        token_ids=unpack_token_ids(msg.packed_token_ids) if packed else msg.token_ids[:],
+        token_ids=token_ids,
         ttl_s=msg.ttl_seconds or None,
         refresh_on_hit=msg.refresh_on_hit,
         cache_salt=msg.cache_salt or None,
@@ -270,11 +260,16 @@ def _prompt_token_ids(msg: pb.AddRequestRequest) -> list[int]:
             f"ids) and packed_prompt_token_ids ({len(packed)} bytes) are set; send the "
             f"prompt in one of them"
         )
+    return _unpacked(packed, f"request {msg.request_id!r}: packed_prompt_token_ids")
+
+
+def _unpacked(packed: bytes, what: str) -> list[int]:
+    """The token ids ``packed`` holds; ``InvalidArgumentError`` naming the field
+    (``what``) when its bytes are not a whole number of ids."""
     if len(packed) % PACKED_TOKEN_ID_SIZE:
         raise InvalidArgumentError(
-            f"request {msg.request_id!r}: packed_prompt_token_ids holds {len(packed)} bytes, "
-            f"not a multiple of {PACKED_TOKEN_ID_SIZE} (one unsigned little-endian "
-            f"{PACKED_TOKEN_ID_SIZE}-byte int per token id)"
+            f"{what} holds {len(packed)} bytes, not a multiple of {PACKED_TOKEN_ID_SIZE} (one "
+            f"unsigned little-endian {PACKED_TOKEN_ID_SIZE}-byte int per token id)"
         )
     return unpack_token_ids(packed)
 
