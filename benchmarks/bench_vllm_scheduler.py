@@ -853,10 +853,7 @@ def _server_sampled(mode: Mode, steps: int) -> Iterator[None]:
         if not ran:
             yield  # py-spy could not attach: the block runs unsampled
         return
-    cpu_after = process_cpu_seconds(mode.server_pid)
-    cpu_ms = 0.0
-    if cpu_before is not None and cpu_after is not None:
-        cpu_ms = 1000 * (cpu_after - cpu_before) / steps
+    cpu_ms = _ms_a_step_since(cpu_before, mode.server_pid, steps)
     parts: Counter[str] = Counter()
     for leaf, count in samples.leaves.items():
         parts[_server_part(leaf)] += count
@@ -867,6 +864,15 @@ def _server_sampled(mode: Mode, steps: int) -> Iterator[None]:
     for part, count in parts.most_common(8):
         share = count / max(1, samples.total)
         print(f"  {100 * share:5.1f}%  {share * cpu_ms:5.2f} ms  {part}")
+
+
+def _ms_a_step_since(cpu_before: float | None, pid: int, steps: int) -> float:
+    """Process ``pid``'s CPU milliseconds a step since it read ``cpu_before`` seconds
+    (0 where its CPU time cannot be read)."""
+    cpu_after = process_cpu_seconds(pid)
+    if cpu_before is None or cpu_after is None:
+        return 0.0
+    return 1000 * (cpu_after - cpu_before) / steps
 
 
 def _server_natively(mode: Mode, steps: int) -> None:
@@ -883,10 +889,7 @@ def _server_natively(mode: Mode, steps: int) -> None:
     except SamplerUnavailableError as error:
         print(f"\nthe server was not sampled natively: {error}")
         return
-    cpu_after = process_cpu_seconds(mode.server_pid)
-    cpu_ms = 0.0
-    if cpu_before is not None and cpu_after is not None:
-        cpu_ms = 1000 * (cpu_after - cpu_before) / steps
+    cpu_ms = _ms_a_step_since(cpu_before, mode.server_pid, steps)
     parts: Counter[str] = Counter()
     interpreted: Counter[str] = Counter()
     for stack, count in samples.stacks.items():

@@ -14,20 +14,17 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import signal
 import subprocess
 import tempfile
-import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvservice.bench.process_sampler import SamplerUnavailableError
+from kvservice.bench.process_sampler import SamplerUnavailableError, recording
 
 # perf opens the process's maps and starts its buffers before the first sample.
 _ATTACH_S = 0.5
-_STOP_TIMEOUT_S = 60.0
 # Bytes of stack copied at each sample for unwinding: deep enough for an asyncio
 # server's frames under uvloop.
 _STACK_BYTES = 32768
@@ -63,21 +60,8 @@ def native_sampled(pid: int, rate_hz: int = 999) -> Iterator[NativeSamples]:
         data = Path(directory, "perf.data")
         command = [perf(), "record", "--quiet", "-e", "cpu-clock", "-F", str(rate_hz)]
         command += ["--call-graph", f"dwarf,{_STACK_BYTES}", "-p", str(pid), "-o", str(data)]
-        recorder = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        time.sleep(_ATTACH_S)
-        if recorder.poll() is not None:
-            raise SamplerUnavailableError(_failure(recorder))
-        try:
+        with recording(command, _ATTACH_S, data):
             yield samples
-        finally:
-            recorder.send_signal(signal.SIGINT)
-            try:
-                recorder.wait(_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                recorder.kill()
-                raise
-        if not data.exists():
-            raise SamplerUnavailableError(_failure(recorder))
         script = subprocess.run(
             [perf(), "script", "-F", "ip,sym", "-i", str(data)],
             capture_output=True,
@@ -85,12 +69,6 @@ def native_sampled(pid: int, rate_hz: int = 999) -> Iterator[NativeSamples]:
             check=True,
         )
         samples.stacks.update(parse_script(script.stdout))
-
-
-def _failure(recorder: subprocess.Popen[bytes]) -> str:
-    assert recorder.stderr is not None
-    said = recorder.stderr.read().decode(errors="replace").strip()
-    return f"perf could not sample the process (exit {recorder.returncode}): {said}"
 
 
 def parse_script(text: str) -> Counter[Stack]:

@@ -62,29 +62,38 @@ def sampled(pid: int, rate_hz: int = 1000) -> Iterator[Samples]:
         output = Path(directory, "samples.txt")
         command = [py_spy(), "record", "--pid", str(pid), "--rate", str(rate_hz)]
         command += ["--format", "raw", "--output", str(output), "--nonblocking"]
-        sampler = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        time.sleep(_ATTACH_S)
-        if sampler.poll() is not None:
-            raise SamplerUnavailableError(_failure(sampler))
-        try:
+        with recording(command, _ATTACH_S, output):
             yield samples
-        finally:
-            # py-spy writes its samples on SIGINT (its Control-C).
-            sampler.send_signal(signal.SIGINT)
-            try:
-                sampler.wait(_STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                sampler.kill()
-                raise
-        if not output.exists():
-            raise SamplerUnavailableError(_failure(sampler))
         samples.leaves.update(_leaves(output.read_text(encoding="utf-8")))
 
 
-def _failure(sampler: subprocess.Popen[bytes]) -> str:
+@contextlib.contextmanager
+def recording(command: list[str], attach_s: float, output: Path) -> Iterator[None]:
+    """Run the sampler ``command`` while the block runs; it has ``attach_s`` to attach
+    and is stopped as Control-C stops it (SIGINT: py-spy and perf write their samples
+    to ``output`` then). ``SamplerUnavailableError`` with what it said when it exits
+    early or writes nothing."""
+    sampler = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(attach_s)
+    if sampler.poll() is not None:
+        raise SamplerUnavailableError(_failure(sampler, Path(command[0]).name))
+    try:
+        yield
+    finally:
+        sampler.send_signal(signal.SIGINT)
+        try:
+            sampler.wait(_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            sampler.kill()
+            raise
+    if not output.exists():
+        raise SamplerUnavailableError(_failure(sampler, Path(command[0]).name))
+
+
+def _failure(sampler: subprocess.Popen[bytes], tool: str) -> str:
     assert sampler.stderr is not None
     said = sampler.stderr.read().decode(errors="replace").strip()
-    return f"py-spy could not sample the process (exit {sampler.returncode}): {said}"
+    return f"{tool} could not sample the process (exit {sampler.returncode}): {said}"
 
 
 def _leaves(raw: str) -> Counter[str]:
