@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
 import signal
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -223,9 +224,9 @@ class KVCacheServer:
         )
         # How long the loop is held up (``loop_watch``): reported in the metrics, and
         # the longest figures kept for tests and benchmarks.
-        if config.loop_stall_interval_s < 0:
+        if not (config.loop_stall_interval_s >= 0 and math.isfinite(config.loop_stall_interval_s)):
             raise InvalidArgumentError(
-                f"loop_stall_interval must be >= 0 (0: no stall watch), got "
+                f"loop_stall_interval must be finite seconds >= 0 (0: no stall watch), got "
                 f"{config.loop_stall_interval_s}"
             )
         self.stalls = StallWatch(

@@ -557,8 +557,9 @@ def test_loop_stall_interval_is_a_setting() -> None:
     env = load_settings({}, {"KVSERVICE_LOOP_STALL_INTERVAL": "0"})
     assert env.server.loop_stall_interval_s == 0.0
     assert ServerConfig().loop_stall_interval_s == loop_watch.STALL_INTERVAL_S
-    with pytest.raises(InvalidArgumentError, match="loop_stall_interval must be >= 0"):
-        KVCacheServer(dataclasses.replace(SMALL_POOL, loop_stall_interval_s=-0.01))
+    for bad in (-0.01, float("nan"), float("inf")):
+        with pytest.raises(InvalidArgumentError, match="loop_stall_interval must be finite"):
+            KVCacheServer(dataclasses.replace(SMALL_POOL, loop_stall_interval_s=bad))
 
 
 async def test_the_stall_watch_wakes_at_the_interval_set_and_not_at_all_at_0() -> None:
