@@ -607,13 +607,13 @@ def _entry_block_ids(msg: pb.AllocateSlotsBatchResponse) -> list[BlockIds]:
     ids = list(msg.new_block_ids)
     if num_groups == 1 and not ids:
         return [_NO_BLOCKS] * num_run  # a decode step that takes no block
-    entries = _per_group(ids, list(msg.num_new_blocks), num_groups, num_run)
-    return [_NO_BLOCKS if groups == _NO_BLOCKS else groups for groups in entries]
+    return _per_group(ids, list(msg.num_new_blocks), num_groups, num_run)
 
 
 def _per_group(ids: list[int], counts: list[int], num_groups: int, num: int) -> list[BlockIds]:
     """The first ``num`` entries' block ids per group, cut from the concatenated
-    ``ids`` by ``counts`` (``num_groups`` counts an entry, in order)."""
+    ``ids`` by ``counts`` (``num_groups`` counts an entry, in order); an entry of one
+    empty group is the shared ``_NO_BLOCKS``."""
     entries: list[BlockIds] = []
     pos = 0
     for index in range(num):
@@ -621,7 +621,7 @@ def _per_group(ids: list[int], counts: list[int], num_groups: int, num: int) -> 
         for count in counts[index * num_groups : (index + 1) * num_groups]:
             groups.append(tuple(ids[pos : pos + count]))
             pos += count
-        entries.append(tuple(groups))
+        entries.append(_NO_BLOCKS if groups == [()] else tuple(groups))
     return entries
 
 

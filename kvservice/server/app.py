@@ -229,6 +229,8 @@ class KVCacheServer:
                 f"loop_stall_interval must be finite seconds >= 0 (0: no stall watch), got "
                 f"{config.loop_stall_interval_s}"
             )
+        # Built even when off (0): never started then, its figures stay 0 for the
+        # benchmarks and tests that read them.
         self.stalls = StallWatch(
             config.loop_stall_interval_s or STALL_INTERVAL_S, self.metrics.record_loop_stall
         )
