@@ -120,7 +120,7 @@ def new_requests_from_batch(msg: pb.AddRequestBatch) -> list[NewRequest]:
     if hashed:
         hashes = cut_column(
             "add_request_batch",
-            list(msg.block_hashes),
+            msg.block_hashes[:],
             msg.num_block_hashes,
             num_ids,
             "num_block_hashes",
@@ -170,7 +170,7 @@ def cut_column(
 def appended_hashes(msg: pb.AppendTokensBatch) -> list[list[bytes]] | None:
     """An ``AppendTokensBatch``'s hashes per entry (none for the entries past its
     counts), or None when no entry carries any."""
-    counts = list(msg.num_block_hashes)
+    counts = msg.num_block_hashes[:]
     if not counts and not msg.block_hashes:
         return None
     num_ids = len(msg.request_ids)
@@ -181,7 +181,7 @@ def appended_hashes(msg: pb.AppendTokensBatch) -> list[list[bytes]] | None:
         )
     column = "num_block_hashes"
     hashes = cut_column(
-        "append_tokens_batch", list(msg.block_hashes), counts, len(counts), column, "hashes"
+        "append_tokens_batch", msg.block_hashes[:], counts, len(counts), column, "hashes"
     )
     hashes.extend([] for _ in range(num_ids - len(counts)))
     return hashes

@@ -363,23 +363,25 @@ async def append_tokens_batch(
     """One token appended per entry (with the hashes of the blocks it completes, for a
     client_hashed request): ``append_tokens`` in a loop, with no message per entry
     (unless the request states are wanted)."""
-    ids = list(msg.request_ids)
-    tokens = list(msg.token_ids)
+    ids = msg.request_ids[:]
+    tokens = msg.token_ids[:]
     _check_columns("append_tokens_batch", len(ids), "token_ids", len(tokens))
     hashes = converters.appended_hashes(msg)
     out.num_requests = len(ids)
     tenant = caller.tenant
     states = out.requests if with_state else None
+    clock = slices.clock
     first_code = 0
     index = -1
-    for index, (rid, token) in enumerate(zip(ids, tokens, strict=True)):
-        if slices.due():
+    for index in range(len(ids)):
+        if clock.due():
             await slices.pause()
+        rid = ids[index]
         try:
             if hashes is None:
-                request = table.append_tokens(rid, [token], tenant)
+                request = table.append_tokens(rid, [tokens[index]], tenant)
             else:
-                request = table.append_tokens(rid, [token], tenant, hashes[index])
+                request = table.append_tokens(rid, [tokens[index]], tenant, hashes[index])
         except Exception as err:
             code = _entry_error(out.errors, index, err)
             first_code = first_code or code
@@ -406,27 +408,30 @@ async def allocate_slots_batch(
 ) -> int:
     """A plain ``allocate_slots`` per entry, answered column by column (see
     ``converters.AllocationColumns``)."""
-    ids = list(msg.request_ids)
-    nums = list(msg.num_new_tokens)
+    ids = msg.request_ids[:]
+    nums = msg.num_new_tokens[:]
     _check_columns("allocate_slots_batch", len(ids), "num_new_tokens", len(nums))
     out.num_requests = len(ids)
     columns = converters.AllocationColumns(table.manager.num_kv_cache_groups)
     tenant = caller.tenant
     states = out.requests if with_state else None
+    no_space = out.no_space
+    clock = slices.clock
     first_code = 0
     index = -1
-    for index, (rid, num) in enumerate(zip(ids, nums, strict=True)):
-        if slices.due():
+    for index in range(len(ids)):
+        if clock.due():
             await slices.pause()
+        rid = ids[index]
         try:
-            allocation = table.allocate_slots(rid, AllocateArgs(num), tenant)
+            allocation = table.allocate_slots(rid, AllocateArgs(nums[index]), tenant)
         except Exception as err:
             code = _refused(out.errors, index, err, columns, states)
             first_code = first_code or code
             if stop_on_error:
                 break
             continue
-        _allocated(out.no_space, index, allocation, columns, states)
+        _allocated(no_space, index, allocation, columns, states)
     out.num_run = index + 1
     columns.fill(out)
     return first_code
@@ -477,10 +482,10 @@ async def free_batch(
 ) -> int:
     """``free_request`` per entry, answering only the refused ones (a step's frees
     read nothing back)."""
-    ids = list(msg.request_ids)
-    modes = list(msg.modes)
+    ids = msg.request_ids[:]
+    modes = msg.modes[:]
     _check_columns("free_batch", len(ids), "modes", len(modes))
-    keep = list(msg.keep_blocks)
+    keep = msg.keep_blocks[:]
     if keep:
         _check_columns("free_batch", len(ids), "keep_blocks", len(keep))
     else:
@@ -533,10 +538,11 @@ async def _each_entry(
     order, pausing when a slice is done; a refused entry is recorded in ``errors``,
     and under ``stop_on_error`` ends the batch. (Entries run, the status code number
     of the first refused one or 0.)"""
+    clock = slices.clock
     first_code = 0
     index = -1
     for index in range(count):
-        if slices.due():
+        if clock.due():
             await slices.pause()
         try:
             run_entry(index)
@@ -560,31 +566,34 @@ async def lookup_allocate_batch(
 ) -> int:
     """``get_computed_blocks`` then ``allocate_slots`` attaching its hit, per entry
     (see the proto), answered column by column."""
-    ids = list(msg.request_ids)
-    nums = list(msg.num_new_tokens)
+    ids = msg.request_ids[:]
+    nums = msg.num_new_tokens[:]
     _check_columns("lookup_allocate_batch", len(ids), "num_new_tokens", len(nums))
     out.num_requests = len(ids)
     allocations = out.allocations
+    no_space = allocations.no_space
     num_groups = table.manager.num_kv_cache_groups
     hits = converters.HitColumns(num_groups)
     columns = converters.AllocationColumns(num_groups)
     options = converters.lookup_allocate_options(msg)
     tenant = caller.tenant
     states = allocations.requests if with_state else None
+    clock = slices.clock
     first_code = 0
     index = -1
-    for index, (rid, num) in enumerate(zip(ids, nums, strict=True)):
-        if slices.due():
+    for index in range(len(ids)):
+        if clock.due():
             await slices.pause()
+        rid = ids[index]
         try:
-            allocation = _lookup_allocate(table, rid, num, options, tenant, hits)
+            allocation = _lookup_allocate(table, rid, nums[index], options, tenant, hits)
         except Exception as err:
             code = _refused(out.errors, index, err, columns, states)
             first_code = first_code or code
             if stop_on_error:
                 break
             continue
-        _allocated(allocations.no_space, index, allocation, columns, states)
+        _allocated(no_space, index, allocation, columns, states)
     out.num_run = allocations.num_run = index + 1
     allocations.num_requests = len(ids)
     hits.fill(out)
@@ -657,7 +666,7 @@ async def admit(
     budget = whole.token_budget
     stop = None
     for start in range(0, len(ids), ADMIT_CHUNK):
-        if start and slices.due():
+        if start and slices.clock.due():
             await slices.pause()
         result = admission.admit(
             table,

@@ -665,7 +665,7 @@ class SessionRegistry:
                     session.requests.discard(rid)
                     continue
                 end.num_freed += 1
-                if slices.due():
+                if slices.clock.due():
                     break
         if pending:
             return False

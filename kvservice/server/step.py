@@ -173,7 +173,7 @@ class StepRunner:
         # The pool is reported to the metrics once per step, not once per operation.
         with self.table.batched(keep_holds):
             for index, op in enumerate(step.ops):
-                if slices.due():
+                if slices.clock.due():
                     await slices.pause()
                 if slices.pauses != checked and check_session is not None:
                     # Other tasks ran (a pause here, or inside the last operation).

@@ -24,6 +24,7 @@ its pauses, as during a Step's.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -31,6 +32,8 @@ from types import TracebackType
 from typing import TypeVar
 
 import structlog
+
+from kvservice.server.slice_clock import SliceClock
 
 T = TypeVar("T")
 
@@ -53,7 +56,7 @@ class Resumable(ABC):
 
     @abstractmethod
     def resume(self, slices: Slices) -> bool:
-        """Do up to a slice more of the work (``slices.due()`` says when to stop); True
+        """Do up to a slice more of the work (``slices.clock.due()`` says when to stop); True
         when it is all done. Must not await."""
 
 
@@ -192,41 +195,25 @@ class TableTurn:
 
 
 class Slices:
-    """Times a Step's work in slices; ``pause`` lets the loop run other tasks between
-    two. A slice is ``SLICE_S`` of the thread's CPU time, not of the clock: a Step
-    descheduled by a busy machine has done no work meanwhile, and a small Step never
-    pauses (nor spreads its KV events over two batches). A cancellation that arrives
-    during a pause is held back until ``finish``: a cancelled Step has run entirely or
-    not at all."""
+    """Times a Step's work in slices (``clock``: see ``SliceClock``); ``pause`` lets the
+    loop run other tasks between two. A cancellation that arrives during a pause is
+    held back until ``finish``: a cancelled Step has run entirely or not at all.
 
-    __slots__ = ("_cancelled", "_cpu_deadline", "_deadline", "pauses")
+    Work asks ``slices.clock.due()`` whether a slice is done (a loop takes the clock
+    once: it is compiled, and stays the same across pauses)."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_cancelled", "clock", "pauses")
+
+    def __init__(self, slice_s: float | None = None) -> None:
+        """``slice_s``: the work between two pauses, ``SLICE_S`` unless given (read
+        here, and the clocks from ``time``, so that a test may set them)."""
         self._cancelled = False
         # Pauses so far: a caller compares it before and after a piece of work to
         # learn whether other tasks ran meanwhile.
         self.pauses = 0
-        self._start_slice()
-
-    def _start_slice(self) -> None:
-        self._deadline = time.perf_counter() + SLICE_S
-        self._cpu_deadline = time.thread_time() + SLICE_S
-
-    def due(self) -> bool:
-        """Whether this slice's work is done: the clock first (cheap; CPU time never
-        runs ahead of it), then the thread's CPU time."""
-        now = time.perf_counter()
-        if now < self._deadline:
-            return False
-        cpu_left = self._cpu_deadline - time.thread_time()
-        if cpu_left <= 0:
-            return True
-        # Speed: the thread's CPU time is a system call (~0.8 us here, the clock ~0.06);
-        # on a busy machine the clock passes its deadline long before the CPU time, and
-        # each check after it read both. The CPU time cannot reach its deadline before
-        # the clock has run cpu_left more, so the next look at it waits until then.
-        self._deadline = now + cpu_left
-        return False
+        self.clock = SliceClock(
+            SLICE_S if slice_s is None else slice_s, time.perf_counter, time.thread_time
+        )
 
     async def pause(self) -> None:
         """Let the loop run other tasks: ``PAUSE_ROUNDS`` passes of the loop, so a call
@@ -239,7 +226,7 @@ class Slices:
                 await asyncio.sleep(0)
         except asyncio.CancelledError:
             self._cancelled = True
-        self._start_slice()
+        self.clock.restart()
 
     def finish(self) -> None:
         """Raise the cancellation held back, if any (the work is done)."""
@@ -247,13 +234,5 @@ class Slices:
             raise asyncio.CancelledError
 
 
-class _Whole(Slices):
-    """Slices never due: the work runs whole (``StepRunner.run_whole``)."""
-
-    __slots__ = ()
-
-    def due(self) -> bool:
-        return False
-
-
-WHOLE = _Whole()
+# Slices never due: the work runs whole (``StepRunner.run_whole``).
+WHOLE = Slices(math.inf)

@@ -43,6 +43,7 @@ from kvservice.server.config import ServerConfig, build_kv_cache_config, build_m
 from kvservice.server.log import SUPPRESSED_EVENT, LineBudget
 from kvservice.server.sessions import SessionPolicy, SessionRegistry
 from kvservice.server.settings import load_settings
+from kvservice.server.slice_clock import SliceClock
 from tests.server.support import SMALL_POOL, tokens
 from tests.server.test_sessions import metric, open_session, session_md
 from tests.server.test_tenants import TOKENS, auth, write_tokens_file
@@ -585,36 +586,56 @@ def test_a_sliding_window_pool_too_small_names_max_in_flight_tokens() -> None:
     build_kv_cache_config(dataclasses.replace(config, max_in_flight_tokens=16))
 
 
-def test_a_slice_ends_on_cpu_time_and_reads_it_only_when_it_could_be_spent(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_a_slice_ends_on_cpu_time_and_reads_it_only_when_it_could_be_spent() -> None:
     """On a busy machine the clock runs ahead of the thread's CPU time (here 4 times
-    as fast): the slice is due exactly when SLICE_S of CPU time is spent, not when the
-    clock passes it; and once the clock has passed its deadline, the CPU time (a
-    system call) is read again only when it could have reached its own, not on every
-    check (12 reads here, against the 38 checks after the clock passed its deadline)."""
+    as fast): the slice is due exactly when its CPU time is spent, not when the clock
+    passes it; and once the clock has passed its deadline, the CPU time (a system
+    call) is read again only when it could have reached its own, not on every check
+    (12 reads here, against the 38 checks after the clock passed its deadline)."""
     clock = {"wall": 0.0, "cpu": 0.0}
     reads: list[float] = []
+
+    def cpu() -> float:
+        reads.append(clock["cpu"])
+        return clock["cpu"]
+
+    slice_s = 0.005
+    slice_clock = SliceClock(slice_s, wall=lambda: clock["wall"], cpu=cpu)
+    reads.clear()  # the start's read
+    tick = 0.0001
+    checks_after_clock = 0
+    while not slice_clock.due():
+        assert clock["cpu"] < slice_s
+        checks_after_clock += clock["wall"] >= slice_s
+        clock["wall"] += 4 * tick
+        clock["cpu"] += tick
+    assert clock["cpu"] == pytest.approx(slice_s)
+    assert len(reads) <= checks_after_clock // 2
+
+
+def test_slices_read_the_slice_and_clocks_as_they_are_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``turns.SLICE_S`` and ``turns.time`` are read when Slices are built (a test
+    sets them so); WHOLE is never due, however much time passes."""
+    now = {"t": 100.0}
 
     class FakeTime:
         @staticmethod
         def perf_counter() -> float:
-            return clock["wall"]
+            return now["t"]
 
         @staticmethod
         def thread_time() -> float:
-            reads.append(clock["cpu"])
-            return clock["cpu"]
+            return now["t"]
 
     monkeypatch.setattr(turns, "time", FakeTime)
-    monkeypatch.setattr(turns, "SLICE_S", 0.005)
+    monkeypatch.setattr(turns, "SLICE_S", 0.5)
     slices = turns.Slices()
-    tick = 0.0001
-    checks_after_clock = 0
-    while not slices.due():
-        assert clock["cpu"] < turns.SLICE_S
-        checks_after_clock += clock["wall"] >= turns.SLICE_S
-        clock["wall"] += 4 * tick
-        clock["cpu"] += tick
-    assert clock["cpu"] == pytest.approx(turns.SLICE_S)
-    assert len(reads) <= checks_after_clock // 2
+    assert slices.clock.slice_s == 0.5
+    now["t"] += 0.4
+    assert not slices.clock.due()
+    now["t"] += 0.1
+    assert slices.clock.due()
+    now["t"] += 1e9
+    assert not turns.WHOLE.clock.due()
