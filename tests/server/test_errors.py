@@ -224,6 +224,11 @@ class TestVocabulary:
             assert "prompt_token_ids[2] = 1000" in message and "vocab_size 1000" in message
             message = await refused(stub, append(stub, "a", [5, 4000]), Code.INVALID_ARGUMENT)
             assert "token_ids[1] = 4000" in message
+            # One id (a decode's append) is checked at both ends as well.
+            message = await refused(stub, append(stub, "a", [1000]), Code.INVALID_ARGUMENT)
+            assert "token_ids[0] = 1000" in message and "vocab_size 1000" in message
+            message = await refused(stub, append(stub, "a", [-3]), Code.INVALID_ARGUMENT)
+            assert "token_ids[0] = -3" in message and "must be >= 0" in message
             before = await snapshot(stub, ["a", "w"])
             batch = pb.AppendTokensBatch(request_ids=["a"], token_ids=[1000])
             step = pb.StepRequest(ops=[pb.StepOperation(append_tokens_batch=batch)])
