@@ -404,15 +404,14 @@ class RequestTable:
         if not token_ids:
             raise InvalidArgumentError(f"request {rid!r}: {name} must hold at least one token")
         # The generator that names the first bad index runs only when there is one.
-        lowest, highest = _id_range(token_ids)
-        if not nonnegative and lowest < 0:
+        if not nonnegative and _lowest(token_ids) < 0:
             negative = next(i for i, t in enumerate(token_ids) if t < 0)
             raise InvalidArgumentError(
                 f"request {rid!r}: {name}[{negative}] = {token_ids[negative]}; token ids "
                 f"must be >= 0"
             )
         vocab_size = self.vocab_size
-        if vocab_size and highest >= vocab_size:
+        if vocab_size and _highest(token_ids) >= vocab_size:
             outside = next(i for i, t in enumerate(token_ids) if t >= vocab_size)
             raise InvalidArgumentError(
                 f"request {rid!r}: {name}[{outside}] = {token_ids[outside]} is outside the "
@@ -1307,14 +1306,13 @@ def _check_prompt_embeds(new: NewRequest) -> None:
         )
 
 
-def _id_range(token_ids: Sequence[int]) -> tuple[int, int]:
-    """The lowest and highest of ``token_ids`` (not empty): min() and max() for many
-    (they run in C), a plain look at one. Speed: a decode's append carries one id, and
-    min() and max() are builtins called with an argument tuple; looking at the one id
-    took the table layer of ``python -m benchmarks.bench_decode_layers --layers
-    table,step --rounds 15`` from 1.57-1.62x to 1.36-1.43x the core's cost (3 runs
-    each, alternating)."""
-    if len(token_ids) == 1:
-        only = token_ids[0]
-        return only, only
-    return min(token_ids), max(token_ids)
+# Speed: min() and max() run in C over many ids, but they are builtins called with an
+# argument tuple, and a decode's append carries one id: looking at it took the table
+# layer of ``python -m benchmarks.bench_decode_layers --layers table,step --rounds 15``
+# from 1.57-1.62x to 1.36-1.43x the core's cost (3 runs each, alternating).
+def _lowest(token_ids: Sequence[int]) -> int:
+    return token_ids[0] if len(token_ids) == 1 else min(token_ids)
+
+
+def _highest(token_ids: Sequence[int]) -> int:
+    return token_ids[0] if len(token_ids) == 1 else max(token_ids)
