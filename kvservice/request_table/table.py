@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Protocol, TypeVar
 
 from kvservice.core.allocation_options import AllocationOptions
@@ -380,15 +381,10 @@ class RequestTable:
             request.num_tokens + len(token_ids),
         )
 
-    @contextmanager
-    def _reporting_limits(self, tenant: str) -> Iterator[None]:
-        """Tell the refusal sink of a limit the block refuses the call for."""
-        try:
-            yield
-        except (LimitError, LimitExceededError) as err:
-            if self._on_refusal is not None:
-                self._on_refusal(tenant, err.limit)
-            raise
+    def _reporting_limits(self, tenant: str) -> _ReportingLimits:
+        """A block that tells the refusal sink of a limit the block refuses the call
+        for."""
+        return _ReportingLimits(self._on_refusal, tenant)
 
     def _check_new_tokens(
         self,
@@ -1316,3 +1312,29 @@ def _lowest(token_ids: Sequence[int]) -> int:
 
 def _highest(token_ids: Sequence[int]) -> int:
     return token_ids[0] if len(token_ids) == 1 else max(token_ids)
+
+
+class _ReportingLimits:
+    """``with`` it, a limit that refuses the call inside is told to the refusal sink.
+
+    A class, not a ``contextmanager`` generator: compiled, it runs natively, and
+    ``check_request_size`` enters one per added request."""
+
+    __slots__ = ("_sink", "_tenant")
+
+    def __init__(self, sink: RefusalSink | None, tenant: str) -> None:
+        self._sink = sink
+        self._tenant = tenant
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Returns None: the refusal goes on up.
+        if self._sink is not None and isinstance(exc, (LimitError, LimitExceededError)):
+            self._sink(self._tenant, exc.limit)
