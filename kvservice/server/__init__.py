@@ -3,8 +3,9 @@ and ``settings`` say what it serves.
 
 What runs once per operation of a ``Step`` is compiled by mypyc with the core and the
 request table, as one build (``kvservice.core.compiled``): ``step`` (decoding a Step,
-the columnar batches), ``operations`` (the operations table) and ``converters`` (the
-protobuf conversions). Imported compiled unless ``KVSERVICE_PURE_PYTHON=1``, and refused
+the columnar batches), ``operations`` (the operations table), ``converters`` (the
+protobuf conversions) and ``slice_clock`` (whether a slice of a Step's work is done,
+asked once per entry). Imported compiled unless ``KVSERVICE_PURE_PYTHON=1``, and refused
 when the build does not match the sources. Importing the package loads nothing else,
 so importing a module of it loads only what that module needs.
 """
@@ -15,7 +16,8 @@ from kvservice.core.compiled import activate
 # file always stays one): everything that runs once per call, connection or process
 # rather than once per operation (the servicer and its interceptors, sessions, the
 # app, metrics, events, configuration), where compiling would add build time and
-# constraints (mypyc's native classes, async generators) for no measured gain.
+# constraints (mypyc's native classes, async generators) for no measured gain. ``turns``
+# stays a source so that tests can hold a Step at a pause (``Slices.pause``).
 NOT_COMPILED = (
     "app.py",
     "audit.py",
