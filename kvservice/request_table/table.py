@@ -16,7 +16,6 @@ import dataclasses
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Protocol, TypeVar
 
@@ -101,23 +100,22 @@ class RequestOwnership(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
 class _PrefixHit:
     """A lookup's hit, kept until AllocateSlots attaches it. The lookup took no
     references, so a free hit block may be evicted meanwhile; the cache keys seen at
-    lookup time tell whether each block still holds that content."""
+    lookup time tell whether each block still holds that content.
 
-    blocks: KVCacheBlocks
-    block_ids: BlockIds
-    keys: tuple[tuple[BlockHashWithGroupId | None, ...], ...]
+    A plain class, as ``AllocateArgs`` is: one is built per lookup, and a dataclass's
+    ``__init__`` would run interpreted."""
 
-    @classmethod
-    def of(cls, blocks: KVCacheBlocks) -> _PrefixHit:
+    __slots__ = ("block_ids", "blocks", "keys")
+
+    def __init__(self, blocks: KVCacheBlocks) -> None:
         groups = blocks.blocks
-        return cls(
-            blocks,
-            tuple([tuple([b.block_id for b in group]) for group in groups]),
-            tuple([tuple([b.block_hash for b in group]) for group in groups]),
+        self.blocks = blocks
+        self.block_ids: BlockIds = tuple([tuple([b.block_id for b in group]) for group in groups])
+        self.keys: tuple[tuple[BlockHashWithGroupId | None, ...], ...] = tuple(
+            [tuple([b.block_hash for b in group]) for group in groups]
         )
 
     def first_evicted_block(self) -> int | None:
@@ -451,7 +449,7 @@ class RequestTable:
                 f"preempted requests (free it with PREEMPT to re-admit it)"
             )
         blocks, num_hit, boundary = self.manager.get_computed_blocks(request, max_cache_hit_length)
-        hit = self._hits[request.request_id] = _PrefixHit.of(blocks)
+        hit = self._hits[request.request_id] = _PrefixHit(blocks)
         self._after_change(tenant)
         return ComputedBlocks(hit.block_ids, num_hit, boundary)
 
