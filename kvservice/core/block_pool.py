@@ -455,7 +455,7 @@ class BlockPool:
         return BlockStored(
             block_hashes=block_hashes,
             parent_block_hash=parent_block_hash,
-            token_ids=request.all_token_ids[start_token_idx:end_token_idx],
+            token_ids=request.token_ids_between(start_token_idx, end_token_idx),
             block_size=block_size,
             lora_id=request.lora_int_id if request.lora_name else None,
             medium=MEDIUM_GPU,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections.abc import Iterable, Sequence
+from array import array
+from collections.abc import Iterable, MutableSequence, Sequence
 
 from kvservice.core.block_hashing import BlockHasher, MultiModalFeature
 from kvservice.core.errors import FailedPreconditionError, InvalidArgumentError
@@ -23,6 +24,9 @@ class Request:
     """One sequence: its tokens, how many the scheduler has computed, and the hashes of
     its full blocks (computed as blocks fill, prompt and output alike, so a preempted
     request re-hits its own generated blocks).
+
+    ``all_token_ids`` is a list, or an ``array`` when the prompt came as one (a server
+    keeps a packed prompt packed); ``token_ids_between`` reads a range as a list.
 
     ``num_computed_tokens`` is set by the caller, as vLLM's scheduler does after each
     successful ``allocate_slots``. ``num_in_flight_tokens`` is vLLM's count of those
@@ -82,7 +86,13 @@ class Request:
         if not request_id:
             raise InvalidArgumentError("request_id must be a non-empty string")
         self.request_id = request_id
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        # An array stays one: a server holds a packed prompt as the 4 bytes an id it
+        # came in, not as a Python int per id (36 bytes, allocated and freed).
+        self.all_token_ids: MutableSequence[int] = (
+            array(prompt_token_ids.typecode, prompt_token_ids)
+            if isinstance(prompt_token_ids, array)
+            else list(prompt_token_ids)
+        )
         if not self.all_token_ids:
             raise InvalidArgumentError(f"request {request_id!r}: the prompt is empty")
         self.num_prompt_tokens = len(self.all_token_ids)
@@ -155,11 +165,16 @@ class Request:
 
     @property
     def prompt_token_ids(self) -> list[int]:
-        return self.all_token_ids[: self.num_prompt_tokens]
+        return self.token_ids_between(0, self.num_prompt_tokens)
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens :]
+        return self.token_ids_between(self.num_prompt_tokens, len(self.all_token_ids))
+
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """Tokens ``[start, end)`` as a list, whatever ``all_token_ids`` holds them in."""
+        ids = self.all_token_ids[start:end]
+        return ids if isinstance(ids, list) else list(ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -187,11 +202,25 @@ class Request:
             raise FailedPreconditionError(
                 f"request {self.request_id!r} is finished; it takes no more tokens"
             )
-        if isinstance(token_ids, int):
-            self.all_token_ids.append(token_ids)
+        ids = self.all_token_ids
+        if not isinstance(ids, list):
+            self._append_to_packed(ids, token_ids)
+        elif isinstance(token_ids, int):
+            ids.append(token_ids)
         else:
-            self.all_token_ids.extend(token_ids)
+            ids.extend(token_ids)
         self._update_block_hashes()
+
+    def _append_to_packed(self, ids: MutableSequence[int], token_ids: int | Iterable[int]) -> None:
+        new = [token_ids] if isinstance(token_ids, int) else list(token_ids)
+        num_ids = len(ids)
+        try:
+            ids.extend(new)
+        except OverflowError:
+            # An id past a packed prompt's 32 bits (an append may carry any int64):
+            # undo what extend appended before it and hold the ids as ints from here.
+            del ids[num_ids:]
+            self.all_token_ids = [*ids, *new]
 
     def preempt(self) -> None:
         """Mark the request preempted, as vLLM's scheduler does after freeing it: its KV

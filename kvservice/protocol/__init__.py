@@ -58,8 +58,15 @@ def pack_token_ids(token_ids: Sequence[int]) -> bytes:
 def unpack_token_ids(packed: bytes) -> list[int]:
     """The ids ``pack_token_ids`` packed. Raises ``ValueError`` when the length is not
     a multiple of ``PACKED_TOKEN_ID_SIZE``."""
+    return unpack_token_id_array(packed).tolist()
+
+
+def unpack_token_id_array(packed: bytes) -> array.array[int]:
+    """The ids ``pack_token_ids`` packed, left packed: an array of 4-byte unsigned ints
+    in this machine's byte order (no Python int per id). Raises ``ValueError`` when the
+    length is not a multiple of ``PACKED_TOKEN_ID_SIZE``."""
     values = array.array(_U32)
     values.frombytes(packed)
     if sys.byteorder != "little":
         values.byteswap()
-    return values.tolist()
+    return values

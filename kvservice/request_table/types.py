@@ -63,7 +63,7 @@ class NewRequest:
     def __init__(
         self,
         request_id: str,
-        prompt_token_ids: list[int],
+        prompt_token_ids: Sequence[int],
         cache_salt: str | None = None,
         lora_name: str | None = None,
         mm_features: tuple[MultiModalFeature, ...] = (),

@@ -7,6 +7,7 @@ LoRA name) and only the fields declared ``optional`` carry presence.
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -32,7 +33,7 @@ from kvservice.core.retention_policy import (
     TokenRangeRetention,
     parse_duration,
 )
-from kvservice.protocol import PACKED_TOKEN_ID_SIZE, unpack_token_ids
+from kvservice.protocol import PACKED_TOKEN_ID_SIZE, unpack_token_id_array
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.request_table.admission import AdmitStop
 from kvservice.request_table.tenancy import client_request_id
@@ -108,6 +109,7 @@ def new_requests_from_batch(msg: pb.AddRequestBatch) -> list[NewRequest]:
     ``InvalidArgumentError`` for a batch whose counts do not cut its concatenated
     columns (the request ids' column is the caller's to check)."""
     num_ids = len(msg.request_ids)
+    # Each prompt stays packed (an array cut from the batch's): the table keeps it so.
     prompts = cut_column(
         "add_request_batch",
         _unpacked(msg.packed_prompt_token_ids, "add_request_batch: packed_prompt_token_ids"),
@@ -145,9 +147,9 @@ def new_requests_from_batch(msg: pb.AddRequestBatch) -> list[NewRequest]:
 
 
 def cut_column(
-    kind: str, values: list[T], counts: Sequence[int], num_ids: int, column: str, what: str
-) -> list[list[T]]:
-    """A batch's concatenated ``values`` cut into one list per entry, ``counts[i]``
+    kind: str, values: Sequence[T], counts: Sequence[int], num_ids: int, column: str, what: str
+) -> list[Sequence[T]]:
+    """A batch's concatenated ``values`` cut into one slice per entry, ``counts[i]``
     values for entry i; ``InvalidArgumentError`` naming ``kind``'s ``column`` unless
     there is a count per entry and they add up to the values."""
     if len(counts) != num_ids:
@@ -159,7 +161,7 @@ def cut_column(
             f"{kind}: {column} must be counts >= 0 that add up to the {len(values)} {what} "
             f"sent, got {list(counts)}"
         )
-    cut: list[list[T]] = []
+    cut: list[Sequence[T]] = []
     pos = 0
     for count in counts:
         cut.append(values[pos : pos + count])
@@ -167,7 +169,7 @@ def cut_column(
     return cut
 
 
-def appended_hashes(msg: pb.AppendTokensBatch) -> list[list[bytes]] | None:
+def appended_hashes(msg: pb.AppendTokensBatch) -> list[Sequence[bytes]] | None:
     """An ``AppendTokensBatch``'s hashes per entry (none for the entries past its
     counts), or None when no entry carries any."""
     counts = msg.num_block_hashes[:]
@@ -234,7 +236,7 @@ def pin_args_from_pb(msg: pb.PinPrefixRequest) -> PinArgs:
                 f"pin: both token_ids ({len(msg.token_ids)} ids) and packed_token_ids "
                 f"({len(msg.packed_token_ids)} bytes) are set; send the prefix in one of them"
             )
-        token_ids = _unpacked(msg.packed_token_ids, "pin: packed_token_ids")
+        token_ids = _unpacked(msg.packed_token_ids, "pin: packed_token_ids").tolist()
     else:
         token_ids = msg.token_ids[:]
     _check_seconds(msg.ttl_seconds, "pin: ttl_seconds")
@@ -250,9 +252,9 @@ def pin_args_from_pb(msg: pb.PinPrefixRequest) -> PinArgs:
     )
 
 
-def _prompt_token_ids(msg: pb.AddRequestRequest) -> list[int]:
-    """The ids of ``packed_prompt_token_ids`` (unpacked in C: a fraction of what
-    reading the repeated field costs, one Python int at a time)."""
+def _prompt_token_ids(msg: pb.AddRequestRequest) -> array[int]:
+    """The ids of ``packed_prompt_token_ids``, left packed (unpacked in C, no Python int
+    per id: a fraction of what reading the repeated field costs)."""
     packed = msg.packed_prompt_token_ids
     if msg.prompt_token_ids:
         raise InvalidArgumentError(
@@ -263,7 +265,7 @@ def _prompt_token_ids(msg: pb.AddRequestRequest) -> list[int]:
     return _unpacked(packed, f"request {msg.request_id!r}: packed_prompt_token_ids")
 
 
-def _unpacked(packed: bytes, what: str) -> list[int]:
+def _unpacked(packed: bytes, what: str) -> array[int]:
     """The token ids ``packed`` holds; ``InvalidArgumentError`` naming the field
     (``what``) when its bytes are not a whole number of ids."""
     if len(packed) % PACKED_TOKEN_ID_SIZE:
@@ -271,7 +273,7 @@ def _unpacked(packed: bytes, what: str) -> list[int]:
             f"{what} holds {len(packed)} bytes, not a multiple of {PACKED_TOKEN_ID_SIZE} (one "
             f"unsigned little-endian {PACKED_TOKEN_ID_SIZE}-byte int per token id)"
         )
-    return unpack_token_ids(packed)
+    return unpack_token_id_array(packed)
 
 
 def allocate_args_from_pb(msg: pb.AllocateSlotsRequest) -> AllocateArgs:

@@ -9,6 +9,7 @@ import re
 import pytest
 
 from benchmarks import (
+    bench_admission_layers,
     bench_core,
     bench_decode_layers,
     bench_grpc,
@@ -67,6 +68,14 @@ def test_bench_decode_layers_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     bench_decode_layers.main(["--requests", "8", "--steps", "3", "--rounds", "1"])
     out = capsys.readouterr().out
     for layer in bench_decode_layers.LAYERS:
+        assert f" {layer} " in out
+
+
+def test_bench_admission_layers_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every layer runs; the step path checks beforehand that every admission fits."""
+    bench_admission_layers.main(["--requests", "4", "--steps", "3", "--rounds", "1"])
+    out = capsys.readouterr().out
+    for layer in bench_admission_layers.LAYERS:
         assert f" {layer} " in out
 
 

@@ -62,7 +62,7 @@ def test_output_blocks_extend_a_remembered_chain() -> None:
     first.append_output_token_ids(list(range(100, 100 + BLOCK)))
     second = Request("second", prompt + list(range(100, 100 + BLOCK)), hasher)
     assert second.block_hashes == first.block_hashes
-    assert second.block_hashes == reference_hashes("sha256", second.all_token_ids)
+    assert second.block_hashes == reference_hashes("sha256", second.prompt_token_ids)
 
 
 def test_the_memo_is_bounded() -> None:

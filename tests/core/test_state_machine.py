@@ -1026,7 +1026,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                             if first
                             else None
                         ),
-                        token_ids=request.all_token_ids[first * bs : cached_now * bs],
+                        token_ids=request.token_ids_between(first * bs, cached_now * bs),
                         block_size=bs,
                         lora_id=None,
                         medium=MEDIUM_GPU,
@@ -1086,7 +1086,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 parent_block_hash=request.block_hashes[boundary // hbs - 2]
                 if boundary > hbs
                 else None,
-                token_ids=request.all_token_ids[boundary - hbs : boundary],
+                token_ids=request.token_ids_between(boundary - hbs, boundary),
                 block_size=hbs,
                 lora_id=None,
                 medium=MEDIUM_GPU,
@@ -1185,7 +1185,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         if finish:
             self.requests.pop(rid)
             self.shared_boundary.pop(rid, None)
-            self.remember(request.all_token_ids)
+            self.remember(request.token_ids_between(0, request.num_tokens))
             if rid in self.waiting:
                 self.waiting.remove(rid)
         else:

@@ -1080,3 +1080,44 @@ def test_an_append_batch_whose_hash_counts_do_not_cut_its_hashes_is_refused_whol
     operation.append_tokens_batch.num_block_hashes.extend(counts)
     operation.append_tokens_batch.block_hashes.extend(hashes)
     assert_refused_whole(zeroing, operation, message)
+
+
+def test_the_server_keeps_a_packed_prompt_packed() -> None:
+    """A prompt that came packed, alone or in an AddRequestBatch, is held as 4-byte ids
+    (no Python int per id); an appended id past 32 bits (the append's field is int64)
+    turns that request's ids into ints, losing none, and hashes go on as before."""
+    with twin(PLAIN_POOL) as pair:
+        prompt = tokens(2 * BLOCK + 3)
+        builder = StepBuilder()
+        builder.add_request("single", prompt)
+        builder.add_request_batch(["batched", "other"], [prompt, prompt[:5]])
+        pair.client.step(builder)
+
+        def held() -> dict[str, tuple[str, int, list[int], int]]:
+            return {
+                rid: (
+                    type(r.all_token_ids).__name__,
+                    getattr(r.all_token_ids, "itemsize", 0),
+                    list(r.all_token_ids),
+                    len(r.block_hashes),
+                )
+                for rid, r in pair.server.server.table._requests.items()  # test-only peek
+            }
+
+        hashed = len(prompt) // BLOCK
+        assert pair.server.call(held) == {
+            "single": ("array", 4, prompt, hashed),
+            "batched": ("array", 4, prompt, hashed),
+            "other": ("array", 4, prompt[:5], 0),
+        }
+        for rid in ("single", "batched"):
+            pair.client.allocate_slots(rid, len(prompt))
+        pair.client.append_tokens("single", [2**40])
+        pair.client.append_tokens("batched", [7])
+        grown = pair.server.call(held)
+        assert grown["single"] == ("list", 0, [*prompt, 2**40], hashed)
+        assert grown["batched"] == ("array", 4, [*prompt, 7], hashed)
+        pair.client.append_tokens("single", [1] * (BLOCK - 4))
+        pair.client.append_tokens("batched", [1] * (BLOCK - 4))
+        assert pair.server.call(held)["single"][3] == hashed + 1
+        pair.finish()

@@ -1,0 +1,273 @@
+"""What each server layer adds to admitting and finishing requests, side by side.
+
+The admission counterpart of ``bench_decode_layers``: a step admits ``--requests`` new
+requests (add, prefix lookup, allocation of the prompt) and finishes as many admitted
+the step before, as a scheduler's churn does. Prompts are ``--prompt-len`` tokens; each
+begins with a ``--shared``-token prefix that all share (every request but the first hits it),
+the rest its own. The requests come with their block hashes (client_hashed, as vLLM's
+scheduler sends them on a server that trusts them), computed beforehand, untimed. The
+same steps run through three layers, each on its own pool, in interleaved rounds:
+
+* ``core``: ``Request`` (client_hashed, hashes given), ``get_computed_blocks``,
+  ``allocate_slots`` and ``free`` on the ``KVCacheManager``;
+* ``table``: the server's ``RequestTable`` inside ``RequestTable.batched``, each request
+  read by the server's converter from the AddRequest that carries it (packed prompt,
+  hashes), its hit attached to its allocation as a client sends it. As in ``core``,
+  the loop around the calls is this script's (interpreted), where ``step``'s is the
+  compiled runner's;
+* ``step``: the server's ``StepRunner`` on a serialized ``StepRequest`` as the
+  scheduler's batching backends build it (one AddRequestBatch with packed prompts and
+  hashes, one LookupAllocateBatch, one FreeBatch), parsed, run and answered as bytes,
+  without the transport.
+
+Prints microseconds per admitted request (its add, lookup, allocation and later free):
+the median over rounds, the lowest and highest round, and each layer's cost as a ratio
+to the core's in the same round, median over rounds.
+
+Run: ``python -m benchmarks.bench_admission_layers [--requests 32] [--steps 40]
+[--prompt-len 208] [--shared 64] [--rounds 5] [--layers core,table,step]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvservice.bench.measure import median_ratio, rotated
+from kvservice.client import FreeMode, RunHandle, StepBuilder, StepResults
+from kvservice.core.request import Request
+from kvservice.protocol import pack_token_ids
+from kvservice.protocol.gen import kv_cache_service_pb2 as pb
+from kvservice.request_table.table import RequestTable
+from kvservice.request_table.types import AllocateArgs
+from kvservice.request_table.types import FreeMode as TableFreeMode
+from kvservice.server import converters
+from kvservice.server.caller import ANONYMOUS
+from kvservice.server.config import ServerConfig, build_manager
+from kvservice.server.metrics import KVCacheMetrics
+from kvservice.server.step import StepRunner
+
+BLOCK = 16
+FINISH = TableFreeMode.FINISH
+TENANT = ANONYMOUS.tenant
+
+
+@dataclass(frozen=True)
+class Admission:
+    """One new request: its id, prompt, block hashes and the tokens its lookup hits."""
+
+    request_id: str
+    prompt: list[int]
+    hashes: list[bytes]
+    num_hit: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Each step's admissions."""
+
+    steps: list[list[Admission]]
+    num_requests: int
+    prompt_len: int
+
+    def config(self) -> ServerConfig:
+        # Room for two steps' requests (those admitted and those finishing) twice over;
+        # freed blocks stay cached, so later steps evict the oldest.
+        blocks = 4 * self.num_requests * (self.prompt_len // BLOCK + 1) + 1
+        return ServerConfig(
+            num_blocks=blocks,
+            block_size=BLOCK,
+            max_model_len=self.prompt_len + BLOCK,
+        )
+
+
+def workload(num_requests: int, steps: int, prompt_len: int, shared: int) -> Workload:
+    hasher = build_manager(Workload([], num_requests, prompt_len).config()).block_hasher
+    prefix = list(range(shared))
+    rows = []
+    for step in range(steps):
+        row = []
+        for i in range(num_requests):
+            first = 1000 + (step * num_requests + i) * prompt_len
+            prompt = prefix + list(range(first, first + prompt_len - shared))
+            hashes = [bytes(h) for h in Request("h", prompt, hasher).block_hashes]
+            # Every request but the first finds the shared prefix's whole blocks cached.
+            num_hit = shared // BLOCK * BLOCK if step or i else 0
+            row.append(Admission(f"s{step}r{i}", prompt, hashes, num_hit))
+        rows.append(row)
+    return Workload(rows, num_requests, prompt_len)
+
+
+def _refused(what: str) -> RuntimeError:
+    return RuntimeError(f"{what}: the pool is sized so that every admission fits")
+
+
+def core_path(load: Workload) -> Callable[[], None]:
+    manager = build_manager(load.config())
+
+    def run() -> None:
+        finishing: list[Request] = []
+        for row in load.steps:
+            admitted = []
+            for new in row:
+                request = Request(new.request_id, new.prompt, client_hashed=True)
+                request.block_hashes.extend(new.hashes)
+                hit, num_hit, _ = manager.get_computed_blocks(request)
+                if manager.allocate_slots(request, load.prompt_len - num_hit, num_hit, hit) is None:
+                    raise _refused(new.request_id)
+                admitted.append(request)
+            for request in finishing:
+                manager.free(request)
+            finishing = admitted
+        for request in finishing:
+            manager.free(request)
+
+    return run
+
+
+def _table(load: Workload) -> RequestTable:
+    manager = build_manager(load.config())
+    # The caller's hashes trusted, as a server started with --trust-client-block-hashes.
+    return RequestTable(
+        manager,
+        KVCacheMetrics(manager, "bench", "0"),
+        trusted_hash_tenants={ANONYMOUS.tenant},
+    )
+
+
+def table_path(load: Workload) -> Callable[[], None]:
+    table = _table(load)
+    # Each request as a single AddRequest carries it; the server's converter reads it.
+    messages = [
+        [
+            pb.AddRequestRequest(
+                request_id=new.request_id,
+                packed_prompt_token_ids=pack_token_ids(new.prompt),
+                block_hashes=new.hashes,
+                client_hashed=True,
+            )
+            for new in row
+        ]
+        for row in load.steps
+    ]
+
+    def run() -> None:
+        finishing: list[str] = []
+        for row in messages:
+            with table.batched():
+                for msg in row:
+                    rid = msg.request_id
+                    table.check_request_size(rid, 0, TENANT)
+                    table.add_request(converters.new_request_from_pb(msg), TENANT)
+                    hit = table.get_computed_blocks(rid, TENANT)
+                    args = AllocateArgs(
+                        load.prompt_len - hit.num_computed_tokens,
+                        hit.num_computed_tokens,
+                        hit.block_ids if hit.num_computed_tokens else (),
+                    )
+                    if table.allocate_slots(rid, args, TENANT).new_block_ids is None:
+                        raise _refused(rid)
+                for rid in finishing:
+                    table.free(rid, FINISH, TENANT)
+            finishing = [msg.request_id for msg in row]
+        with table.batched():
+            for rid in finishing:
+                table.free(rid, FINISH, TENANT)
+
+    return run
+
+
+def _step_messages(load: Workload) -> list[tuple[bytes, RunHandle[Any] | None]]:
+    """Each step serialized, with the handle of its admissions (none in the last
+    step, which only finishes)."""
+    messages = []
+    finishing: list[str] = []
+    for index, row in enumerate([*load.steps, []]):
+        builder = StepBuilder(omit_request_state=True)
+        admissions = None
+        if row:
+            ids = [new.request_id for new in row]
+            builder.add_request_batch(ids, [new.prompt for new in row], [new.hashes for new in row])
+            nums = [load.prompt_len - new.num_hit for new in row]
+            admissions = builder.lookup_allocate_batch(ids, nums)
+        if finishing:
+            builder.free_batch(finishing, [FreeMode.FINISH] * len(finishing))
+        raw = builder.to_pb(index, stop_on_error=True).SerializeToString()
+        messages.append((raw, admissions))
+        finishing = [new.request_id for new in row]
+    return messages
+
+
+def step_path(load: Workload) -> Callable[[], None]:
+    messages = _step_messages(load)
+    max_ops = 4 * load.num_requests
+    # Once beforehand, checked, on a pool of its own: every entry runs and fits.
+    check = StepRunner(_table(load), max_ops=max_ops)
+    for raw, admissions in messages:
+        response = pb.StepResponse()
+        check.run_whole(pb.StepRequest.FromString(raw), response, ANONYMOUS)
+        results = StepResults(response)
+        if not results.ok:
+            raise RuntimeError(f"a step of the benchmark failed: {results.errors}")
+        if admissions is not None and any(a is None for _, a in results.rows(admissions)):
+            raise _refused("an admission of the step path")
+    runner = StepRunner(_table(load), max_ops=max_ops)
+
+    def run() -> None:
+        for raw, _ in messages:
+            response = pb.StepResponse()
+            runner.run_whole(pb.StepRequest.FromString(raw), response, ANONYMOUS)
+            response.SerializeToString()
+
+    return run
+
+
+LAYERS = {"core": core_path, "table": table_path, "step": step_path}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--prompt-len", type=int, default=208)
+    parser.add_argument("--shared", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--layers", default=",".join(LAYERS), help="comma-separated (default: all)")
+    args = parser.parse_args(argv)
+    names = ["core", *(n for n in args.layers.split(",") if n != "core")]
+    unknown = [n for n in names if n not in LAYERS]
+    if unknown:
+        parser.error(f"unknown layers {unknown}; choose from {', '.join(LAYERS)}")
+    if not 0 <= args.shared < args.prompt_len:
+        parser.error("--shared must be >= 0 and below --prompt-len")
+    load = workload(args.requests, args.steps, args.prompt_len, args.shared)
+    admitted = args.requests * args.steps
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(args.rounds):
+        # A fresh pool per layer and round: each run admits every request once.
+        runs = {name: LAYERS[name](load) for name in names}
+        for name in rotated(names, round_index):
+            start = time.perf_counter()
+            runs[name]()
+            samples[name].append((time.perf_counter() - start) / admitted * 1e6)
+    print(
+        f"admission steps of {args.requests} new requests ({args.prompt_len}-token prompts, "
+        f"{args.shared} shared), each finished a step later; {args.steps} steps, "
+        f"{args.rounds} rounds"
+    )
+    print(f"{'layer':>8} {'us/request':>11} {'per round':>16} {'vs core':>8}")
+    for name in names:
+        values = samples[name]
+        spread = f"{min(values):.2f}-{max(values):.2f}"
+        print(
+            f"{name:>8} {statistics.median(values):>11.2f} {spread:>16} "
+            f"{median_ratio(values, samples['core']):>7.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
