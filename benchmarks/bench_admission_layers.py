@@ -24,8 +24,11 @@ Prints microseconds per admitted request (its add, lookup, allocation and later 
 the median over rounds, the lowest and highest round, and each layer's cost as a ratio
 to the core's in the same round, median over rounds.
 
-Run: ``python -m benchmarks.bench_admission_layers [--requests 32] [--steps 40]
-[--prompt-len 208] [--shared 64] [--rounds 5] [--layers core,table,step]``.
+The defaults are ``bench_vllm_scheduler``'s churn prompts on average (a 0, 256 or
+512-token system prompt, then 64-511 tokens of its own).
+
+Run: ``python -m benchmarks.bench_admission_layers [--requests 16] [--steps 40]
+[--prompt-len 544] [--shared 256] [--rounds 5] [--layers core,table,step]``.
 """
 
 from __future__ import annotations
@@ -231,10 +234,10 @@ LAYERS = {"core": core_path, "table": table_path, "step": step_path}
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--prompt-len", type=int, default=208)
-    parser.add_argument("--shared", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=544)
+    parser.add_argument("--shared", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--layers", default=",".join(LAYERS), help="comma-separated (default: all)")
     args = parser.parse_args(argv)
