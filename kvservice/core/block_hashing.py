@@ -224,6 +224,16 @@ def to_event_extra_keys(extra_keys: Iterable[ExtraKeys]) -> list[ExtraKeys] | No
     return event_keys or None
 
 
+def _tokens_from(request: Request, start: int, end: int) -> tuple[list[int], int]:
+    """Request tokens as a list that holds ``[start, end)``, and the index in the request
+    of its first: a list request's own ids (sliced natively, no copy), or for a packed
+    prompt (an array) those ids made ints once, which pickling makes of them anyway."""
+    ids = request.all_token_ids
+    if isinstance(ids, list):
+        return ids, 0
+    return list(ids[start:end]), start
+
+
 class BlockHasher:
     """Computes a request's new full-block hashes as its tokens arrive.
 
@@ -276,7 +286,7 @@ class BlockHasher:
             return new_hashes
         mm_idx = first_mm_index(request.mm_features, start, start + bs)
         parent = hashes[-1] if hashes else None
-        tokens = request.all_token_ids
+        tokens, first = _tokens_from(request, start, num_tokens)
         plain = not request.has_extra_keys
         hash_fn, memo = self.hash_fn, self._memo
         looking = True  # until a block is not remembered: each later parent is then new
@@ -287,7 +297,11 @@ class BlockHasher:
             elif not plain:
                 keys, mm_idx = generate_block_hash_extra_keys(request, start, start + bs, mm_idx)
             # What hash_block_tokens hashes.
-            block = (parent or self.none_hash, tuple(tokens[start : start + bs]), keys)
+            block = (
+                parent or self.none_hash,
+                tuple(tokens[start - first : start + bs - first]),
+                keys,
+            )
             block_hash = memo.get(block) if looking else None
             if block_hash is None:
                 looking = False
