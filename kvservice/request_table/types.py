@@ -231,13 +231,36 @@ _ALLOCATE_ARGS_FIELDS = (
 )
 
 
-@dataclass(frozen=True, slots=True)
 class ComputedBlocks:
-    """A prefix lookup: the hit's block ids per group and what vLLM reports with it."""
+    """A prefix lookup: the hit's block ids per group and what vLLM reports with it.
 
-    block_ids: BlockIds
-    num_computed_tokens: int
-    shared_prefix_boundary: int
+    A plain class compared by value, as ``AllocateArgs`` is and for the same reason: one
+    is built per lookup (a frozen dataclass's ``__init__`` runs interpreted)."""
+
+    __slots__ = ("block_ids", "num_computed_tokens", "shared_prefix_boundary")
+
+    def __init__(
+        self, block_ids: BlockIds, num_computed_tokens: int, shared_prefix_boundary: int
+    ) -> None:
+        self.block_ids = block_ids
+        self.num_computed_tokens = num_computed_tokens
+        self.shared_prefix_boundary = shared_prefix_boundary
+
+    def _values(self) -> tuple[BlockIds, int, int]:
+        return (self.block_ids, self.num_computed_tokens, self.shared_prefix_boundary)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ComputedBlocks) and self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        return (
+            f"ComputedBlocks(block_ids={self.block_ids!r}, "
+            f"num_computed_tokens={self.num_computed_tokens!r}, "
+            f"shared_prefix_boundary={self.shared_prefix_boundary!r})"
+        )
 
 
 class Allocation:
