@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 HashFn = Callable[[Any], bytes]
 ExtraKeys = tuple[Any, ...] | None
 
-DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+DEFAULT_NONE_HASH_SEED: Final = "vllm-none-hash"
 
 
 def sha256(obj: Any) -> bytes:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator
+from typing import Final
 
 # Block ids per KV cache group, in block-table order: a prefix hit, an allocation's new
 # blocks. (The client spells the same type ``kvservice.client.BlockIds``: it loads
@@ -22,7 +23,7 @@ BlockHashWithGroupId = bytes
 
 # TensorRT-LLM's default retention priority: a block nobody gave a priority to. The
 # priority eviction policy evicts lower priorities first (core/retention.py).
-DEFAULT_PRIORITY = 35
+DEFAULT_PRIORITY: Final = 35
 
 
 def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:

@@ -7,9 +7,9 @@ Block hashes leave the process in external form: the raw hash bytes without the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
-MEDIUM_GPU = "GPU"
+MEDIUM_GPU: Final = "GPU"
 
 
 @dataclass(frozen=True, slots=True)

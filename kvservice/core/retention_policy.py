@@ -20,6 +20,7 @@ import heapq
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 from kvservice.core.errors import InvalidArgumentError, QuotaExceededError
 from kvservice.core.kv_cache_block import (
@@ -29,8 +30,8 @@ from kvservice.core.kv_cache_block import (
     KVCacheBlock,
 )
 
-MIN_PRIORITY = 0
-MAX_PRIORITY = 100
+MIN_PRIORITY: Final = 0
+MAX_PRIORITY: Final = 100
 EVICTION_POLICIES = ("lru", "priority")
 
 

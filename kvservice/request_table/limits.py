@@ -18,12 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
+from typing import Final
 
 from kvservice.core.block_hashing import MultiModalFeature
 from kvservice.core.errors import InvalidArgumentError
 
 # How much of an over-long value an error message quotes.
-QUOTED_CHARS = 32
+QUOTED_CHARS: Final = 32
 
 
 @dataclass(frozen=True, slots=True)

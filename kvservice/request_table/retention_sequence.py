@@ -17,11 +17,13 @@ when the session opens, as the replica's fresh pool's does.
 
 from __future__ import annotations
 
+from typing import Final
+
 from kvservice.core.retention_policy import RetentionEvent, Tick
 
 # Step messages between the answer that ships an event and the one after whose
 # operations it applies.
-LAG = 1
+LAG: Final = 1
 
 
 class RetentionSequence:

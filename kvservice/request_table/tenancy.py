@@ -21,6 +21,7 @@ it on every call into the table. This is where limits per caller belong.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Final
 
 from kvservice.core.errors import QuotaExceededError
 from kvservice.core.invariants import InvariantViolationError
@@ -31,9 +32,9 @@ from kvservice.request_table.limits import mm_identifier_bytes
 from kvservice.request_table.tenant_keys import SEPARATOR as _SEPARATOR
 from kvservice.request_table.tenant_keys import TenantRequestId
 
-DEFAULT_TENANT = ""
+DEFAULT_TENANT: Final = ""
 # Separates the tenant from the request id in a core key; tenant names may not hold it.
-_SALT_PREFIX = "kvservice-tenant"
+_SALT_PREFIX: Final = "kvservice-tenant"
 
 
 def check_tenant_name(name: str) -> None:

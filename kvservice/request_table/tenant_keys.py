@@ -7,8 +7,10 @@ refuses for a native class ("Inheriting from most builtin types is unimplemented
 
 from __future__ import annotations
 
+from typing import Final
+
 # Separates the parts of a key (tenant names hold none).
-SEPARATOR = "\x00"
+SEPARATOR: Final = "\x00"
 
 
 class TenantRequestId(str):

@@ -13,7 +13,7 @@ no single call holds up the loop (health checks) for longer than a slice.
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import structlog
 
@@ -347,7 +347,7 @@ def _entry_error(errors: Any, index: int, err: Exception) -> int:
     return code
 
 
-_INTERNAL = 13  # grpc.StatusCode.INTERNAL
+_INTERNAL: Final = 13  # grpc.StatusCode.INTERNAL
 
 
 async def append_tokens_batch(
@@ -627,7 +627,7 @@ def _lookup_allocate(
 
 # Admissions run between two looks at the clock (each a lookup, an allocation and its
 # answer: tens of microseconds).
-ADMIT_CHUNK = 32
+ADMIT_CHUNK: Final = 32
 
 
 async def admit(

@@ -62,6 +62,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 import grpc
 import structlog
@@ -92,7 +93,7 @@ def code_number(code: grpc.StatusCode) -> int:
 
 _CODE_NAMES = {code_number(c): c.name for c in grpc.StatusCode}
 _CANCELLED = code_number(grpc.StatusCode.CANCELLED)
-_NOT_RUN = "not run: an earlier operation failed (stop_on_error)"
+_NOT_RUN: Final = "not run: an earlier operation failed (stop_on_error)"
 _INTERNAL = code_number(grpc.StatusCode.INTERNAL)
 _INVALID_ARGUMENT = code_number(grpc.StatusCode.INVALID_ARGUMENT)
 
