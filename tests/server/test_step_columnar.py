@@ -596,6 +596,28 @@ def test_a_run_joined_mid_batch_is_checked_on_its_own_rows(zeroing: Twin) -> Non
     zeroing.finish()
 
 
+def test_rows_that_all_fitted_are_checked_block_by_block(zeroing: Twin) -> None:
+    """Where no row answered no room, the columns are compared flattened: the same
+    counts with other ids, ids moved between rows, or another number of groups do not
+    match."""
+    for rid in "abc":
+        zeroing.client.add_request(rid, tokens(BLOCK))
+    builder = StepBuilder(omit_request_state=True)
+    run = builder.allocate_slots_batch(["a", "b", "c"], [2 * BLOCK, BLOCK, 1])
+    results = zeroing.client.step(builder)
+    rows = results.rows(run)
+    assert all(row is not None for row in rows)
+    (a,), (b,), (c,) = [row.new_block_ids for row in rows if row is not None]
+    assert (len(a), len(b), len(c)) == (2, 1, 1)
+    assert results.allocations_match(run, [(a,), (b,), (c,)])
+    assert not results.allocations_match(run, [((a[1], a[0]),), (b,), (c,)])
+    assert not results.allocations_match(run, [((a[0], b[0]),), ((a[1],),), (c,)])
+    assert not results.allocations_match(run, [(a[:1],), (a[1:] + b,), (c,)])
+    assert not results.allocations_match(run, [(a, ()), (b, ()), (c, ())])
+    assert not results.allocations_match(run, [(a,), (c,), (b,)])
+    zeroing.finish()
+
+
 # -- the admissions and frees of a scheduler step (LookupAllocateBatch, FreeBatch) ----
 
 
