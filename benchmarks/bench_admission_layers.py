@@ -34,13 +34,11 @@ Run: ``python -m benchmarks.bench_admission_layers [--requests 16] [--steps 40]
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvservice.bench.measure import median_ratio, rotated
+from kvservice.bench.measure import print_layers, time_layers
 from kvservice.client import FreeMode, RunHandle, StepBuilder, StepResults
 from kvservice.core.request import Request
 from kvservice.protocol import pack_token_ids
@@ -248,28 +246,16 @@ def main(argv: list[str] | None = None) -> None:
     if not 0 <= args.shared < args.prompt_len:
         parser.error("--shared must be >= 0 and below --prompt-len")
     load = workload(args.requests, args.steps, args.prompt_len, args.shared)
-    admitted = args.requests * args.steps
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(args.rounds):
-        # A fresh pool per layer and round: each run admits every request once.
-        runs = {name: LAYERS[name](load) for name in names}
-        for name in rotated(names, round_index):
-            start = time.perf_counter()
-            runs[name]()
-            samples[name].append((time.perf_counter() - start) / admitted * 1e6)
+    # A fresh pool per layer and round: each run admits every request once.
+    samples = time_layers(
+        lambda name: LAYERS[name](load), names, args.rounds, len(load.steps) * args.requests
+    )
     print(
         f"admission steps of {args.requests} new requests ({args.prompt_len}-token prompts, "
         f"{args.shared} shared), each finished a step later; {args.steps} steps, "
         f"{args.rounds} rounds"
     )
-    print(f"{'layer':>8} {'us/request':>11} {'per round':>16} {'vs core':>8}")
-    for name in names:
-        values = samples[name]
-        spread = f"{min(values):.2f}-{max(values):.2f}"
-        print(
-            f"{name:>8} {statistics.median(values):>11.2f} {spread:>16} "
-            f"{median_ratio(values, samples['core']):>7.2f}x"
-        )
+    print_layers(samples, "us/request")
 
 
 if __name__ == "__main__":

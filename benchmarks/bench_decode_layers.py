@@ -35,11 +35,9 @@ Run: ``python -m benchmarks.bench_decode_layers [--requests 256] [--steps 40]
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 
-from kvservice.bench.measure import median_ratio, rotated
+from kvservice.bench.measure import print_layers, time_layers
 from kvservice.client import StepBuilder, StepResults
 from kvservice.client.step_link import StepLink
 from kvservice.core.request import Request
@@ -215,27 +213,18 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [n for n in names if n not in LAYERS]
     if unknown:
         parser.error(f"unknown layers {unknown}; choose from {', '.join(LAYERS)}")
-    pairs = args.requests * args.steps
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(args.rounds):
-        # A fresh pool per layer and round (each run consumes its decode steps).
-        runs = {name: LAYERS[name](args.requests, args.steps) for name in names}
-        for name in rotated(names, round_index):
-            start = time.perf_counter()
-            runs[name]()
-            samples[name].append((time.perf_counter() - start) / pairs * 1e6)
+    # A fresh pool per layer and round (each run consumes its decode steps).
+    samples = time_layers(
+        lambda name: LAYERS[name](args.requests, args.steps),
+        names,
+        args.rounds,
+        args.requests * args.steps,
+    )
     print(
         f"decode steps of {args.requests} requests (one append + one allocation each), "
         f"{args.steps} steps, {args.rounds} rounds"
     )
-    print(f"{'layer':>12} {'us/request':>11} {'per round':>14} {'vs core':>8}")
-    for name in names:
-        values = samples[name]
-        spread = f"{min(values):.2f}-{max(values):.2f}"
-        print(
-            f"{name:>12} {statistics.median(values):>11.2f} {spread:>14} "
-            f"{median_ratio(values, samples['core']):>7.2f}x"
-        )
+    print_layers(samples, "us/request")
 
 
 if __name__ == "__main__":

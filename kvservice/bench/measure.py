@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -89,6 +89,34 @@ def rotated(items: Sequence[T], round_index: int) -> list[T]:
 def median_ratio(values: Sequence[float], baselines: Sequence[float]) -> float:
     """The median over rounds of ``value / baseline`` within each round."""
     return statistics.median(v / b for v, b in zip(values, baselines, strict=True))
+
+
+def time_layers(
+    build: Callable[[str], Callable[[], object]], names: Sequence[str], rounds: int, units: int
+) -> dict[str, list[float]]:
+    """The ``*_layers`` benchmarks' rounds: each round builds every layer's run afresh
+    (``build(name)``, untimed), then times the runs in that round's rotated order; per
+    layer, the microseconds per unit (``units`` a run) of each round."""
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        runs = {name: build(name) for name in names}
+        for name in rotated(names, round_index):
+            start = time.perf_counter()
+            runs[name]()
+            samples[name].append((time.perf_counter() - start) / units * 1e6)
+    return samples
+
+
+def print_layers(samples: dict[str, list[float]], unit: str, base: str = "core") -> None:
+    """Each layer's median per unit, its lowest and highest round, and its ratio to
+    ``base`` within each round (median over rounds)."""
+    print(f"{'layer':>12} {unit:>11} {'per round':>16} {'vs ' + base:>8}")
+    for name, values in samples.items():
+        spread = f"{min(values):.2f}-{max(values):.2f}"
+        print(
+            f"{name:>12} {statistics.median(values):>11.2f} {spread:>16} "
+            f"{median_ratio(values, samples[base]):>7.2f}x"
+        )
 
 
 def ratio_columns(ratios: Sequence[float]) -> str:
