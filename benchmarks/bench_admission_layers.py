@@ -38,7 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvservice.bench.measure import print_layers, time_layers
+from kvservice.bench.measure import layer_names, print_layers, time_layers
 from kvservice.client import FreeMode, RunHandle, StepBuilder, StepResults
 from kvservice.core.request import Request
 from kvservice.protocol import pack_token_ids
@@ -239,10 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--layers", default=",".join(LAYERS), help="comma-separated (default: all)")
     args = parser.parse_args(argv)
-    names = ["core", *(n for n in args.layers.split(",") if n != "core")]
-    unknown = [n for n in names if n not in LAYERS]
-    if unknown:
-        parser.error(f"unknown layers {unknown}; choose from {', '.join(LAYERS)}")
+    names = layer_names(parser, args.layers, list(LAYERS))
     if not 0 <= args.shared < args.prompt_len:
         parser.error("--shared must be >= 0 and below --prompt-len")
     load = workload(args.requests, args.steps, args.prompt_len, args.shared)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from kvservice.bench.measure import print_layers, time_layers
+from kvservice.bench.measure import layer_names, print_layers, time_layers
 from kvservice.client import StepBuilder, StepResults
 from kvservice.client.step_link import StepLink
 from kvservice.core.request import Request
@@ -209,10 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--layers", default=",".join(LAYERS), help="comma-separated (default: all)")
     args = parser.parse_args(argv)
-    names = ["core", *(n for n in args.layers.split(",") if n != "core")]
-    unknown = [n for n in names if n not in LAYERS]
-    if unknown:
-        parser.error(f"unknown layers {unknown}; choose from {', '.join(LAYERS)}")
+    names = layer_names(parser, args.layers, list(LAYERS))
     # A fresh pool per layer and round (each run consumes its decode steps).
     samples = time_layers(
         lambda name: LAYERS[name](args.requests, args.steps),

@@ -11,6 +11,7 @@ hit.
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import time
@@ -89,6 +90,18 @@ def rotated(items: Sequence[T], round_index: int) -> list[T]:
 def median_ratio(values: Sequence[float], baselines: Sequence[float]) -> float:
     """The median over rounds of ``value / baseline`` within each round."""
     return statistics.median(v / b for v, b in zip(values, baselines, strict=True))
+
+
+def layer_names(
+    parser: argparse.ArgumentParser, chosen: str, known: Sequence[str], base: str = "core"
+) -> list[str]:
+    """The ``--layers`` a ``*_layers`` benchmark runs (comma-separated): ``base`` first,
+    always, as the ratios' base; an unknown name is the parser's usage error."""
+    names = [base, *(n for n in chosen.split(",") if n != base)]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        parser.error(f"unknown layers {unknown}; choose from {', '.join(known)}")
+    return names
 
 
 def time_layers(
