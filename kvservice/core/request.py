@@ -86,7 +86,7 @@ class Request:
         if not request_id:
             raise InvalidArgumentError("request_id must be a non-empty string")
         self.request_id = request_id
-        # An array stays one: a server holds a packed prompt as the 4 bytes an id it
+        # An array stays one: a server holds a packed prompt in the 4 bytes per id it
         # came in, not as a Python int per id (36 bytes, allocated and freed).
         self.all_token_ids: MutableSequence[int] = (
             array(prompt_token_ids.typecode, prompt_token_ids)
