@@ -69,25 +69,22 @@ class Admission:
 
 @dataclass(frozen=True)
 class Workload:
-    """Each step's admissions."""
+    """Each step's admissions, and the pool every layer builds for them."""
 
     steps: list[list[Admission]]
-    num_requests: int
-    prompt_len: int
+    config: ServerConfig
 
-    def config(self) -> ServerConfig:
-        # Room for two steps' requests (those admitted and those finishing) twice over;
-        # freed blocks stay cached, so later steps evict the oldest.
-        blocks = 4 * self.num_requests * (self.prompt_len // BLOCK + 1) + 1
-        return ServerConfig(
-            num_blocks=blocks,
-            block_size=BLOCK,
-            max_model_len=self.prompt_len + BLOCK,
-        )
+
+def pool(num_requests: int, prompt_len: int) -> ServerConfig:
+    # Room for two steps' requests (those admitted and those finishing) twice over;
+    # freed blocks stay cached, so later steps evict the oldest.
+    blocks = 4 * num_requests * (prompt_len // BLOCK + 1) + 1
+    return ServerConfig(num_blocks=blocks, block_size=BLOCK, max_model_len=prompt_len + BLOCK)
 
 
 def workload(num_requests: int, steps: int, prompt_len: int, shared: int) -> Workload:
-    hasher = build_manager(Workload([], num_requests, prompt_len).config()).block_hasher
+    config = pool(num_requests, prompt_len)
+    hasher = build_manager(config).block_hasher
     prefix = list(range(shared))
     rows = []
     for step in range(steps):
@@ -100,7 +97,7 @@ def workload(num_requests: int, steps: int, prompt_len: int, shared: int) -> Wor
             num_hit = shared // BLOCK * BLOCK if step or i else 0
             row.append(Admission(f"s{step}r{i}", prompt, hashes, num_hit))
         rows.append(row)
-    return Workload(rows, num_requests, prompt_len)
+    return Workload(rows, config)
 
 
 def _refused(what: str) -> RuntimeError:
@@ -108,7 +105,7 @@ def _refused(what: str) -> RuntimeError:
 
 
 def core_path(load: Workload) -> Callable[[], None]:
-    manager = build_manager(load.config())
+    manager = build_manager(load.config)
 
     def run() -> None:
         finishing: list[Request] = []
@@ -118,7 +115,8 @@ def core_path(load: Workload) -> Callable[[], None]:
                 request = Request(new.request_id, new.prompt, client_hashed=True)
                 request.block_hashes.extend(new.hashes)
                 hit, num_hit, _ = manager.get_computed_blocks(request)
-                if manager.allocate_slots(request, load.prompt_len - num_hit, num_hit, hit) is None:
+                num_new = len(new.prompt) - num_hit
+                if manager.allocate_slots(request, num_new, num_hit, hit) is None:
                     raise _refused(new.request_id)
                 admitted.append(request)
             for request in finishing:
@@ -131,12 +129,10 @@ def core_path(load: Workload) -> Callable[[], None]:
 
 
 def _table(load: Workload) -> RequestTable:
-    manager = build_manager(load.config())
+    manager = build_manager(load.config)
     # The caller's hashes trusted, as a server started with --trust-client-block-hashes.
     return RequestTable(
-        manager,
-        KVCacheMetrics(manager, "bench", "0"),
-        trusted_hash_tenants={ANONYMOUS.tenant},
+        manager, KVCacheMetrics(manager, "bench", "0"), trusted_hash_tenants={TENANT}
     )
 
 
@@ -158,15 +154,15 @@ def table_path(load: Workload) -> Callable[[], None]:
 
     def run() -> None:
         finishing: list[str] = []
-        for row in messages:
+        for row, row_messages in zip(load.steps, messages, strict=True):
             with table.batched():
-                for msg in row:
-                    rid = msg.request_id
+                for new, msg in zip(row, row_messages, strict=True):
+                    rid = new.request_id
                     table.check_request_size(rid, 0, TENANT)
                     table.add_request(converters.new_request_from_pb(msg), TENANT)
                     hit = table.get_computed_blocks(rid, TENANT)
                     args = AllocateArgs(
-                        load.prompt_len - hit.num_computed_tokens,
+                        len(new.prompt) - hit.num_computed_tokens,
                         hit.num_computed_tokens,
                         hit.block_ids if hit.num_computed_tokens else (),
                     )
@@ -174,7 +170,7 @@ def table_path(load: Workload) -> Callable[[], None]:
                         raise _refused(rid)
                 for rid in finishing:
                     table.free(rid, FINISH, TENANT)
-            finishing = [msg.request_id for msg in row]
+            finishing = [new.request_id for new in row]
         with table.batched():
             for rid in finishing:
                 table.free(rid, FINISH, TENANT)
@@ -193,7 +189,7 @@ def _step_messages(load: Workload) -> list[tuple[bytes, RunHandle[Any] | None]]:
         if row:
             ids = [new.request_id for new in row]
             builder.add_request_batch(ids, [new.prompt for new in row], [new.hashes for new in row])
-            nums = [load.prompt_len - new.num_hit for new in row]
+            nums = [len(new.prompt) - new.num_hit for new in row]
             admissions = builder.lookup_allocate_batch(ids, nums)
         if finishing:
             builder.free_batch(finishing, [FreeMode.FINISH] * len(finishing))
@@ -205,7 +201,7 @@ def _step_messages(load: Workload) -> list[tuple[bytes, RunHandle[Any] | None]]:
 
 def step_path(load: Workload) -> Callable[[], None]:
     messages = _step_messages(load)
-    max_ops = 4 * load.num_requests
+    max_ops = 4 * max(map(len, load.steps), default=1)
     # Once beforehand, checked, on a pool of its own: every entry runs and fits.
     check = StepRunner(_table(load), max_ops=max_ops)
     for raw, admissions in messages:
@@ -245,7 +241,7 @@ def main(argv: list[str] | None = None) -> None:
     load = workload(args.requests, args.steps, args.prompt_len, args.shared)
     # A fresh pool per layer and round: each run admits every request once.
     samples = time_layers(
-        lambda name: LAYERS[name](load), names, args.rounds, len(load.steps) * args.requests
+        lambda name: LAYERS[name](load), names, args.rounds, args.steps * args.requests
     )
     print(
         f"admission steps of {args.requests} new requests ({args.prompt_len}-token prompts, "
