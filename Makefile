@@ -12,9 +12,9 @@ STAMP := $(VENV)/.installed
 .PHONY: setup build tools serve test lint typecheck unit engine-setup engine proto bench \
 	bench-runtime bench-engine clean
 
-# Installing the project compiles kvservice/core and kvservice/request_table with mypyc
-# (setup.py, in pip's build environment from pyproject.toml's build-system pins) into
-# kvservice/_compiled/.
+# Installing the project compiles kvservice/core, kvservice/request_table and the
+# per-operation modules of the server and the client with mypyc (setup.py, in pip's build
+# environment from pyproject.toml's build-system pins) into kvservice/_compiled/.
 # vLLM 0.33.0 (the differential tests' reference) goes in with --no-deps: its own
 # dependency list pulls CUDA packages; requirements/vllm-test.txt pins what it imports here.
 $(STAMP): pyproject.toml setup.py requirements/vllm-test.txt

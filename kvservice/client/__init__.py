@@ -7,7 +7,37 @@ vLLM does, and raise the typed errors of ``errors``. ``StepBuilder`` batches one
 scheduling step; ``client.session()`` runs steps over one long-lived stream;
 ``subscribe_events`` follows the KV events (``events``; ``CachedBlocksView`` folds
 them).
+
+What runs once per request of a remote step is compiled by mypyc with the core, as one
+build (``kvservice.core.compiled``): ``step_log`` (recording a scheduler's calls with
+its replica's answers), ``step_link`` (checking the server's answers against them) and
+``_wire`` (the protobuf conversions, with the columnar checks). Imported compiled unless
+``KVSERVICE_PURE_PYTHON=1``, and refused when the build does not match the sources.
 """
+
+# The build module only (standard library; importing it activates the core's build,
+# loading none of the core's modules): the client's layering allows only ``protocol``.
+from kvservice.core.compiled import activate
+
+# The modules mypyc leaves as sources (``kvservice.core.compiled`` reads this line; this
+# file always stays one): the transports, sessions and events (per call or stream, not
+# per request: nothing measured to gain), the typed errors (mypyc cannot make exception
+# classes native, see the core's), the public dataclasses (``types``: users subclass
+# and pickle them), and ``step``, whose handles users hold.
+NOT_COMPILED = (
+    "aio.py",
+    "errors.py",
+    "events.py",
+    "offload_link.py",
+    "step.py",
+    "step_socket.py",
+    "sync.py",
+    "types.py",
+)
+
+COMPILED: bool = activate("client", __path__)
+"""Whether this process runs the compiled step recording and checking (False: the
+sources)."""
 
 from kvservice.client.aio import AsyncKVClient, AsyncLease, AsyncPendingStep, AsyncSession
 from kvservice.client.errors import (

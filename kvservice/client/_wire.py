@@ -51,15 +51,18 @@ _FREE_MODE = {FreeMode.PREEMPT: pb.FREE_MODE_PREEMPT, FreeMode.FINISH: pb.FREE_M
 _KIND_PREFIX = "KV_CACHE_SPEC_KIND_"
 
 
-@dataclass(frozen=True, slots=True)
+# A plain class: mypyc compiles this module, and cannot run a generic dataclass.
 class Op(Generic[T]):
     """One operation: the unary RPC, the StepOperation/StepResult field, the request
     message and the reader of the response message."""
 
-    rpc: str
-    field: str
-    message: Any
-    parse: Callable[[Any], T]
+    __slots__ = ("field", "message", "parse", "rpc")
+
+    def __init__(self, rpc: str, field: str, message: Any, parse: Callable[[Any], T]) -> None:
+        self.rpc = rpc
+        self.field = field
+        self.message = message
+        self.parse = parse
 
 
 # -- readers --------------------------------------------------------------------------

@@ -134,3 +134,10 @@ def error_from_rpc(err: grpc.RpcError, *, subscription: bool = False) -> KVServi
         if hints:
             message = f"{message} ({'; '.join(hints)})"
     return error_for(code, message)
+
+
+class RemoteStepError(RuntimeError):
+    """A remote step's link (``step_link.StepLink``) stopped: the server could not be
+    reached, refused a step, or answered otherwise than the scheduler's replica. The
+    two no longer agree, so the scheduler must stop. (Here, not in ``step_link``:
+    mypyc compiles that module, and its classes could not be subclassed.)"""

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NoReturn, Protocol
 
-from kvservice.client.errors import KVServiceError
+from kvservice.client.errors import KVServiceError, RemoteStepError
 from kvservice.client.step import StepBuilder, StepResults
 from kvservice.client.step_log import (
     ANY_ANSWER,
@@ -38,11 +38,6 @@ from kvservice.client.step_log import (
     StepLog,
 )
 from kvservice.client.types import Allocation, RetentionChange
-
-
-class RemoteStepError(RuntimeError):
-    """The server could not be reached, refused a step, or answered otherwise than the
-    scheduler's replica: the two no longer agree, so the scheduler must stop."""
 
 
 class SentStep(Protocol):

@@ -33,8 +33,9 @@ from kvservice.client import (
     KVClient,
     Session,
 )
+from kvservice.client.errors import RemoteStepError
 from kvservice.client.step import StepBuilder
-from kvservice.client.step_link import RemoteStepError, Send, SentStep, StepLink
+from kvservice.client.step_link import Send, SentStep, StepLink
 from kvservice.client.step_log import ANY_ANSWER
 from kvservice.client.types import Retention, RetentionChange
 from kvservice.core.errors import InvalidArgumentError

@@ -62,6 +62,12 @@ SERVER_SOURCES = {
     p.name for p in (Path(compiled.PACKAGE_DIR) / "server").glob("*.py")
 } - SERVER_STEP_PATH
 
+# The client compiles its remote-step recording and checking only.
+CLIENT_STEP_PATH = {"step_log.py", "step_link.py", "_wire.py"}
+CLIENT_SOURCES = {
+    p.name for p in (Path(compiled.PACKAGE_DIR) / "client").glob("*.py")
+} - CLIENT_STEP_PATH
+
 
 def test_each_compiled_package_declares_its_own_sources() -> None:
     """The packages compiled are those whose ``__init__.py`` says which of their
@@ -70,6 +76,7 @@ def test_each_compiled_package_declares_its_own_sources() -> None:
         "core": {"__init__.py", "compiled.py", "errors.py", "invariants.py"},
         "request_table": {"__init__.py", "errors.py", "tenant_keys.py"},
         "server": set(SERVER_SOURCES),
+        "client": set(CLIENT_SOURCES),
     }
 
 
@@ -274,8 +281,8 @@ def test_the_makefiles_check_tells_a_stale_build(tree: Path, source: str) -> Non
 @pytest.mark.skipif(PURE, reason="builds a wheel: once per suite, in the compiled run")
 def test_a_wheel_carries_a_build_of_its_own_sources(tmp_path: Path) -> None:
     """``pip install .`` (the Docker image's install) compiles the core, the request
-    table and the server's Step path into the package, from the sources the wheel
-    ships: this tree's, built in pip's build environment."""
+    table, the server's Step path and the client's step recording into the package,
+    from the sources the wheel ships: this tree's, built in pip's build environment."""
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), "."],
         cwd=ROOT,
@@ -293,6 +300,7 @@ def test_a_wheel_carries_a_build_of_its_own_sources(tmp_path: Path) -> None:
         "core",
         "request_table",
         "server",
+        "client",
     }
     result = import_from(unpacked)
     assert result.returncode == 0, result.stderr

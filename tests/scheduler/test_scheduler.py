@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvservice.client import AdmitOptions, KVClient
-from kvservice.client.step_link import RemoteStepError
+from kvservice.client.errors import RemoteStepError
 from kvservice.core import errors as core_errors
 from kvservice.scheduler.backend import Backend, InProcessBackend, RemoteBackend
 from kvservice.scheduler.loop import Policy, Scheduler, SchedulerConfig, StepRecord

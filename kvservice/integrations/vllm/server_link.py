@@ -46,7 +46,8 @@ from kvservice.client import (
     MultiModalFeature,
     StepSession,
 )
-from kvservice.client.step_link import RemoteStepError, StepLink
+from kvservice.client.errors import RemoteStepError
+from kvservice.client.step_link import StepLink
 from kvservice.client.step_log import ANY_ANSWER
 from kvservice.client.types import Retention, RetentionChange
 from kvservice.core.allocation_options import PLAIN_ALLOCATION, AllocationOptions
