@@ -185,7 +185,10 @@ class SocketSession(StepSession):
         if len(payload) < length:
             self._finish(self._gone("the server closed the connection mid-answer"))
         elif kind == wire.MESSAGE:
-            return pb.StepStreamResponse.FromString(payload)
+            # Declared: the compiled build type-checks this module without protobuf's
+            # stubs (pip's build environment), where FromString answers Any.
+            answer: pb.StepStreamResponse = pb.StepStreamResponse.FromString(payload)
+            return answer
         elif kind == wire.STATUS:
             status = pb.StepSocketStatus.FromString(payload)
             self._finish(error_for_number(status.code, status.details) if status.code else None)
