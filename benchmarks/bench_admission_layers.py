@@ -18,7 +18,12 @@ same steps run through three layers, each on its own pool, in interleaved rounds
 * ``step``: the server's ``StepRunner`` on a serialized ``StepRequest`` as the
   scheduler's batching backends build it (one AddRequestBatch with packed prompts and
   hashes, one LookupAllocateBatch, one FreeBatch), parsed, run and answered as bytes,
-  without the transport.
+  without the transport;
+* ``link``: ``step`` behind the schedulers' remote-step mechanism (``StepLink``): each
+  add, lookup, allocation and free recorded in its ``StepLog`` with the replica's answer
+  (the lookups' hits and the allocations' blocks, computed beforehand, untimed), the
+  step sent to the runner (``kvservice.bench.local_step``) and every answer checked,
+  still without the transport.
 
 Prints microseconds per admitted request (its add, lookup, allocation and later free):
 the median over rounds, the lowest and highest round, and each layer's cost as a ratio
@@ -28,7 +33,7 @@ The defaults are ``bench_vllm_scheduler``'s churn prompts on average (a 0, 256 o
 512-token system prompt, then 64-511 tokens of its own).
 
 Run: ``python -m benchmarks.bench_admission_layers [--requests 16] [--steps 40]
-[--prompt-len 544] [--shared 256] [--rounds 5] [--layers core,table,step]``.
+[--prompt-len 544] [--shared 256] [--rounds 5] [--layers core,table,step,link]``.
 """
 
 from __future__ import annotations
@@ -38,8 +43,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvservice.bench.local_step import local_send
 from kvservice.bench.measure import layer_names, print_layers, time_layers
-from kvservice.client import FreeMode, RunHandle, StepBuilder, StepResults
+from kvservice.client import BlockIds, ComputedBlocks, FreeMode, RunHandle, StepBuilder, StepResults
+from kvservice.client.step_link import StepLink
 from kvservice.core.request import Request
 from kvservice.protocol import pack_token_ids
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
@@ -199,20 +206,37 @@ def _step_messages(load: Workload) -> list[tuple[bytes, RunHandle[Any] | None]]:
     return messages
 
 
-def step_path(load: Workload) -> Callable[[], None]:
-    messages = _step_messages(load)
-    max_ops = 4 * max(map(len, load.steps), default=1)
-    # Once beforehand, checked, on a pool of its own: every entry runs and fits.
-    check = StepRunner(_table(load), max_ops=max_ops)
-    for raw, admissions in messages:
+def _max_ops(load: Workload) -> int:
+    return 4 * max(map(len, load.steps), default=1)
+
+
+def _answers(load: Workload) -> list[list[tuple[ComputedBlocks, BlockIds]]]:
+    """Each step's admissions as the server answers them (the hit, the blocks
+    allocated), run once on a pool of their own, and checked: every entry runs and
+    fits."""
+    check = StepRunner(_table(load), max_ops=_max_ops(load))
+    answers = []
+    for raw, admissions in _step_messages(load):
         response = pb.StepResponse()
         check.run_whole(pb.StepRequest.FromString(raw), response, ANONYMOUS)
         results = StepResults(response)
         if not results.ok:
             raise RuntimeError(f"a step of the benchmark failed: {results.errors}")
-        if admissions is not None and any(a is None for _, a in results.rows(admissions)):
-            raise _refused("an admission of the step path")
-    runner = StepRunner(_table(load), max_ops=max_ops)
+        if admissions is None:
+            continue
+        row = []
+        for hit, allocation in results.rows(admissions):
+            if allocation is None or allocation.new_block_ids is None:
+                raise _refused("an admission of the step path")
+            row.append((hit, allocation.new_block_ids))
+        answers.append(row)
+    return answers
+
+
+def step_path(load: Workload) -> Callable[[], None]:
+    messages = _step_messages(load)
+    _answers(load)  # once beforehand, checked: every entry runs and fits
+    runner = StepRunner(_table(load), max_ops=_max_ops(load))
 
     def run() -> None:
         for raw, _ in messages:
@@ -223,7 +247,33 @@ def step_path(load: Workload) -> Callable[[], None]:
     return run
 
 
-LAYERS = {"core": core_path, "table": table_path, "step": step_path}
+def link_path(load: Workload) -> Callable[[], None]:
+    answers = _answers(load)
+    runner = StepRunner(_table(load), max_ops=_max_ops(load))
+
+    def run() -> None:
+        link = StepLink(local_send(runner), "bench")
+        finishing: list[str] = []
+        for row, row_answers in zip(load.steps, answers, strict=True):
+            log = link.log
+            for new, (hit, blocks) in zip(row, row_answers, strict=True):
+                rid = new.request_id
+                log.add_request(rid, new.prompt, block_hashes=new.hashes)
+                log.lookup(rid, hit)
+                num_new = len(new.prompt) - hit.num_computed_tokens
+                log.allocate(rid, num_new, blocks, hit=hit if hit.num_computed_tokens else None)
+            for rid in finishing:
+                log.free(rid, FreeMode.FINISH)
+            link.flush()
+            finishing = [new.request_id for new in row]
+        for rid in finishing:
+            link.log.free(rid, FreeMode.FINISH)
+        link.flush()
+
+    return run
+
+
+LAYERS = {"core": core_path, "table": table_path, "step": step_path, "link": link_path}
 
 
 def main(argv: list[str] | None = None) -> None:

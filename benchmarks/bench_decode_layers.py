@@ -17,8 +17,8 @@ pool built the same way, in interleaved rounds:
   a batching backend does around each message), still without the transport;
 * ``link``: ``step`` behind the schedulers' remote-step mechanism (``StepLink``): each
   append and allocation recorded in its ``StepLog`` with the replica's answer (computed
-  beforehand, untimed), the step sent to the runner and every answer checked, still
-  without the transport;
+  beforehand, untimed), the step sent to the runner (``kvservice.bench.local_step``)
+  and every answer checked, still without the transport;
 * ``step-single``: ``step`` with coalescing off (``StepBuilder(coalesce=False)``): a
   message operation per append and per allocation, so the runner's per-operation loop
   and converters run once per entry.
@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from kvservice.bench.local_step import local_send
 from kvservice.bench.measure import layer_names, print_layers, time_layers
 from kvservice.client import StepBuilder, StepResults
 from kvservice.client.step_link import StepLink
@@ -161,21 +162,8 @@ def link_path(num_requests: int, steps: int) -> Callable[[], None]:
         answers.append(row)
     runner = StepRunner(_table(num_requests, steps), max_ops=4 * num_requests)
 
-    class Sent:
-        def __init__(self, results: StepResults) -> None:
-            self._results = results
-
-        def result(self) -> StepResults:
-            return self._results
-
-    def send(builder: StepBuilder) -> Sent:
-        raw = builder.to_pb(0, stop_on_error=True).SerializeToString()
-        response = pb.StepResponse()
-        runner.run_whole(pb.StepRequest.FromString(raw), response, ANONYMOUS)
-        return Sent(StepResults(pb.StepResponse.FromString(response.SerializeToString())))
-
     def run() -> None:
-        link = StepLink(send, "bench")
+        link = StepLink(local_send(runner), "bench")
         for token in range(steps):
             log = link.log
             for rid in ids:
