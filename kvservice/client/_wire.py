@@ -640,29 +640,37 @@ def allocation_run_matches(
         or any(first <= error.index < last for error in msg.errors)
         or msg.block_copies_to_apply
         or msg.block_copies_applied
-        or len(msg.num_new_blocks) < last * num_groups
     ):
         return False
-    empty = [0] * num_groups
-    counts: list[int] = []
-    ids: list[int] = []
-    no_space: list[int] = []
-    for row, groups in enumerate(answers, first):
-        if groups is None:
-            no_space.append(row)
-            counts.extend(empty)
-        elif len(groups) != num_groups:
-            return False
-        else:
-            for group in groups:
-                counts.append(len(group))
-                ids.extend(group)
-    all_counts = msg.num_new_blocks
-    start = sum(all_counts[: first * num_groups]) if first else 0
+    no_room = ((),) * num_groups
+    no_space = [row for row, groups in enumerate(answers, first) if groups is None]
+    rows = [no_room if groups is None else groups for groups in answers]
     return (
-        all_counts[first * num_groups : last * num_groups] == counts
-        and msg.new_block_ids[start : start + len(ids)] == ids
+        _groups_match(msg.num_new_blocks, msg.new_block_ids, first, num_groups, rows)
         and [row for row in msg.no_space if first <= row < last] == no_space
+    )
+
+
+def _groups_match(
+    counts: Sequence[int], ids: Sequence[int], first: int, num_groups: int, rows: Sequence[BlockIds]
+) -> bool:
+    """Whether entries ``first`` on of a column of block ids per group (``counts``:
+    ``num_groups`` an entry, cutting the concatenated ``ids``) hold exactly ``rows``."""
+    last = first + len(rows)
+    if len(counts) < last * num_groups:
+        return False
+    expected_counts: list[int] = []
+    expected_ids: list[int] = []
+    for groups in rows:
+        if len(groups) != num_groups:
+            return False
+        for group in groups:
+            expected_counts.append(len(group))
+            expected_ids.extend(group)
+    start = sum(counts[: first * num_groups]) if first else 0
+    return (
+        counts[first * num_groups : last * num_groups] == expected_counts
+        and ids[start : start + len(expected_ids)] == expected_ids
     )
 
 
@@ -764,9 +772,19 @@ def lookup_allocation_run_matches(
     last = first + len(hits)
     if msg.num_run < last or any(first <= error.index < last for error in msg.errors):
         return False
-    if not allocation_run_matches(msg.allocations, first, answers):
-        return False
-    return _entry_hits(msg)[first:last] == list(hits)
+    # On the columns, as the allocations: no ComputedBlocks built per entry.
+    return (
+        allocation_run_matches(msg.allocations, first, answers)
+        and msg.num_computed_tokens[first:last] == [hit.num_computed_tokens for hit in hits]
+        and msg.shared_prefix_boundary[first:last] == [hit.shared_prefix_boundary for hit in hits]
+        and _groups_match(
+            msg.num_hit_blocks,
+            msg.hit_block_ids,
+            first,
+            msg.allocations.num_groups,
+            [hit.block_ids for hit in hits],
+        )
+    )
 
 
 class _ExtraColumns:

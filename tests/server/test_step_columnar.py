@@ -21,6 +21,8 @@ from hypothesis import strategies as st
 from kvservice.client import (
     AllocateOptions,
     Allocation,
+    BlockIds,
+    ComputedBlocks,
     FreeMode,
     KVClient,
     NotRunError,
@@ -728,12 +730,48 @@ def test_an_admission_entry_answers_as_a_lookup_then_its_allocation(
             answers = [None if a is None else a.new_block_ids for _, (_, a) in got]
             copies = any(a and a.block_copies_to_apply for _, (_, a) in got)
             assert results.lookups_allocations_match(run, hits, answers) is not copies
-            other_hit = dataclasses.replace(hits[-1], num_computed_tokens=10**6)
-            assert not results.lookups_allocations_match(run, [*hits[:-1], other_hit], answers)
+            assert_hits_checked(results, run, hits, answers)
         assert coalesced.state() == plain.state()
     finally:
         coalesced.finish()
         plain.finish()
+
+
+def assert_hits_checked(
+    results: StepResults,
+    run: RunHandle[Any],
+    hits: list[ComputedBlocks],
+    answers: list[BlockIds | None],
+) -> None:
+    """``lookups_allocations_match`` (checked on the columns) sees any one entry's hit
+    answered otherwise: its token count, its boundary, a block more, fewer, moved to
+    another entry, or another number of groups."""
+    for index, hit in enumerate(hits):
+        groups = hit.block_ids
+        others = [
+            dataclasses.replace(hit, num_computed_tokens=hit.num_computed_tokens + 1),
+            dataclasses.replace(hit, shared_prefix_boundary=hit.shared_prefix_boundary + 1),
+            dataclasses.replace(hit, block_ids=((*groups[0], 10**6), *groups[1:])),
+            dataclasses.replace(hit, block_ids=(*groups, ())),
+        ]
+        if groups[0]:
+            others.append(dataclasses.replace(hit, block_ids=(groups[0][1:], *groups[1:])))
+        for other in others:
+            changed = [*hits[:index], other, *hits[index + 1 :]]
+            assert not results.lookups_allocations_match(run, changed, answers)
+    # A block moved from one entry's hit to the next one's: the same ids in order.
+    for index in range(len(hits) - 1):
+        here, there = hits[index].block_ids, hits[index + 1].block_ids
+        if here[0]:
+            moved = [
+                *hits[:index],
+                dataclasses.replace(hits[index], block_ids=(here[0][:-1], *here[1:])),
+                dataclasses.replace(
+                    hits[index + 1], block_ids=((here[0][-1], *there[0]), *there[1:])
+                ),
+                *hits[index + 2 :],
+            ]
+            assert not results.lookups_allocations_match(run, moved, answers)
 
 
 frees = st.lists(st.tuples(ids, st.booleans(), st.booleans()), min_size=1, max_size=6)
