@@ -642,36 +642,44 @@ def allocation_run_matches(
         or msg.block_copies_applied
     ):
         return False
-    no_room = ((),) * num_groups
-    no_space = [row for row, groups in enumerate(answers, first) if groups is None]
-    rows = [no_room if groups is None else groups for groups in answers]
-    return (
-        _groups_match(msg.num_new_blocks, msg.new_block_ids, first, num_groups, rows)
-        and [row for row in msg.no_space if first <= row < last] == no_space
-    )
+    no_space = _unfilled_rows(msg.num_new_blocks, msg.new_block_ids, first, num_groups, answers)
+    return no_space is not None and [row for row in msg.no_space if first <= row < last] == no_space
 
 
-def _groups_match(
-    counts: Sequence[int], ids: Sequence[int], first: int, num_groups: int, rows: Sequence[BlockIds]
-) -> bool:
+def _unfilled_rows(
+    counts: Sequence[int],
+    ids: Sequence[int],
+    first: int,
+    num_groups: int,
+    rows: Sequence[BlockIds | None],
+) -> list[int] | None:
     """Whether entries ``first`` on of a column of block ids per group (``counts``:
-    ``num_groups`` an entry, cutting the concatenated ``ids``) hold exactly ``rows``."""
+    ``num_groups`` an entry, cutting the concatenated ``ids``) hold exactly ``rows``, a
+    None row holding no block: the indices of the None rows when they do, else None."""
     last = first + len(rows)
     if len(counts) < last * num_groups:
-        return False
+        return None
+    empty = [0] * num_groups
     expected_counts: list[int] = []
     expected_ids: list[int] = []
-    for groups in rows:
-        if len(groups) != num_groups:
-            return False
-        for group in groups:
-            expected_counts.append(len(group))
-            expected_ids.extend(group)
+    unfilled: list[int] = []
+    for row, groups in enumerate(rows, first):
+        if groups is None:
+            unfilled.append(row)
+            expected_counts.extend(empty)
+        elif len(groups) != num_groups:
+            return None
+        else:
+            for group in groups:
+                expected_counts.append(len(group))
+                expected_ids.extend(group)
     start = sum(counts[: first * num_groups]) if first else 0
-    return (
+    if (
         counts[first * num_groups : last * num_groups] == expected_counts
         and ids[start : start + len(expected_ids)] == expected_ids
-    )
+    ):
+        return unfilled
+    return None
 
 
 def batchable(options: AllocateOptions) -> bool:
@@ -777,13 +785,14 @@ def lookup_allocation_run_matches(
         allocation_run_matches(msg.allocations, first, answers)
         and msg.num_computed_tokens[first:last] == [hit.num_computed_tokens for hit in hits]
         and msg.shared_prefix_boundary[first:last] == [hit.shared_prefix_boundary for hit in hits]
-        and _groups_match(
+        and _unfilled_rows(
             msg.num_hit_blocks,
             msg.hit_block_ids,
             first,
             msg.allocations.num_groups,
             [hit.block_ids for hit in hits],
         )
+        == []
     )
 
 
