@@ -29,7 +29,7 @@ ALLOWED: dict[str, set[str]] = {
     "client": {"protocol"},
     "scheduler": {"core", "client", "request_table", "workloads", "replication"},
     "server": {"core", "protocol", "request_table"},
-    "bench": {"core", "client", "scheduler", "server", "workloads"},
+    "bench": {"core", "client", "protocol", "scheduler", "server", "workloads"},
     # The entry point imports the commands only once gRPC's fork handlers are off.
     "cli": {"server"},
     "commands": {"core", "server", "bench"},
