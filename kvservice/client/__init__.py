@@ -22,8 +22,9 @@ from kvservice.core.compiled import activate
 # The modules mypyc leaves as sources (``kvservice.core.compiled`` reads this line; this
 # file always stays one): the transports, sessions and events (per call or stream, not
 # per request: nothing measured to gain), the typed errors (mypyc cannot make exception
-# classes native, see the core's), the public dataclasses (``types``: users subclass
-# and pickle them), and ``step``, whose handles users hold.
+# classes native, see the core's), the public dataclasses (``types``, not measured), and
+# ``step``, whose generic NamedTuple handles and abstract sessions the transports
+# build on (mypyc's native classes would refuse their interpreted subclasses).
 NOT_COMPILED = (
     "aio.py",
     "errors.py",
