@@ -144,14 +144,12 @@ class AllocationChecker:
             raise FailedPreconditionError(
                 f"request {rid!r} already holds blocks; prefix hits attach only at admission"
             )
-        covered = min(
-            (
-                len(group) * bs
-                for group, bs in zip(hits, self._hit_block_sizes, strict=True)
-                if bs is not None
-            ),
-            default=0,
-        )
+        # The lengths match (checked above). Neither zip(strict=...) nor min(default=):
+        # mypyc compiles neither keyword, and their generic calls cost an admission with
+        # a hit 0.8-1.5 us (this check timed alone, before and after).
+        sizes = self._hit_block_sizes
+        sized = [len(hits[i]) * bs for i, bs in enumerate(sizes) if bs is not None]
+        covered = min(sized) if sized else 0
         if num_new_computed_tokens > covered:
             raise InvalidArgumentError(
                 f"request {rid!r}: num_new_computed_tokens={num_new_computed_tokens} exceeds "
