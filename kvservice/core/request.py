@@ -6,6 +6,7 @@ import enum
 import hashlib
 from array import array
 from collections.abc import Iterable, MutableSequence, Sequence
+from operator import attrgetter
 
 from kvservice.core.block_hashing import BlockHasher, MultiModalFeature
 from kvservice.core.errors import FailedPreconditionError, InvalidArgumentError
@@ -102,7 +103,11 @@ class Request:
         self.lora_name = lora_name or None
         self.lora_path = lora_path
         self.lora_int_id = lora_int_id
-        self.mm_features: list[MultiModalFeature] = sorted(mm_features, key=lambda f: f.offset)
+        # Most requests have no items, and sorted(key=) compiles to a generic call.
+        features = list(mm_features)
+        self.mm_features: list[MultiModalFeature] = (
+            sorted(features, key=attrgetter("offset")) if features else features
+        )
         for f in self.mm_features:
             if f.offset < 0 or f.length <= 0 or f.offset + f.length > self.num_prompt_tokens:
                 raise InvalidArgumentError(

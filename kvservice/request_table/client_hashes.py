@@ -59,8 +59,8 @@ class ClientHashes:
         self._hash_length = len(hasher.none_hash)
         self._hash_block_size = hasher.hash_block_size
         self._lookahead = hasher.num_hash_lookahead_tokens
-        # tenant -> the BLAKE2b key of its namespace (the default tenant has none).
-        self._tenant_keys: dict[str, bytes] = {}
+        # tenant -> BLAKE2b keyed with its namespace's key (the default tenant has none).
+        self._tenant_hashers: dict[str, hashlib.blake2b] = {}
 
     def trusts(self, tenant: str) -> bool:
         return tenant in self.trusted_tenants
@@ -133,12 +133,21 @@ class ClientHashes:
                 )
         if tenant == DEFAULT_TENANT:
             return list(hashes)
-        key = self._tenant_key(tenant)
-        return [hashlib.blake2b(h, key=key, digest_size=length).digest() for h in hashes]
+        keyed = self._tenant_hasher(tenant)
+        keys: list[BlockHash] = []
+        for block_hash in hashes:
+            hasher = keyed.copy()
+            hasher.update(block_hash)
+            keys.append(hasher.digest())
+        return keys
 
-    def _tenant_key(self, tenant: str) -> bytes:
-        key = self._tenant_keys.get(tenant)
-        if key is None:
+    def _tenant_hasher(self, tenant: str) -> hashlib.blake2b:
+        """A BLAKE2b keyed with ``tenant``'s key, to copy per hash: a keyed hasher
+        compresses its key block when made, so a copy per hash costs about 0.5 us
+        where a new keyed one costs 0.8 (timeit, 34 hashes)."""
+        hasher = self._tenant_hashers.get(tenant)
+        if hasher is None:
             key = hashlib.blake2b(_KEY_DOMAIN + tenant.encode(), digest_size=64).digest()
-            self._tenant_keys[tenant] = key
-        return key
+            hasher = hashlib.blake2b(key=key, digest_size=self._hash_length)
+            self._tenant_hashers[tenant] = hasher
+        return hasher

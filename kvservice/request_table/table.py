@@ -119,9 +119,12 @@ class _PrefixHit:
         )
 
     def first_evicted_block(self) -> int | None:
-        for group, keys in zip(self.blocks.blocks, self.keys, strict=True):
-            for block, key in zip(group, keys, strict=True):
-                if block.block_hash != key:
+        # Indexes, not zip(strict=True), which compiles to a generic call: the keys
+        # were read off these very blocks, so the lengths match.
+        for index, group in enumerate(self.blocks.blocks):
+            keys = self.keys[index]
+            for row, block in enumerate(group):
+                if block.block_hash != keys[row]:
                     return block.block_id
         return None
 
