@@ -52,11 +52,17 @@ from kvservice.core.retention_policy import (
 from kvservice.core.stats import PrefixCacheStats
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, init=False)
 class KVCacheBlocks:
     """Blocks per KV cache group (``blocks[group][i]``): what the scheduler sees."""
 
     blocks: tuple[Sequence[KVCacheBlock], ...]
+
+    # Written out: the one dataclasses generates runs interpreted in the compiled
+    # core (construction 70 ns against 216 in a mypyc build of both), and every
+    # lookup and allocation that finds or takes blocks builds one.
+    def __init__(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> None:
+        self.blocks = blocks
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
         return KVCacheBlocks(
