@@ -504,8 +504,10 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 hit = block_pool.get_cached_block(hashes[i], group_ids)
                 if hit is None:
                     break
-                for blocks, block in zip(computed, hit, strict=True):
-                    blocks.append(block)
+                # By index, here and below: zip(strict=True) compiles to a generic call
+                # per hit block (the README's compiled core).
+                for index, blocks in enumerate(computed):
+                    blocks.append(hit[index])
         hit_length = len(computed[0]) * block_size
         if alignment_tokens < block_size:
             hit_length = cls._extend_into_next_block(
@@ -540,8 +542,8 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         if found is None:
             return hit_length
         fine_index, hit = found
-        for blocks, block in zip(computed, hit, strict=True):
-            blocks.append(block)
+        for index, blocks in enumerate(computed):
+            blocks.append(hit[index])
         return (fine_index + 1) * alignment_tokens
 
     def cache_blocks(
@@ -636,8 +638,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 continue
             if run == 0 and ((i + end_shift) * block_size) % alignment_tokens != 0:
                 continue  # a hit must end on an aligned boundary
-            for blocks, block in zip(computed, hit, strict=True):
-                blocks[i] = block
+            for index, blocks in enumerate(computed):
+                blocks[i] = hit[index]
             run += 1
             if run >= need:
                 for blocks in computed:
@@ -721,8 +723,8 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
             hit = block_pool.get_cached_block(hashes[i], group_ids)
             if hit is None:
                 break
-            for blocks, block in zip(computed, hit, strict=True):
-                blocks.append(block)
+            for index, blocks in enumerate(computed):
+                blocks.append(hit[index])
         return computed, len(computed[0]) * block_size
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
