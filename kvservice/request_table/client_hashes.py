@@ -143,8 +143,7 @@ class ClientHashes:
 
     def _tenant_hasher(self, tenant: str) -> hashlib.blake2b:
         """A BLAKE2b keyed with ``tenant``'s key, to copy per hash: a keyed hasher
-        compresses its key block when made, so a copy per hash costs about 0.5 us
-        where a new keyed one costs 0.8 (timeit, 34 hashes)."""
+        compresses its key block when it is made, which a copy does not repeat."""
         hasher = self._tenant_hashers.get(tenant)
         if hasher is None:
             key = hashlib.blake2b(_KEY_DOMAIN + tenant.encode(), digest_size=64).digest()
