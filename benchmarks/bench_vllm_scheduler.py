@@ -50,7 +50,10 @@ process busy that long: ``kvservice.bench.stand_in``), and remote, so that what
 waiting on another process costs the thread is told apart from the link's own work.
 With ``perf`` installed, the step socket's server is sampled natively too (its C and
 compiled frames, ``kvservice.bench.native_sampler``): its CPU by Step operation, and
-the share of it that ran Python called from the compiled runner.
+the share of it that ran Python called from the compiled runner. And the scheduler's
+own step, in-process and over the step socket, is sampled natively by py-spy (the
+compiled link's parts, which the profiler above cannot see: recording, building the
+Step, sending it, waiting, checking the answers), as shares of its samples.
 
     python -m benchmarks.bench_vllm_scheduler [--rounds 5] [--steps 200] [--forward-ms 0]
         [--async-scheduling] [--profile]
@@ -99,6 +102,7 @@ from kvservice.bench.native_sampler import (  # noqa: E402
 )
 from kvservice.bench.process_sampler import (  # noqa: E402
     SamplerUnavailableError,
+    natively_sampled,
     sampled,
 )
 from kvservice.bench.server import child_server  # noqa: E402
@@ -792,6 +796,7 @@ def _profile(target: str, server_pid: int | None, steps: int, step_socket: str) 
         with _server_sampled(remote, steps):
             _run(remote, "churn", steps, 0, 0.0)
     _server_natively(modes[-1], steps)
+    _client_natively([modes[1], modes[-1]], steps)
     _waiting_cost(modes[1], modes[2:], steps)
     floor = 1 / (1 - shares["vllm built-in"])
     print(
@@ -916,6 +921,67 @@ def _server_natively(mode: Mode, steps: int) -> None:
     )
     for caller, count in interpreted.most_common(6):
         print(f"  {100 * count / total:5.1f}%  {caller}")
+
+
+def _client_natively(modes: list[Mode], steps: int) -> None:
+    """Sample this process natively (py-spy: Python frames with the C and compiled
+    ones under them) while each of ``modes`` runs churn steps, and print where the
+    scheduler's step went: vLLM's own code, the replica's core, the vLLM adapter and
+    each part of the remote link, compiled parts included (the profile above cannot
+    see those)."""
+    for mode in modes:
+        try:
+            with natively_sampled(os.getpid()) as samples:
+                _run(mode, "churn", steps, 0, 0.0)
+        except SamplerUnavailableError as error:
+            print(f"\n{mode.name}: this process was not sampled natively: {error}")
+            return
+        parts: Counter[str] = Counter()
+        for stack, count in samples.stacks.items():
+            if any(frame.startswith(_STEP_FRAMES) for frame in stack):
+                parts[_client_part(stack)] += count
+        total = sum(parts.values())
+        print(
+            f"\n{mode.name}, the scheduler's step sampled natively ({total} samples; "
+            "py-spy stops the process to sample it, so shares, not speeds):"
+        )
+        for part, count in sorted(parts.items(), key=lambda kv: -kv[1]):
+            print(f"  {100 * count / max(1, total):5.1f}%  {part}")
+
+
+# The scheduler's step, as py-spy names its frames.
+_STEP_FRAMES = tuple(f"Scheduler.{function} (" for function in _STEP_FUNCTIONS)
+# The parts of the remote link, by a frame each runs under (compiled functions by
+# mypyc's C name, Python ones by py-spy's), in the order a stack is searched.
+_CLIENT_LINK_PARTS = (
+    ("StepLog___build", "the link: building the Step (StepLog.build, StepBuilder)"),
+    ("Session.send (", "the link: serializing and sending it (the socket's send included)"),
+    ("_read_through (", "the link: waiting for the answer and parsing it"),
+    ("StepLink____compare", "the link: checking every answer (StepLink._compare)"),
+    ("StepLink___", "the link: the rest of sending and confirming (StepLink)"),
+    ("server_link.py", "the link: recording (ServerLink, StepLog)"),
+)
+_LINK_MODULES = ("step_log", "step_link", "_wire")
+
+
+def _client_part(stack: tuple[str, ...]) -> str:
+    """What a native sample of the scheduler's step stands for: a part of the remote
+    link it runs under, else the innermost kvservice code it is in, else vLLM's."""
+    for marker, part in _CLIENT_LINK_PARTS:
+        if any(marker in frame for frame in stack):
+            return part
+    for frame in reversed(stack):
+        function = frame.split(" (", 1)[0]
+        if function.startswith(("CPyDef_", "CPyPy_")):
+            module = function.split("_", 1)[1].split("___", 1)[0]
+            if module in _LINK_MODULES:
+                return "the link: other compiled code (step_log, step_link, _wire)"
+            return "kvservice's core (compiled; the replica when remote)"
+        if "kvservice/integrations/vllm/" in frame:
+            return "the vLLM adapter (kvservice/integrations/vllm)"
+        if "kvservice/" in frame:
+            return "kvservice, other"
+    return "vLLM's scheduler code (no kvservice frame under it)"
 
 
 _RUNNER = "StepRunner"

@@ -67,6 +67,35 @@ def sampled(pid: int, rate_hz: int = 1000) -> Iterator[Samples]:
         samples.leaves.update(_leaves(output.read_text(encoding="utf-8")))
 
 
+@dataclass
+class StackSamples:
+    """The samples of one sampled block by their whole stack: frames outermost first,
+    Python frames as "function (file:line)" and, sampled natively, C and compiled
+    frames as "symbol (where)" -> samples taken in that stack."""
+
+    stacks: Counter[tuple[str, ...]] = field(default_factory=Counter)
+
+    @property
+    def total(self) -> int:
+        return sum(self.stacks.values())
+
+
+@contextlib.contextmanager
+def natively_sampled(pid: int, rate_hz: int = 400) -> Iterator[StackSamples]:
+    """Sample process ``pid`` with its native frames (the C and mypyc-compiled code
+    under each Python frame) while the block runs. py-spy stops the process to unwind
+    each sample, which stretches what it samples: the shares of the samples count,
+    not their speed. It may sample the process that calls it."""
+    samples = StackSamples()
+    with tempfile.TemporaryDirectory(prefix="kvservice-sampler-") as directory:
+        output = Path(directory, "samples.txt")
+        command = [py_spy(), "record", "--pid", str(pid), "--rate", str(rate_hz), "--native"]
+        command += ["--format", "raw", "--output", str(output)]
+        with recording(command, _ATTACH_S, output):
+            yield samples
+        samples.stacks.update(_stacks(output.read_text(encoding="utf-8")))
+
+
 @contextlib.contextmanager
 def recording(command: list[str], attach_s: float, output: Path) -> Iterator[None]:
     """Run the sampler ``command`` while the block runs; it has ``attach_s`` to attach
@@ -96,12 +125,20 @@ def _failure(sampler: subprocess.Popen[bytes], tool: str) -> str:
     return f"{tool} could not sample the process (exit {sampler.returncode}): {said}"
 
 
-def _leaves(raw: str) -> Counter[str]:
+def _stacks(raw: str) -> Counter[tuple[str, ...]]:
     """py-spy's raw format: one stack a line, outermost first, frames joined by ";",
     then a space and the samples taken in that stack."""
-    leaves: Counter[str] = Counter()
+    stacks: Counter[tuple[str, ...]] = Counter()
     for line in raw.splitlines():
         stack, _, count = line.rpartition(" ")
         if stack:
-            leaves[stack.rsplit(";", 1)[-1]] += int(count)
+            stacks[tuple(stack.split(";"))] += int(count)
+    return stacks
+
+
+def _leaves(raw: str) -> Counter[str]:
+    """The samples of py-spy's raw format by their innermost frame."""
+    leaves: Counter[str] = Counter()
+    for stack, count in _stacks(raw).items():
+        leaves[stack[-1]] += count
     return leaves

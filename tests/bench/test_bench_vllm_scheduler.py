@@ -132,7 +132,19 @@ def test_bench_vllm_scheduler_profile_smoke(capsys: pytest.CaptureFixture[str]) 
             out,
             re.M,
         ), out
-    # And natively, where perf may (tests/bench/test_native_sampler.py).
+    # The scheduler's own step, natively, where py-spy may sample this process
+    # (tests/bench/test_process_sampler.py); every sample counted in a named part.
+    for mode in ("kvservice in-process", "socket, vLLM hashes"):
+        assert re.search(
+            rf"^{mode}, the scheduler's step sampled natively \(\d+ samples"
+            rf"|^{mode}: this process was not sampled natively: py-spy",
+            out,
+            re.M,
+        ), out
+    assert "vLLM's scheduler code (no kvservice frame under it)" in out or (
+        "this process was not sampled natively" in out
+    ), out
+    # And the server natively, where perf may (tests/bench/test_native_sampler.py).
     assert re.search(
         r"^socket, vLLM hashes, its server: [\d.]+ ms CPU a step while sampled by perf "
         r"\(\d+ samples\), by the Step operation sampled:$"
@@ -182,4 +194,40 @@ def test_a_server_py_spy_cannot_sample_is_reported_and_the_run_goes_on(
     assert ran == [True]
     assert "the server was not sampled: py-spy could not sample the process 1" in (
         capsys.readouterr().out
+    )
+
+
+def test_a_native_client_sample_counts_in_the_part_it_ran_under() -> None:
+    """The link's parts by a frame the sample runs under, searched before the
+    innermost kvservice frame; a stack with no kvservice frame is vLLM's."""
+    step = ("churn (benchmarks/bench_vllm_scheduler.py:228)", "Scheduler.schedule (vllm/x.py:1)")
+    manager = "kvservice/integrations/vllm/manager.py"
+    take = (*step, f"KVServiceKVCacheManager.take_kv_cache_block_copies ({manager}:540)")
+    flush = (
+        *take,
+        "ServerLink.flush (kvservice/integrations/vllm/server_link.py:647)",
+        "CPyDef_step_link___StepLink___flush (__native_kvservice.c:1)",
+    )
+    part = bench_vllm_scheduler._client_part
+    assert part((*flush, "CPyDef_step_log___StepLog___build (x.c:2)", "PyUpb_Message_New (y)")) == (
+        "the link: building the Step (StepLog.build, StepBuilder)"
+    )
+    assert part(
+        (*flush, "SocketSession.send (kvservice/client/step_socket.py:1)", "send (libc)")
+    ) == ("the link: serializing and sending it (the socket's send included)")
+    assert part((*flush, "Py_DECREF (object.h:1)")) == (
+        "the link: the rest of sending and confirming (StepLink)"
+    )
+    allocate = (*step, f"KVServiceKVCacheManager.allocate_slots ({manager}:420)")
+    assert part(
+        (*allocate, "ServerLink.allocated (kvservice/integrations/vllm/server_link.py:550)")
+    ) == ("the link: recording (ServerLink, StepLog)")
+    core = (*allocate, "CPyDef_kv_cache_manager___KVCacheManager___allocate_slots (x.c:3)")
+    assert (
+        part((*core, "PyDict_GetItem (z)"))
+        == "kvservice's core (compiled; the replica when remote)"
+    )
+    assert part(allocate) == "the vLLM adapter (kvservice/integrations/vllm)"
+    assert part((*step, "Request.num_tokens (vllm/v1/request.py:9)")) == (
+        "vLLM's scheduler code (no kvservice frame under it)"
     )

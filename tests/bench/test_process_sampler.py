@@ -7,11 +7,12 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
 
-from kvservice.bench.process_sampler import SamplerUnavailableError, sampled
+from kvservice.bench.process_sampler import SamplerUnavailableError, natively_sampled, sampled
 
 SPINNER = """
 import time
@@ -74,3 +75,33 @@ def test_an_idle_process_is_hardly_sampled(
     busy = sum(sample_for(spinner.pid, 1.0).values())
     idle = sum(sample_for(sleeper.pid, 1.0).values())
     assert idle < busy / 10, (idle, busy)
+
+
+NATIVE_SPINNER = """
+import hashlib, time
+def hash_in_a_known_function():
+    data = bytes(1 << 20)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        hashlib.sha256(data).digest()
+print("ready", flush=True)
+hash_in_a_known_function()
+"""
+
+
+def test_a_native_sample_holds_the_c_frames_under_the_python_ones() -> None:
+    """Sampled natively, a child hashing a megabyte at a time is sampled in the C code
+    its Python function calls (OpenSSL's, outside the interpreter, whose own frames
+    py-spy leaves out), below that function's frame."""
+    for process in child(NATIVE_SPINNER):
+        try:
+            with natively_sampled(process.pid, rate_hz=200) as samples:
+                time.sleep(1.0)
+        except SamplerUnavailableError as error:
+            pytest.skip(f"py-spy cannot sample natively here: {error}")
+    below = Counter[str]()
+    for stack, count in samples.stacks.items():
+        frames = [frame.split(" (", 1)[0] for frame in stack]
+        if "hash_in_a_known_function" in frames[:-1]:
+            below[frames[-1]] += count
+    assert sum(below.values()) > 0.5 * samples.total, (below, samples.stacks)
