@@ -13,8 +13,9 @@ STAMP := $(VENV)/.installed
 	bench-runtime bench-engine clean
 
 # Installing the project compiles kvservice/core, kvservice/request_table and the
-# per-operation modules of the server and the client with mypyc (setup.py, in pip's build
-# environment from pyproject.toml's build-system pins) into kvservice/_compiled/.
+# per-operation modules of the server, the client and replication with mypyc (setup.py,
+# in pip's build environment from pyproject.toml's build-system pins) into
+# kvservice/_compiled/.
 # vLLM 0.33.0 (the differential tests' reference) goes in with --no-deps: its own
 # dependency list pulls CUDA packages; requirements/vllm-test.txt pins what it imports here.
 $(STAMP): pyproject.toml setup.py requirements/vllm-test.txt
@@ -89,11 +90,11 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 ## The whole suite on the compiled build, then the core's own tests (conformance and
-## state machines included), the vLLM differential tests, the request table's (tenants,
-## limits, admission, the Step fast paths, the server fuzzer) and the build's on the
-## sources.
-PURE_PYTHON_TESTS := tests/core tests/vllm tests/server/test_vllm_vectors.py tests/build \
-	tests/server/test_tenants.py tests/server/test_limits.py tests/server/test_admit.py \
+## state machines included), the vLLM differential tests, the replicas' request
+## tracking, the request table's (tenants, limits, admission, the Step fast paths, the
+## server fuzzer) and the build's on the sources.
+PURE_PYTHON_TESTS := tests/core tests/vllm tests/replication tests/server/test_vllm_vectors.py \
+	tests/build tests/server/test_tenants.py tests/server/test_limits.py tests/server/test_admit.py \
 	tests/server/test_step_fast_paths.py tests/server/test_fuzz.py
 
 unit: setup tools engine

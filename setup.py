@@ -1,6 +1,7 @@
 """The build step pyproject.toml cannot declare: ``kvservice/core``,
-``kvservice/request_table`` and the per-operation modules of ``kvservice/server`` and
-``kvservice/client`` compiled with mypyc (each package's ``NOT_COMPILED`` says which).
+``kvservice/request_table`` and the per-operation modules of ``kvservice/server``,
+``kvservice/client`` and ``kvservice/replication`` compiled with mypyc (each package's
+``NOT_COMPILED`` says which).
 
 Every install (``pip install .``, ``pip install -e .``, hence ``make setup``) and
 ``python setup.py build_ext --inplace`` compile their modules, as one mypyc group, into

@@ -77,6 +77,7 @@ def test_each_compiled_package_declares_its_own_sources() -> None:
         "request_table": {"__init__.py", "errors.py", "tenant_keys.py"},
         "server": set(SERVER_SOURCES),
         "client": set(CLIENT_SOURCES),
+        "replication": {"__init__.py", "retention.py"},
     }
 
 
@@ -281,8 +282,9 @@ def test_the_makefiles_check_tells_a_stale_build(tree: Path, source: str) -> Non
 @pytest.mark.skipif(PURE, reason="builds a wheel: once per suite, in the compiled run")
 def test_a_wheel_carries_a_build_of_its_own_sources(tmp_path: Path) -> None:
     """``pip install .`` (the Docker image's install) compiles the core, the request
-    table, the server's Step path and the client's step recording into the package,
-    from the sources the wheel ships: this tree's, built in pip's build environment."""
+    table, the server's Step path, the client's step recording and the replicas' request
+    tracking into the package, from the sources the wheel ships: this tree's, built in
+    pip's build environment."""
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(tmp_path), "."],
         cwd=ROOT,
@@ -301,6 +303,7 @@ def test_a_wheel_carries_a_build_of_its_own_sources(tmp_path: Path) -> None:
         "request_table",
         "server",
         "client",
+        "replication",
     }
     result = import_from(unpacked)
     assert result.returncode == 0, result.stderr

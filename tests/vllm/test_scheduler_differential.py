@@ -282,14 +282,19 @@ def test_the_server_decides_on_the_engines_hashes(monkeypatch: pytest.MonkeyPatc
     """The hashes the engine sends are the ones the server caches by: an engine whose
     every request claims the same chain makes the server find hits its replica does
     not, and the step stops on the difference."""
-    real = ServerLink._new_hashes
+    real = ServerLink._send_tokens
 
-    def same_chain_for_all(link: ServerLink, request: Any, num_tokens: int) -> list[bytes]:
-        start = link._server_hashes[request.request_id]
-        sent = real(link, request, num_tokens)
-        return [hashlib.sha256(b"%d" % i).digest() for i in range(start, start + len(sent))]
+    def same_chain_for_all(link: ServerLink, request: Any) -> None:
+        """Send the request's tokens with the same made-up chain of hashes as every
+        other request's (the replica keeps vLLM's: it shares the hashes' list)."""
+        hashes = request.block_hashes
+        request.block_hashes = [hashlib.sha256(b"%d" % i).digest() for i in range(len(hashes))]
+        try:
+            real(link, request)
+        finally:
+            request.block_hashes = hashes
 
-    monkeypatch.setattr(ServerLink, "_new_hashes", same_chain_for_all)
+    monkeypatch.setattr(ServerLink, "_send_tokens", same_chain_for_all)
     monkeypatch.setenv("KVSERVICE_CLIENT_BLOCK_HASHES", "auto")
     setup = SETUPS["full"]
     with pytest.raises(KVServiceManagerError, match="the scheduler's replica answered"):

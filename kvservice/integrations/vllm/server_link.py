@@ -25,7 +25,6 @@ described lived in the previous engine's memory).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import time
@@ -34,11 +33,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvservice.client import (
-    AllocateOptions,
     BlockIds,
     CacheConfig,
     ComputedBlocks,
-    FreeMode,
     KVCacheGroup,
     KVClient,
     KVServiceError,
@@ -50,14 +47,13 @@ from kvservice.client.errors import RemoteStepError
 from kvservice.client.step_link import StepLink
 from kvservice.client.step_log import ANY_ANSWER
 from kvservice.client.types import Retention, RetentionChange
-from kvservice.core.allocation_options import PLAIN_ALLOCATION, AllocationOptions
+from kvservice.core.allocation_options import AllocationOptions
 from kvservice.core.kv_cache_groups import GroupShape
 from kvservice.core.kv_cache_interface import KVCacheSpecKind
-from kvservice.core.request import computed_after_allocation
 from kvservice.core.retention_policy import RetentionConfig, RetentionEvent
 from kvservice.integrations.vllm.embeds import prompt_embeds_bytes
 from kvservice.integrations.vllm.settings import ConnectionSettings
-from kvservice.replication import client_retention, core_retention_event
+from kvservice.replication import ServerRequests, client_retention, core_retention_event
 
 logger = logging.getLogger(__name__)
 
@@ -159,25 +155,22 @@ class ServerLink:
         self.retention_sink: Callable[[list[RetentionEvent]], None] | None = None
         # What each new request asks of retention, sent with its AddRequest.
         self._retention: dict[str, tuple[Retention | None, float | None]] = {}
-        # Tokens the server has of each request, and its num_computed_tokens.
-        self._server_tokens: dict[str, int] = {}
-        self._server_computed: dict[str, int] = {}
-        # vLLM's block hashes go with the tokens when the server trusts them (it then
-        # hashes nothing); how many the server has of each request.
-        self._sends_hashes = (
-            settings.client_block_hashes and self.server_config.trusts_client_block_hashes
+        # What the server has of each request (its tokens, computed tokens, hashes),
+        # recording on the step only what it lacks. vLLM's block hashes go with the
+        # tokens when the server trusts them (it then hashes nothing).
+        self._requests = ServerRequests(
+            self._link,
+            sends_hashes=settings.client_block_hashes
+            and self.server_config.trusts_client_block_hashes,
+            hash_block_size=self.server_config.hash_block_size,
+            num_hash_lookahead_tokens=self.server_config.num_hash_lookahead_tokens,
         )
-        self._server_hashes: dict[str, int] = {}
         # The last lookup of each waiting request: what its allocation attaches.
         self._lookups: dict[str, ComputedBlocks] = {}
-        # The hash blocks of each request that a cache_blocks sent covered: a call
-        # covering no new one caches nothing, on the replica as on the server.
-        self._server_cached: dict[str, int] = {}
         # Set by start: the pool has groups that release blocks out of view (sliding
         # windows, chunked local attention, Mamba states), below the processed tokens
         # only: an allocation then sends its in-flight tokens.
         self._windowed = False
-        self._hash_block_size = 1
 
     @property
     def round_trips(self) -> int:
@@ -208,7 +201,6 @@ class ServerLink:
         settings = self.settings
         self._check_layout(layout)
         self._windowed = any(kind not in _KEEP_EVERY_BLOCK for kind, _ in layout.groups)
-        self._hash_block_size = layout.hash_block_size
         # A restarted engine opens with a higher epoch, which fences its predecessor.
         self._lease: Lease = self._call(
             "OpenSession",
@@ -431,62 +423,41 @@ class ServerLink:
 
     def _send_tokens(self, request: Any) -> None:
         """Record ``add_request`` for a request the server has not seen, and an append of
-        the tokens it has not received."""
+        the tokens it has not received (``ServerRequests`` knows which)."""
+        requests = self._requests
         request_id = request.request_id
-        known = self._server_tokens.get(request_id)
-        num_tokens = request.num_tokens
-        if known == num_tokens:
-            return  # nothing new: most lookups, preempted requests coming back
-        if known is None:
-            lora = request.lora_request
-            embeds, row_bytes = prompt_embeds_bytes(request)
-            self._link.log.add_request(
-                request_id,
-                # Not prompt_token_ids: None for a prompt of embeddings only.
-                request._all_token_ids[: request.num_prompt_tokens],
-                cache_salt=request.cache_salt,
-                lora_name=lora.lora_name if lora else None,
-                skip_reading_prefix_cache=request.skip_reading_prefix_cache,
-                lora_path=lora.lora_path if lora else None,
-                lora_int_id=lora.lora_int_id if lora else None,
-                prompt_embeds=embeds,
-                prompt_embeds_row_bytes=row_bytes,
-                # What vLLM's block hasher keys: the item's identifier and placement.
-                mm_features=[
-                    MultiModalFeature(f.identifier, f.mm_position.offset, f.mm_position.length)
-                    for f in request.mm_features or ()
-                ],
-                **self._retention_args(request_id),
-                **self._hashes_args(request),
-            )
-            known = request.num_prompt_tokens
-            self._server_computed[request_id] = 0
-        if num_tokens > known:
-            hashes = self._new_hashes(request, num_tokens) if self._sends_hashes else ()
-            if num_tokens == known + 1 and not hashes:
-                self._link.log.append_token(request_id, request._all_token_ids[known])
-            else:
-                self._link.log.append_tokens(request_id, request._all_token_ids[known:], hashes)
-        self._server_tokens[request_id] = num_tokens
+        tokens, hashes = request._all_token_ids, request.block_hashes
+        if not requests.send_tokens(request_id, tokens, request.num_tokens, hashes):
+            self._add_request(request)
+            requests.send_tokens(request_id, tokens, request.num_tokens, hashes)
 
-    def _hashes_args(self, request: Any) -> dict[str, Any]:
-        """A new request's ``block_hashes`` when the server takes vLLM's."""
-        if not self._sends_hashes:
-            return {}
-        self._server_hashes[request.request_id] = 0
-        return {"block_hashes": self._new_hashes(request, request.num_prompt_tokens)}
-
-    def _new_hashes(self, request: Any, num_tokens: int) -> list[bytes]:
-        """vLLM's hashes of ``request``'s blocks that its first ``num_tokens`` tokens
-        complete (lookahead tokens counted) and the server does not have."""
-        sent = self._server_hashes[request.request_id]
-        if len(request.block_hashes) == sent:
-            return []  # most appends: no block completed
-        lookahead = self.server_config.num_hash_lookahead_tokens
-        num_full = max(0, num_tokens - lookahead) // self.server_config.hash_block_size
-        hashes: list[bytes] = request.block_hashes[sent:num_full]
-        self._server_hashes[request.request_id] = sent + len(hashes)
-        return hashes
+    def _add_request(self, request: Any) -> None:
+        """Record ``add_request`` for a request the server has not seen: its prompt,
+        and what keys its blocks' hashes (or vLLM's hashes themselves)."""
+        request_id = request.request_id
+        num_prompt_tokens = request.num_prompt_tokens
+        hashes = self._requests.add(request_id, num_prompt_tokens, request.block_hashes)
+        lora = request.lora_request
+        embeds, row_bytes = prompt_embeds_bytes(request)
+        self._link.log.add_request(
+            request_id,
+            # Not prompt_token_ids: None for a prompt of embeddings only.
+            request._all_token_ids[:num_prompt_tokens],
+            cache_salt=request.cache_salt,
+            lora_name=lora.lora_name if lora else None,
+            skip_reading_prefix_cache=request.skip_reading_prefix_cache,
+            lora_path=lora.lora_path if lora else None,
+            lora_int_id=lora.lora_int_id if lora else None,
+            prompt_embeds=embeds,
+            prompt_embeds_row_bytes=row_bytes,
+            # What vLLM's block hasher keys: the item's identifier and placement.
+            mm_features=[
+                MultiModalFeature(f.identifier, f.mm_position.offset, f.mm_position.length)
+                for f in request.mm_features or ()
+            ],
+            **self._retention_args(request_id),
+            block_hashes=hashes,
+        )
 
     def retain(
         self, request_id: str, config: RetentionConfig | None, pin_ttl_s: float | None
@@ -542,36 +513,21 @@ class ServerLink:
         request_id = request.request_id
         attached = self._attached_hit(request_id, hit) if hit[0] else None
         self._send_tokens(request)
-        # vLLM's defaults (a decode step's plain call) are sent as no options at all.
-        # allocation_options() gives vLLM's defaults as PLAIN_ALLOCATION itself.
-        plain = allocation_options is PLAIN_ALLOCATION
-        options = None if plain else AllocateOptions(*allocation_options.as_tuple())
-        num_computed_tokens = request.num_computed_tokens
-        server_computed = self._server_computed
-        # The server counts computed tokens as the scheduler does; send the count only
-        # where the scheduler moved it otherwise (rejected draft tokens).
-        if num_computed_tokens != server_computed[request_id]:
-            options = dataclasses.replace(
-                options or AllocateOptions(), num_computed_tokens=num_computed_tokens
-            )
         # Async scheduling keeps steps in flight; only windows read that.
         in_flight = request.num_in_flight_tokens if self._windowed else 0
-        if in_flight:
-            options = dataclasses.replace(
-                options or AllocateOptions(), num_in_flight_tokens=in_flight
-            )
-        # A running request's plain allocation joins the step's column of them, a
-        # waiting one's joins its lookup (StepLog.allocate).
-        self._link.log.allocate(request_id, num_new_tokens, answer, copies, attached, options)
-        if answer is not None:
-            server_computed[request_id] = computed_after_allocation(
-                num_computed_tokens,
-                hit[0],
-                allocation_options.num_external_computed_tokens,
-                num_new_tokens,
-            )
-            if attached is not None:
-                del self._lookups[request_id]
+        self._requests.allocated(
+            request_id,
+            num_new_tokens,
+            request.num_computed_tokens,
+            in_flight,
+            attached,
+            hit[0],
+            allocation_options,
+            answer,
+            copies,
+        )
+        if answer is not None and attached is not None:
+            del self._lookups[request_id]
 
     def _attached_hit(self, request_id: str, hit: tuple[int, BlockIds]) -> ComputedBlocks:
         """The lookup an allocation attaches: the server takes only its last lookup's
@@ -588,12 +544,10 @@ class ServerLink:
         """The replica's ``cache_blocks(request, num_computed_tokens)`` (vLLM's scheduler
         after a step's outputs, under async scheduling or with draft tokens)."""
         request_id = request.request_id
-        covered = num_computed_tokens // self._hash_block_size
-        if covered <= self._server_cached.get(request_id, 0):
+        if not self._requests.covers_new_blocks(request_id, num_computed_tokens):
             return  # no hash block more than the last call's: nothing to cache
         self._send_tokens(request)
         self._link.log.record("cache_blocks", (request_id, num_computed_tokens), ANY_ANSWER)
-        self._server_cached[request_id] = covered
 
     def step_started(self) -> None:
         """The replica's scheduler began a step (``new_step_starts``)."""
@@ -610,18 +564,9 @@ class ServerLink:
         ``keep_blocks`` it popped them (``pop_blocks_for_free``) and releases them later
         (``released``), as the server then does."""
         request_id = request.request_id
-        if request_id not in self._server_tokens:
-            return  # never reached the server: nothing to free there
-        finished = request.is_finished()
-        mode = FreeMode.FINISH if finished else FreeMode.PREEMPT
-        self._link.log.free(request_id, mode, keep_blocks)
-        self._lookups.pop(request_id, None)
-        self._server_cached.pop(request_id, None)
-        if finished:
-            del self._server_tokens[request_id], self._server_computed[request_id]
-            self._server_hashes.pop(request_id, None)
-        else:
-            self._server_computed[request_id] = 0
+        # Nothing to free on a server that never had the request.
+        if self._requests.freed(request_id, request.is_finished(), keep_blocks):
+            self._lookups.pop(request_id, None)
 
     def evicted(self, block_ids: set[int]) -> None:
         """The replica's ``evict_blocks`` (a KV connector's failed load), in the set's
@@ -631,7 +576,7 @@ class ServerLink:
     def skipped(self, request: Any, processed_computed_tokens: int) -> None:
         """The replica's ``remove_skipped_blocks`` for ``request`` (before a finished
         request's blocks go to its KV connector)."""
-        if request.request_id in self._server_tokens:
+        if request.request_id in self._requests:
             self._link.log.record(
                 "remove_skipped_blocks",
                 (request.request_id, processed_computed_tokens),

@@ -1,0 +1,168 @@
+"""What a kvservice server holds of each request of a scheduler's replica, so that each
+call of the scheduler records on the remote step only what the server lacks.
+
+vLLM's remote link (``kvservice.integrations.vllm.server_link``) reads vLLM's request
+and hands this the plain values: it runs for every request of every step, so it is
+compiled, where the link's own Python would cost a decode step about a microsecond a
+request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvservice.client.step_link import StepLink
+from kvservice.client.step_log import Copies
+from kvservice.client.types import AllocateOptions, BlockIds, ComputedBlocks, FreeMode
+from kvservice.core.allocation_options import PLAIN_ALLOCATION, AllocationOptions
+from kvservice.core.request import computed_after_allocation
+
+
+class ServerRequests:
+    """Per request the server has: the tokens it has, its computed tokens as the server
+    counts them, how many of the engine's block hashes it has (when it takes them:
+    ``sends_hashes``), and the hash blocks a ``cache_blocks`` covered. Each call records
+    on ``link``'s log.
+
+    ``hash_block_size`` and ``num_hash_lookahead_tokens``: the server's hashing, which
+    says which of the engine's hashes a request's tokens complete.
+    """
+
+    def __init__(
+        self,
+        link: StepLink,
+        sends_hashes: bool,
+        hash_block_size: int,
+        num_hash_lookahead_tokens: int,
+    ) -> None:
+        self._link = link
+        self.sends_hashes = sends_hashes
+        self._hash_block_size = hash_block_size
+        self._lookahead = num_hash_lookahead_tokens
+        self._tokens: dict[str, int] = {}
+        self._computed: dict[str, int] = {}
+        self._hashes: dict[str, int] = {}
+        self._cached: dict[str, int] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        """Whether the server has ``request_id`` (added, and not finished since)."""
+        return request_id in self._tokens
+
+    def add(
+        self, request_id: str, num_prompt_tokens: int, block_hashes: list[bytes]
+    ) -> list[bytes] | None:
+        """``request_id`` goes to the server with its prompt (the caller records its
+        ``add_request``): the block hashes to send with it, those its prompt completes,
+        or None when the server hashes (``sends_hashes`` off)."""
+        self._tokens[request_id] = num_prompt_tokens
+        self._computed[request_id] = 0
+        if not self.sends_hashes:
+            return None
+        self._hashes[request_id] = 0
+        return self._new_hashes(request_id, block_hashes, num_prompt_tokens)
+
+    def send_tokens(
+        self, request_id: str, token_ids: list[int], num_tokens: int, block_hashes: list[bytes]
+    ) -> bool:
+        """Record an append of the tokens of ``request_id``'s first ``num_tokens`` that
+        the server lacks, with the hashes of the blocks they complete; False, recording
+        nothing, when the server does not have the request (``add`` it first)."""
+        known = self._tokens.get(request_id)
+        if known is None:
+            return False
+        if num_tokens == known:
+            return True  # nothing new: most lookups, preempted requests coming back
+        if num_tokens > known:
+            hashes = self._new_hashes(request_id, block_hashes, num_tokens)
+            log = self._link.log
+            if num_tokens == known + 1 and not hashes:
+                log.append_token(request_id, token_ids[known])
+            else:
+                log.append_tokens(request_id, token_ids[known:], hashes)
+        self._tokens[request_id] = num_tokens
+        return True
+
+    def _new_hashes(
+        self, request_id: str, block_hashes: list[bytes], num_tokens: int
+    ) -> list[bytes]:
+        """The engine's hashes of the blocks ``request_id``'s first ``num_tokens`` tokens
+        complete (lookahead tokens counted) that the server does not have."""
+        if not self.sends_hashes:
+            return []
+        sent = self._hashes[request_id]
+        if len(block_hashes) == sent:
+            return []  # most appends: no block completed
+        num_full = max(0, num_tokens - self._lookahead) // self._hash_block_size
+        hashes = block_hashes[sent:num_full]
+        self._hashes[request_id] = sent + len(hashes)
+        return hashes
+
+    def allocated(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        num_computed_tokens: int,
+        num_in_flight_tokens: int,
+        hit: ComputedBlocks | None,
+        num_hit_tokens: int,
+        allocation_options: AllocationOptions,
+        answer: BlockIds | None,
+        copies: Copies,
+    ) -> None:
+        """The replica's ``allocate_slots`` answered ``answer`` for ``request_id`` (its
+        tokens sent), attaching ``hit`` (``num_hit_tokens`` of it) with
+        ``allocation_options``: record it, with what the server needs beyond vLLM's
+        defaults."""
+        # vLLM's defaults (a decode step's plain call) are sent as no options at all;
+        # allocation_options() gives them as PLAIN_ALLOCATION itself.
+        options = (
+            None
+            if allocation_options is PLAIN_ALLOCATION
+            else AllocateOptions(*allocation_options.as_tuple())
+        )
+        # The server counts computed tokens as the scheduler does; the count goes only
+        # where the scheduler moved it otherwise (rejected draft tokens).
+        if num_computed_tokens != self._computed[request_id]:
+            options = dataclasses.replace(
+                options or AllocateOptions(), num_computed_tokens=num_computed_tokens
+            )
+        if num_in_flight_tokens:
+            options = dataclasses.replace(
+                options or AllocateOptions(), num_in_flight_tokens=num_in_flight_tokens
+            )
+        # A running request's plain allocation joins the step's column of them, a
+        # waiting one's joins its lookup (StepLog.allocate).
+        self._link.log.allocate(request_id, num_new_tokens, answer, copies, hit, options)
+        if answer is not None:
+            self._computed[request_id] = computed_after_allocation(
+                num_computed_tokens,
+                num_hit_tokens,
+                allocation_options.num_external_computed_tokens,
+                num_new_tokens,
+            )
+
+    def covers_new_blocks(self, request_id: str, num_computed_tokens: int) -> bool:
+        """Whether a ``cache_blocks(request_id, num_computed_tokens)`` covers a hash block
+        the last one did not (one that does not caches nothing, on the replica as on
+        the server); remembered when it does."""
+        covered = num_computed_tokens // self._hash_block_size
+        if covered <= self._cached.get(request_id, 0):
+            return False
+        self._cached[request_id] = covered
+        return True
+
+    def freed(self, request_id: str, finished: bool, keep_blocks: bool) -> bool:
+        """Record the free of ``request_id`` (finished, else preempted), which keeps its
+        blocks for a later release with ``keep_blocks``; False, recording nothing, when
+        the server never had it."""
+        if request_id not in self._tokens:
+            return False
+        mode = FreeMode.FINISH if finished else FreeMode.PREEMPT
+        self._link.log.free(request_id, mode, keep_blocks)
+        self._cached.pop(request_id, None)
+        if finished:
+            del self._tokens[request_id], self._computed[request_id]
+            self._hashes.pop(request_id, None)
+        else:
+            self._computed[request_id] = 0
+        return True
