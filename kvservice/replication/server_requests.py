@@ -3,8 +3,8 @@ call of the scheduler records on the remote step only what the server lacks.
 
 vLLM's remote link (``kvservice.integrations.vllm.server_link``) reads vLLM's request
 and hands this the plain values: it runs for every request of every step, so it is
-compiled, where the link's own Python would cost a decode step about a microsecond a
-request.
+compiled (the link itself cannot be: it imports vLLM, which pip's build environment
+lacks).
 """
 
 from __future__ import annotations

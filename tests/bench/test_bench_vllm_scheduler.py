@@ -133,7 +133,7 @@ def test_bench_vllm_scheduler_profile_smoke(capsys: pytest.CaptureFixture[str]) 
             re.M,
         ), out
     # The scheduler's own step, natively, where py-spy may sample this process
-    # (tests/bench/test_process_sampler.py); every sample counted in a named part.
+    # (tests/bench/test_process_sampler.py); vLLM's own code is among its parts.
     for mode in ("kvservice in-process", "socket, vLLM hashes"):
         assert re.search(
             rf"^{mode}, the scheduler's step sampled natively \(\d+ samples"
