@@ -971,10 +971,9 @@ def _client_part(stack: tuple[str, ...]) -> str:
         if any(marker in frame for frame in stack):
             return part
     for frame in reversed(stack):
-        function = frame.split(" (", 1)[0]
-        if function.startswith(("CPyDef_", "CPyPy_")):
-            module = function.split("_", 1)[1].split("___", 1)[0]
-            if module in _LINK_MODULES:
+        name = compiled_name(frame.split(" (", 1)[0])
+        if name is not None:
+            if name.split(".", 1)[0] in _LINK_MODULES:
                 return "the link: other compiled code (step_log, step_link, _wire)"
             return "kvservice's core (compiled; the replica when remote)"
         if "kvservice/integrations/vllm/" in frame:

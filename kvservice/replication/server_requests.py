@@ -3,8 +3,8 @@ call of the scheduler records on the remote step only what the server lacks.
 
 vLLM's remote link (``kvservice.integrations.vllm.server_link``) reads vLLM's request
 and hands this the plain values: it runs for every request of every step, so it is
-compiled (the link itself cannot be: it imports vLLM, which pip's build environment
-lacks).
+compiled. The link stays in the vLLM integration, which is not compiled: its modules
+import vLLM and torch, which pip's build environment (mypy alone) does not hold.
 """
 
 from __future__ import annotations
