@@ -19,6 +19,12 @@ and so the ratio to vLLM a manager costing nothing would reach on that workload;
 the blocks they hash, with what ``pickle.dumps`` (vLLM's bytes) and ``sha256`` cost
 alone on them: the floor of hashing, the rest being Python around those two calls.
 Run: ``make bench`` or ``python -m benchmarks.bench_core``.
+
+``--baseline REV`` adds a fourth engine: the core compiled from another revision (its
+tree exported with ``git archive`` and built in place, once per commit, under
+``build/bench-baseline/``), so that a change to the core is measured against its
+parent side by side, round by round (``compiled/baseline``).
+``--baseline-tree DIR`` takes a tree already built instead.
 """
 
 from __future__ import annotations
@@ -27,13 +33,16 @@ import argparse
 import gc
 import hashlib
 import importlib
+import io
 import json
 import os
 import pickle
 import random
+import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 import tracemalloc
 import warnings
@@ -48,9 +57,15 @@ if TYPE_CHECKING:
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 8192
 ENGINES = ("vllm", "pure", "compiled")
+# The compiled core of another revision (--baseline); never a default engine.
+BASELINE = "baseline"
 # The workload whose requests' cost alone (prompt hashing) is printed apart.
 HASH_FLOOR_WORKLOAD = "admission-heavy"
-ENGINE_TITLES = {"vllm": "vLLM", "pure": "pure", "compiled": "compiled"}
+ENGINE_TITLES = {"vllm": "vLLM", "pure": "pure", "compiled": "compiled", BASELINE: BASELINE}
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Baseline trees, one per commit, kept for the next comparison (build/ is ignored).
+BASELINE_TREES = REPO_ROOT / "build" / "bench-baseline"
+BUILT_MARK = ".bench-baseline-built"
 VLLM_ENV = {
     "VLLM_TARGET_DEVICE": "cpu",
     "HF_HUB_OFFLINE": "1",
@@ -519,7 +534,7 @@ def worker(engine_name: str) -> int:
         engine = vllm_engine
     else:
         kvservice_engine = KVServiceEngine()
-        if kvservice_engine.compiled is not (engine_name == "compiled"):
+        if kvservice_engine.compiled is (engine_name == "pure"):
             raise SystemExit(f"worker {engine_name}: kvservice.core.COMPILED is wrong")
         info["block_pool"] = kvservice_engine.block_pool_file
         engine = kvservice_engine
@@ -542,23 +557,72 @@ def worker(engine_name: str) -> int:
     return 0
 
 
+def baseline_tree(rev: str) -> Path:
+    """A kvservice tree of ``rev`` with its core compiled in place: exported with
+    ``git archive`` and built with ``setup.py build_ext --inplace`` the first time,
+    kept under ``build/bench-baseline/<commit>`` for the next comparison."""
+    commit = _git("rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
+    tree = BASELINE_TREES / commit
+    if (tree / BUILT_MARK).exists():
+        return tree
+    shutil.rmtree(tree, ignore_errors=True)
+    tree.mkdir(parents=True)
+    with tarfile.open(fileobj=io.BytesIO(_git("archive", "--format=tar", commit))) as tar:
+        tar.extractall(tree, filter="data")
+    print(f"bench_core: compiling the core of {rev} ({commit[:12]}) in {tree}", flush=True)
+    build = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--inplace"],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if build.returncode != 0:
+        raise SystemExit(f"compiling the core of {rev} failed:\n{build.stderr[-3000:]}")
+    (tree / BUILT_MARK).write_text(f"{rev}\n")
+    return tree
+
+
+def _git(*args: str) -> bytes:
+    done = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"git {' '.join(args)}: {done.stderr.decode().strip()}")
+    return done.stdout
+
+
 class Worker:
-    def __init__(self, engine: str) -> None:
+    """One engine's worker process. The baseline's imports kvservice from its own tree
+    (first on ``PYTHONPATH``; ``-P`` keeps this repo off ``sys.path``) and runs this
+    file's workload code, so both kvservice engines run the same loop."""
+
+    def __init__(self, engine: str, baseline: Path | None = None) -> None:
         env = dict(os.environ)
+        command = [sys.executable, "-m", "benchmarks.bench_core", "--worker", engine]
         if engine == "vllm":
             env.update(VLLM_ENV)
         else:
             env["KVSERVICE_PURE_PYTHON"] = "1" if engine == "pure" else "0"
+        if engine == BASELINE:
+            assert baseline is not None
+            env["PYTHONPATH"] = str(baseline)
+            command = [sys.executable, "-P", __file__, "--worker", engine]
         self.engine = engine
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.bench_core", "--worker", engine],
-            cwd=Path(__file__).resolve().parents[1],
+            command,
+            cwd=REPO_ROOT if engine != BASELINE else baseline,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             env=env,
         )
         self.info = self._read()
+        if engine == BASELINE:
+            assert baseline is not None
+            if not Path(self.info["block_pool"]).is_relative_to(baseline.resolve()):
+                raise SystemExit(
+                    f"the baseline worker imported {self.info['block_pool']}, "
+                    f"not the core of {baseline}"
+                )
 
     def ask(self, command: dict[str, Any]) -> dict[str, Any]:
         assert self.process.stdin is not None
@@ -607,11 +671,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--big-pool", type=int, default=BIG_POOL, help="the big pool's blocks")
     parser.add_argument("--engines", default=",".join(ENGINES))
-    parser.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also run the core compiled from this git revision (built once per commit)",
+    )
+    parser.add_argument(
+        "--baseline-tree",
+        metavar="DIR",
+        type=Path,
+        help="also run the compiled core of this kvservice tree (built in place already)",
+    )
+    parser.add_argument("--worker", choices=(*ENGINES, BASELINE), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args.worker)
     engines = args.engines.split(",")
+    baseline: Path | None = args.baseline_tree
+    if args.baseline is not None:
+        baseline = baseline_tree(args.baseline)
+    if baseline is not None:
+        engines.append(BASELINE)
     specs = workloads(args.big_pool)
     print(
         f"bench_core: {args.ops} manager calls per run, seed {args.seed}, block size "
@@ -619,7 +699,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rotating), one worker process each; ops/s: per CPU second of the worker, best round; "
         "ratios per round: lowest-highest"
     )
-    workers = {name: Worker(name) for name in engines}
+    workers = {name: Worker(name, baseline) for name in engines}
     try:
         for w in workers.values():
             print(
@@ -728,7 +808,13 @@ def print_table(
     )
     pairs = [
         (a, b)
-        for a, b in (("pure", "vllm"), ("compiled", "vllm"), ("compiled", "pure"))
+        for a, b in (
+            ("pure", "vllm"),
+            ("compiled", "vllm"),
+            ("compiled", "pure"),
+            (BASELINE, "vllm"),
+            ("compiled", BASELINE),
+        )
         if a in engines and b in engines
     ]
     head += "".join(

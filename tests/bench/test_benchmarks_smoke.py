@@ -64,6 +64,24 @@ def test_bench_core_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     assert "DECISIONS DIFFER" not in out
 
 
+def test_bench_core_baseline_tree(capsys: pytest.CaptureFixture[str]) -> None:
+    """A baseline tree's compiled core runs in a fourth worker, imported from that tree,
+    and makes the same decisions. This tree stands in for another revision's (building
+    one with --baseline takes mypyc minutes)."""
+    argv = ["--ops", "400", "--rounds", "1", "--big-pool", "20000", "--engines", "compiled"]
+    assert bench_core.main([*argv, "--baseline-tree", str(bench_core.REPO_ROOT)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"baseline: block_pool \S+/kvservice/_compiled/\S+\.so", out), out
+    assert "compiled/baseline" in out
+    assert re.search(r"\nadmission-heavy .*\d\.\d\d", out), out
+    assert "DECISIONS DIFFER" not in out
+
+
+def test_bench_core_baseline_unknown_revision() -> None:
+    with pytest.raises(SystemExit, match="git rev-parse"):
+        bench_core.baseline_tree("no-such-revision")
+
+
 def test_bench_decode_layers_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     bench_decode_layers.main(["--requests", "8", "--steps", "3", "--rounds", "1"])
     out = capsys.readouterr().out
