@@ -256,7 +256,6 @@ class BlockPool:
             f"{num_full_blocks} needed: hashes are computed when tokens are appended"
         )
         gid_suffix = kv_cache_group_id.to_bytes(4, "big")
-        insert = self.cached_block_hash_to_block.insert
         retention = self.retention_policy
         stored_indices: list[int] = []
         for i in range(num_cached_blocks, num_full_blocks):
@@ -274,7 +273,7 @@ class BlockPool:
                 self._emit_block_removed(self._remove_cached_block_hashes(block))
             key = hashes[i] + gid_suffix
             block.set_block_hash(key, num_tokens)
-            insert(key, block)
+            self.cached_block_hash_to_block.insert(key, block)
             stored_indices.append(i)
             if retention is not None:
                 self._apply_retention(request, block, key, i * block_size, num_tokens)
@@ -377,8 +376,8 @@ class BlockPool:
         keys.extend(self.cached_block_hashes_by_block.pop(block.block_id, ()))
         if not keys:
             return keys
-        pop = self.cached_block_hash_to_block.pop
-        removed = [key for key in keys if pop(key, block.block_id) is not None]
+        cache = self.cached_block_hash_to_block
+        removed = [key for key in keys if cache.pop(key, block.block_id) is not None]
         block.reset_hash()
         if self.retention_policy is not None and block.block_id in self.retention_policy.holders:
             self._release_pin_holds(block, hold_again=True)
@@ -551,13 +550,12 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-hit blocks; a free one leaves the free queue."""
-        remove = self.free_block_queue.remove
         retention = self.retention_policy
         for block in blocks:
             if block.is_null:
                 continue
             if block.ref_cnt == 0:
-                remove(block)
+                self.free_block_queue.remove(block)
             block.ref_cnt += 1
             if retention is not None and block.block_id in retention.holders:
                 self._record_pinned_hit(block)

@@ -491,11 +491,11 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         if len(group_ids) == 1:
             # The common case, without a list per probe and with the key built here
             # (bench_core admission-heavy: 12% faster with this; 2 runs, spread 1%).
-            lookup = block_pool.cached_block_hash_to_block.get_one_block
+            cache = block_pool.cached_block_hash_to_block
             suffix = group_ids[0].to_bytes(4, "big")
             out = computed[0]
             for i in range(num_blocks):
-                block = lookup(hashes[i] + suffix)
+                block = cache.get_one_block(hashes[i] + suffix)
                 if block is None:
                     break
                 out.append(block)
