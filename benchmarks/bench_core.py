@@ -591,9 +591,9 @@ def _git(*args: str) -> bytes:
 
 
 class Worker:
-    """One engine's worker process. The baseline's imports kvservice from its own tree
-    (first on ``PYTHONPATH``; ``-P`` keeps this repo off ``sys.path``) and runs this
-    file's workload code, so both kvservice engines run the same loop."""
+    """One engine's worker process. The baseline's worker imports kvservice from its own
+    tree (first on ``PYTHONPATH``; ``-P`` keeps this repo off ``sys.path``) and runs
+    this file's workload code, so both kvservice engines run the same loop."""
 
     def __init__(self, engine: str, baseline: Path | None = None) -> None:
         env = dict(os.environ)
@@ -687,7 +687,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.worker:
         return worker(args.worker)
     engines = args.engines.split(",")
-    baseline: Path | None = args.baseline_tree
+    baseline: Path | None = args.baseline_tree.resolve() if args.baseline_tree else None
     if args.baseline is not None:
         baseline = baseline_tree(args.baseline)
     if baseline is not None:
