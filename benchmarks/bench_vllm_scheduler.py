@@ -118,6 +118,8 @@ from kvservice.integrations.vllm.testing import (  # noqa: E402
 
 VOCAB = 32000
 NUM_RUNNING = 256
+# The mode every remote mode's scheduler-thread CPU is set against (issue 26's row).
+IN_PROCESS = "kvservice in-process"
 SETUP = SchedulerSetup(
     num_blocks=40_000,
     max_num_batched_tokens=8192,
@@ -561,7 +563,7 @@ def _compare(args: argparse.Namespace, server_args: list[str], socket_path: str)
     with child_server(server_args) as server:
         modes = [
             Mode("vllm built-in", Scheduler, None),
-            Mode("kvservice in-process", KVServiceScheduler, None),
+            Mode(IN_PROCESS, KVServiceScheduler, None),
             Mode("kvservice remote", KVServiceScheduler, server.target, "sync", server.pid),
             Mode(
                 "remote, vLLM hashes",
@@ -651,8 +653,9 @@ def _report(
     print(
         f"{'manager':<22}{'steps/s':>9}{'ratio':>8}{'spread':>13}"
         f"{'CPU ms/step':>13}{'CPU ratio':>11}{'trips/step':>12}{'server CPU ms/step':>20}"
-        + (f"{'with forward':>14}" if forward_s else "")
+        f"{'CPU vs in-process':>19}" + (f"{'with forward':>14}" if forward_s else "")
     )
+    in_process = runs.get(IN_PROCESS)
     for mode in modes:
         timings = runs[mode.name]
         ratios = [b.seconds / t.seconds for t, b in zip(timings, base, strict=True)]
@@ -665,6 +668,11 @@ def _report(
             f"{statistics.median(t.round_trips / t.steps for t in timings):>12.2f}"
             f"{statistics.median(1000 * t.server_cpu_seconds / t.steps for t in timings):>20.2f}"
         )
+        if in_process is None:
+            line += f"{'-':>19}"
+        else:
+            own = [t.cpu_seconds / i.cpu_seconds for t, i in zip(timings, in_process, strict=True)]
+            line += f"{statistics.median(own):>18.2f}x"
         if forward_s:
             # The engine's step is the forward pass and then the scheduler's work.
             engine = [
@@ -676,7 +684,8 @@ def _report(
     print(
         "ratio: the built-in manager's time over this mode's, within each round (median, "
         "lowest-highest); CPU: the scheduler thread's own CPU time (the remote server's "
-        "is not in it)"
+        f"is not in it); CPU vs in-process: this mode's over {IN_PROCESS}'s, within each "
+        "round (median)"
         + (
             "; with forward: the same ratio for the engine's whole step, the forward pass "
             "plus the scheduler's work (median)"
@@ -756,7 +765,7 @@ def _profile(target: str, server_pid: int | None, steps: int, step_socket: str) 
 
     modes = [
         Mode("vllm built-in", Scheduler, None),
-        Mode("kvservice in-process", KVServiceScheduler, None),
+        Mode(IN_PROCESS, KVServiceScheduler, None),
         Mode("remote, vLLM hashes", KVServiceScheduler, target, "sync", server_pid, True),
         Mode(
             "socket, vLLM hashes",

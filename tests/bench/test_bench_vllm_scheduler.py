@@ -85,6 +85,37 @@ def test_the_sync_report_gives_the_engine_step_ratio_with_a_forward(
     assert re.search(r"^kvservice remote .* 0\.88x$", out, re.M), out
 
 
+def test_the_sync_report_sets_each_modes_cpu_against_in_process(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 26's scheduler-thread row, from one run: each mode's CPU over the in-process
+    mode's, round by round (3 ms against 2 and 6 against 4 ms: 1.5x), the median."""
+    timing = bench_vllm_scheduler.Timing
+    modes = [
+        bench_vllm_scheduler.Mode("vllm built-in", object, None),
+        bench_vllm_scheduler.Mode(bench_vllm_scheduler.IN_PROCESS, object, None),
+        bench_vllm_scheduler.Mode("kvservice remote", object, "target"),
+    ]
+    runs = {
+        "vllm built-in": [timing(steps=10, seconds=0.05, cpu_seconds=0.05)] * 2,
+        bench_vllm_scheduler.IN_PROCESS: [
+            timing(steps=10, seconds=0.02, cpu_seconds=0.02),
+            timing(steps=10, seconds=0.04, cpu_seconds=0.04),
+        ],
+        "kvservice remote": [
+            timing(steps=10, seconds=0.03, cpu_seconds=0.03),
+            timing(steps=10, seconds=0.06, cpu_seconds=0.06),
+        ],
+    }
+    bench_vllm_scheduler._report(
+        "churn", modes, runs, argparse.Namespace(forward_ms=0.0, steps=10, rounds=2)
+    )
+    out = capsys.readouterr().out
+    assert "CPU vs in-process" in out
+    assert re.search(r"^kvservice remote .* 1\.50x$", out, re.M), out
+    assert re.search(r"^kvservice in-process .* 1\.00x$", out, re.M), out
+
+
 def test_bench_vllm_scheduler_profile_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     """The profile names each manager's share of the step and its methods, the remote
     link's parts, what waiting costs the scheduler thread, and where the server's CPU
