@@ -598,6 +598,7 @@ class Worker:
     def __init__(self, engine: str, baseline: Path | None = None) -> None:
         env = dict(os.environ)
         command = [sys.executable, "-m", "benchmarks.bench_core", "--worker", engine]
+        cwd = REPO_ROOT
         if engine == "vllm":
             env.update(VLLM_ENV)
         else:
@@ -606,23 +607,21 @@ class Worker:
             assert baseline is not None
             env["PYTHONPATH"] = str(baseline)
             command = [sys.executable, "-P", __file__, "--worker", engine]
+            cwd = baseline
         self.engine = engine
         self.process = subprocess.Popen(
             command,
-            cwd=REPO_ROOT if engine != BASELINE else baseline,
+            cwd=cwd,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             env=env,
         )
         self.info = self._read()
-        if engine == BASELINE:
-            assert baseline is not None
-            if not Path(self.info["block_pool"]).is_relative_to(baseline.resolve()):
-                raise SystemExit(
-                    f"the baseline worker imported {self.info['block_pool']}, "
-                    f"not the core of {baseline}"
-                )
+        if engine == BASELINE and not Path(self.info["block_pool"]).is_relative_to(cwd):
+            raise SystemExit(
+                f"the baseline worker imported {self.info['block_pool']}, not the core of {cwd}"
+            )
 
     def ask(self, command: dict[str, Any]) -> dict[str, Any]:
         assert self.process.stdin is not None

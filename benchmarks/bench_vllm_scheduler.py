@@ -671,8 +671,10 @@ def _report(
         if in_process is None:
             line += f"{'-':>19}"
         else:
-            own = [t.cpu_seconds / i.cpu_seconds for t, i in zip(timings, in_process, strict=True)]
-            line += f"{statistics.median(own):>18.2f}x"
+            cpu_vs = [
+                t.cpu_seconds / i.cpu_seconds for t, i in zip(timings, in_process, strict=True)
+            ]
+            line += f"{statistics.median(cpu_vs):>18.2f}x"
         if forward_s:
             # The engine's step is the forward pass and then the scheduler's work.
             engine = [
