@@ -1,7 +1,8 @@
 """The build step pyproject.toml cannot declare: ``kvservice/core``,
 ``kvservice/request_table`` and the per-operation modules of ``kvservice/server``,
 ``kvservice/client`` and ``kvservice/replication`` compiled with mypyc (each package's
-``NOT_COMPILED`` says which).
+``NOT_COMPILED`` says which), and the C modules of those packages (their ``.c`` files)
+beside them.
 
 Every install (``pip install .``, ``pip install -e .``, hence ``make setup``) and
 ``python setup.py build_ext --inplace`` compile their modules, as one mypyc group, into
@@ -41,6 +42,16 @@ compiled = _load_compiled()
 BUILD_PACKAGE = "kvservice." + compiled.BUILD_DIR_NAME
 
 
+def _native_extension(path: Path) -> Extension:
+    """A C module of a compiled package (``kvservice/core/_native_hashing.c``: vLLM's
+    block hash with OpenSSL's SHA-256, the library hashlib links too)."""
+    return Extension(
+        f"kvservice.{path.parent.name}.{path.stem}",
+        sources=[os.path.relpath(path, ROOT)],
+        libraries=["crypto"],
+    )
+
+
 class BuildCompiled(build_ext):
     """``build_ext`` that compiles the core and the request table with mypyc into
     ``kvservice/_compiled`` (also for editable installs, which would otherwise put the
@@ -53,7 +64,7 @@ class BuildCompiled(build_ext):
             [os.path.relpath(p, ROOT) for p in sources],
             group_name=compiled.GROUP_NAME,
             target_dir=os.path.join("build", "mypyc"),
-        )
+        ) + [_native_extension(path) for path in compiled.native_sources()]
         if compiled.source_digests() != self.digests:
             raise SystemExit("a source changed while mypyc read them: build again")
         for ext in extensions:

@@ -118,16 +118,33 @@ def compiled_sources(package_dir: Path = PACKAGE_DIR) -> list[Path]:
     ]
 
 
+def native_sources(package_dir: Path = PACKAGE_DIR) -> list[Path]:
+    """The C extensions the build compiles beside mypyc's: each ``.c`` file of a
+    compiled package is one module of that package, named by its stem (OpenSSL's
+    libcrypto linked in; ``setup.py`` builds them)."""
+    return [
+        path
+        for package in compiled_packages(package_dir)
+        for path in sorted((package_dir / package).glob("*.c"))
+    ]
+
+
 def module_key(path: Path) -> str:
-    """How the manifest names a compiled module: ``package/module``."""
-    return f"{path.parent.name}/{path.stem}"
+    """How the manifest names a compiled module: by its source, ``package/file``."""
+    return f"{path.parent.name}/{path.name}"
+
+
+def extension_name(key: str) -> str:
+    """The file a module's extension takes below the build's ``kvservice`` directory."""
+    return key.rpartition(".")[0] + EXT_SUFFIX
 
 
 def source_digests(package_dir: Path = PACKAGE_DIR) -> dict[str, str]:
-    """``package/module`` -> SHA-256 of its source, for every module the build compiles."""
+    """``package/module`` -> SHA-256 of its source, for every module the build compiles
+    (mypyc's and the C extensions)."""
     return {
         module_key(p): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in compiled_sources(package_dir)
+        for p in compiled_sources(package_dir) + native_sources(package_dir)
     }
 
 
@@ -162,14 +179,14 @@ def stale_reasons(package_dir: Path = PACKAGE_DIR) -> list[str]:
     reasons = []
     for key in sorted(built.keys() | now.keys()):
         if key not in now:
-            reasons.append(f"{key}.py was removed")
+            reasons.append(f"{key} was removed")
         elif key not in built:
-            reasons.append(f"{key}.py is new")
+            reasons.append(f"{key} is new")
         elif built[key] != now[key]:
-            reasons.append(f"{key}.py changed")
-        elif not (build / "kvservice" / f"{key}{EXT_SUFFIX}").is_file():
-            reasons.append(f"the extension of {key}.py is missing")
-    expected = {f"{key}{EXT_SUFFIX}" for key in built}
+            reasons.append(f"{key} changed")
+        elif not (build / "kvservice" / extension_name(key)).is_file():
+            reasons.append(f"the extension of {key} is missing")
+    expected = {extension_name(key) for key in built}
     for package in compiled_packages(package_dir):
         found = {f"{package}/{p.name}" for p in module_dir(build, package).glob(f"*{EXT_SUFFIX}")}
         reasons.extend(f"{name} is not part of the build" for name in sorted(found - expected))

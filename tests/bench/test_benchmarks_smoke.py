@@ -54,7 +54,7 @@ def test_bench_core_smoke(capsys: pytest.CaptureFixture[str]) -> None:
         "a manager costing nothing beside them would reach",
     ):
         assert line in out
-    # Every engine's hashing floor; vLLM hashes every full block, kvservice fewer.
+    # Every engine's hashing floor: what each hashed.
     floor = re.search(
         r"vLLM (\d+) blocks, pickle [\d.]+ s \+ sha256 [\d.]+ s = \d+% of its [\d.]+ s; "
         r"pure (\d+) blocks, .*; compiled (\d+) blocks, ",
@@ -62,7 +62,8 @@ def test_bench_core_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     )
     assert floor is not None, out
     vllm_blocks, pure_blocks, compiled_blocks = map(int, floor.groups())
-    assert 0 < pure_blocks == compiled_blocks < vllm_blocks, floor.group(0)
+    # The sources remember shared blocks; the compiled build's C chain hashes every one.
+    assert 0 < pure_blocks < vllm_blocks == compiled_blocks, floor.group(0)
     assert "DECISIONS DIFFER" not in out
 
 

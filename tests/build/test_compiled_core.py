@@ -49,9 +49,12 @@ def test_the_build_loaded_is_the_one_asked_for(package: str) -> None:
 
 def test_the_hot_paths_are_native_code() -> None:
     """Native code, not Python functions that happen to come from an .so's directory."""
-    assert {"core/block_pool", "core/kv_cache_manager", "request_table/table"} <= set(
-        compiled.source_digests()
-    )
+    assert {
+        "core/block_pool.py",
+        "core/kv_cache_manager.py",
+        "request_table/table.py",
+        "core/_native_hashing.c",
+    } <= set(compiled.source_digests())
     assert inspect.isfunction(BlockPool.get_new_blocks) is PURE
     assert inspect.isfunction(RequestTable.allocate_slots) is PURE
 
@@ -182,7 +185,9 @@ def test_a_matching_copy_imports_its_own_build(tree: Path) -> None:
 
 
 @needs_build
-@pytest.mark.parametrize("source", ["core/block_pool.py", "request_table/table.py"])
+@pytest.mark.parametrize(
+    "source", ["core/block_pool.py", "request_table/table.py", "core/_native_hashing.c"]
+)
 def test_an_edited_source_is_refused_not_shadowed(tree: Path, source: str) -> None:
     path = package(tree) / source
     path.write_text(path.read_text() + "\n# edited after the build\n")
@@ -245,9 +250,11 @@ def test_a_build_missing_a_piece_is_refused(tree: Path) -> None:
     core_modules = compiled.module_dir(build_of(tree), "core")
     (core_modules / f"block_pool{ext}").rename(core_modules / f"old{ext}")
     (compiled.module_dir(build_of(tree), "request_table") / f"table{ext}").unlink()
+    (core_modules / f"_native_hashing{ext}").unlink()
     message = refusal(tree)
     assert "the extension of core/block_pool.py is missing" in message
     assert "the extension of request_table/table.py is missing" in message
+    assert "the extension of core/_native_hashing.c is missing" in message
     assert f"core/old{ext} is not part of the build" in message
     shutil.rmtree(build_of(tree))
     assert "there is no compiled build" in refusal(tree)
@@ -269,7 +276,9 @@ def test_an_unclear_mode_is_refused(tree: Path) -> None:
 
 
 @needs_build
-@pytest.mark.parametrize("source", ["core/request.py", "request_table/table.py"])
+@pytest.mark.parametrize(
+    "source", ["core/request.py", "request_table/table.py", "core/_native_hashing.c"]
+)
 def test_the_makefiles_check_tells_a_stale_build(tree: Path, source: str) -> None:
     """``make build`` recompiles exactly when this check fails."""
     check = [sys.executable, "-P", str(package(tree) / "core" / "compiled.py")]

@@ -1,0 +1,227 @@
+/* vLLM's default block hash, sha256(pickle.dumps((parent, tokens, None), protocol=5)),
+ * for a chain of plain blocks in one call.
+ *
+ * block_hashing.BlockHasher hashes a request's new full blocks one by one: a tuple per
+ * block, a Pickler per block, a hashlib object per block. Here the pickle bytes of a
+ * block are written straight into a buffer (the opcodes CPython's _pickle.c emits for
+ * that one shape: a short bytes object, a tuple of ints, None) and hashed with
+ * OpenSSL's SHA-256, the implementation hashlib uses. Anything outside that shape (a
+ * token that is not an exact int in the int32 range, a parent of 256 bytes or more)
+ * returns None, and the caller hashes the chain the Python way: the bytes hashed are
+ * pickle's, always. tests/core/test_native_hashing.py holds both to that.
+ *
+ * Built with the compiled core (setup.py), into kvservice/_compiled; the sources
+ * (KVSERVICE_PURE_PYTHON=1) never import it.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+/* SHA256_Init/Update/Final: deprecated in OpenSSL 3 in favour of EVP, which fetches a
+ * provider and allocates a context per digest; these hash a 100-byte block without
+ * either. They are in every OpenSSL from 1.1 to 3.5. */
+#define OPENSSL_SUPPRESS_DEPRECATED
+#include <openssl/sha.h>
+#include <string.h>
+
+/* pickle's opcodes for this shape (Lib/pickletools.py documents each). */
+#define OP_PROTO 0x80
+#define OP_FRAME 0x95
+#define OP_SHORT_BINBYTES 'C'
+#define OP_MEMOIZE 0x94
+#define OP_MARK '('
+#define OP_BININT 'J'
+#define OP_BININT1 'K'
+#define OP_BININT2 'M'
+#define OP_TUPLE 't'
+#define OP_TUPLE1 0x85
+#define OP_NONE 'N'
+#define OP_TUPLE3 0x87
+#define OP_STOP '.'
+#define PROTOCOL 5
+#define FRAME_HEADER 9 /* FRAME and its 8-byte length */
+#define STACK_BUFFER 1024
+
+/* The most bytes one block's pickle takes: the header, the parent, 5 bytes a token,
+ * and the fixed opcodes around them. */
+static Py_ssize_t
+max_pickle_size(Py_ssize_t parent_len, Py_ssize_t block_size)
+{
+    return 2 + FRAME_HEADER + 2 + parent_len + 1 + 1 + 5 * block_size + 1 + 1 + 3 + 1;
+}
+
+static int
+is_int32(long value)
+{
+    return value >= -0x7fffffffL - 1 && value <= 0x7fffffffL;
+}
+
+/* save_long's binary forms: the fewest bytes that hold the value, little-endian. */
+static unsigned char *
+write_int(unsigned char *out, long value)
+{
+    uint32_t bits = (uint32_t)value;
+    if (bits & 0xffff0000u) {
+        *out++ = OP_BININT;
+        for (int i = 0; i < 4; i++)
+            *out++ = (unsigned char)(bits >> (8 * i));
+    }
+    else if (bits & 0xff00u) {
+        *out++ = OP_BININT2;
+        *out++ = (unsigned char)bits;
+        *out++ = (unsigned char)(bits >> 8);
+    }
+    else {
+        *out++ = OP_BININT1;
+        *out++ = (unsigned char)bits;
+    }
+    return out;
+}
+
+/* The pickle of (parent, tuple(tokens[0:n]), None), as pickle.dumps writes it with
+ * protocol 5; its length, or -1 when a token is not an exact int32 (no error set). */
+static Py_ssize_t
+write_block(unsigned char *buf, const unsigned char *parent, Py_ssize_t parent_len,
+            PyObject **tokens, Py_ssize_t n)
+{
+    unsigned char *out = buf + 2 + FRAME_HEADER;
+    *out++ = OP_SHORT_BINBYTES;
+    *out++ = (unsigned char)parent_len;
+    memcpy(out, parent, (size_t)parent_len);
+    out += parent_len;
+    *out++ = OP_MEMOIZE;
+    if (n > 3)
+        *out++ = OP_MARK;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *token = tokens[i];
+        int overflow = 0;
+        long value;
+        if (!PyLong_CheckExact(token))
+            return -1; /* a bool or an int subclass pickles otherwise */
+        value = PyLong_AsLongAndOverflow(token, &overflow);
+        if (overflow || !is_int32(value))
+            return -1; /* LONG1: never a token id */
+        out = write_int(out, value);
+    }
+    /* TUPLE1, TUPLE2 and TUPLE3 follow each other, as the tuple sizes they build. */
+    *out++ = n > 3 ? OP_TUPLE : (unsigned char)(OP_TUPLE1 + n - 1);
+    *out++ = OP_MEMOIZE;
+    *out++ = OP_NONE;
+    *out++ = OP_TUPLE3;
+    *out++ = OP_MEMOIZE;
+    *out++ = OP_STOP;
+
+    Py_ssize_t size = out - buf;
+    uint64_t frame = (uint64_t)(size - 2 - FRAME_HEADER);
+    buf[0] = OP_PROTO;
+    buf[1] = PROTOCOL;
+    buf[2] = OP_FRAME;
+    for (int i = 0; i < 8; i++)
+        buf[3 + i] = (unsigned char)(frame >> (8 * i));
+    return size;
+}
+
+/* Hashes num_blocks blocks of tokens[start:], chained from parent; a new list, None
+ * when a block falls outside the shape written here, or NULL with an error set. */
+static PyObject *
+chain(const unsigned char *parent, Py_ssize_t parent_len, PyObject *tokens,
+      Py_ssize_t start, Py_ssize_t num_blocks, Py_ssize_t block_size, unsigned char *buf)
+{
+    PyObject *hashes = PyList_New(num_blocks);
+    if (hashes == NULL)
+        return NULL;
+    unsigned char digest[SHA256_DIGEST_LENGTH];
+    for (Py_ssize_t b = 0; b < num_blocks; b++) {
+        PyObject **items = PySequence_Fast_ITEMS(tokens) + start + b * block_size;
+        Py_ssize_t size = write_block(buf, parent, parent_len, items, block_size);
+        if (size < 0) {
+            Py_DECREF(hashes);
+            Py_RETURN_NONE;
+        }
+        SHA256_CTX ctx;
+        SHA256_Init(&ctx);
+        SHA256_Update(&ctx, buf, (size_t)size);
+        SHA256_Final(digest, &ctx);
+        PyObject *hash = PyBytes_FromStringAndSize((const char *)digest, SHA256_DIGEST_LENGTH);
+        if (hash == NULL) {
+            Py_DECREF(hashes);
+            return NULL;
+        }
+        PyList_SET_ITEM(hashes, b, hash);
+        parent = digest;
+        parent_len = SHA256_DIGEST_LENGTH;
+    }
+    return hashes;
+}
+
+PyDoc_STRVAR(sha256_pickle_chain_doc,
+"sha256_pickle_chain(parent, token_ids, start, num_blocks, block_size, /)\n"
+"--\n\n"
+"The hashes of num_blocks blocks of token_ids (a list) from start, each\n"
+"sha256(pickle.dumps((parent, tuple(tokens), None), protocol=5)) chained on the one\n"
+"before it, the first on parent; None when a token is not an int in the int32 range\n"
+"or parent is 256 bytes or longer (hash those in Python).");
+
+static PyObject *
+sha256_pickle_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "sha256_pickle_chain takes 5 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *parent = args[0], *tokens = args[1];
+    if (!PyBytes_CheckExact(parent) || !PyList_CheckExact(tokens)) {
+        PyErr_SetString(PyExc_TypeError, "sha256_pickle_chain takes a parent bytes and a list");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t num_blocks = PyLong_AsSsize_t(args[3]);
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (start < 0 || num_blocks < 0 || block_size <= 0
+        || num_blocks > (PyList_GET_SIZE(tokens) - start) / block_size) {
+        PyErr_Format(PyExc_ValueError,
+                     "%zd blocks of %zd tokens from %zd do not fit in %zd tokens",
+                     num_blocks, block_size, start, PyList_GET_SIZE(tokens));
+        return NULL;
+    }
+    Py_ssize_t parent_len = PyBytes_GET_SIZE(parent);
+    if (parent_len > 255)
+        Py_RETURN_NONE; /* BINBYTES: never a digest */
+
+    unsigned char stack[STACK_BUFFER];
+    unsigned char *buf = stack;
+    Py_ssize_t needed = max_pickle_size(parent_len > SHA256_DIGEST_LENGTH
+                                            ? parent_len : SHA256_DIGEST_LENGTH,
+                                        block_size);
+    if (needed > STACK_BUFFER) {
+        buf = PyMem_Malloc((size_t)needed);
+        if (buf == NULL)
+            return PyErr_NoMemory();
+    }
+    PyObject *hashes = chain((const unsigned char *)PyBytes_AS_STRING(parent), parent_len,
+                             tokens, start, num_blocks, block_size, buf);
+    if (buf != stack)
+        PyMem_Free(buf);
+    return hashes;
+}
+
+static PyMethodDef methods[] = {
+    {"sha256_pickle_chain", (PyCFunction)(void (*)(void))sha256_pickle_chain, METH_FASTCALL,
+     sha256_pickle_chain_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "kvservice.core._native_hashing",
+    .m_doc = "vLLM's sha256 block hash chain, pickle's bytes written in C.",
+    .m_size = 0,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC
+PyInit__native_hashing(void)
+{
+    return PyModuleDef_Init(&module_def);
+}

@@ -1,0 +1,149 @@
+"""The C chain of vLLM's default block hash (``_native_hashing.c``) hashes exactly what
+``pickle.dumps`` writes, or declines (None) and leaves the chain to Python.
+
+Its only reference is pickle and hashlib: a digest equal to ``ref_sha256``'s for every
+token value pickle writes in another form (BININT1, BININT2, BININT, negative), every
+tuple size (TUPLE1-3, MARK ... TUPLE) and buffer (on the stack, on the heap) means the
+bytes were equal."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvservice.core import COMPILED
+from kvservice.core.block_hashing import BlockHasher, NativeChain, native_sha256_chain
+from kvservice.core.request import Request
+from tests.core.support import DEFAULT_SEED, ref_sha256
+
+INT32 = (-(2**31), 2**31 - 1)
+# The boundaries of each integer opcode, and values equal to opcode bytes.
+EDGE_TOKENS = [0, 1, 255, 256, 65535, 65536, *INT32, -1, -256, 0x28, 0x74, 0x80, 0x94, 0x2E]
+PARENT = hashlib.sha256(b"parent").digest()
+
+
+def reference_chain(
+    parent: bytes, tokens: list[Any], start: int, num_blocks: int, block_size: int
+) -> list[bytes]:
+    hashes = []
+    for b in range(num_blocks):
+        first = start + b * block_size
+        parent = ref_sha256((parent, tuple(tokens[first : first + block_size]), None))
+        hashes.append(parent)
+    return hashes
+
+
+def test_the_compiled_build_has_the_chain() -> None:
+    # The sources never import it: their parity is the rest of tests/core.
+    assert (native_sha256_chain() is not None) == COMPILED
+    assert (BlockHasher(16, "sha256").native_chain is not None) == COMPILED
+    assert BlockHasher(16, "xxhash").native_chain is None
+
+
+needs_build = pytest.mark.skipif(not COMPILED, reason="the C chain is built with the compiled core")
+
+
+@pytest.fixture
+def chain() -> NativeChain:
+    native = native_sha256_chain()
+    assert native is not None
+    return native
+
+
+# Each integer opcode's range drawn on its own, so that every byte of each form varies.
+tokens_in_int32 = st.one_of(
+    st.sampled_from(EDGE_TOKENS),
+    st.integers(0, 255),
+    st.integers(256, 65535),
+    st.integers(65536, INT32[1]),
+    st.integers(INT32[0], -1),
+)
+
+
+@needs_build
+@settings(max_examples=300, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 2, 3, 4, 16, 17, 203, 300]),
+    num_blocks=st.integers(0, 4),
+    start=st.integers(0, 3),
+    extra=st.integers(0, 3),
+    parent_size=st.sampled_from([1, 31, 32, 33, 255]),
+    data=st.data(),
+)
+def test_the_chain_is_pickles_and_hashlibs(
+    block_size: int,
+    num_blocks: int,
+    start: int,
+    extra: int,
+    parent_size: int,
+    data: st.DataObject,
+) -> None:
+    chain = native_sha256_chain()
+    assert chain is not None
+    size = start + num_blocks * block_size + extra
+    tokens = data.draw(st.lists(tokens_in_int32, min_size=size, max_size=size))
+    parent = bytes(range(parent_size))
+    expected = reference_chain(parent, tokens, start, num_blocks, block_size)
+    assert chain(parent, tokens, start, num_blocks, block_size) == expected
+
+
+@needs_build
+@pytest.mark.parametrize(
+    "odd", [2**31, -(2**31) - 1, 2**40, 2**70, True, False], ids=lambda v: f"{v!r}"
+)
+def test_a_token_pickle_writes_otherwise_is_left_to_python(chain: NativeChain, odd: Any) -> None:
+    tokens = [5] * 8 + [odd] + [6] * 7
+    assert chain(PARENT, tokens, 0, 1, 16) is None
+    # Before the odd token's block the chain is C's; it stops there as a whole.
+    assert chain(PARENT, tokens, 0, 1, 8) == reference_chain(PARENT, tokens, 0, 1, 8)
+    assert chain(PARENT, tokens, 0, 2, 8) is None
+
+
+@needs_build
+def test_an_int_subclass_is_left_to_python(chain: NativeChain) -> None:
+    class TokenId(int):
+        pass
+
+    assert chain(PARENT, [1, TokenId(2), 3, 4], 0, 1, 4) is None
+
+
+@needs_build
+def test_a_long_parent_is_left_to_python(chain: NativeChain) -> None:
+    assert chain(bytes(256), [1, 2], 0, 1, 2) is None
+    assert chain(bytes(255), [1, 2], 0, 1, 2) == reference_chain(bytes(255), [1, 2], 0, 1, 2)
+
+
+@needs_build
+@pytest.mark.parametrize(
+    ("start", "num_blocks", "block_size"), [(0, 3, 4), (1, 2, 4), (-1, 1, 4), (0, 1, 0), (0, -1, 4)]
+)
+def test_a_window_outside_the_tokens_is_an_error(
+    chain: NativeChain, start: int, num_blocks: int, block_size: int
+) -> None:
+    with pytest.raises(ValueError, match="do not fit"):
+        chain(PARENT, list(range(8)), start, num_blocks, block_size)
+
+
+@needs_build
+def test_arguments_of_another_type_are_an_error(chain: NativeChain) -> None:
+    with pytest.raises(TypeError):
+        chain(PARENT, (1, 2), 0, 1, 2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        chain(bytearray(PARENT), [1, 2], 0, 1, 2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="5 arguments"):
+        chain(PARENT, [1, 2], 0, 1)  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize("odd", [2**40, True])
+def test_a_request_with_such_tokens_hashes_as_vllm_does(odd: int) -> None:
+    # Through BlockHasher, in either build: the C chain declines, Python hashes.
+    rng = random.Random(3)
+    tokens = [rng.getrandbits(17) for _ in range(40)] + [odd] + [7] * 23
+    hasher = BlockHasher(16, "sha256", DEFAULT_SEED)
+    request = Request("odd", tokens, hasher)
+    assert request.block_hashes == reference_chain(hasher.none_hash, tokens, 0, 4, 16)
