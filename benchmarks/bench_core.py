@@ -47,7 +47,7 @@ import tarfile
 import time
 import tracemalloc
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableSequence, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -501,7 +501,7 @@ def _recording_chain(chain: NativeChain, hashed: list[Any]) -> NativeChain:
     ``_recording`` does for one block."""
 
     def recording(
-        parent: bytes, tokens: list[int], start: int, num_blocks: int, block_size: int
+        parent: bytes, tokens: MutableSequence[int], start: int, num_blocks: int, block_size: int
     ) -> list[bytes] | None:
         hashes = chain(parent, tokens, start, num_blocks, block_size)
         if hashes is not None:

@@ -76,11 +76,41 @@ write_int(unsigned char *out, long value)
     return out;
 }
 
-/* The pickle of (parent, tuple(tokens[0:n]), None), as pickle.dumps writes it with
- * protocol 5; its length, or -1 when a token is not an exact int32 (no error set). */
+/* A request's token ids: a list's items, or a packed array's 4-byte ids (the server
+ * keeps a prompt in the array it came in; pickling its slice as a tuple makes the same
+ * Python ints the list would hold). */
+typedef struct {
+    PyObject *list;     /* a list, or NULL */
+    PyObject **items;   /* its items, read once no Python code can run (chain) */
+    const unsigned char *packed;
+    Py_ssize_t count;
+    int is_signed;
+} Tokens;
+
+/* Token i as a long; 0, or -1 when pickle would write it in a form other than BININT*
+ * (a bool or an int subclass, a value outside the int32 range: LONG1, never a token). */
+static int
+token_at(const Tokens *tokens, Py_ssize_t i, long *value)
+{
+    if (tokens->packed != NULL) {
+        uint32_t bits;
+        memcpy(&bits, tokens->packed + 4 * i, 4);
+        *value = tokens->is_signed ? (long)(int32_t)bits : (long)bits;
+        return is_int32(*value) ? 0 : -1;
+    }
+    PyObject *token = tokens->items[i];
+    int overflow = 0;
+    if (!PyLong_CheckExact(token))
+        return -1;
+    *value = PyLong_AsLongAndOverflow(token, &overflow);
+    return overflow || !is_int32(*value) ? -1 : 0;
+}
+
+/* The pickle of (parent, tuple(tokens[first:first + n]), None), as pickle.dumps writes
+ * it with protocol 5; its length, or -1 when token_at declines a token (no error set). */
 static Py_ssize_t
 write_block(unsigned char *buf, const unsigned char *parent, Py_ssize_t parent_len,
-            PyObject **tokens, Py_ssize_t n)
+            const Tokens *tokens, Py_ssize_t first, Py_ssize_t n)
 {
     unsigned char *out = buf + 2 + FRAME_HEADER;
     *out++ = OP_SHORT_BINBYTES;
@@ -90,15 +120,10 @@ write_block(unsigned char *buf, const unsigned char *parent, Py_ssize_t parent_l
     *out++ = OP_MEMOIZE;
     if (n > 3)
         *out++ = OP_MARK;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *token = tokens[i];
-        int overflow = 0;
+    for (Py_ssize_t i = first; i < first + n; i++) {
         long value;
-        if (!PyLong_CheckExact(token))
-            return -1; /* a bool or an int subclass pickles otherwise */
-        value = PyLong_AsLongAndOverflow(token, &overflow);
-        if (overflow || !is_int32(value))
-            return -1; /* LONG1: never a token id */
+        if (token_at(tokens, i, &value) < 0)
+            return -1;
         out = write_int(out, value);
     }
     /* TUPLE1, TUPLE2 and TUPLE3 follow each other, as the tuple sizes they build. */
@@ -122,16 +147,29 @@ write_block(unsigned char *buf, const unsigned char *parent, Py_ssize_t parent_l
 /* Hashes num_blocks blocks of tokens[start:], chained from parent; a new list, None
  * when a block falls outside the shape written here, or NULL with an error set. */
 static PyObject *
-chain(const unsigned char *parent, Py_ssize_t parent_len, PyObject *tokens,
-      Py_ssize_t start, Py_ssize_t num_blocks, Py_ssize_t block_size, unsigned char *buf)
+chain(const unsigned char *parent, Py_ssize_t parent_len, Tokens *tokens, Py_ssize_t start,
+      Py_ssize_t num_blocks, Py_ssize_t block_size, unsigned char *buf)
 {
     PyObject *hashes = PyList_New(num_blocks);
     if (hashes == NULL)
         return NULL;
+    /* A list is read after PyList_New, which may collect garbage and so run a finalizer
+     * that changes it; nothing below runs Python code. (An array cannot change while
+     * its buffer is held.) */
+    if (tokens->list != NULL) {
+        tokens->items = ((PyListObject *)tokens->list)->ob_item;
+        tokens->count = PyList_GET_SIZE(tokens->list);
+    }
+    if (num_blocks > (tokens->count - start) / block_size) {
+        Py_DECREF(hashes);
+        return PyErr_Format(PyExc_ValueError,
+                            "%zd blocks of %zd tokens from %zd do not fit in %zd tokens",
+                            num_blocks, block_size, start, tokens->count);
+    }
     unsigned char digest[SHA256_DIGEST_LENGTH];
     for (Py_ssize_t b = 0; b < num_blocks; b++) {
-        PyObject **items = PySequence_Fast_ITEMS(tokens) + start + b * block_size;
-        Py_ssize_t size = write_block(buf, parent, parent_len, items, block_size);
+        Py_ssize_t size =
+            write_block(buf, parent, parent_len, tokens, start + b * block_size, block_size);
         if (size < 0) {
             Py_DECREF(hashes);
             Py_RETURN_NONE;
@@ -152,13 +190,32 @@ chain(const unsigned char *parent, Py_ssize_t parent_len, PyObject *tokens,
     return hashes;
 }
 
+/* A buffer of 4-byte ints ("i" or "I", as array.array exports them; "l"/"L" where a C
+ * long is 4 bytes); 1 when signed, 0 when not, -1 for any other format. */
+static int
+packed_signedness(const Py_buffer *view)
+{
+    const char *format = view->format;
+    if (view->itemsize != 4 || view->ndim != 1 || format == NULL)
+        return -1;
+    if (format[0] == '@' || format[0] == '=')
+        format++;
+    if (format[1] != '\0')
+        return -1;
+    if (format[0] == 'i' || format[0] == 'l')
+        return 1;
+    if (format[0] == 'I' || format[0] == 'L')
+        return 0;
+    return -1;
+}
+
 PyDoc_STRVAR(sha256_pickle_chain_doc,
 "sha256_pickle_chain(parent, token_ids, start, num_blocks, block_size, /)\n"
 "--\n\n"
-"The hashes of num_blocks blocks of token_ids (a list) from start, each\n"
-"sha256(pickle.dumps((parent, tuple(tokens), None), protocol=5)) chained on the one\n"
-"before it, the first on parent; None when a token is not an int in the int32 range\n"
-"or parent is 256 bytes or longer (hash those in Python).");
+"The hashes of num_blocks blocks of token_ids (a list, or an array of 4-byte ints)\n"
+"from start, each sha256(pickle.dumps((parent, tuple(tokens), None), protocol=5))\n"
+"chained on the one before it, the first on parent; None when a token is not an int\n"
+"in the int32 range or parent is 256 bytes or longer (hash those in Python).");
 
 static PyObject *
 sha256_pickle_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -168,41 +225,70 @@ sha256_pickle_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_TypeError, "sha256_pickle_chain takes 5 arguments (%zd given)", nargs);
         return NULL;
     }
-    PyObject *parent = args[0], *tokens = args[1];
-    if (!PyBytes_CheckExact(parent) || !PyList_CheckExact(tokens)) {
-        PyErr_SetString(PyExc_TypeError, "sha256_pickle_chain takes a parent bytes and a list");
-        return NULL;
-    }
+    PyObject *parent = args[0], *token_ids = args[1];
     Py_ssize_t start = PyLong_AsSsize_t(args[2]);
     Py_ssize_t num_blocks = PyLong_AsSsize_t(args[3]);
     Py_ssize_t block_size = PyLong_AsSsize_t(args[4]);
     if (PyErr_Occurred())
         return NULL;
-    if (start < 0 || num_blocks < 0 || block_size <= 0
-        || num_blocks > (PyList_GET_SIZE(tokens) - start) / block_size) {
-        PyErr_Format(PyExc_ValueError,
-                     "%zd blocks of %zd tokens from %zd do not fit in %zd tokens",
-                     num_blocks, block_size, start, PyList_GET_SIZE(tokens));
+    if (!PyBytes_CheckExact(parent)) {
+        PyErr_SetString(PyExc_TypeError, "sha256_pickle_chain: the parent hash must be bytes");
         return NULL;
+    }
+    if (start < 0 || num_blocks < 0 || block_size <= 0) {
+        return PyErr_Format(PyExc_ValueError,
+                            "%zd blocks of %zd tokens from %zd do not fit in any tokens",
+                            num_blocks, block_size, start);
     }
     Py_ssize_t parent_len = PyBytes_GET_SIZE(parent);
     if (parent_len > 255)
         Py_RETURN_NONE; /* BINBYTES: never a digest */
+
+    Tokens tokens = {NULL, NULL, NULL, 0, 0};
+    Py_buffer view = {0};
+    int has_view = 0;
+    if (PyList_CheckExact(token_ids)) {
+        tokens.list = token_ids;
+    }
+    else if (PyObject_CheckBuffer(token_ids)) {
+        if (PyObject_GetBuffer(token_ids, &view, PyBUF_FORMAT | PyBUF_ND) < 0)
+            return NULL;
+        has_view = 1;
+        tokens.packed = view.buf;
+        tokens.count = view.len / 4;
+        tokens.is_signed = packed_signedness(&view);
+        if (tokens.is_signed < 0) {
+            PyErr_Format(PyExc_TypeError,
+                         "sha256_pickle_chain: token ids in a buffer must be 4-byte ints, "
+                         "not format %s of %zd bytes",
+                         view.format ? view.format : "?", view.itemsize);
+            PyBuffer_Release(&view);
+            return NULL;
+        }
+    }
+    else {
+        return PyErr_Format(PyExc_TypeError,
+                            "sha256_pickle_chain: token ids must be a list or an array of "
+                            "4-byte ints, not %.100s", Py_TYPE(token_ids)->tp_name);
+    }
 
     unsigned char stack[STACK_BUFFER];
     unsigned char *buf = stack;
     Py_ssize_t needed = max_pickle_size(parent_len > SHA256_DIGEST_LENGTH
                                             ? parent_len : SHA256_DIGEST_LENGTH,
                                         block_size);
-    if (needed > STACK_BUFFER) {
-        buf = PyMem_Malloc((size_t)needed);
-        if (buf == NULL)
-            return PyErr_NoMemory();
+    PyObject *hashes = NULL;
+    if (needed > STACK_BUFFER && (buf = PyMem_Malloc((size_t)needed)) == NULL) {
+        PyErr_NoMemory();
     }
-    PyObject *hashes = chain((const unsigned char *)PyBytes_AS_STRING(parent), parent_len,
-                             tokens, start, num_blocks, block_size, buf);
-    if (buf != stack)
+    else {
+        hashes = chain((const unsigned char *)PyBytes_AS_STRING(parent), parent_len, &tokens,
+                       start, num_blocks, block_size, buf);
+    }
+    if (buf != stack && buf != NULL)
         PyMem_Free(buf);
+    if (has_view)
+        PyBuffer_Release(&view);
     return hashes;
 }
 

@@ -1,5 +1,12 @@
 """Types of the C module ``_native_hashing.c`` (built with the compiled packages)."""
 
+from collections.abc import MutableSequence
+
 def sha256_pickle_chain(
-    parent: bytes, token_ids: list[int], start: int, num_blocks: int, block_size: int, /
+    parent: bytes,
+    token_ids: MutableSequence[int],
+    start: int,
+    num_blocks: int,
+    block_size: int,
+    /,
 ) -> list[bytes] | None: ...

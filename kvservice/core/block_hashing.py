@@ -17,7 +17,7 @@ import bisect
 import hashlib
 import os
 import pickle
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, MutableSequence, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -32,9 +32,10 @@ if TYPE_CHECKING:
 
 HashFn = Callable[[Any], bytes]
 ExtraKeys = tuple[Any, ...] | None
-# (parent, token ids, start, number of blocks, block size) -> the chained hashes, or None
-# where the C code leaves a block to pickle (see _native_hashing.c).
-NativeChain = Callable[[BlockHash, list[int], int, int, int], "list[BlockHash] | None"]
+# (parent, token ids: a list or an array of 4-byte ints, start, number of blocks, block
+# size) -> the chained hashes, or None where the C code leaves a block to pickle (see
+# _native_hashing.c).
+NativeChain = Callable[[BlockHash, MutableSequence[int], int, int, int], "list[BlockHash] | None"]
 
 DEFAULT_NONE_HASH_SEED: Final = "vllm-none-hash"
 
@@ -202,9 +203,10 @@ def generate_block_hash_extra_keys(
 
 
 # Blocks remembered by BlockHasher; about 6 MB when full. The memo pays where prompts
-# share prefixes: `kvservice bench` (shared system prompt, in-process, 2,048 requests,
-# 150 steps, 3 rounds) ran 390-404 steps/s with it, 330-346 without (2 runs each);
-# bench_core's admission-heavy moved within its spread.
+# share prefixes and blocks are pickled: `kvservice bench` (shared system prompt,
+# in-process, 2,048 requests, 150 steps, 3 rounds) ran 390-404 steps/s with it, 330-346
+# without (2 runs each). The C chain goes without it: 569-572 steps/s against 559-583
+# for the memo and pickle, each tree in turn (3 runs each).
 HASH_MEMO_CAPACITY: Final = 16384
 
 
@@ -257,8 +259,8 @@ class BlockHasher:
     without the seed itself leaving the process.
 
     Blocks without extra keys hashed with ``sha256`` (vLLM's default) go to the C chain
-    when the build has it: a block costs about a sixth of what pickling and hashlib
-    cost (``native_sha256_chain``). Otherwise it remembers the hashes of recent
+    when the build has it (``native_sha256_chain``: bench_core's admission-heavy
+    requests hash in under a third of the time). Otherwise it remembers the hashes of recent
     blocks, keyed by exactly what was hashed (parent hash, token ids, extra keys), so
     requests that share a prefix (a system prompt, the earlier turns of a chat) hash its
     blocks once. Token ids are ints: equal keys pickle to equal bytes, so a remembered
@@ -304,14 +306,19 @@ class BlockHasher:
             return new_hashes
         mm_idx = first_mm_index(request.mm_features, start, start + bs)
         parent = hashes[-1] if hashes else None
-        tokens, first = _tokens_from(request, start, num_tokens)
         plain = not request.has_extra_keys
         if plain and not lookahead and self.native_chain is not None:
+            # A packed prompt (an array) is read in place: no Python int per id.
             chained = self.native_chain(
-                parent or self.none_hash, tokens, start - first, (num_tokens - start) // bs, bs
+                parent or self.none_hash,
+                request.all_token_ids,
+                start,
+                (num_tokens - start) // bs,
+                bs,
             )
             if chained is not None:
                 return chained
+        tokens, first = _tokens_from(request, start, num_tokens)
         hash_fn, memo = self.hash_fn, self._memo
         looking = True  # until a block is not remembered: each later parent is then new
         while start + bs <= num_tokens:

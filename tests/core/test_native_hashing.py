@@ -8,6 +8,7 @@ bytes were equal."""
 
 from __future__ import annotations
 
+import array
 import hashlib
 import random
 from typing import Any
@@ -90,6 +91,12 @@ def test_the_chain_is_pickles_and_hashlibs(
     parent = bytes(range(parent_size))
     expected = reference_chain(parent, tokens, start, num_blocks, block_size)
     assert chain(parent, tokens, start, num_blocks, block_size) == expected
+    # A packed prompt, read in place: signed, and unsigned as the server unpacks one.
+    assert chain(parent, array.array("i", tokens), start, num_blocks, block_size) == expected
+    unsigned = array.array("I", [t for t in tokens if t >= 0])
+    assert chain(parent, unsigned, 0, len(unsigned) // block_size, block_size) == reference_chain(
+        parent, list(unsigned), 0, len(unsigned) // block_size, block_size
+    )
 
 
 @needs_build
@@ -102,6 +109,13 @@ def test_a_token_pickle_writes_otherwise_is_left_to_python(chain: NativeChain, o
     # Before the odd token's block the chain is C's; it stops there as a whole.
     assert chain(PARENT, tokens, 0, 1, 8) == reference_chain(PARENT, tokens, 0, 1, 8)
     assert chain(PARENT, tokens, 0, 2, 8) is None
+
+
+@needs_build
+def test_a_packed_id_past_int32_is_left_to_python(chain: NativeChain) -> None:
+    tokens = array.array("I", [5] * 8 + [2**31] + [6] * 7)
+    assert chain(PARENT, tokens, 0, 1, 16) is None
+    assert chain(PARENT, tokens, 0, 1, 8) == reference_chain(PARENT, list(tokens), 0, 1, 8)
 
 
 @needs_build
@@ -127,16 +141,33 @@ def test_a_window_outside_the_tokens_is_an_error(
 ) -> None:
     with pytest.raises(ValueError, match="do not fit"):
         chain(PARENT, list(range(8)), start, num_blocks, block_size)
+    with pytest.raises(ValueError, match="do not fit"):
+        chain(PARENT, array.array("I", range(8)), start, num_blocks, block_size)
 
 
 @needs_build
 def test_arguments_of_another_type_are_an_error(chain: NativeChain) -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="a list or an array"):
         chain(PARENT, (1, 2), 0, 1, 2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="4-byte ints, not format q"):
+        chain(PARENT, array.array("q", [1, 2]), 0, 1, 2)
+    with pytest.raises(TypeError, match="4-byte ints, not format B"):
+        chain(PARENT, bytearray(b"ab"), 0, 1, 2)
     with pytest.raises(TypeError):
         chain(bytearray(PARENT), [1, 2], 0, 1, 2)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="5 arguments"):
         chain(PARENT, [1, 2], 0, 1)  # type: ignore[call-arg]
+
+
+def test_a_packed_prompt_hashes_as_its_list_does() -> None:
+    rng = random.Random(4)
+    tokens = [rng.getrandbits(17) for _ in range(100)]
+    hasher = BlockHasher(16, "sha256", DEFAULT_SEED)
+    packed = Request("packed", array.array("I", tokens), hasher)
+    assert isinstance(packed.all_token_ids, array.array)
+    assert packed.block_hashes == reference_chain(hasher.none_hash, tokens, 0, 6, 16)
+    packed.append_output_token_ids(list(range(30)))  # the ids become a list
+    assert packed.block_hashes == reference_chain(hasher.none_hash, [*tokens, *range(30)], 0, 8, 16)
 
 
 @pytest.mark.parametrize("odd", [2**40, True])
