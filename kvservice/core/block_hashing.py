@@ -260,12 +260,12 @@ class BlockHasher:
 
     Blocks without extra keys hashed with ``sha256`` (vLLM's default) go to the C chain
     when the build has it (``native_sha256_chain``: bench_core's admission-heavy
-    requests hash in under a third of the time). Otherwise it remembers the hashes of recent
-    blocks, keyed by exactly what was hashed (parent hash, token ids, extra keys), so
-    requests that share a prefix (a system prompt, the earlier turns of a chat) hash its
-    blocks once. Token ids are ints: equal keys pickle to equal bytes, so a remembered
-    hash is the hash. A request stops looking at its first miss: every later block's
-    parent is then a hash never seen before.
+    requests hash in under a third of the time). Otherwise it remembers the hashes of
+    recent blocks, keyed by exactly what was hashed (parent hash, token ids, extra
+    keys), so requests that share a prefix (a system prompt, the earlier turns of a
+    chat) hash its blocks once. Token ids are ints: equal keys pickle to equal bytes,
+    so a remembered hash is the hash. A request stops looking at its first miss: every
+    later block's parent is then a hash never seen before.
     """
 
     def __init__(
@@ -304,7 +304,6 @@ class BlockHasher:
         new_hashes: list[BlockHash] = []
         if start + bs > num_tokens:
             return new_hashes
-        mm_idx = first_mm_index(request.mm_features, start, start + bs)
         parent = hashes[-1] if hashes else None
         plain = not request.has_extra_keys
         if plain and not lookahead and self.native_chain is not None:
@@ -318,6 +317,7 @@ class BlockHasher:
             )
             if chained is not None:
                 return chained
+        mm_idx = first_mm_index(request.mm_features, start, start + bs)
         tokens, first = _tokens_from(request, start, num_tokens)
         hash_fn, memo = self.hash_fn, self._memo
         looking = True  # until a block is not remembered: each later parent is then new

@@ -10,7 +10,8 @@ shared library, so calls between the packages are native calls), into
 ``kvservice/_compiled/``, a directory the import system never searches on its own.
 Each package's ``__init__.py`` puts its part of the build first on the package's path
 only after checking that every compiled module of every compiled package was built
-from the exact bytes of its ``.py`` here (the build records their SHA-256 in
+from the exact bytes of its ``.py`` here, and every C module (a package's ``.c``
+files, see ``native_sources``) from its ``.c`` (the build records their SHA-256 in
 ``_compiled/manifest.json``). So an edited source is never shadowed by an older
 binary: the import fails instead, naming what changed. The build is one library, so
 it is used whole or not at all.
@@ -140,8 +141,8 @@ def extension_name(key: str) -> str:
 
 
 def source_digests(package_dir: Path = PACKAGE_DIR) -> dict[str, str]:
-    """``package/module`` -> SHA-256 of its source, for every module the build compiles
-    (mypyc's and the C extensions)."""
+    """``package/file`` -> SHA-256 of that source, for every module the build compiles
+    (mypyc's ``.py`` and the C modules' ``.c``)."""
     return {
         module_key(p): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in compiled_sources(package_dir) + native_sources(package_dir)
