@@ -6,9 +6,10 @@
  * block are written straight into a buffer (the opcodes CPython's _pickle.c emits for
  * that one shape: a short bytes object, a tuple of ints, None) and hashed with
  * OpenSSL's SHA-256, the implementation hashlib uses. Anything outside that shape (a
- * token that is not an exact int in the int32 range, a parent of 256 bytes or more)
- * returns None, and the caller hashes the chain the Python way: the bytes hashed are
- * pickle's, always. tests/core/test_native_hashing.py holds both to that.
+ * token that is not an exact int in the int32 range, token ids in neither a list nor
+ * an array of 4-byte ints, a parent of 256 bytes or more) returns None, and the
+ * caller hashes the chain the Python way: the bytes hashed are pickle's, always.
+ * tests/core/test_native_hashing.py holds both to that.
  *
  * Built with the compiled core (setup.py), into kvservice/_compiled; the sources
  * (KVSERVICE_PURE_PYTHON=1) never import it.
@@ -214,8 +215,9 @@ PyDoc_STRVAR(sha256_pickle_chain_doc,
 "--\n\n"
 "The hashes of num_blocks blocks of token_ids (a list, or an array of 4-byte ints)\n"
 "from start, each sha256(pickle.dumps((parent, tuple(tokens), None), protocol=5))\n"
-"chained on the one before it, the first on parent; None when a token is not an int\n"
-"in the int32 range or parent is 256 bytes or longer (hash those in Python).");
+"chained on the one before it, the first on parent; None when token_ids is another\n"
+"sequence, a token is not an int in the int32 range, or parent is 256 bytes or\n"
+"longer (hash those in Python).");
 
 static PyObject *
 sha256_pickle_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
@@ -258,18 +260,12 @@ sha256_pickle_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         tokens.count = view.len / 4;
         tokens.is_signed = packed_signedness(&view);
         if (tokens.is_signed < 0) {
-            PyErr_Format(PyExc_TypeError,
-                         "sha256_pickle_chain: token ids in a buffer must be 4-byte ints, "
-                         "not format %s of %zd bytes",
-                         view.format ? view.format : "?", view.itemsize);
             PyBuffer_Release(&view);
-            return NULL;
+            Py_RETURN_NONE; /* an array of other ints: Python slices it into a list */
         }
     }
     else {
-        return PyErr_Format(PyExc_TypeError,
-                            "sha256_pickle_chain: token ids must be a list or an array of "
-                            "4-byte ints, not %.100s", Py_TYPE(token_ids)->tp_name);
+        Py_RETURN_NONE; /* any other sequence: the same */
     }
 
     unsigned char stack[STACK_BUFFER];
