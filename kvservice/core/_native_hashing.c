@@ -1,14 +1,17 @@
 /* vLLM's default block hash, sha256(pickle.dumps((parent, tokens, None), protocol=5)),
- * for a chain of plain blocks in one call.
+ * and its sha256_cbor, sha256(cbor2.dumps((parent, tokens, None), canonical=True)), for
+ * a chain of plain blocks in one call.
  *
  * block_hashing.BlockHasher hashes a request's new full blocks one by one: a tuple per
  * block, a Pickler per block, a hashlib object per block. Here the pickle bytes of a
  * block are written straight into a buffer (the opcodes CPython's _pickle.c emits for
- * that one shape: a short bytes object, a tuple of ints, None) and hashed with
+ * that one shape: a short bytes object, a tuple of ints, None; or CBOR's items, as
+ * cbor2 writes them) and hashed with
  * OpenSSL's SHA-256, the implementation hashlib uses. Anything outside that shape (a
  * token that is not an exact int in the int32 range, token ids in neither a list nor
  * an array of 4-byte ints, a parent of 256 bytes or more) returns None, and the
- * caller hashes the chain the Python way: the bytes hashed are pickle's, always.
+ * caller hashes the chain the Python way: the bytes hashed are pickle's (cbor2's),
+ * always.
  * tests/core/test_native_hashing.py holds both to that.
  *
  * Built with the compiled core (setup.py), into kvservice/_compiled; the sources
@@ -41,12 +44,13 @@
 #define FRAME_HEADER 9 /* FRAME and its 8-byte length */
 #define STACK_BUFFER 1024
 
-/* The most bytes one block's pickle takes: the header, the parent, 5 bytes a token,
- * and the fixed opcodes around them. */
+/* The most bytes one block takes in either form: pickle's head is the longer (PROTO,
+ * FRAME, the parent's opcode and MEMOIZE against CBOR's heads of at most 5 bytes), a
+ * token takes at most 5 bytes in both, and pickle's fixed opcodes close it. */
 static Py_ssize_t
-max_pickle_size(Py_ssize_t parent_len, Py_ssize_t block_size)
+max_block_size(Py_ssize_t parent_len, Py_ssize_t block_size)
 {
-    return 2 + FRAME_HEADER + 2 + parent_len + 1 + 1 + 5 * block_size + 1 + 1 + 3 + 1;
+    return 2 + FRAME_HEADER + 2 + parent_len + 1 + 5 + 5 * block_size + 1 + 1 + 3 + 1;
 }
 
 static int
@@ -107,6 +111,11 @@ token_at(const Tokens *tokens, Py_ssize_t i, long *value)
     return overflow || !is_int32(*value) ? -1 : 0;
 }
 
+/* Writes one block's bytes into buf: their length, or -1 when token_at declines. */
+typedef Py_ssize_t (*BlockWriter)(unsigned char *buf, const unsigned char *parent,
+                                  Py_ssize_t parent_len, const Tokens *tokens,
+                                  Py_ssize_t first, Py_ssize_t n);
+
 /* The pickle of (parent, tuple(tokens[first:first + n]), None), as pickle.dumps writes
  * it with protocol 5; its length, or -1 when token_at declines a token (no error set). */
 static Py_ssize_t
@@ -145,11 +154,64 @@ write_block(unsigned char *buf, const unsigned char *parent, Py_ssize_t parent_l
     return size;
 }
 
+/* A CBOR head: major type and argument, in the fewest bytes (RFC 8949 4.2.1; cbor2
+ * writes every int and length so, canonical or not). */
+static unsigned char *
+write_cbor_head(unsigned char *out, unsigned char major, uint32_t argument)
+{
+    if (argument < 24) {
+        *out++ = (unsigned char)(major | argument);
+    }
+    else if (argument < 0x100u) {
+        *out++ = (unsigned char)(major | 24);
+        *out++ = (unsigned char)argument;
+    }
+    else if (argument < 0x10000u) {
+        *out++ = (unsigned char)(major | 25);
+        *out++ = (unsigned char)(argument >> 8);
+        *out++ = (unsigned char)argument;
+    }
+    else {
+        *out++ = (unsigned char)(major | 26);
+        for (int i = 3; i >= 0; i--)
+            *out++ = (unsigned char)(argument >> (8 * i));
+    }
+    return out;
+}
+
+#define CBOR_UNSIGNED 0x00
+#define CBOR_NEGATIVE 0x20
+#define CBOR_BYTES 0x40
+#define CBOR_ARRAY 0x80
+#define CBOR_NULL 0xf6
+
+/* cbor2.dumps((parent, tuple(tokens[first:first + n]), None), canonical=True): an
+ * array of three, the parent's byte string, the tokens' array, null. */
+static Py_ssize_t
+write_cbor_block(unsigned char *buf, const unsigned char *parent, Py_ssize_t parent_len,
+                 const Tokens *tokens, Py_ssize_t first, Py_ssize_t n)
+{
+    unsigned char *out = write_cbor_head(buf, CBOR_ARRAY, 3);
+    out = write_cbor_head(out, CBOR_BYTES, (uint32_t)parent_len);
+    memcpy(out, parent, (size_t)parent_len);
+    out += parent_len;
+    out = write_cbor_head(out, CBOR_ARRAY, (uint32_t)n);
+    for (Py_ssize_t i = first; i < first + n; i++) {
+        long value;
+        if (token_at(tokens, i, &value) < 0)
+            return -1;
+        out = value >= 0 ? write_cbor_head(out, CBOR_UNSIGNED, (uint32_t)value)
+                         : write_cbor_head(out, CBOR_NEGATIVE, (uint32_t)(-1 - value));
+    }
+    *out++ = CBOR_NULL;
+    return out - buf;
+}
+
 /* Hashes num_blocks blocks of tokens[start:], chained from parent; a new list, None
  * when a block falls outside the shape written here, or NULL with an error set. */
 static PyObject *
-chain(const unsigned char *parent, Py_ssize_t parent_len, Tokens *tokens, Py_ssize_t start,
-      Py_ssize_t num_blocks, Py_ssize_t block_size, unsigned char *buf)
+chain(BlockWriter write, const unsigned char *parent, Py_ssize_t parent_len, Tokens *tokens,
+      Py_ssize_t start, Py_ssize_t num_blocks, Py_ssize_t block_size, unsigned char *buf)
 {
     PyObject *hashes = PyList_New(num_blocks);
     if (hashes == NULL)
@@ -170,7 +232,7 @@ chain(const unsigned char *parent, Py_ssize_t parent_len, Tokens *tokens, Py_ssi
     unsigned char digest[SHA256_DIGEST_LENGTH];
     for (Py_ssize_t b = 0; b < num_blocks; b++) {
         Py_ssize_t size =
-            write_block(buf, parent, parent_len, tokens, start + b * block_size, block_size);
+            write(buf, parent, parent_len, tokens, start + b * block_size, block_size);
         if (size < 0) {
             Py_DECREF(hashes);
             Py_RETURN_NONE;
@@ -210,21 +272,13 @@ packed_signedness(const Py_buffer *view)
     return -1;
 }
 
-PyDoc_STRVAR(sha256_pickle_chain_doc,
-"sha256_pickle_chain(parent, token_ids, start, num_blocks, block_size, /)\n"
-"--\n\n"
-"The hashes of num_blocks blocks of token_ids (a list, or an array of 4-byte ints)\n"
-"from start, each sha256(pickle.dumps((parent, tuple(tokens), None), protocol=5))\n"
-"chained on the one before it, the first on parent; None when token_ids is another\n"
-"sequence, a token is not an int in the int32 range, or parent is 256 bytes or\n"
-"longer (hash those in Python).");
-
+/* The shared body of both functions: the arguments checked, the tokens found, a
+ * buffer for one block, the chain. */
 static PyObject *
-sha256_pickle_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+hash_chain(const char *name, BlockWriter write, PyObject *const *args, Py_ssize_t nargs)
 {
-    (void)module;
     if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "sha256_pickle_chain takes 5 arguments (%zd given)", nargs);
+        PyErr_Format(PyExc_TypeError, "%s takes 5 arguments (%zd given)", name, nargs);
         return NULL;
     }
     PyObject *parent = args[0], *token_ids = args[1];
@@ -234,7 +288,7 @@ sha256_pickle_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     if (PyErr_Occurred())
         return NULL;
     if (!PyBytes_CheckExact(parent)) {
-        PyErr_SetString(PyExc_TypeError, "sha256_pickle_chain: the parent hash must be bytes");
+        PyErr_Format(PyExc_TypeError, "%s: the parent hash must be bytes", name);
         return NULL;
     }
     if (start < 0 || num_blocks < 0 || block_size <= 0) {
@@ -244,7 +298,7 @@ sha256_pickle_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_ssize_t parent_len = PyBytes_GET_SIZE(parent);
     if (parent_len > 255)
-        Py_RETURN_NONE; /* BINBYTES: never a digest */
+        Py_RETURN_NONE; /* pickle's BINBYTES, CBOR's longer head: never a digest */
 
     Tokens tokens = {NULL, NULL, NULL, 0, 0};
     Py_buffer view = {0};
@@ -270,16 +324,16 @@ sha256_pickle_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
     unsigned char stack[STACK_BUFFER];
     unsigned char *buf = stack;
-    Py_ssize_t needed = max_pickle_size(parent_len > SHA256_DIGEST_LENGTH
-                                            ? parent_len : SHA256_DIGEST_LENGTH,
-                                        block_size);
+    Py_ssize_t needed = max_block_size(parent_len > SHA256_DIGEST_LENGTH
+                                           ? parent_len : SHA256_DIGEST_LENGTH,
+                                       block_size);
     PyObject *hashes = NULL;
     if (needed > STACK_BUFFER && (buf = PyMem_Malloc((size_t)needed)) == NULL) {
         PyErr_NoMemory();
     }
     else {
-        hashes = chain((const unsigned char *)PyBytes_AS_STRING(parent), parent_len, &tokens,
-                       start, num_blocks, block_size, buf);
+        hashes = chain(write, (const unsigned char *)PyBytes_AS_STRING(parent), parent_len,
+                       &tokens, start, num_blocks, block_size, buf);
     }
     if (buf != stack && buf != NULL)
         PyMem_Free(buf);
@@ -288,16 +342,47 @@ sha256_pickle_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return hashes;
 }
 
+PyDoc_STRVAR(sha256_pickle_chain_doc,
+"sha256_pickle_chain(parent, token_ids, start, num_blocks, block_size, /)\n"
+"--\n\n"
+"The hashes of num_blocks blocks of token_ids (a list, or an array of 4-byte ints)\n"
+"from start, each sha256(pickle.dumps((parent, tuple(tokens), None), protocol=5))\n"
+"chained on the one before it, the first on parent; None when token_ids is another\n"
+"sequence, a token is not an int in the int32 range, or parent is 256 bytes or\n"
+"longer (hash those in Python).");
+
+static PyObject *
+sha256_pickle_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    return hash_chain("sha256_pickle_chain", write_block, args, nargs);
+}
+
+PyDoc_STRVAR(sha256_cbor_chain_doc,
+"sha256_cbor_chain(parent, token_ids, start, num_blocks, block_size, /)\n"
+"--\n\n"
+"sha256_pickle_chain with vLLM's sha256_cbor: each block's hash is\n"
+"sha256(cbor2.dumps((parent, tuple(tokens), None), canonical=True)).");
+
+static PyObject *
+sha256_cbor_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)module;
+    return hash_chain("sha256_cbor_chain", write_cbor_block, args, nargs);
+}
+
 static PyMethodDef methods[] = {
     {"sha256_pickle_chain", (PyCFunction)(void (*)(void))sha256_pickle_chain, METH_FASTCALL,
      sha256_pickle_chain_doc},
+    {"sha256_cbor_chain", (PyCFunction)(void (*)(void))sha256_cbor_chain, METH_FASTCALL,
+     sha256_cbor_chain_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT,
     .m_name = "kvservice.core._native_hashing",
-    .m_doc = "vLLM's sha256 block hash chain, pickle's bytes written in C.",
+    .m_doc = "vLLM's sha256 and sha256_cbor block hash chains, their bytes written in C.",
     .m_size = 0,
     .m_methods = methods,
 };

@@ -10,3 +10,11 @@ def sha256_pickle_chain(
     block_size: int,
     /,
 ) -> list[bytes] | None: ...
+def sha256_cbor_chain(
+    parent: bytes,
+    token_ids: MutableSequence[int],
+    start: int,
+    num_blocks: int,
+    block_size: int,
+    /,
+) -> list[bytes] | None: ...

@@ -69,15 +69,20 @@ HASH_FUNCTIONS: dict[str, HashFn] = {
 CRYPTOGRAPHIC_HASHES = frozenset({"sha256", "sha256_cbor"})
 
 
-def native_sha256_chain() -> NativeChain | None:
-    """``sha256``'s chain written in C (``_native_hashing.c``: pickle's bytes without a
-    Pickler, OpenSSL's SHA-256 without a hashlib object), built with the compiled
-    packages; None where the sources run (``KVSERVICE_PURE_PYTHON=1``)."""
+def native_chain(hash_algo: str) -> NativeChain | None:
+    """``hash_algo``'s chain written in C (``_native_hashing.c``: pickle's or cbor2's
+    bytes without either, OpenSSL's SHA-256 without a hashlib object), built with the
+    compiled packages, for ``sha256`` and ``sha256_cbor``; None for the others, and
+    where the sources run (``KVSERVICE_PURE_PYTHON=1``)."""
     try:
         from kvservice.core import _native_hashing  # noqa: PLC0415 (absent from the sources)
     except ImportError:
         return None
-    return _native_hashing.sha256_pickle_chain
+    if hash_algo == "sha256":
+        return _native_hashing.sha256_pickle_chain
+    if hash_algo == "sha256_cbor":
+        return _native_hashing.sha256_cbor_chain
+    return None
 
 
 def get_hash_fn_by_name(name: str) -> HashFn:
@@ -258,14 +263,14 @@ class BlockHasher:
     ``none_hash_seed_fingerprint`` lets a client check that it hashes the same way
     without the seed itself leaving the process.
 
-    Blocks without extra keys hashed with ``sha256`` (vLLM's default) go to the C chain
-    when the build has it (``native_sha256_chain``: bench_core's admission-heavy
-    requests hash in under a third of the time). Otherwise it remembers the hashes of
-    recent blocks, keyed by exactly what was hashed (parent hash, token ids, extra
-    keys), so requests that share a prefix (a system prompt, the earlier turns of a
-    chat) hash its blocks once. Token ids are ints: equal keys pickle to equal bytes,
-    so a remembered hash is the hash. A request stops looking at its first miss: every
-    later block's parent is then a hash never seen before.
+    Blocks without extra keys hashed with ``sha256`` (vLLM's default) or ``sha256_cbor``
+    go to the C chain when the build has it (``native_chain``: bench_core's
+    admission-heavy requests hash in under a third of the time). Otherwise it
+    remembers the hashes of recent blocks, keyed by exactly what was hashed (parent
+    hash, token ids, extra keys), so requests that share a prefix (a system prompt, the
+    earlier turns of a chat) hash its blocks once. Token ids are ints: equal keys
+    pickle to equal bytes, so a remembered hash is the hash. A request stops looking at
+    its first miss: every later block's parent is then a hash never seen before.
     """
 
     def __init__(
@@ -292,7 +297,7 @@ class BlockHasher:
         seed_digest = hashlib.sha256(self.none_hash_seed.encode()).hexdigest()
         self.none_hash_seed_fingerprint = seed_digest[:16]
         self._memo: dict[tuple[BlockHash, tuple[int, ...], ExtraKeys], BlockHash] = {}
-        self.native_chain = native_sha256_chain() if hash_algo == "sha256" else None
+        self.native_chain = native_chain(hash_algo)
 
     def __call__(self, request: Request) -> list[BlockHash]:
         """Hashes of the full blocks not yet in ``request.block_hashes``."""

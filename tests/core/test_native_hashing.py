@@ -1,9 +1,11 @@
-"""The C chain of vLLM's default block hash (``_native_hashing.c``) hashes exactly what
-``pickle.dumps`` writes, or declines (None) and leaves the chain to Python.
+"""The C chains of vLLM's ``sha256`` and ``sha256_cbor`` block hashes
+(``_native_hashing.c``) hash exactly what ``pickle.dumps`` (``cbor2.dumps``) writes, or
+decline (None) and leave the chain to Python.
 
-Its only reference is pickle and hashlib: a digest equal to ``ref_sha256``'s for every
-token value pickle writes in another form (BININT1, BININT2, BININT, negative), every
-tuple size (TUPLE1-3, MARK ... TUPLE) and buffer (on the stack, on the heap) means the
+Their only reference is pickle, cbor2 and hashlib: a digest equal to the reference's
+for every token value written in another form (pickle's BININT1, BININT2, BININT,
+negative; CBOR's heads of 0, 1, 2 and 4 bytes, both signs), every tuple size (TUPLE1-3,
+MARK ... TUPLE; CBOR's array heads) and buffer (on the stack, on the heap) means the
 bytes were equal."""
 
 from __future__ import annotations
@@ -18,42 +20,62 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvservice.core import COMPILED
-from kvservice.core.block_hashing import BlockHasher, NativeChain, native_sha256_chain
+from kvservice.core.block_hashing import BlockHasher, NativeChain, native_chain
 from kvservice.core.request import Request
-from tests.core.support import DEFAULT_SEED, ref_sha256
+from tests.core.support import DEFAULT_SEED, REF_HASH_FNS
 
 INT32 = (-(2**31), 2**31 - 1)
-# The boundaries of each integer opcode, and values equal to opcode bytes.
-EDGE_TOKENS = [0, 1, 255, 256, 65535, 65536, *INT32, -1, -256, 0x28, 0x74, 0x80, 0x94, 0x2E]
+# The boundaries of each integer form, and values equal to opcode bytes.
+EDGE_TOKENS = [0, 1, 23, 24, 255, 256, 65535, 65536, *INT32]
+EDGE_TOKENS += [-1, -24, -25, -256, -257, -65536, -65537, 0x28, 0x74, 0x80, 0x94, 0x2E]
 PARENT = hashlib.sha256(b"parent").digest()
+ALGOS = ["sha256", "sha256_cbor"]
 
 
 def reference_chain(
-    parent: bytes, tokens: list[Any], start: int, num_blocks: int, block_size: int
+    parent: bytes,
+    tokens: list[Any],
+    start: int,
+    num_blocks: int,
+    block_size: int,
+    algo: str = "sha256",
 ) -> list[bytes]:
     hashes = []
     for b in range(num_blocks):
         first = start + b * block_size
-        parent = ref_sha256((parent, tuple(tokens[first : first + block_size]), None))
+        block = (parent, tuple(tokens[first : first + block_size]), None)
+        parent = REF_HASH_FNS[algo](block)
         hashes.append(parent)
     return hashes
 
 
-def test_the_compiled_build_has_the_chain() -> None:
+def built_chain(algo: str) -> NativeChain:
+    native = native_chain(algo)
+    assert native is not None
+    return native
+
+
+def test_the_compiled_build_has_the_chains() -> None:
     # The sources never import it: their parity is the rest of tests/core.
-    assert (native_sha256_chain() is not None) == COMPILED
-    assert (BlockHasher(16, "sha256").native_chain is not None) == COMPILED
+    for algo in ALGOS:
+        assert (native_chain(algo) is not None) == COMPILED
+        assert (BlockHasher(16, algo).native_chain is not None) == COMPILED
     assert BlockHasher(16, "xxhash").native_chain is None
+    assert BlockHasher(16, "xxhash_cbor").native_chain is None
 
 
 needs_build = pytest.mark.skipif(not COMPILED, reason="the C chain is built with the compiled core")
 
 
+@pytest.fixture(params=ALGOS)
+def algo(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
 @pytest.fixture
-def chain() -> NativeChain:
-    native = native_sha256_chain()
-    assert native is not None
-    return native
+def chain(algo: str) -> NativeChain:
+    return built_chain(algo)
 
 
 # Each integer opcode's range drawn on its own, so that every byte of each form varies.
@@ -62,6 +84,8 @@ tokens_in_int32 = st.one_of(
     st.integers(0, 255),
     st.integers(256, 65535),
     st.integers(65536, INT32[1]),
+    st.integers(-256, -1),
+    st.integers(-65536, -257),
     st.integers(INT32[0], -1),
 )
 
@@ -73,29 +97,31 @@ tokens_in_int32 = st.one_of(
     num_blocks=st.integers(0, 4),
     start=st.integers(0, 3),
     extra=st.integers(0, 3),
-    parent_size=st.sampled_from([1, 31, 32, 33, 255]),
+    parent_size=st.sampled_from([1, 23, 24, 31, 32, 33, 255]),
+    algo=st.sampled_from(ALGOS),
     data=st.data(),
 )
-def test_the_chain_is_pickles_and_hashlibs(
+def test_the_chain_is_the_references(
     block_size: int,
     num_blocks: int,
     start: int,
     extra: int,
     parent_size: int,
+    algo: str,
     data: st.DataObject,
 ) -> None:
-    chain = native_sha256_chain()
-    assert chain is not None
+    chain = built_chain(algo)
     size = start + num_blocks * block_size + extra
     tokens = data.draw(st.lists(tokens_in_int32, min_size=size, max_size=size))
     parent = bytes(range(parent_size))
-    expected = reference_chain(parent, tokens, start, num_blocks, block_size)
+    expected = reference_chain(parent, tokens, start, num_blocks, block_size, algo)
     assert chain(parent, tokens, start, num_blocks, block_size) == expected
     # A packed prompt, read in place: signed, and unsigned as the server unpacks one.
     assert chain(parent, array.array("i", tokens), start, num_blocks, block_size) == expected
     unsigned = array.array("I", [t for t in tokens if t >= 0])
-    assert chain(parent, unsigned, 0, len(unsigned) // block_size, block_size) == reference_chain(
-        parent, list(unsigned), 0, len(unsigned) // block_size, block_size
+    count = len(unsigned) // block_size
+    assert chain(parent, unsigned, 0, count, block_size) == reference_chain(
+        parent, list(unsigned), 0, count, block_size, algo
     )
 
 
@@ -103,19 +129,22 @@ def test_the_chain_is_pickles_and_hashlibs(
 @pytest.mark.parametrize(
     "odd", [2**31, -(2**31) - 1, 2**40, 2**70, True, False], ids=lambda v: f"{v!r}"
 )
-def test_a_token_pickle_writes_otherwise_is_left_to_python(chain: NativeChain, odd: Any) -> None:
+def test_a_token_written_otherwise_is_left_to_python(
+    chain: NativeChain, algo: str, odd: Any
+) -> None:
     tokens = [5] * 8 + [odd] + [6] * 7
     assert chain(PARENT, tokens, 0, 1, 16) is None
     # Before the odd token's block the chain is C's; it stops there as a whole.
-    assert chain(PARENT, tokens, 0, 1, 8) == reference_chain(PARENT, tokens, 0, 1, 8)
+    assert chain(PARENT, tokens, 0, 1, 8) == reference_chain(PARENT, tokens, 0, 1, 8, algo)
     assert chain(PARENT, tokens, 0, 2, 8) is None
 
 
 @needs_build
-def test_a_packed_id_past_int32_is_left_to_python(chain: NativeChain) -> None:
+def test_a_packed_id_past_int32_is_left_to_python(chain: NativeChain, algo: str) -> None:
     tokens = array.array("I", [5] * 8 + [2**31] + [6] * 7)
     assert chain(PARENT, tokens, 0, 1, 16) is None
-    assert chain(PARENT, tokens, 0, 1, 8) == reference_chain(PARENT, list(tokens), 0, 1, 8)
+    expected = reference_chain(PARENT, list(tokens), 0, 1, 8, algo)
+    assert chain(PARENT, tokens, 0, 1, 8) == expected
 
 
 @needs_build
@@ -129,11 +158,11 @@ def test_other_sequences_are_left_to_python(chain: NativeChain, token_ids: Any) 
 
 
 @pytest.mark.parametrize("typecode", ["q", "H", "b"])
-def test_a_prompt_packed_otherwise_hashes_as_its_list_does(typecode: str) -> None:
+def test_a_prompt_packed_otherwise_hashes_as_its_list_does(algo: str, typecode: str) -> None:
     tokens = [t % 100 for t in range(40)]
-    hasher = BlockHasher(16, "sha256", DEFAULT_SEED)
+    hasher = BlockHasher(16, algo, DEFAULT_SEED)
     request = Request("packed", array.array(typecode, tokens), hasher)
-    assert request.block_hashes == reference_chain(hasher.none_hash, tokens, 0, 2, 16)
+    assert request.block_hashes == reference_chain(hasher.none_hash, tokens, 0, 2, 16, algo)
 
 
 @needs_build
@@ -145,9 +174,10 @@ def test_an_int_subclass_is_left_to_python(chain: NativeChain) -> None:
 
 
 @needs_build
-def test_a_long_parent_is_left_to_python(chain: NativeChain) -> None:
+def test_a_long_parent_is_left_to_python(chain: NativeChain, algo: str) -> None:
     assert chain(bytes(256), [1, 2], 0, 1, 2) is None
-    assert chain(bytes(255), [1, 2], 0, 1, 2) == reference_chain(bytes(255), [1, 2], 0, 1, 2)
+    expected = reference_chain(bytes(255), [1, 2], 0, 1, 2, algo)
+    assert chain(bytes(255), [1, 2], 0, 1, 2) == expected
 
 
 @needs_build
@@ -171,22 +201,23 @@ def test_arguments_of_another_type_are_an_error(chain: NativeChain) -> None:
         chain(PARENT, [1, 2], 0, 1)  # type: ignore[call-arg]
 
 
-def test_a_packed_prompt_hashes_as_its_list_does() -> None:
+def test_a_packed_prompt_hashes_as_its_list_does(algo: str) -> None:
     rng = random.Random(4)
     tokens = [rng.getrandbits(17) for _ in range(100)]
-    hasher = BlockHasher(16, "sha256", DEFAULT_SEED)
+    hasher = BlockHasher(16, algo, DEFAULT_SEED)
     packed = Request("packed", array.array("I", tokens), hasher)
     assert isinstance(packed.all_token_ids, array.array)
-    assert packed.block_hashes == reference_chain(hasher.none_hash, tokens, 0, 6, 16)
+    assert packed.block_hashes == reference_chain(hasher.none_hash, tokens, 0, 6, 16, algo)
     packed.append_output_token_ids(list(range(30)))  # the ids become a list
-    assert packed.block_hashes == reference_chain(hasher.none_hash, [*tokens, *range(30)], 0, 8, 16)
+    longer = [*tokens, *range(30)]
+    assert packed.block_hashes == reference_chain(hasher.none_hash, longer, 0, 8, 16, algo)
 
 
 @pytest.mark.parametrize("odd", [2**40, True])
-def test_a_request_with_such_tokens_hashes_as_vllm_does(odd: int) -> None:
+def test_a_request_with_such_tokens_hashes_as_vllm_does(algo: str, odd: int) -> None:
     # Through BlockHasher, in either build: the C chain declines, Python hashes.
     rng = random.Random(3)
     tokens = [rng.getrandbits(17) for _ in range(40)] + [odd] + [7] * 23
-    hasher = BlockHasher(16, "sha256", DEFAULT_SEED)
+    hasher = BlockHasher(16, algo, DEFAULT_SEED)
     request = Request("odd", tokens, hasher)
-    assert request.block_hashes == reference_chain(hasher.none_hash, tokens, 0, 4, 16)
+    assert request.block_hashes == reference_chain(hasher.none_hash, tokens, 0, 4, 16, algo)
