@@ -42,6 +42,9 @@
 #define OP_STOP '.'
 #define PROTOCOL 5
 #define FRAME_HEADER 9 /* FRAME and its 8-byte length */
+/* _pickle.c's FRAME_SIZE_TARGET: past it pickle splits the frame, which this writer
+ * does not; a block that could reach it (13,000 tokens and more) goes to Python. */
+#define FRAME_SIZE_TARGET (64 * 1024)
 #define STACK_BUFFER 1024
 
 /* The most bytes one block takes in either form: pickle's head is the longer (PROTO,
@@ -275,7 +278,8 @@ packed_signedness(const Py_buffer *view)
 /* The shared body of both functions: the arguments checked, the tokens found, a
  * buffer for one block, the chain. */
 static PyObject *
-hash_chain(const char *name, BlockWriter write, PyObject *const *args, Py_ssize_t nargs)
+hash_chain(const char *name, BlockWriter write, Py_ssize_t max_bytes, PyObject *const *args,
+           Py_ssize_t nargs)
 {
     if (nargs != 5) {
         PyErr_Format(PyExc_TypeError, "%s takes 5 arguments (%zd given)", name, nargs);
@@ -327,6 +331,11 @@ hash_chain(const char *name, BlockWriter write, PyObject *const *args, Py_ssize_
     Py_ssize_t needed = max_block_size(parent_len > SHA256_DIGEST_LENGTH
                                            ? parent_len : SHA256_DIGEST_LENGTH,
                                        block_size);
+    if (needed > max_bytes) {
+        if (has_view)
+            PyBuffer_Release(&view);
+        Py_RETURN_NONE;
+    }
     PyObject *hashes = NULL;
     if (needed > STACK_BUFFER && (buf = PyMem_Malloc((size_t)needed)) == NULL) {
         PyErr_NoMemory();
@@ -348,14 +357,14 @@ PyDoc_STRVAR(sha256_pickle_chain_doc,
 "The hashes of num_blocks blocks of token_ids (a list, or an array of 4-byte ints)\n"
 "from start, each sha256(pickle.dumps((parent, tuple(tokens), None), protocol=5))\n"
 "chained on the one before it, the first on parent; None when token_ids is another\n"
-"sequence, a token is not an int in the int32 range, or parent is 256 bytes or\n"
-"longer (hash those in Python).");
+"sequence, a token is not an int in the int32 range, parent is 256 bytes or longer,\n"
+"or a block could fill pickle's 64 KiB frame (hash those in Python).");
 
 static PyObject *
 sha256_pickle_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    return hash_chain("sha256_pickle_chain", write_block, args, nargs);
+    return hash_chain("sha256_pickle_chain", write_block, FRAME_SIZE_TARGET, args, nargs);
 }
 
 PyDoc_STRVAR(sha256_cbor_chain_doc,
@@ -368,7 +377,7 @@ static PyObject *
 sha256_cbor_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)module;
-    return hash_chain("sha256_cbor_chain", write_cbor_block, args, nargs);
+    return hash_chain("sha256_cbor_chain", write_cbor_block, PY_SSIZE_T_MAX, args, nargs);
 }
 
 static PyMethodDef methods[] = {

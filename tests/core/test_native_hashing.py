@@ -166,6 +166,22 @@ def test_a_prompt_packed_otherwise_hashes_as_its_list_does(algo: str, typecode: 
 
 
 @needs_build
+def test_a_block_past_one_pickle_frame_is_left_to_python(chain: NativeChain, algo: str) -> None:
+    # pickle splits a frame past 64 KiB: 13,200 tokens of 5 bytes; CBOR has no frames.
+    tokens = [70000 + t for t in range(13_200)]
+    expected = reference_chain(PARENT, tokens, 0, 1, len(tokens), algo)
+    assert chain(PARENT, tokens, 0, 1, len(tokens)) == (None if algo == "sha256" else expected)
+    # Just under it, one frame: the chain's.
+    under = tokens[:13_000]
+    assert chain(PARENT, under, 0, 1, 13_000) == reference_chain(PARENT, under, 0, 1, 13_000, algo)
+    hasher = BlockHasher(len(tokens), algo, DEFAULT_SEED)
+    request = Request("long", tokens, hasher)
+    assert request.block_hashes == reference_chain(
+        hasher.none_hash, tokens, 0, 1, len(tokens), algo
+    )
+
+
+@needs_build
 def test_an_int_subclass_is_left_to_python(chain: NativeChain) -> None:
     class TokenId(int):
         pass
