@@ -25,10 +25,12 @@ RUN if ! command -v python3 >/dev/null 2>&1 || ! python3 -c 'import venv, ensure
 FROM base AS build
 # Installing compiles kvservice/core with mypyc (setup.py): a C compiler, and Python's
 # headers where the base lacks them (python:*-slim has them, an apt python3 needs -dev).
+# Its C block hasher (kvservice/core/_native_hashing.c) links OpenSSL's libcrypto: the
+# headers here; the library itself is in every base that has Python's hashlib.
 RUN if python3 -c 'import os, sys, sysconfig as s; sys.exit(not os.path.exists(s.get_paths()["include"] + "/Python.h"))'; \
     then headers=""; else headers=python3-dev; fi; \
     apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev $headers \
+    && apt-get install -y --no-install-recommends gcc libc6-dev libssl-dev $headers \
     && rm -rf /var/lib/apt/lists/*
 # Optional extras from pyproject.toml, e.g. EXTRAS=runtime for torch.
 ARG EXTRAS=""
