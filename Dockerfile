@@ -26,7 +26,7 @@ FROM base AS build
 # Installing compiles kvservice/core with mypyc (setup.py): a C compiler, and Python's
 # headers where the base lacks them (python:*-slim has them, an apt python3 needs -dev).
 # Its C block hasher (kvservice/core/_native_hashing.c) links OpenSSL's libcrypto: the
-# headers here; the library itself is in every base that has Python's hashlib.
+# headers here; the library itself comes with the base's Python (its ssl module needs it).
 RUN if python3 -c 'import os, sys, sysconfig as s; sys.exit(not os.path.exists(s.get_paths()["include"] + "/Python.h"))'; \
     then headers=""; else headers=python3-dev; fi; \
     apt-get update \

@@ -19,9 +19,9 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-/* SHA256_Init/Update/Final: deprecated in OpenSSL 3 in favour of EVP, which fetches a
- * provider and allocates a context per digest; these hash a 100-byte block without
- * either. They are in every OpenSSL from 1.1 to 3.5. */
+/* SHA256_Init/Update/Final: deprecated since OpenSSL 3.0 in favour of EVP, still
+ * exported (3.0 here); they hash into a context on the stack, with nothing looked up
+ * or allocated per digest. */
 #define OPENSSL_SUPPRESS_DEPRECATED
 #include <openssl/sha.h>
 #include <string.h>

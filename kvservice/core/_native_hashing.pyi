@@ -10,11 +10,6 @@ def sha256_pickle_chain(
     block_size: int,
     /,
 ) -> list[bytes] | None: ...
-def sha256_cbor_chain(
-    parent: bytes,
-    token_ids: MutableSequence[int],
-    start: int,
-    num_blocks: int,
-    block_size: int,
-    /,
-) -> list[bytes] | None: ...
+
+# The same arguments and answers, with cbor2's bytes for pickle's.
+sha256_cbor_chain = sha256_pickle_chain

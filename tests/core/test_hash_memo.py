@@ -15,6 +15,14 @@ from tests.core.support import DEFAULT_SEED, REF_HASH_FNS
 BLOCK = 16
 
 
+def memo_hasher(algo: str = "sha256", seed: str | None = None) -> BlockHasher:
+    """A hasher that hashes the Python way, through the memo, in either build: the
+    compiled build's C chain would otherwise take every plain sha256 request."""
+    hasher = BlockHasher(BLOCK, algo, none_hash_seed=seed)
+    hasher.native_chain = None
+    return hasher
+
+
 def reference_hashes(
     algo: str, tokens: list[int], lora: str | None = None, salt: str | None = None
 ) -> list[bytes]:
@@ -35,7 +43,7 @@ def reference_hashes(
 @pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
 def test_shared_prefixes_hash_as_if_nothing_was_remembered(algo: str) -> None:
     rng = random.Random(7)
-    hasher = BlockHasher(BLOCK, algo, none_hash_seed=DEFAULT_SEED)
+    hasher = memo_hasher(algo, DEFAULT_SEED)
     system = [rng.getrandbits(15) for _ in range(5 * BLOCK)]
     variants: list[tuple[list[int], str | None, str | None]] = []
     for _ in range(6):
@@ -56,7 +64,7 @@ def test_shared_prefixes_hash_as_if_nothing_was_remembered(algo: str) -> None:
 
 
 def test_output_blocks_extend_a_remembered_chain() -> None:
-    hasher = BlockHasher(BLOCK)
+    hasher = memo_hasher()
     prompt = list(range(2 * BLOCK))
     first = Request("first", prompt, hasher)
     first.append_output_token_ids(list(range(100, 100 + BLOCK)))
@@ -66,7 +74,7 @@ def test_output_blocks_extend_a_remembered_chain() -> None:
 
 
 def test_the_memo_is_bounded() -> None:
-    hasher = BlockHasher(BLOCK)
+    hasher = memo_hasher()
     tokens = list(range((HASH_MEMO_CAPACITY + 100) * BLOCK))
     request = Request("long", tokens, hasher)
     assert len(hasher._memo) <= HASH_MEMO_CAPACITY
