@@ -47,7 +47,10 @@ runner (compiled, so sampled as its caller's line), and kvservice's Python aroun
 Last, unsampled, the scheduler thread's CPU a churn step: in-process, in-process with
 a wait after each ``schedule()`` as long as the server's CPU (a sleep, then a stand-in
 process busy that long: ``kvservice.bench.stand_in``), and remote, so that what
-waiting on another process costs the thread is told apart from the link's own work.
+waiting on another process costs the thread is told apart from the link's own work;
+then the same runs by phase, timed: ``schedule()`` without the manager's flush, the
+flush (``take_kv_cache_block_copies``: the remote step built, sent, waited for and
+checked) and ``update_from_output()``.
 With ``perf`` installed, the step socket's server is sampled natively too (its C and
 compiled frames, ``kvservice.bench.native_sampler``): its CPU by Step operation, and
 the share of it that ran Python called from the compiled runner. And the scheduler's
@@ -173,6 +176,10 @@ class Timing:
     seconds: float = 0.0
     cpu_seconds: float = 0.0
     server_cpu_seconds: float = 0.0
+    # Sync scheduling only: this thread's CPU seconds in the manager's flush (inside
+    # schedule()) and in update_from_output().
+    flush_cpu_seconds: float = 0.0
+    update_cpu_seconds: float = 0.0
     round_trips: int = 0
     steps: int = 0
     # Async scheduling only: wall seconds inside schedule() and update_from_output(),
@@ -182,6 +189,23 @@ class Timing:
     decisions: str = ""
 
 
+class _TimedFlush:
+    """A manager's ``take_kv_cache_block_copies``, the last call of ``schedule()``: the
+    remote manager's flush (the step built, sent, waited for and its answers checked),
+    with this thread's CPU seconds in it."""
+
+    def __init__(self, call: Callable[[], Any]) -> None:
+        self._call = call
+        self.cpu_seconds = 0.0
+
+    def __call__(self) -> Any:
+        start = time.thread_time()
+        try:
+            return self._call()
+        finally:
+            self.cpu_seconds += time.thread_time() - start
+
+
 def _step(
     scheduler: Any, timing: Timing, forward_s: float = 0.0, server_pid: int | None = None
 ) -> None:
@@ -189,6 +213,8 @@ def _step(
     the server process's CPU time over the step too."""
     server_cpu = process_cpu_seconds(server_pid) if server_pid else None
     server = getattr(scheduler.kv_cache_manager, "server", None)
+    flush = scheduler.kv_cache_manager.take_kv_cache_block_copies
+    flushed = flush.cpu_seconds if isinstance(flush, _TimedFlush) else 0.0
 
     def round_trips() -> int:
         return 0 if server is None else server.round_trips
@@ -202,8 +228,12 @@ def _step(
         time.sleep(forward_s)  # the model's forward pass, in no mode's time
     start, start_cpu = time.perf_counter(), time.thread_time()
     scheduler.update_from_output(scheduled, output)
+    update_cpu = time.thread_time() - start_cpu
     timing.seconds += wall + time.perf_counter() - start
-    timing.cpu_seconds += cpu + time.thread_time() - start_cpu
+    timing.cpu_seconds += cpu + update_cpu
+    timing.update_cpu_seconds += update_cpu
+    if isinstance(flush, _TimedFlush):
+        timing.flush_cpu_seconds += flush.cpu_seconds - flushed
     timing.round_trips += round_trips() - trips
     timing.steps += 1
     if server_pid and server_cpu is not None:
@@ -484,6 +514,8 @@ def _run_mode(
         timing.decisions = loop.digest.hexdigest()
     else:
         scheduler = build_scheduler(SETUP, mode.scheduler_cls)
+        manager = scheduler.kv_cache_manager
+        manager.take_kv_cache_block_copies = _TimedFlush(manager.take_kv_cache_block_copies)
         if wait is not None:
             scheduler.schedule = _then(scheduler.schedule, wait)
         timing = WORKLOADS[workload](scheduler, steps, seed, forward_s, mode.server_pid)
@@ -855,6 +887,25 @@ def _waiting_cost(in_process: Mode, remotes: list[Mode], steps: int, rounds: int
     )
     for name, ms in cpu_ms.items():
         print(f"  {ms:5.2f} ms  {ms - cpu_ms['in-process']:+5.2f}  {name}")
+    _phases(runs)
+
+
+def _phases(runs: dict[str, list[Timing]]) -> None:
+    """The same runs' thread CPU by phase (timed, not sampled: a profiler's shares
+    misplace the compiled link's parts): where a remote step's extra CPU is spent."""
+    print(
+        "\nthe same, by phase (ms a step, median): schedule() without the flush; the "
+        "flush (take_kv_cache_block_copies: the remote step built, sent, waited for and "
+        "checked); update_from_output():"
+    )
+    for name, timings in runs.items():
+        flush = statistics.median(1000 * t.flush_cpu_seconds / t.steps for t in timings)
+        update = statistics.median(1000 * t.update_cpu_seconds / t.steps for t in timings)
+        schedule = statistics.median(
+            1000 * (t.cpu_seconds - t.update_cpu_seconds - t.flush_cpu_seconds) / t.steps
+            for t in timings
+        )
+        print(f"  {schedule:5.2f}  {flush:5.2f}  {update:5.2f}  {name}")
 
 
 @contextmanager

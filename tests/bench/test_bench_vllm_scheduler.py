@@ -154,6 +154,12 @@ def test_bench_vllm_scheduler_profile_smoke(capsys: pytest.CaptureFixture[str]) 
         "socket, vLLM hashes",
     ):
         assert re.search(rf"^ +[\d.]+ ms +[+-][\d.]+  {re.escape(name)}$", out, re.M), (name, out)
+        # The same runs by phase: schedule() without the flush, the flush, the update;
+        # a remote manager's flush sends and checks a step, which takes this thread's CPU.
+        phases = re.search(rf"^ +([\d.]+) +([\d.]+) +([\d.]+)  {re.escape(name)}$", out, re.M)
+        assert phases, (name, out)
+        if not name.startswith("in-process"):
+            assert float(phases[2]) > 0, (name, out)
     # The server's own CPU, sampled where py-spy may read it (tests/bench/
     # test_process_sampler.py checks what the sampler finds).
     for mode in ("remote, vLLM hashes", "socket, vLLM hashes"):
