@@ -891,8 +891,9 @@ def _waiting_cost(in_process: Mode, remotes: list[Mode], steps: int, rounds: int
 
 
 def _phases(runs: dict[str, list[Timing]]) -> None:
-    """The same runs' thread CPU by phase (timed, not sampled: a profiler's shares
-    misplace the compiled link's parts): where a remote step's extra CPU is spent."""
+    """The same runs' thread CPU by phase: where a remote step's extra CPU is spent,
+    timed (the sampled shares above are not speeds, and the native ones of the compiled
+    link's parts came out larger than timed calls of those parts)."""
     print(
         "\nthe same, by phase (ms a step, median): schedule() without the flush; the "
         "flush (take_kv_cache_block_copies: the remote step built, sent, waited for and "
