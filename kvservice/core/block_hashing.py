@@ -263,8 +263,8 @@ class BlockHasher:
     ``none_hash_seed_fingerprint`` lets a client check that it hashes the same way
     without the seed itself leaving the process.
 
-    Blocks without extra keys hashed with ``sha256`` (vLLM's default) or ``sha256_cbor``
-    go to the C chain when the build has it (``native_chain``: bench_core's
+    Blocks without extra keys or lookahead hashed with ``sha256`` (vLLM's default) or
+    ``sha256_cbor`` go to the C chain when the build has it (``native_chain``: bench_core's
     admission-heavy requests hash in under a third of the time). Otherwise it
     remembers the hashes of recent blocks, keyed by exactly what was hashed (parent
     hash, token ids, extra keys), so requests that share a prefix (a system prompt, the

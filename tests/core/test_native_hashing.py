@@ -230,8 +230,9 @@ def test_a_packed_prompt_hashes_as_its_list_does(algo: str) -> None:
 
 
 @pytest.mark.parametrize("odd", [2**40, True])
-def test_a_request_with_such_tokens_hashes_as_vllm_does(algo: str, odd: int) -> None:
-    # Through BlockHasher, in either build: the C chain declines, Python hashes.
+def test_a_request_with_such_tokens_hashes_as_the_reference(algo: str, odd: int) -> None:
+    # Through BlockHasher, in either build: the C chain declines, Python hashes (vLLM's
+    # own hasher: tests/vllm/test_native_hashing_vllm.py).
     rng = random.Random(3)
     tokens = [rng.getrandbits(17) for _ in range(40)] + [odd] + [7] * 23
     hasher = BlockHasher(16, algo, DEFAULT_SEED)

@@ -170,6 +170,24 @@ class VllmSubscriber:
         self.replay.close(linger=0)
 
 
+def vllm_hashed_request(
+    request_id: str, prompt: list[int], algo: str, block_size: int = 16, **kwargs: Any
+) -> Request:
+    """vLLM's own ``Request`` for ``prompt``, its blocks hashed by vLLM's own block
+    hasher with ``algo`` (its none hash set for ``algo`` first, as the engine sets it);
+    ``kwargs`` go to the ``Request`` (a ``cache_salt``...)."""
+    hash_fn = get_hash_fn_by_name(algo)
+    init_none_hash(hash_fn)
+    return Request(
+        request_id,
+        prompt,
+        SamplingParams(max_tokens=64),
+        None,
+        block_hasher=get_request_block_hasher(block_size, hash_fn),
+        **kwargs,
+    )
+
+
 class VllmReference:
     """vLLM 0.33.0's ``KVCacheManager`` (events on, the server's pool, block size and
     hash) driven as vLLM's scheduler drives it; ``events`` is everything it emitted."""

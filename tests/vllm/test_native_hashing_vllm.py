@@ -10,14 +10,11 @@ import random
 from array import array
 
 import pytest
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.request import Request as VllmRequest
 
 from kvservice.core import COMPILED
 from kvservice.core.block_hashing import BlockHasher
 from kvservice.core.request import Request
+from tests.vllm.support import vllm_hashed_request
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["list", "array"])
@@ -28,16 +25,19 @@ def test_plain_requests_hash_as_vllms_hasher(algo: str, packed: bool) -> None:
     hasher = BlockHasher(16, algo)
     assert (hasher.native_chain is not None) == COMPILED
     ours = Request("r", array("I", prompt) if packed else prompt, hasher)
-    init_none_hash(get_hash_fn_by_name(algo))
-    theirs = VllmRequest(
-        "r",
-        prompt,
-        SamplingParams(max_tokens=64),
-        None,
-        block_hasher=get_request_block_hasher(16, get_hash_fn_by_name(algo)),
-    )
+    theirs = vllm_hashed_request("r", prompt, algo)
     assert ours.block_hashes == theirs.block_hashes and len(ours.block_hashes) == 7
     for token in range(100, 140):  # decode tokens, one at a time
         ours.append_output_token_ids(token)
         theirs.append_output_token_ids(token)
     assert ours.block_hashes == theirs.block_hashes and len(ours.block_hashes) == 10
+
+
+@pytest.mark.parametrize("odd", [2**40, True], ids=["past-int32", "bool"])
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+def test_a_token_the_chain_declines_hashes_as_vllms_hasher(algo: str, odd: int) -> None:
+    # The C chain declines the block that holds it; Python hashes it, as vLLM does.
+    prompt = [7] * 20 + [odd] + [9] * 27
+    ours = Request("r", prompt, BlockHasher(16, algo))
+    theirs = vllm_hashed_request("r", prompt, algo)
+    assert ours.block_hashes == theirs.block_hashes and len(ours.block_hashes) == 3

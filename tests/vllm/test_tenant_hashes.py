@@ -4,14 +4,11 @@ given the tenant's salt as the request's cache_salt (the README's claim)."""
 from __future__ import annotations
 
 import pytest
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import get_hash_fn_by_name
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.request import Request as VllmRequest
 
 from kvservice.core.block_hashing import BlockHasher
 from kvservice.core.request import Request
 from kvservice.request_table.tenancy import tenant_cache_salt
+from tests.vllm.support import vllm_hashed_request
 
 
 @pytest.mark.parametrize("cache_salt", [None, "user-salt"])
@@ -21,13 +18,5 @@ def test_a_tenants_hashes_are_vllms_with_the_tenant_salt(algo: str, cache_salt: 
     assert salt is not None
     prompt = list(range(1000, 1100))
     ours = Request("r", prompt, BlockHasher(16, algo), cache_salt=salt)
-    init_none_hash(get_hash_fn_by_name(algo))
-    theirs = VllmRequest(
-        "r",
-        prompt,
-        SamplingParams(max_tokens=1),
-        None,
-        cache_salt=salt,
-        block_hasher=get_request_block_hasher(16, get_hash_fn_by_name(algo)),
-    )
+    theirs = vllm_hashed_request("r", prompt, algo, cache_salt=salt)
     assert ours.block_hashes == theirs.block_hashes and len(ours.block_hashes) == 6
