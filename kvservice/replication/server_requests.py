@@ -10,12 +10,13 @@ import vLLM and torch, which pip's build environment (mypy alone) does not hold.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from kvservice.client.step_link import StepLink
 from kvservice.client.step_log import Copies
 from kvservice.client.types import AllocateOptions, BlockIds, ComputedBlocks, FreeMode
 from kvservice.core.allocation_options import PLAIN_ALLOCATION, AllocationOptions
-from kvservice.core.request import computed_after_allocation
+from kvservice.core.request import Request, computed_after_allocation
 
 
 class ServerRequests:
@@ -37,6 +38,10 @@ class ServerRequests:
     ) -> None:
         self._link = link
         self.sends_hashes = sends_hashes
+        # The pool has groups that release blocks below the processed tokens (windows,
+        # chunked local attention, Mamba): an allocation then sends its in-flight
+        # tokens, which async scheduling keeps (set by the link once it knows the pool).
+        self.windowed = False
         self._hash_block_size = hash_block_size
         self._lookahead = num_hash_lookahead_tokens
         self._tokens: dict[str, int] = {}
@@ -49,8 +54,8 @@ class ServerRequests:
         return request_id in self._tokens
 
     def add(
-        self, request_id: str, num_prompt_tokens: int, block_hashes: list[bytes]
-    ) -> list[bytes] | None:
+        self, request_id: str, num_prompt_tokens: int, block_hashes: Sequence[bytes]
+    ) -> Sequence[bytes] | None:
         """``request_id`` goes to the server with its prompt (the caller records its
         ``add_request``): the block hashes to send with it, those its prompt completes,
         or None when the server hashes (``sends_hashes`` off)."""
@@ -62,7 +67,11 @@ class ServerRequests:
         return self._new_hashes(request_id, block_hashes, num_prompt_tokens)
 
     def send_tokens(
-        self, request_id: str, token_ids: list[int], num_tokens: int, block_hashes: list[bytes]
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_tokens: int,
+        block_hashes: Sequence[bytes],
     ) -> bool:
         """Record an append of the tokens of ``request_id``'s first ``num_tokens`` that
         the server lacks, with the hashes of the blocks they complete; False, recording
@@ -83,8 +92,8 @@ class ServerRequests:
         return True
 
     def _new_hashes(
-        self, request_id: str, block_hashes: list[bytes], num_tokens: int
-    ) -> list[bytes]:
+        self, request_id: str, block_hashes: Sequence[bytes], num_tokens: int
+    ) -> Sequence[bytes]:
         """The engine's hashes of the blocks ``request_id``'s first ``num_tokens`` tokens
         complete (lookahead tokens counted) that the server does not have."""
         if not self.sends_hashes:
@@ -96,6 +105,39 @@ class ServerRequests:
         hashes = block_hashes[sent:num_full]
         self._hashes[request_id] = sent + len(hashes)
         return hashes
+
+    # Speed: the replica's request read here, compiled, instead of vLLM's by the link in
+    # Python (ServerLink.allocated and _send_tokens), for every allocation that attaches
+    # no hit (a decode step's). `python -m benchmarks.bench_vllm_link`, two runs
+    # (2026-12-07): the link's cost 0.66-0.74 us an allocation, against 1.20-1.32.
+    def record_allocation(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        allocation_options: AllocationOptions,
+        answer: BlockIds | None,
+        copies: Copies,
+    ) -> bool:
+        """The replica's ``allocate_slots`` answered ``answer`` for ``request``, the
+        replica's own (whose token and hash lists are the engine's), attaching no hit:
+        record the tokens the server lacks and the allocation; False, recording
+        nothing, when the server does not have the request (the caller adds it)."""
+        request_id = request.request_id
+        tokens = request.all_token_ids
+        if not self.send_tokens(request_id, tokens, len(tokens), request.block_hashes):
+            return False
+        self.allocated(
+            request_id,
+            num_new_tokens,
+            request.num_computed_tokens,
+            request.num_in_flight_tokens if self.windowed else 0,
+            None,
+            0,
+            allocation_options,
+            answer,
+            copies,
+        )
+        return True
 
     def allocated(
         self,

@@ -12,6 +12,7 @@ from kvservice.client.step import StepBuilder
 from kvservice.client.step_link import SentStep, StepLink
 from kvservice.client.types import ComputedBlocks
 from kvservice.core.allocation_options import PLAIN_ALLOCATION, allocation_options
+from kvservice.core.request import Request
 from kvservice.protocol.gen import kv_cache_service_pb2 as pb
 from kvservice.replication import ServerRequests
 
@@ -167,3 +168,46 @@ def test_a_free_reaches_the_server_only_for_a_request_it_has(finished: bool, mod
         requests.allocated("r", 4, 0, 0, None, 0, PLAIN_ALLOCATION, ((2,),), ())
         ((kind, body),) = sent(link)
         assert kind == "allocate_slots_batch"
+
+
+def replica_request(tokens: list[int], chain: list[bytes]) -> Request:
+    """A replica's request whose token and hash lists are the engine's (shared, as the
+    vLLM manager's replica shares vLLM's)."""
+    request = Request("r", tokens[:1])
+    request.all_token_ids = tokens
+    request.block_hashes = chain
+    return request
+
+
+@pytest.mark.parametrize("windowed", [False, True])
+def test_an_allocation_is_recorded_from_the_replicas_request(windowed: bool) -> None:
+    requests, link = tracker(sends_hashes=True)
+    requests.windowed = windowed
+    tokens, chain = [1, 2, 3], hashes(0)
+    request = replica_request(tokens, chain)
+    request.num_computed_tokens, request.num_in_flight_tokens = 3, 2
+    # The server lacks the request: nothing is recorded, the caller adds it first.
+    assert not requests.record_allocation(request, 1, PLAIN_ALLOCATION, ((),), ())
+    assert not link.log
+    requests.add("r", 3, chain)
+    requests.allocated("r", 3, 0, 0, None, 0, PLAIN_ALLOCATION, ((1,),), ())
+    sent(link)
+    # The engine appends a token that completes a block, then allocates a slot.
+    tokens.append(4)
+    chain.extend(hashes(1))
+    assert requests.record_allocation(request, 1, PLAIN_ALLOCATION, ((2,),), ())
+    ops = sent(link)
+    assert [kind for kind, _ in ops] == (
+        ["append_tokens_batch", "allocate_slots"]
+        if windowed
+        else ["append_tokens_batch", "allocate_slots_batch"]
+    )
+    (_, appended), (_, allocation) = ops
+    assert (list(appended.token_ids), list(appended.block_hashes)) == ([4], chain)
+    if windowed:
+        assert allocation.num_in_flight_tokens == 2
+    else:
+        assert (list(allocation.request_ids), list(allocation.num_new_tokens)) == (["r"], [1])
+    # The server's count moved on as the scheduler's does: the next step's goes plain.
+    requests.allocated("r", 1, 4, 0, None, 0, PLAIN_ALLOCATION, ((),), ())
+    assert [kind for kind, _ in sent(link)] == ["allocate_slots_batch"]

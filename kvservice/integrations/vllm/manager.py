@@ -408,16 +408,11 @@ class KVServiceKVCacheManager:
             reserved_blocks,
             has_scheduled_reqs,
         )
+        mirror = self._sync(request)
         new_blocks = self.core.allocate_slots_with_options(
-            self._sync(request),
-            num_new_tokens,
-            num_new_computed_tokens,
-            hits,
-            options,
-            skip_zeroing_group_ids,
+            mirror, num_new_tokens, num_new_computed_tokens, hits, options, skip_zeroing_group_ids
         )
         if server is not None:
-            hit = _NO_HIT if hits is None else (num_new_computed_tokens, _ids(hits.blocks))
             if new_blocks is None:
                 answer = None
             elif new_blocks is self.core.empty_kv_cache_blocks:
@@ -425,7 +420,11 @@ class KVServiceKVCacheManager:
             else:
                 answer = _ids(new_blocks.blocks)
             copies = self._copies_since(pending_before) if copying else ()
-            server.allocated(request, num_new_tokens, hit, options, answer, copies)
+            if hits is not None or not server.record_allocation(
+                mirror, num_new_tokens, options, answer, copies
+            ):
+                hit = _NO_HIT if hits is None else (num_new_computed_tokens, _ids(hits.blocks))
+                server.allocated(request, num_new_tokens, hit, options, answer, copies)
         return None if new_blocks is None else self._blocks(new_blocks.blocks)
 
     def _num_pending_copies(self) -> list[int]:

@@ -167,10 +167,10 @@ class ServerLink:
         )
         # The last lookup of each waiting request: what its allocation attaches.
         self._lookups: dict[str, ComputedBlocks] = {}
-        # Set by start: the pool has groups that release blocks out of view (sliding
-        # windows, chunked local attention, Mamba states), below the processed tokens
-        # only: an allocation then sends its in-flight tokens.
-        self._windowed = False
+        # An allocation that attaches no hit, recorded from the replica's request
+        # (``ServerRequests.record_allocation``; False: the server lacks the request,
+        # record it with ``allocated``): the manager calls it for every decode step's.
+        self.record_allocation = self._requests.record_allocation
 
     @property
     def round_trips(self) -> int:
@@ -200,7 +200,9 @@ class ServerLink:
         for the pool to be idle and reset it to a fresh pool's state."""
         settings = self.settings
         self._check_layout(layout)
-        self._windowed = any(kind not in _KEEP_EVERY_BLOCK for kind, _ in layout.groups)
+        # Groups that release blocks out of view (sliding windows, chunked local
+        # attention, Mamba states), below the processed tokens only.
+        self._requests.windowed = any(kind not in _KEEP_EVERY_BLOCK for kind, _ in layout.groups)
         # A restarted engine opens with a higher epoch, which fences its predecessor.
         self._lease: Lease = self._call(
             "OpenSession",
@@ -514,7 +516,7 @@ class ServerLink:
         attached = self._attached_hit(request_id, hit) if hit[0] else None
         self._send_tokens(request)
         # Async scheduling keeps steps in flight; only windows read that.
-        in_flight = request.num_in_flight_tokens if self._windowed else 0
+        in_flight = request.num_in_flight_tokens if self._requests.windowed else 0
         self._requests.allocated(
             request_id,
             num_new_tokens,

@@ -1,0 +1,31 @@
+"""``benchmarks/bench_vllm_link.py`` runs end to end in its smallest configuration (its
+figures are quoted in the README): a row per mode, the remote ones on a real server's
+step socket. Never a timing."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from benchmarks import bench_vllm_link
+
+
+@pytest.fixture(autouse=True)
+def _restore_kvservice_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The benchmark sets the connection variables for each mode and restores them.
+    for name in ("KVSERVICE_TARGET", "KVSERVICE_STEP_SOCKET", "KVSERVICE_CLIENT_BLOCK_HASHES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KVSERVICE_CONFIRM", "sync")
+
+
+def test_bench_vllm_link_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    bench_vllm_link.main(["--requests", "8", "--steps", "20", "--rounds", "1"])
+    out = capsys.readouterr().out
+    for mode in bench_vllm_link.MODES:
+        row = re.search(rf"^{re.escape(mode)} +(\S+) \(\S+\) +(\S+) +(\S+) \(", out, re.M)
+        assert row is not None, out
+        assert float(row.group(1)) > 0
+        assert float(row.group(3)) > 0
+    assert "KVSERVICE_TARGET" not in os.environ
