@@ -32,8 +32,6 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,17 +46,19 @@ for _key, _value in {
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 
+from benchmarks.bench_vllm_scheduler import (  # noqa: E402
+    SETUP,
+    Mode,
+    connection_env,
+    server_args,
+    step_socket_path,
+)
 from kvservice.bench.measure import machine_load, rotated  # noqa: E402
 from kvservice.bench.server import child_server  # noqa: E402
 from kvservice.integrations.vllm import KVServiceScheduler  # noqa: E402
-from kvservice.integrations.vllm.testing import (  # noqa: E402
-    SchedulerSetup,
-    block_hasher,
-    build_scheduler,
-)
+from kvservice.integrations.vllm.testing import block_hasher, build_scheduler  # noqa: E402
 
 PROMPT_LEN = 100
-SETUP = SchedulerSetup(num_blocks=20_000, max_num_seqs=512, max_model_len=4096)
 IN_PROCESS = "in-process"
 REMOTE = "remote"
 PYTHON_RECORDING = "remote, Python recording"
@@ -118,33 +118,13 @@ def _decode(manager: Any, requests: list[Request], steps: int, times: Times) -> 
     times.flush_ms.append(flush_s / steps * 1e3)
 
 
-@contextmanager
-def _env(values: dict[str, str | None]) -> Iterator[None]:
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update({name: value for name, value in values.items() if value is not None})
-    for name, value in values.items():
-        if value is None:
-            os.environ.pop(name, None)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
 def _run(mode: str, target: str, step_socket: str, args: argparse.Namespace, times: Times) -> None:
-    remote = mode != IN_PROCESS
-    with _env(
-        {
-            "KVSERVICE_TARGET": target if remote else None,
-            "KVSERVICE_STEP_SOCKET": step_socket if remote else None,
-            "KVSERVICE_CONFIRM": "sync",
-            "KVSERVICE_CLIENT_BLOCK_HASHES": "auto",
-        }
-    ):
+    connection = (
+        Mode(mode, KVServiceScheduler, None)
+        if mode == IN_PROCESS
+        else Mode(mode, KVServiceScheduler, target, client_hashes=True, step_socket=step_socket)
+    )
+    with connection_env(connection):
         scheduler = build_scheduler(SETUP, KVServiceScheduler)
     manager = scheduler.kv_cache_manager
     if mode == PYTHON_RECORDING:
@@ -166,22 +146,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     print(f"machine: {machine_load()} at start")
     directory = tempfile.mkdtemp(prefix="kvservice-")
-    step_socket = os.path.join(directory, "steps.sock")
-    server_args = [
-        f"--step-socket={step_socket}",
-        f"--num-blocks={SETUP.num_blocks}",
-        f"--block-size={SETUP.block_size}",
-        f"--max-model-len={SETUP.max_model_len}",
-        "--max-step-ops=16384",
-        "--session-ttl-min=1",
-        "--trust-client-block-hashes",
-    ]
+    socket_path = os.path.join(directory, "kvservice.sock")
     samples = {mode: Times() for mode in MODES}
     try:
-        with child_server(server_args) as server:
+        with child_server(server_args(socket_path)) as server:
             for round_index in range(args.rounds):
                 for mode in rotated(MODES, round_index):
-                    _run(mode, server.target, step_socket, args, samples[mode])
+                    _run(mode, server.target, step_socket_path(socket_path), args, samples[mode])
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     _report(samples, args)

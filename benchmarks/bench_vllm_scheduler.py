@@ -463,12 +463,12 @@ def _run(
     """One run of ``workload`` on ``mode``; ``wait`` (sync scheduling only) runs at the
     end of every ``schedule()`` (inside its time), where a remote manager waits for the
     server."""
-    with _connection_env(mode):
+    with connection_env(mode):
         return _run_mode(mode, workload, steps, seed, forward_s, async_scheduling, wait)
 
 
 @contextmanager
-def _connection_env(mode: Mode) -> Iterator[None]:
+def connection_env(mode: Mode) -> Iterator[None]:
     """``mode``'s KVSERVICE_* connection variables for the run, the caller's after it
     (a test process runs more than this benchmark)."""
     names = (
@@ -560,13 +560,23 @@ def main(argv: list[str] | None = None) -> int:
         "and print the manager's share of each step instead of timing",
     )
     args = parser.parse_args(argv)
-    # The same server also on a Unix domain socket (gRPC) and a step socket (framed):
-    # the co-located engine's transports.
     socket_dir = tempfile.mkdtemp(prefix="kvservice-")
     socket_path = os.path.join(socket_dir, "kvservice.sock")
-    server_args = [
+    print(f"machine: {machine_load()} at start")
+    try:
+        return _compare(args, server_args(socket_path), socket_path)
+    finally:
+        shutil.rmtree(socket_dir, ignore_errors=True)
+        print(f"machine: {machine_load()} at end")
+
+
+def server_args(socket_path: str) -> list[str]:
+    """The benchmark's server: ``SETUP``'s pool, on TCP and also on a Unix domain socket
+    (gRPC, ``socket_path``) and a step socket (framed): the co-located engine's
+    transports."""
+    return [
         f"--unix-socket={socket_path}",
-        f"--step-socket={_step_socket(socket_path)}",
+        f"--step-socket={step_socket_path(socket_path)}",
         f"--num-blocks={SETUP.num_blocks}",
         f"--block-size={SETUP.block_size}",
         f"--max-model-len={SETUP.max_model_len}",
@@ -575,22 +585,16 @@ def main(argv: list[str] | None = None) -> int:
         # Whether a mode sends vLLM's hashes is the client's choice (Mode.client_hashes).
         "--trust-client-block-hashes",
     ]
-    print(f"machine: {machine_load()} at start")
-    try:
-        return _compare(args, server_args, socket_path)
-    finally:
-        shutil.rmtree(socket_dir, ignore_errors=True)
-        print(f"machine: {machine_load()} at end")
 
 
-def _step_socket(socket_path: str) -> str:
+def step_socket_path(socket_path: str) -> str:
     return socket_path.removesuffix(".sock") + "-steps.sock"
 
 
 def _compare(args: argparse.Namespace, server_args: list[str], socket_path: str) -> int:
     if args.profile:
         with child_server(server_args) as server:
-            _profile(server.target, server.pid, args.steps, _step_socket(socket_path))
+            _profile(server.target, server.pid, args.steps, step_socket_path(socket_path))
         return 0
     with child_server(server_args) as server:
         modes = [
@@ -624,7 +628,7 @@ def _compare(args: argparse.Namespace, server_args: list[str], socket_path: str)
                 server.pid,
             ),
         ]
-        step_socket = _step_socket(socket_path)
+        step_socket = step_socket_path(socket_path)
         modes += [
             Mode(
                 "step socket",
