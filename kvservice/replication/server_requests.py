@@ -108,8 +108,9 @@ class ServerRequests:
 
     # Speed: the replica's request read here, compiled, instead of vLLM's by the link in
     # Python (ServerLink.allocated and _send_tokens), for every allocation that attaches
-    # no hit (a decode step's). `python -m benchmarks.bench_vllm_link`, two runs
-    # (2026-12-07): the link's cost 0.66-0.74 us an allocation, against 1.20-1.32.
+    # no hit (a decode step's). `python -m benchmarks.bench_vllm_link --churn 0` (decode
+    # steps only), four runs (2026-12-07): the link's cost 0.66-0.77 us an allocation,
+    # against 1.20-1.33 recorded in Python.
     def record_allocation(
         self,
         request: Request,

@@ -21,11 +21,14 @@ def _restore_kvservice_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_bench_vllm_link_smoke(capsys: pytest.CaptureFixture[str]) -> None:
-    bench_vllm_link.main(["--requests", "8", "--steps", "20", "--rounds", "1"])
+    argv = ["--requests", "8", "--churn", "2", "--steps", "20", "--rounds", "1"]
+    bench_vllm_link.main([*argv, "--settle-ms", "0.1"])
     out = capsys.readouterr().out
+    cell = r" +(\d+\.\d+) \(\+-?\d+\.\d+\)"
     for mode in bench_vllm_link.MODES:
-        row = re.search(rf"^{re.escape(mode)} +(\S+) \(\S+\) +(\S+) +(\S+) \(", out, re.M)
+        row = re.search(rf"^{re.escape(mode)}{cell * 4}$", out, re.M)
         assert row is not None, out
-        assert float(row.group(1)) > 0
-        assert float(row.group(3)) > 0
+        decode, admission, free, flush = map(float, row.groups())
+        assert decode > 0 and admission > 0 and free > 0
+        assert flush > 0
     assert "KVSERVICE_TARGET" not in os.environ
