@@ -458,7 +458,7 @@ def _run(
     seed: int,
     forward_s: float,
     async_scheduling: bool = False,
-    wait: Callable[[], None] | None = None,
+    wait: Callable[[], object] | None = None,
 ) -> Timing:
     """One run of ``workload`` on ``mode``; ``wait`` (sync scheduling only) runs at the
     end of every ``schedule()`` (inside its time), where a remote manager waits for the
@@ -502,7 +502,7 @@ def _run_mode(
     seed: int,
     forward_s: float,
     async_scheduling: bool,
-    wait: Callable[[], None] | None = None,
+    wait: Callable[[], object] | None = None,
 ) -> Timing:
     if async_scheduling:
         scheduler = build_scheduler(ASYNC_SETUP, mode.scheduler_cls)
@@ -524,7 +524,7 @@ def _run_mode(
     return timing
 
 
-def _then(call: Callable[[], Any], after: Callable[[], None]) -> Callable[[], Any]:
+def _then(call: Callable[[], Any], after: Callable[[], object]) -> Callable[[], Any]:
     def both() -> Any:
         result = call()
         after()
@@ -869,7 +869,7 @@ def _waiting_cost(in_process: Mode, remotes: list[Mode], steps: int, rounds: int
     )
     runs: dict[str, list[Timing]] = {}
     with closing(StandIn()) as stand_in:
-        waits: dict[str, Callable[[], None] | None] = {
+        waits: dict[str, Callable[[], object] | None] = {
             "in-process": None,
             "in-process, sleeping as long": lambda: time.sleep(server_s),
             "in-process, a stand-in busy as long": lambda: stand_in.run(server_s),

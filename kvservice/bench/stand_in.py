@@ -11,24 +11,30 @@ from __future__ import annotations
 import subprocess
 import sys
 
-# The child: one line in (seconds of CPU), one line out once spent. It writes a byte
-# every cache line and page apart, through a buffer larger than a core's caches.
+# The child: a line in (seconds of CPU, the request's bytes, the answer's bytes), then
+# the request, read as a server reads its step; once the CPU is spent, the answer and a
+# last line. It writes a byte every cache line and page apart, through a buffer larger
+# than a core's caches.
 _CHILD = """
 import sys, time
 memory = bytearray(int(sys.argv[1]))
 stride = 4096 + 64
 index = 0
-for line in sys.stdin:
-    until = time.thread_time() + float(line)
+stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+while line := stdin.readline():
+    seconds, request_bytes, answer_bytes = line.split()
+    stdin.read(int(request_bytes))
+    until = time.thread_time() + float(seconds)
     while time.thread_time() < until:
         for _ in range(256):
             memory[index] = 1
             index = (index + stride) % len(memory)
-    sys.stdout.write("done\\n")
-    sys.stdout.flush()
+    stdout.write(bytes(int(answer_bytes)) + b"done\\n")
+    stdout.flush()
 """
 
 DEFAULT_MEMORY_BYTES = 8 << 20
+_DONE = b"done\n"
 
 
 class StandIn:
@@ -40,21 +46,22 @@ class StandIn:
             [sys.executable, "-c", _CHILD, str(memory_bytes)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            text=True,
-            bufsize=1,
         )
 
     @property
     def pid(self) -> int:
         return self._child.pid
 
-    def run(self, seconds: float) -> None:
-        """Let the child spend ``seconds`` of CPU; wait until it has."""
+    def run(self, seconds: float, request: bytes = b"", answer_bytes: int = 0) -> bytes:
+        """Send the child ``request``, let it spend ``seconds`` of CPU, and wait for its
+        answer of ``answer_bytes`` (zeros), as a server's client waits for a step's."""
         assert self._child.stdin is not None and self._child.stdout is not None
-        self._child.stdin.write(f"{seconds!r}\n")
+        self._child.stdin.write(b"%r %d %d\n" % (seconds, len(request), answer_bytes) + request)
         self._child.stdin.flush()
-        if self._child.stdout.readline() != "done\n":
+        answer = self._child.stdout.read(answer_bytes + len(_DONE))
+        if answer[answer_bytes:] != _DONE:
             raise RuntimeError(f"the stand-in process ended (exit status {self._child.poll()})")
+        return answer[:answer_bytes]
 
     def close(self) -> None:
         if self._child.stdin is not None:

@@ -32,3 +32,17 @@ def test_bench_vllm_link_smoke(capsys: pytest.CaptureFixture[str]) -> None:
         assert decode > 0 and admission > 0 and free > 0
         assert flush > 0
     assert "KVSERVICE_TARGET" not in os.environ
+
+
+def test_bench_vllm_link_in_scheduler_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    bench_vllm_link.main(["--in-scheduler", "--steps", "4", "--rounds", "1"])
+    out = capsys.readouterr().out
+    # vLLM's scheduler admits, allocates and flushes every step, in every mode.
+    for method in ("allocate_slots", "get_computed_blocks", "take_kv_cache_block_copies"):
+        row = re.search(rf"^{method} +(\d+\.\d) +(\d+\.\d+) +(\d+\.\d+) +[-+]", out, re.M)
+        assert row is not None, out
+        calls, in_process, remote = map(float, row.groups())
+        assert calls >= 1 and in_process > 0 and remote > 0
+    for mode in (bench_vllm_link.REMOTE, bench_vllm_link.MINIMAL_LINK):
+        assert re.search(rf"^  {re.escape(mode)}: [-+]\d+\.\d+ ms a step, of which", out, re.M)
+    assert "KVSERVICE_TARGET" not in os.environ

@@ -27,3 +27,11 @@ def test_the_stand_in_spends_cpu_in_its_own_process_while_the_caller_waits() -> 
     # The caller only waited: its own CPU is a small part of the child's.
     assert caller_cpu < (after - before) / 2
     assert process_cpu_seconds(pid) is None  # closed: the child is gone
+
+
+def test_the_stand_in_reads_a_request_and_answers_with_the_bytes_asked_for() -> None:
+    with closing(StandIn(memory_bytes=1 << 20)) as stand_in:
+        # Larger than a pipe's buffer: the child reads while the caller writes.
+        assert stand_in.run(0.0, b"\x01" * 200_000, 1000) == bytes(1000)
+        assert stand_in.run(0.0, b"\n\n", 0) == b""  # a request's bytes are not lines
+        assert stand_in.run(0.001) == b""
