@@ -31,12 +31,15 @@ Prompts (``--shared-len``, ``--unique-len``) are by default as long as
 With ``--in-scheduler``, the calls are timed inside vLLM's own scheduler instead:
 ``bench_vllm_scheduler``'s churn workload, ``--steps`` steps a round, each of the
 manager's methods that vLLM's scheduler calls timed per call (the scheduler thread's
-CPU), and the whole step, in three modes: in-process, remote (as above), and
-in-process with a minimal link (``_MinimalLink``: the prompt, tokens and hashes a
-server's pool needs, sent each step to a stand-in process that spends the remote
-server's CPU a step, nothing recorded or checked beyond that). It prints what each
-remote mode adds to each method and to the step, and how much of the step's extra
-falls outside the manager's methods, in vLLM's code around them.
+CPU), and the whole step, in four modes: in-process, remote (as above), in-process
+with a minimal link (``_MinimalLink``: the prompt, tokens and hashes a server's pool
+needs, sent each step to a stand-in process that spends the remote server's CPU a
+step, nothing recorded or checked beyond that), and in-process with pass-through
+hooks (a Python function in front of each method a link records, calling through).
+It prints what each of the last three adds to each method and to the step, and how
+much of the step's extra falls outside the manager's methods, in vLLM's code around
+them (after a wait for another process, the scheduler's own code runs on caches
+that process has used).
 
 Run: ``python -m benchmarks.bench_vllm_link [--requests 256] [--churn 8] [--steps 40]
 [--rounds 5] [--settle-ms 0] [--shared-len 256] [--unique-len 288]
@@ -90,6 +93,9 @@ REMOTE = "remote"
 PYTHON_RECORDING = "remote, Python recording"
 MODES = (IN_PROCESS, REMOTE, PYTHON_RECORDING)
 MINIMAL_LINK = "in-process, minimal link"
+PASS_THROUGH = "in-process, pass-through"
+# The link's methods: those vLLM's scheduler calls that a remote link records.
+LINKED_METHODS = ("get_computed_blocks", "allocate_slots", "free", "take_kv_cache_block_copies")
 
 
 @dataclass
@@ -307,6 +313,18 @@ class _MinimalLink:
         self._data, self._request_ids, self._columns = [], [], array.array("I")
 
 
+def _pass_through(manager: Any) -> None:
+    """Put a Python function that only calls through in front of each of the
+    manager's ``LINKED_METHODS``, as any link written in Python hooks them."""
+    for name in LINKED_METHODS:
+        method = getattr(manager, name)
+
+        def call_through(*args: Any, _method: Callable[..., Any] = method, **kwargs: Any) -> Any:
+            return _method(*args, **kwargs)
+
+        setattr(manager, name, call_through)
+
+
 @dataclass
 class StepTimes:
     """One mode's rounds inside vLLM's scheduler: its methods' clocks, the step's whole
@@ -333,7 +351,9 @@ def _run_in_scheduler(
     with connection_env(connection):
         scheduler = build_scheduler(SETUP, KVServiceScheduler)
     with closing(StandIn()) as stand_in:
-        if mode == MINIMAL_LINK:
+        if mode == PASS_THROUGH:
+            _pass_through(scheduler.kv_cache_manager)
+        elif mode == MINIMAL_LINK:
             server_seconds = statistics.median(runs[REMOTE].server_seconds)
             _MinimalLink(scheduler.kv_cache_manager, stand_in, server_seconds)
         clock = _MethodClock(scheduler.kv_cache_manager)
@@ -390,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
     samples = {mode: Times() for mode in MODES}
     # The remote mode runs before the minimal link in every round (the link's stand-in
     # spends the server's CPU measured so far).
-    in_scheduler = {mode: StepTimes() for mode in (IN_PROCESS, REMOTE, MINIMAL_LINK)}
+    in_scheduler = {mode: StepTimes() for mode in (IN_PROCESS, REMOTE, MINIMAL_LINK, PASS_THROUGH)}
     try:
         with child_server(server_args(socket_path)) as server:
             for round_index in range(args.rounds):
@@ -437,14 +457,16 @@ def _report(samples: dict[str, Times], args: argparse.Namespace) -> None:
 
 
 def _report_in_scheduler(runs: dict[str, StepTimes]) -> None:
-    base, remote, floor = runs[IN_PROCESS], runs[REMOTE], runs[MINIMAL_LINK]
+    base, remote = runs[IN_PROCESS], runs[REMOTE]
     print(
         f"bench_vllm_scheduler's churn workload through vLLM's scheduler, {base.steps} "
         f"steps, {len(base.clocks)} rounds; the scheduler thread's CPU in each manager "
-        "method vLLM's scheduler calls (median over rounds), and what the remote mode "
-        "and the minimal link add to it a step (+: over in-process within each round)"
+        "method vLLM's scheduler calls (median over rounds), and what the remote mode, "
+        "the minimal link and pass-through hooks add to it a step (+: over in-process "
+        "within each round)"
     )
-    columns = ("calls/step", "in-process us", "remote us", "remote +ms", "minimal +ms")
+    columns = ["calls/step", "in-process us", "remote us", "remote +ms", "minimal +ms"]
+    columns.append("through +ms")
     print(f"{'method':30s}" + "".join(f"{column:>15s}" for column in columns))
     names = sorted(
         {name for clock in remote.clocks for name in clock.calls},
@@ -456,8 +478,10 @@ def _report_in_scheduler(runs: dict[str, StepTimes]) -> None:
             f"{calls:.1f}",
             _per_call(base, name),
             _per_call(remote, name),
-            f"{statistics.median(_extra(base, remote, name)):+.3f}",
-            f"{statistics.median(_extra(base, floor, name)):+.3f}",
+            *(
+                f"{statistics.median(_extra(base, runs[mode], name)):+.3f}"
+                for mode in (REMOTE, MINIMAL_LINK, PASS_THROUGH)
+            ),
         )
         print(f"{name:30s}" + "".join(f"{cell:>15s}" for cell in cells))
     print(
@@ -465,7 +489,8 @@ def _report_in_scheduler(runs: dict[str, StepTimes]) -> None:
         f"the server's CPU {statistics.median(remote.server_seconds) * 1e3:.2f} ms "
         "(spent by the minimal link's stand-in too)"
     )
-    for name, times in ((REMOTE, remote), (MINIMAL_LINK, floor)):
+    for name in (REMOTE, MINIMAL_LINK, PASS_THROUGH):
+        times = runs[name]
         step = statistics.median(_extra(base, times))
         methods = statistics.median(_extra(base, times, *names))
         print(

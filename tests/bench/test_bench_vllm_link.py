@@ -43,6 +43,10 @@ def test_bench_vllm_link_in_scheduler_smoke(capsys: pytest.CaptureFixture[str]) 
         assert row is not None, out
         calls, in_process, remote = map(float, row.groups())
         assert calls >= 1 and in_process > 0 and remote > 0
-    for mode in (bench_vllm_link.REMOTE, bench_vllm_link.MINIMAL_LINK):
+    for mode in (
+        bench_vllm_link.REMOTE,
+        bench_vllm_link.MINIMAL_LINK,
+        bench_vllm_link.PASS_THROUGH,
+    ):
         assert re.search(rf"^  {re.escape(mode)}: [-+]\d+\.\d+ ms a step, of which", out, re.M)
     assert "KVSERVICE_TARGET" not in os.environ
