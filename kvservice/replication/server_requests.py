@@ -19,11 +19,21 @@ from kvservice.core.allocation_options import PLAIN_ALLOCATION, AllocationOption
 from kvservice.core.request import Request, computed_after_allocation
 
 
+class HeldRequest:
+    """What the server has of one request: its tokens, its computed tokens as the
+    server counts them, and how many of the engine's block hashes (when it takes
+    them). One object per request, so that a call reads one dict entry."""
+
+    def __init__(self, num_tokens: int) -> None:
+        self.num_tokens = num_tokens
+        self.num_computed_tokens = 0
+        self.num_hashes = 0
+
+
 class ServerRequests:
-    """Per request the server has: the tokens it has, its computed tokens as the server
-    counts them, how many of the engine's block hashes it has (when it takes them:
-    ``sends_hashes``), and the hash blocks a ``cache_blocks`` covered. Each call records
-    on ``link``'s log.
+    """Per request the server has: a ``HeldRequest``, and the hash blocks a
+    ``cache_blocks`` covered. Each call records on ``link``'s log (``sends_hashes``:
+    with the engine's block hashes).
 
     ``hash_block_size`` and ``num_hash_lookahead_tokens``: the server's hashing, which
     says which of the engine's hashes a request's tokens complete.
@@ -44,14 +54,12 @@ class ServerRequests:
         self.windowed = False
         self._hash_block_size = hash_block_size
         self._lookahead = num_hash_lookahead_tokens
-        self._tokens: dict[str, int] = {}
-        self._computed: dict[str, int] = {}
-        self._hashes: dict[str, int] = {}
+        self._held: dict[str, HeldRequest] = {}
         self._cached: dict[str, int] = {}
 
     def __contains__(self, request_id: str) -> bool:
         """Whether the server has ``request_id`` (added, and not finished since)."""
-        return request_id in self._tokens
+        return request_id in self._held
 
     def add(
         self, request_id: str, num_prompt_tokens: int, block_hashes: Sequence[bytes]
@@ -59,12 +67,10 @@ class ServerRequests:
         """``request_id`` goes to the server with its prompt (the caller records its
         ``add_request``): the block hashes to send with it, those its prompt completes,
         or None when the server hashes (``sends_hashes`` off)."""
-        self._tokens[request_id] = num_prompt_tokens
-        self._computed[request_id] = 0
+        held = self._held[request_id] = HeldRequest(num_prompt_tokens)
         if not self.sends_hashes:
             return None
-        self._hashes[request_id] = 0
-        return self._new_hashes(request_id, block_hashes, num_prompt_tokens)
+        return self._new_hashes(held, block_hashes, num_prompt_tokens)
 
     def send_tokens(
         self,
@@ -76,34 +82,45 @@ class ServerRequests:
         """Record an append of the tokens of ``request_id``'s first ``num_tokens`` that
         the server lacks, with the hashes of the blocks they complete; False, recording
         nothing, when the server does not have the request (``add`` it first)."""
-        known = self._tokens.get(request_id)
-        if known is None:
+        held = self._held.get(request_id)
+        if held is None:
             return False
+        self._send_tokens(held, request_id, token_ids, num_tokens, block_hashes)
+        return True
+
+    def _send_tokens(
+        self,
+        held: HeldRequest,
+        request_id: str,
+        token_ids: Sequence[int],
+        num_tokens: int,
+        block_hashes: Sequence[bytes],
+    ) -> None:
+        known = held.num_tokens
         if num_tokens == known:
-            return True  # nothing new: most lookups, preempted requests coming back
+            return  # nothing new: most lookups, preempted requests coming back
         if num_tokens > known:
-            hashes = self._new_hashes(request_id, block_hashes, num_tokens)
+            hashes = self._new_hashes(held, block_hashes, num_tokens)
             log = self._link.log
             if num_tokens == known + 1 and not hashes:
                 log.append_token(request_id, token_ids[known])
             else:
                 log.append_tokens(request_id, token_ids[known:], hashes)
-        self._tokens[request_id] = num_tokens
-        return True
+        held.num_tokens = num_tokens
 
     def _new_hashes(
-        self, request_id: str, block_hashes: Sequence[bytes], num_tokens: int
+        self, held: HeldRequest, block_hashes: Sequence[bytes], num_tokens: int
     ) -> Sequence[bytes]:
-        """The engine's hashes of the blocks ``request_id``'s first ``num_tokens`` tokens
+        """The engine's hashes of the blocks a request's first ``num_tokens`` tokens
         complete (lookahead tokens counted) that the server does not have."""
         if not self.sends_hashes:
             return []
-        sent = self._hashes[request_id]
+        sent = held.num_hashes
         if len(block_hashes) == sent:
             return []  # most appends: no block completed
         num_full = max(0, num_tokens - self._lookahead) // self._hash_block_size
         hashes = block_hashes[sent:num_full]
-        self._hashes[request_id] = sent + len(hashes)
+        held.num_hashes = sent + len(hashes)
         return hashes
 
     # Speed: the replica's request read here, compiled, instead of vLLM's by the link in
@@ -124,9 +141,11 @@ class ServerRequests:
         record the tokens the server lacks and the allocation; False, recording
         nothing, when the server does not have the request (the caller adds it)."""
         request_id = request.request_id
-        tokens = request.all_token_ids
-        if not self.send_tokens(request_id, tokens, len(tokens), request.block_hashes):
+        held = self._held.get(request_id)
+        if held is None:
             return False
+        tokens = request.all_token_ids
+        self._send_tokens(held, request_id, tokens, len(tokens), request.block_hashes)
         self.allocated(
             request_id,
             num_new_tokens,
@@ -156,6 +175,7 @@ class ServerRequests:
         tokens sent), attaching ``hit`` (``num_hit_tokens`` of it) with
         ``allocation_options``: record it, with what the server needs beyond vLLM's
         defaults."""
+        held = self._held[request_id]
         # vLLM's defaults (a decode step's plain call) are sent as no options at all;
         # allocation_options() gives them as PLAIN_ALLOCATION itself.
         options = (
@@ -165,7 +185,7 @@ class ServerRequests:
         )
         # The server counts computed tokens as the scheduler does; the count goes only
         # where the scheduler moved it otherwise (rejected draft tokens).
-        if num_computed_tokens != self._computed[request_id]:
+        if num_computed_tokens != held.num_computed_tokens:
             options = dataclasses.replace(
                 options or AllocateOptions(), num_computed_tokens=num_computed_tokens
             )
@@ -177,7 +197,7 @@ class ServerRequests:
         # waiting one's joins its lookup (StepLog.allocate).
         self._link.log.allocate(request_id, num_new_tokens, answer, copies, hit, options)
         if answer is not None:
-            self._computed[request_id] = computed_after_allocation(
+            held.num_computed_tokens = computed_after_allocation(
                 num_computed_tokens,
                 num_hit_tokens,
                 allocation_options.num_external_computed_tokens,
@@ -198,14 +218,14 @@ class ServerRequests:
         """Record the free of ``request_id`` (finished, else preempted), which keeps its
         blocks for a later release with ``keep_blocks``; False, recording nothing, when
         the server never had it."""
-        if request_id not in self._tokens:
+        held = self._held.get(request_id)
+        if held is None:
             return False
         mode = FreeMode.FINISH if finished else FreeMode.PREEMPT
         self._link.log.free(request_id, mode, keep_blocks)
         self._cached.pop(request_id, None)
         if finished:
-            del self._tokens[request_id], self._computed[request_id]
-            self._hashes.pop(request_id, None)
+            del self._held[request_id]
         else:
-            self._computed[request_id] = 0
+            held.num_computed_tokens = 0
         return True
