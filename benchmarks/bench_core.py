@@ -68,12 +68,6 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # Baseline trees, one per commit, kept for the next comparison (build/ is ignored).
 BASELINE_TREES = REPO_ROOT / "build" / "bench-baseline"
 BUILT_MARK = ".bench-baseline-built"
-VLLM_ENV = {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_LOGGING_LEVEL": "ERROR",
-}
 BIG_POOL = 1_000_000
 
 
@@ -355,8 +349,6 @@ class VLLMEngine:
     default."""
 
     def __init__(self) -> None:
-        for key, value in VLLM_ENV.items():
-            os.environ.setdefault(key, value)
         # Its modules are loaded by name: vLLM is a test dependency, in this worker only.
         vllm = {
             name: importlib.import_module(name)
@@ -621,9 +613,7 @@ class Worker:
         env = dict(os.environ)
         command = [sys.executable, "-m", "benchmarks.bench_core", "--worker", engine]
         cwd = REPO_ROOT
-        if engine == "vllm":
-            env.update(VLLM_ENV)
-        else:
+        if engine != "vllm":
             env["KVSERVICE_PURE_PYTHON"] = "1" if engine == "pure" else "0"
         if engine == BASELINE:
             assert baseline is not None

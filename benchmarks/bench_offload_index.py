@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import random
 import statistics
 import time
@@ -45,12 +44,6 @@ from typing import Any
 from kvservice.bench.measure import machine_load, process_cpu_seconds, ratio_columns, rotated
 from kvservice.bench.server import child_server
 
-VLLM_ENV = {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_LOGGING_LEVEL": "ERROR",
-}
 ENGINES = ("vLLM", "kvservice")
 SERVED = "kvservice served"
 POLICIES = ("lru", "arc")
@@ -63,8 +56,6 @@ NUM_SYSTEM_PROMPTS = 256
 
 def load_engines() -> dict[str, Any]:
     """The two managers' classes and vLLM's request context (imports vLLM)."""
-    for key, value in VLLM_ENV.items():
-        os.environ.setdefault(key, value)
     from vllm.v1.kv_offload.base import LookupResult, ReqContext  # noqa: PLC0415
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager  # noqa: PLC0415
 

@@ -62,18 +62,10 @@ from contextlib import closing
 from dataclasses import dataclass, field
 from typing import Any
 
-for _key, _value in {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_LOGGING_LEVEL": "ERROR",
-}.items():
-    os.environ.setdefault(_key, _value)
+from vllm import SamplingParams
+from vllm.v1.request import Request, RequestStatus
 
-from vllm import SamplingParams  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
-
-from benchmarks.bench_vllm_scheduler import (  # noqa: E402
+from benchmarks.bench_vllm_scheduler import (
     SETUP,
     Mode,
     churn,
@@ -81,12 +73,12 @@ from benchmarks.bench_vllm_scheduler import (  # noqa: E402
     server_args,
     step_socket_path,
 )
-from kvservice.bench.measure import machine_load, rotated  # noqa: E402
-from kvservice.bench.server import child_server  # noqa: E402
-from kvservice.bench.stand_in import StandIn  # noqa: E402
-from kvservice.integrations.vllm import KVServiceScheduler  # noqa: E402
-from kvservice.integrations.vllm.testing import block_hasher, build_scheduler  # noqa: E402
-from kvservice.protocol import pack_token_ids  # noqa: E402
+from kvservice.bench.measure import machine_load, rotated
+from kvservice.bench.server import child_server
+from kvservice.bench.stand_in import StandIn
+from kvservice.integrations.vllm import KVServiceScheduler
+from kvservice.integrations.vllm.testing import block_hasher, build_scheduler
+from kvservice.protocol import pack_token_ids
 
 IN_PROCESS = "in-process"
 REMOTE = "remote"

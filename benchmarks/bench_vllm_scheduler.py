@@ -78,42 +78,34 @@ from contextlib import closing, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
-for _key, _value in {
-    "VLLM_TARGET_DEVICE": "cpu",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_LOGGING_LEVEL": "ERROR",
-}.items():
-    os.environ.setdefault(_key, _value)
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
 
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
-
-from kvservice.bench.measure import (  # noqa: E402
+from kvservice.bench.measure import (
     machine_load,
     process_cpu_seconds,
     ratio_columns,
 )
-from kvservice.bench.native_sampler import (  # noqa: E402
+from kvservice.bench.native_sampler import (
     Stack,
     compiled_name,
     interpreted_under,
     native_sampled,
 )
-from kvservice.bench.process_sampler import (  # noqa: E402
+from kvservice.bench.process_sampler import (
     SamplerUnavailableError,
     natively_sampled,
     sampled,
 )
-from kvservice.bench.server import child_server  # noqa: E402
-from kvservice.bench.stand_in import StandIn  # noqa: E402
-from kvservice.client import COMPILED as CLIENT_COMPILED  # noqa: E402
-from kvservice.core import COMPILED as CORE_COMPILED  # noqa: E402 (one build with the server's)
-from kvservice.integrations.vllm import KVServiceScheduler  # noqa: E402
-from kvservice.integrations.vllm.testing import (  # noqa: E402
+from kvservice.bench.server import child_server
+from kvservice.bench.stand_in import StandIn
+from kvservice.client import COMPILED as CLIENT_COMPILED
+from kvservice.core import COMPILED as CORE_COMPILED  # one build with the server's
+from kvservice.integrations.vllm import KVServiceScheduler
+from kvservice.integrations.vllm.testing import (
     SchedulerSetup,
     block_hasher,
     build_scheduler,
