@@ -275,11 +275,8 @@ class _MinimalLink:
         manager.free, manager.take_kv_cache_block_copies = free_request, take_kv_cache_block_copies
 
     def _send_tokens(self, request: Request) -> None:
-        request_id, tokens, hashes = (
-            request.request_id,
-            request._all_token_ids,
-            request.block_hashes,
-        )
+        request_id = request.request_id
+        tokens, hashes = request._all_token_ids, request.block_hashes
         sent = self._tokens_sent.get(request_id)
         if sent is None:
             self._hashes_sent[request_id] = 0
@@ -400,8 +397,8 @@ def main(argv: list[str] | None = None) -> None:
     directory = tempfile.mkdtemp(prefix="kvservice-")
     socket_path = os.path.join(directory, "kvservice.sock")
     samples = {mode: Times() for mode in MODES}
-    # The remote mode runs before the minimal link in every round (the link's stand-in
-    # spends the server's CPU measured so far).
+    # The minimal link's stand-in spends the remote mode's server CPU measured in the
+    # rounds so far: the first round runs the remote mode before it.
     in_scheduler = {mode: StepTimes() for mode in (IN_PROCESS, REMOTE, MINIMAL_LINK, PASS_THROUGH)}
     try:
         with child_server(server_args(socket_path)) as server:
@@ -457,8 +454,12 @@ def _report_in_scheduler(runs: dict[str, StepTimes]) -> None:
         "the minimal link and pass-through hooks add to it a step (+: over in-process "
         "within each round)"
     )
-    columns = ["calls/step", "in-process us", "remote us", "remote +ms", "minimal +ms"]
-    columns.append("through +ms")
+    columns = (
+        "calls/step",
+        "in-process us",
+        "remote us",
+        *(f"{label} +ms" for label in ("remote", "minimal", "through")),
+    )
     print(f"{'method':30s}" + "".join(f"{column:>15s}" for column in columns))
     names = sorted(
         {name for clock in remote.clocks for name in clock.calls},

@@ -1,5 +1,6 @@
 """A stand-in for a server on the client's machine: a child process that, on request,
-spends a given CPU time writing through memory of its own, while the caller waits.
+reads what it is sent, spends a given CPU time writing through memory of its own while
+the caller waits, and answers with as many bytes as asked.
 
 What waiting on a server costs the waiting thread beyond the wait itself (it sleeps,
 another process runs on the CPUs and in the caches, and it wakes cold) can then be
