@@ -22,7 +22,8 @@ from kvservice.core.request import Request, computed_after_allocation
 class HeldRequest:
     """What the server has of one request: its tokens, its computed tokens as the
     server counts them, and how many of the engine's block hashes (when it takes
-    them). One object per request, so that a call reads one dict entry."""
+    them). One object for the three, so that a call looks its request up in one dict,
+    not three."""
 
     def __init__(self, num_tokens: int) -> None:
         self.num_tokens = num_tokens
