@@ -58,7 +58,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from contextlib import closing
+from contextlib import ExitStack, closing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -339,10 +339,12 @@ def _run_in_scheduler(
     )
     with connection_env(connection):
         scheduler = build_scheduler(SETUP, KVServiceScheduler)
-    with closing(StandIn()) as stand_in:
+    with ExitStack() as stack:
         if mode == PASS_THROUGH:
             _pass_through(scheduler.kv_cache_manager)
         elif mode == MINIMAL_LINK:
+            # Only this mode has a stand-in process: an idle one would still share the CPUs.
+            stand_in = stack.enter_context(closing(StandIn()))
             server_seconds = statistics.median(runs[REMOTE].server_seconds)
             _MinimalLink(scheduler.kv_cache_manager, stand_in, server_seconds)
         clock = _MethodClock(scheduler.kv_cache_manager)
